@@ -1,0 +1,29 @@
+# One entry point for people and CI: `make test` builds everything it needs on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: env system-deps test test-fast demo lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+env: $(VENV)/.installed  ## virtual environment with torch 2.14.1 / torchvision 0.29.1 and the kit
+
+system-deps:  ## Fashion-MNIST and mosquitto from Debian (apt-get, as root)
+	scripts/install-system-deps.sh
+
+test: env system-deps  ## the whole test suite (about 10 minutes on 2 cores)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashion-MNIST, then export + adaptive inference
+	PYTHON=$(abspath $(PY)) scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""The server side: federation rounds over MQTT, checkpoints, and the research simulator."""

@@ -1,0 +1,376 @@
+"""What each submodel costs to train on this device: parameters, FLOPs, peak memory, step time.
+
+Two layers. `estimate_costs` is analytic (no torch work): weights + gradients + optimiser state +
+saved activations + a framework constant. `calibrate` replaces the guesses with one real training
+step per submodel measured on this device, in a child process: an out-of-memory kill there costs
+the calibration of one submodel, not the agent, and the child's allocator starts clean. Results are
+cached under ~/.cache/nefl/calibration (override with `cache_dir` or $NEFL_CACHE_DIR), keyed by the
+device fingerprint, profile hash, method, batch size, device and threads, so it runs once.
+
+Peak memory on CPU is peak RSS growth (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere
+a 1 ms RSS sampling thread); on CUDA it is torch.cuda.max_memory_allocated growth. The child first
+measures the smallest submodel cold and warm: the difference is the one-time framework cost (lazy
+kernel pages, thread pools) that a real first round also pays, so it is added to every submodel.
+
+`predict_seconds` turns a calibrated step time into a round's time under the current load:
+    step_seconds * ceil(samples / batch) * epochs * slowdown(snapshot) / speed
+with slowdown = max(1, (others' CPU demand in cores + training threads) / cores), the fair share the
+scheduler gives the training threads, times THROTTLED_SLOWDOWN when the Pi firmware throttles or a
+thermal zone is at or above `hot_limit_c` (the clock is then capped at roughly half).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from edge_client.probe import DeviceSnapshot, is_hot, is_throttled
+from nefl.cost import submodel_cost
+from nefl.state import Layout
+from nefl.train import TrainConfig
+
+CACHE_DIR = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser() / "calibration"
+BYTES = 4  # float32
+# Fitted to calibrations of the resnet20-fmnist ladders (x86-64, torch 2.14, batch 8 and 32; see
+# docs/device-selection.md): peak growth = weights + grads + 1.15 x counted activations + ~173 MiB.
+ACTIVATION_FACTOR = 1.2  # saved activations and backward buffers per counted conv/BN output element
+FRAMEWORK_OVERHEAD = 170 * 2**20  # a fresh process's first step: lazy kernel pages, thread pools
+THROTTLED_SLOWDOWN = 2.0
+HOT_LIMIT_C = 80.0
+TIMED_STEPS = 3
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class SubmodelCost:
+    index: int  # 0-based, as layout.module(index)
+    gamma: float
+    params: int
+    macs: int  # per sample, forward
+    estimated_peak: int  # bytes, analytic
+    measured_peak: int | None = None  # bytes, calibrated on this device
+    step_seconds: float | None = None  # one training step at the table's batch size, calibrated
+    error: str | None = None  # why calibration failed (e.g. killed: out of memory)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The number selection trusts: measured when calibrated, else the analytic estimate."""
+        return self.estimated_peak if self.measured_peak is None else self.measured_peak
+
+
+@dataclass(frozen=True)
+class CostTable:
+    profile: str
+    method: str
+    batch_size: int
+    device: str
+    threads: int
+    costs: tuple[SubmodelCost, ...]
+    measured_now: tuple[int, ...] = ()  # indices measured by this call (empty: all from cache)
+    cache_file: Path | None = None
+
+
+def estimate_peak(layout: Layout, index: int, batch_size: int, momentum: float = TrainConfig.momentum) -> int:
+    cost = submodel_cost(layout.profile, layout.profile.submodels[index])
+    state_copies = 2 + (momentum != 0)  # weights, gradients, momentum buffer
+    sample = math.prod(layout.profile.input_shape) + cost.activations * ACTIVATION_FACTOR
+    return int(cost.params * state_copies * BYTES + batch_size * sample * BYTES + FRAMEWORK_OVERHEAD)
+
+
+def estimate_costs(layout: Layout, batch_size: int, device: str = "cpu", threads: int = 1) -> CostTable:
+    costs = []
+    for k, spec in enumerate(layout.profile.submodels):
+        c = submodel_cost(layout.profile, spec)
+        costs.append(SubmodelCost(k, spec.gamma, c.params, c.macs, estimate_peak(layout, k, batch_size)))
+    return CostTable(layout.profile.name, layout.method.name, batch_size, device, threads, tuple(costs))
+
+
+# -- prediction ------------------------------------------------------------------------------------
+
+def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C) -> float:
+    """How much slower than at calibration a step runs now (>= 1); unknown load counts as idle."""
+    if device == "cpu":
+        demand = max((snapshot.cpu_percent or 0.0) / 100.0, snapshot.load_per_core or 0.0) * snapshot.cpu_count
+        factor = max(1.0, (demand + threads) / snapshot.cpu_count)
+    else:
+        util = snapshot.gpus[0].utilization if snapshot.gpus else snapshot.jetson_gpu_load
+        factor = 1.0 + (util or 0.0) / 100.0  # GPU time-slices between contexts
+    if is_throttled(snapshot) or is_hot(snapshot, hot_limit_c):
+        factor *= THROTTLED_SLOWDOWN
+    return factor
+
+
+def predict_seconds(
+    cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int,
+    speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C,
+) -> float | None:
+    """Local-training time of one round; None before calibration (no step time to scale)."""
+    if cost.step_seconds is None:
+        return None
+    steps = math.ceil(num_samples / table.batch_size) * epochs
+    return cost.step_seconds * steps * slowdown(snapshot, table.threads, table.device, hot_limit_c) / speed
+
+
+# -- measurement (runs in the child process) -------------------------------------------------------
+
+def _trim_allocator() -> None:
+    """Hand freed heap pages back to the OS so the next baseline is honest (glibc only)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+class RssMeter:
+    """Peak RSS growth of this process between start() and stop()."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self._base = self._peak = 0
+        self._sampler: threading.Thread | None = None
+        self._running = False
+
+    def _reset_hwm(self) -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            _status_kib("VmHWM")
+            return True
+        except OSError:
+            return False
+
+    def _sample(self) -> None:
+        while self._running:
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def start(self) -> None:
+        _trim_allocator()
+        exact = self._reset_hwm()
+        self._base = self._peak = self._proc.memory_info().rss
+        if not exact:
+            self._running = True
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+
+    def stop(self) -> int:
+        if self._sampler is None:
+            self._peak = _status_kib("VmHWM")
+        else:
+            self._running = False
+            self._sampler.join()
+            self._sampler = None
+        return max(0, self._peak - self._base)
+
+
+class CudaMeter:
+    """Peak allocated CUDA memory growth; `cuda` is injectable so the logic is testable without a GPU."""
+
+    def __init__(self, cuda: Any = None) -> None:
+        import torch
+
+        self._cuda = cuda or torch.cuda
+        self._base = 0
+
+    def start(self) -> None:
+        self._cuda.synchronize()
+        self._cuda.reset_peak_memory_stats()
+        self._base = self._cuda.memory_allocated()
+
+    def stop(self) -> int:
+        self._cuda.synchronize()
+        return max(0, self._cuda.max_memory_allocated() - self._base)
+
+
+def measure_step(build: Callable[[], Any], layout_profile: Any, batch_size: int, device: str, meter: Any,
+                 sync: Callable[[], None] = lambda: None, repeats: int = TIMED_STEPS) -> tuple[int, float]:
+    """Peak memory growth of building + one SGD step from scratch, then the fastest of `repeats` steps."""
+    import torch
+    from torch import nn
+
+    meter.start()
+    model = build().to(device).train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=TrainConfig.momentum)
+    x = torch.randn(batch_size, *layout_profile.input_shape, device=device)
+    y = torch.randint(0, layout_profile.num_classes, (batch_size,), device=device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sync()
+
+    step()
+    peak = meter.stop()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    del model, opt, x, y
+    return peak, min(times)
+
+
+def _measure_all(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    import torch
+
+    from nefl.methods import get_method
+    from nefl.models import build_submodel
+    from nefl.profile import parse_profile
+
+    torch.set_num_threads(job["threads"])
+    profile, method = parse_profile(job["profile"]), get_method(job["method"])
+    device = job["device"]
+    meter: Any = RssMeter() if device == "cpu" else CudaMeter()
+    sync = (lambda: None) if device == "cpu" else torch.cuda.synchronize
+
+    def measure(k: int) -> tuple[int, float]:
+        spec = profile.submodels[k]
+        return measure_step(lambda: build_submodel(profile, spec, method.learnable_steps), profile,
+                            job["batch_size"], device, meter, sync)
+
+    indices = job["indices"]
+    cold, _ = measure(indices[0])
+    warm, _ = measure(indices[0])
+    overhead = max(0, cold - warm)
+    for k in indices:
+        peak, seconds = measure(k)
+        yield {"index": k, "peak": peak + overhead, "seconds": seconds, "overhead": overhead}
+
+
+def worker_main() -> None:
+    """Child-process entry: a JSON job on stdin, one JSON line per measured submodel on stdout."""
+    job = json.loads(sys.stdin.read())
+    for result in _measure_all(job):
+        print(json.dumps(result), flush=True)
+
+
+# -- calibration with cache (runs in the agent) ----------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_fingerprint(device: str, threads: int) -> dict[str, Any]:
+    """What makes a measurement valid on this machine: a change here means calibrate again."""
+    import torch
+
+    return {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_total": psutil.virtual_memory().total,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+        "device": device,
+        "threads": threads,
+    }
+
+
+def cache_path(layout: Layout, batch_size: int, device: str, threads: int, cache_dir: Path = CACHE_DIR) -> Path:
+    key = {"fingerprint": device_fingerprint(device, threads), "profile": layout.profile.hash,
+           "method": layout.method.name, "batch_size": batch_size}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{layout.profile.name}-{layout.method.name}-b{batch_size}-{digest}.json"
+
+
+def _load_cache(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())["submodels"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # absent or unreadable: measure again
+
+
+def _write_cache(path: Path, entries: dict[str, dict[str, Any]], layout: Layout, batch_size: int,
+                 device: str, threads: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"fingerprint": device_fingerprint(device, threads), "profile": layout.profile.name,
+           "profile_hash": layout.profile.hash, "method": layout.method.name, "batch_size": batch_size,
+           "submodels": entries}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _run_worker(layout: Layout, indices: list[int], batch_size: int, device: str, threads: int,
+                on_result: Callable[[int], None]) -> tuple[dict[int, dict[str, Any]], str | None]:
+    job = {"profile": layout.profile.to_dict(), "method": layout.method.name, "indices": indices,
+           "batch_size": batch_size, "device": device, "threads": threads}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+               MALLOC_MMAP_THRESHOLD_=str(64 * 1024))  # glibc: tensors get their own pages, freed at once
+    cmd = [sys.executable, "-c", "from edge_client.costmodel import worker_main; worker_main()"]
+    results: dict[int, dict[str, Any]] = {}
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env) as proc:
+        assert proc.stdin and proc.stdout and proc.stderr
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+        for line in proc.stdout:
+            r = json.loads(line)
+            results[r["index"]] = r
+            on_result(r["index"])
+        err = proc.stderr.read()
+    if proc.returncode == 0:
+        return results, None
+    if proc.returncode < 0:
+        return results, f"calibration process killed by signal {-proc.returncode} (out of memory?)"
+    return results, f"calibration process failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"
+
+
+def calibrate(
+    layout: Layout, batch_size: int, *, device: str = "cpu", threads: int | None = None,
+    cache_dir: Path = CACHE_DIR, indices: list[int] | None = None, force: bool = False,
+    on_result: Callable[[int], None] = lambda k: None,
+) -> CostTable:
+    """Calibrated costs for `indices` (default all); cached ones are reused unless `force`."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    table = estimate_costs(layout, batch_size, device, threads)
+    wanted = list(range(layout.num_submodels)) if indices is None else sorted(set(indices))
+    path = cache_path(layout, batch_size, device, threads, cache_dir)
+    entries = {} if force else _load_cache(path)
+    missing = [k for k in wanted if str(k) not in entries]
+    errors: dict[int, str] = {}
+    if missing:
+        results, error = _run_worker(layout, missing, batch_size, device, threads, on_result)
+        entries.update({str(k): {n: r[n] for n in ("peak", "seconds", "overhead")} for k, r in results.items()})
+        errors = {k: error for k in missing if k not in results and error}
+        _write_cache(path, entries, layout, batch_size, device, threads)
+    costs = tuple(
+        replace(c, measured_peak=entries[str(c.index)]["peak"], step_seconds=entries[str(c.index)]["seconds"])
+        if str(c.index) in entries else replace(c, error=errors.get(c.index))
+        for c in table.costs
+    )
+    measured = tuple(k for k in missing if str(k) in entries)
+    return replace(table, costs=costs, measured_now=measured, cache_file=path)

@@ -1,0 +1,76 @@
+"""`edge-client infer` and `edge-client serve`: the adaptive ONNX runtime from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+
+from edge_client.http_api import MAX_BODY_BYTES, make_server
+from edge_client.runtime import AdaptiveRuntime, ImageError, ModelsError
+
+console = Console()
+
+MODELS = typer.Option(..., "--models", help="Export directory with manifest.json (from `nefl-export onnx`).")
+BUDGET = typer.Option(20.0, "--latency-budget-ms", min=0.0, help="Per-request latency budget; the runtime picks "
+                      "the largest submodel predicted to meet it under the current load.")
+THREADS = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default: half the cores).")
+PRECISION = typer.Option("fp32", "--precision", help="fp32, or int8 when exported with --quantize int8.")
+
+
+def _runtime(models: Path, budget: float, threads: int | None, precision: str) -> AdaptiveRuntime:
+    try:
+        with console.status("loading and calibrating submodels..."):
+            return AdaptiveRuntime(models, latency_budget_ms=budget, threads=threads, precision=precision)
+    except (ModelsError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+
+
+def infer_command(
+    images: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="PNG/JPEG files to classify."),
+    models: Path = MODELS, latency_budget_ms: float = BUDGET, threads: int | None = THREADS,
+    precision: str = PRECISION,
+) -> None:
+    """Classify image files, one request each, and show which submodel answered and why."""
+    runtime = _runtime(models, latency_budget_ms, threads, precision)
+    failed = 0
+    for path in images:
+        try:
+            result = runtime.predict(runtime.decode_image(path.read_bytes()))
+        except ImageError as e:
+            console.print(f"[red]{path}:[/red] {e}", soft_wrap=True)
+            failed += 1
+            continue
+        label = result.labels[0]
+        name = runtime.class_names[label] if runtime.class_names else str(label)
+        console.print(f"{path}: {name} (p={float(np.max(result.probabilities[0])):.3f})  submodel "
+                      f"{result.submodel + 1} (gamma {result.gamma:g}) in {result.latency_ms:.2f} ms: {result.reason}",
+                      soft_wrap=True, markup=False)
+    raise typer.Exit(1 if failed else 0)
+
+
+def serve_command(
+    models: Path = MODELS, port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port (0: any free)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes it to the network."),
+    latency_budget_ms: float = BUDGET, threads: int | None = THREADS, precision: str = PRECISION,
+    max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", min=1, help="Largest accepted upload."),
+) -> None:
+    """Serve POST /predict (image bytes -> JSON), GET /health and GET /models over HTTP."""
+    runtime = _runtime(models, latency_budget_ms, threads, precision)
+    try:
+        server = make_server(runtime, host, port, max_body_bytes)
+    except OSError as e:
+        console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e}); choose another --port")
+        raise typer.Exit(2) from None
+    bound_host, bound_port = server.server_address[:2]
+    console.print(f"serving {runtime.manifest['profile']} ({len(runtime.submodels)} submodels) "
+                  f"on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

@@ -1,0 +1,264 @@
+"""On-device inference over an exported ladder: per request, the largest submodel the device affords now.
+
+NeFL's test-time half: every submodel of the ladder is a complete classifier, so a device under
+load can answer with a smaller one instead of missing its deadline. Each submodel's batch-1
+latency is measured once at start-up; a request's latency is predicted from it, scaled by the CPU
+left to us (external load only: our own inference is subtracted) and corrected by an exponential
+moving average of observed/predicted ratios, so a device that is slower or faster than the
+calibration moment is tracked without recalibrating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+MANIFEST_FILE = "manifest.json"
+SUPPORTED_FORMAT = 1
+MIN_FREE_CORES = 0.1  # a fully loaded CPU still gives us a time slice; avoids dividing by zero
+MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size cap: a small PNG can inflate to gigabytes
+
+Probe = Callable[[], tuple[float | None, int | None]]
+
+
+class ModelsError(RuntimeError):
+    """An export directory the runtime refuses to use (missing, tampered, unsupported)."""
+
+
+class ImageError(ValueError):
+    """Input that is not an image the model can take."""
+
+
+@dataclass(frozen=True)
+class Submodel:
+    index: int
+    gamma: float
+    file: str
+    weight_bytes: int
+    activation_bytes_per_sample: int
+    flops: int
+
+    def memory_bytes(self, batch: int) -> int:
+        return self.weight_bytes + batch * self.activation_bytes_per_sample
+
+
+@dataclass(frozen=True)
+class Result:
+    labels: list[int]
+    probabilities: np.ndarray  # N x num_classes, softmax of the logits
+    submodel: int  # 0-based index in the ladder
+    gamma: float
+    latency_ms: float
+    predicted_ms: float
+    reason: str
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_manifest(models_dir: str | Path, precision: str = "fp32") -> dict[str, Any]:
+    """Read the manifest and verify every file the runtime will load against its sha256."""
+    d = Path(models_dir)
+    path = d / MANIFEST_FILE
+    if not path.exists():
+        raise ModelsError(f"{d}: no {MANIFEST_FILE}; export one with `nefl-export onnx --checkpoint CKPT --out {d}`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelsError(f"{path}: not valid JSON ({e}); export again") from None
+    if manifest.get("format_version") != SUPPORTED_FORMAT:
+        raise ModelsError(f"{path}: manifest format {manifest.get('format_version')!r}, this runtime reads "
+                          f"{SUPPORTED_FORMAT}; export again with a matching nefl-export")
+    for entry in manifest["submodels"]:
+        spec = entry if precision == "fp32" else entry.get("int8")
+        if spec is None:
+            raise ModelsError(f"{path}: submodel {entry['index'] + 1} has no int8 file; export with --quantize int8")
+        f = d / spec["file"]
+        if not f.exists():
+            raise ModelsError(f"{f}: listed in the manifest but missing; copy the whole export directory")
+        if _sha256(f) != spec["sha256"]:
+            raise ModelsError(f"{f}: sha256 does not match the manifest (tampered or corrupt); refusing to load it")
+    return manifest
+
+
+def session_options(threads: int, enable_cpu_mem_arena: bool) -> ort.SessionOptions:
+    """Few threads, no inter-op parallelism: a small device shares its cores with everything else."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.enable_cpu_mem_arena = enable_cpu_mem_arena
+    return opts
+
+
+class ExternalLoadProbe:
+    """(CPU % used by everything but this process, available memory) from edge_client.probe.
+
+    The system-wide figure includes our own inference; left in, a busy runtime would read its own
+    work as load and shrink its model for no reason.
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        from edge_client.probe import Prober  # lazy: the probe is optional for users passing their own
+
+        self._prober = Prober()
+        self._process = psutil.Process(os.getpid())
+        self._process.cpu_percent(None)
+        self._cores = psutil.cpu_count(logical=True) or 1
+
+    def __call__(self) -> tuple[float | None, int | None]:
+        snap = self._prober.snapshot()
+        own = self._process.cpu_percent(None) / self._cores
+        cpu = None if snap.cpu_percent is None else max(0.0, snap.cpu_percent - own)
+        return cpu, snap.memory_available
+
+
+class AdaptiveRuntime:
+    def __init__(
+        self, models_dir: str | Path, probe: Probe | None = None, latency_budget_ms: float = 20.0,
+        threads: int | None = None, enable_cpu_mem_arena: bool = True, precision: str = "fp32",
+        memory_reserve_bytes: int = 64 << 20, ema_alpha: float = 0.2, calibration_runs: int = 7,
+        probe_interval_s: float = 0.25,
+    ) -> None:
+        if precision not in ("fp32", "int8"):
+            raise ValueError(f"precision must be 'fp32' or 'int8', got {precision!r}")
+        self.models_dir = Path(models_dir)
+        self.manifest = load_manifest(self.models_dir, precision)
+        self.precision = precision
+        self.latency_budget_ms = latency_budget_ms
+        self.memory_reserve_bytes = memory_reserve_bytes
+        self.ema_alpha = ema_alpha
+        self.threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        self.cores = os.cpu_count() or 1
+        inp = self.manifest["input"]
+        self.input_name, self.input_shape = inp["name"], tuple(inp["shape"])
+        self._mean = np.asarray(inp["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
+        self._std = np.asarray(inp["std"], dtype=np.float32).reshape(1, -1, 1, 1)
+        self.class_names: list[str] | None = self.manifest["output"].get("class_names")
+        entries = sorted(self.manifest["submodels"], key=lambda e: e["gamma"])
+        self.submodels = [
+            Submodel(e["index"], e["gamma"], e["file"] if precision == "fp32" else e["int8"]["file"],
+                     e["weight_bytes"], e["activation_bytes_per_sample"], e["flops"])
+            for e in entries
+        ]
+        opts = session_options(self.threads, enable_cpu_mem_arena)
+        self._sessions = [ort.InferenceSession(str(self.models_dir / s.file), opts, providers=["CPUExecutionProvider"])
+                          for s in self.submodels]
+        self.calibrated_ms = [self._calibrate(sess, calibration_runs) for sess in self._sessions]
+        self.correction = 1.0
+        self._probe = probe or ExternalLoadProbe()
+        self._probe_interval_s = probe_interval_s
+        self._last_probe: tuple[float, tuple[float | None, int | None]] | None = None
+        self._lock = threading.Lock()
+
+    def _calibrate(self, sess: ort.InferenceSession, runs: int) -> float:
+        """Median batch-1 latency after warm-up runs (the first runs pay for allocation)."""
+        x = np.zeros((1, *self.input_shape), dtype=np.float32)
+        for _ in range(3):
+            sess.run(None, {self.input_name: x})
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            sess.run(None, {self.input_name: x})
+            times.append((time.perf_counter() - t) * 1000)
+        return statistics.median(times)
+
+    def load(self) -> tuple[float | None, int | None]:
+        """Current (external CPU %, available bytes), re-probed at most every probe_interval_s."""
+        now = time.monotonic()
+        if self._last_probe is None or now - self._last_probe[0] >= self._probe_interval_s:
+            self._last_probe = (now, self._probe())
+        return self._last_probe[1]
+
+    def load_factor(self, cpu_percent: float | None) -> float:
+        """How much slower than at calibration: our threads over the cores other work leaves free."""
+        if cpu_percent is None:
+            return 1.0
+        free = max(self.cores * (1.0 - cpu_percent / 100.0), MIN_FREE_CORES)
+        return max(1.0, self.threads / free)
+
+    def choose(self, batch: int = 1) -> tuple[int, float, str]:
+        """(position in self.submodels, predicted ms, why) for a request of `batch` images."""
+        cpu, available = self.load()
+        factor = self.load_factor(cpu) * self.correction
+        headroom = None if available is None else available - self.memory_reserve_bytes
+        load = f"cpu {cpu:.0f}%" if cpu is not None else "cpu unknown"
+        for pos in range(len(self.submodels) - 1, -1, -1):
+            predicted = self.calibrated_ms[pos] * batch * factor
+            fits = headroom is None or self.submodels[pos].memory_bytes(batch) <= headroom
+            if predicted <= self.latency_budget_ms and fits:
+                return pos, predicted, f"largest within {self.latency_budget_ms:g} ms budget and memory ({load}, x{factor:.2f})"
+        predicted = self.calibrated_ms[0] * batch * factor
+        return 0, predicted, f"fallback to smallest: none fits {self.latency_budget_ms:g} ms budget and memory ({load}, x{factor:.2f})"
+
+    def preprocess(self, images: np.ndarray) -> np.ndarray:
+        """uint8 pixels (C,H,W or N,C,H,W) -> normalised float32 N,C,H,W."""
+        x = np.asarray(images)
+        if x.ndim == len(self.input_shape):
+            x = x[None]
+        if x.dtype != np.uint8 or tuple(x.shape[1:]) != self.input_shape:
+            raise ImageError(f"expected uint8 pixels of shape {self.input_shape} (or a batch of them), "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        return (x.astype(np.float32) / 255.0 - self._mean) / self._std
+
+    def decode_image(self, data: bytes) -> np.ndarray:
+        """PNG/JPEG/... bytes -> uint8 C,H,W in the model's channels and size."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            img = Image.open(io.BytesIO(data))
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise ImageError(f"image is {img.width}x{img.height}; at most {MAX_IMAGE_PIXELS} pixels are accepted")
+            c, h, w = self.input_shape
+            img = img.convert("L" if c == 1 else "RGB").resize((w, h), Image.BILINEAR)
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+            raise ImageError(f"not a readable image ({type(e).__name__}); send PNG or JPEG bytes") from None
+        arr = np.asarray(img, dtype=np.uint8)
+        return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1).copy()
+
+    def predict(self, images: np.ndarray) -> Result:
+        x = self.preprocess(images)
+        with self._lock:  # one request at a time: concurrent runs would fight for the same cores
+            pos, predicted, reason = self.choose(len(x))
+            t = time.perf_counter()
+            logits = self._sessions[pos].run(None, {self.input_name: x})[0]
+            latency = (time.perf_counter() - t) * 1000
+            base = predicted / self.correction
+            self.correction += self.ema_alpha * (latency / base - self.correction)
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = z / z.sum(axis=1, keepdims=True)
+        sub = self.submodels[pos]
+        return Result(probs.argmax(1).tolist(), probs, sub.index, sub.gamma, latency, predicted, reason)
+
+    def describe(self) -> dict[str, Any]:
+        """What /models reports: the ladder, calibration and the current estimate."""
+        return {
+            "profile": self.manifest["profile"], "profile_hash": self.manifest["profile_hash"],
+            "source_round": self.manifest.get("source_round"), "precision": self.precision,
+            "latency_budget_ms": self.latency_budget_ms, "threads": self.threads, "correction": self.correction,
+            "input_shape": list(self.input_shape), "class_names": self.class_names,
+            "submodels": [
+                {"submodel": s.index, "gamma": s.gamma, "file": s.file, "flops": s.flops, "calibrated_ms": ms}
+                for s, ms in zip(self.submodels, self.calibrated_ms)
+            ],
+        }

@@ -1,0 +1,155 @@
+"""Which submodel this device trains this round: the largest one its current state allows.
+
+The rule: the largest submodel whose calibrated peak memory fits in the usable memory (available
+memory minus a safety margin) AND whose predicted local-training time fits the round deadline,
+capped by --max-submodel. Memory fit is a threshold on each submodel's own peak, so the choice is
+monotone in available memory. An unknown reading (no memory figure, no calibrated step time) does
+not block a submodel; the fits table shows it as unknown. Nothing fits: index None and a reason
+naming the limit that binds, so the client skips the round and says why.
+
+Per round (what `edge-client join` does):
+
+    prober, table = Prober(), calibrate(layout, batch_size)                  # once
+    budget = DeviceBudget.parse(memory_budget, cpu_budget)                    # emulation, optional
+    sel = select_submodel(table, budget.apply(prober.snapshot()), num_samples, epochs,
+                          deadline_s=..., max_submodel=..., speed=budget.cpu_budget)
+    sel.index    # 0-based layout index to train (layout.module(sel.index)), or None: skip
+    sel.reason   # one line to log and send with the update; sel.binding: memory|deadline|cap|none
+
+Submodel numbers in reasons and `max_submodel` are 1-based, as printed in tables and on the CLI.
+Emulation (`DeviceBudget`) makes a big machine act as a small one: memory_available is capped at
+the memory budget and predicted times are divided by the CPU budget (`padding` tells a trainer
+how long to sleep after work to really run at that speed).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from edge_client.costmodel import HOT_LIMIT_C, CostTable, predict_seconds
+from edge_client.probe import DeviceSnapshot
+
+DEFAULT_SAFETY_MARGIN = 0.2  # fraction of available memory left untouched (other processes, page cache)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'300MB' (decimal), '300MiB' or '300M' (binary), '1.5GB', '4096' (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 300MB, 512MiB, 1.5GB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """Emulate a smaller device: at most `memory_budget` bytes available, `cpu_budget` of the speed."""
+
+    memory_budget: int | None = None
+    cpu_budget: float = 1.0
+
+    @classmethod
+    def parse(cls, memory_budget: str | None = None, cpu_budget: float | None = None) -> "DeviceBudget":
+        if cpu_budget is not None and not 0 < cpu_budget <= 1:
+            raise ValueError(f"--cpu-budget must be in (0, 1] (a fraction of this device's speed), got {cpu_budget}")
+        return cls(None if memory_budget is None else parse_size(memory_budget),
+                   1.0 if cpu_budget is None else cpu_budget)
+
+    def apply(self, snapshot: DeviceSnapshot) -> DeviceSnapshot:
+        if self.memory_budget is None:
+            return snapshot
+        avail = snapshot.memory_available
+        return replace(snapshot, memory_available=self.memory_budget if avail is None else min(avail, self.memory_budget))
+
+    def padding(self, work_seconds: float) -> float:
+        """Seconds to sleep after `work_seconds` of work so it took work_seconds / cpu_budget."""
+        return work_seconds * (1.0 / self.cpu_budget - 1.0)
+
+
+@dataclass(frozen=True)
+class Fit:
+    index: int
+    peak_bytes: int
+    calibrated: bool
+    memory_ok: bool | None  # None: available memory unknown
+    seconds: float | None  # predicted local training of this round
+    time_ok: bool | None  # None: no deadline, or no calibrated step time
+    capped: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_ok is not False and self.time_ok is not False and not self.capped
+
+
+@dataclass(frozen=True)
+class Selection:
+    index: int | None  # 0-based layout index, None: skip this round
+    reason: str
+    binding: str  # "none" (largest submodel chosen), "memory", "deadline", "cap"
+    usable_memory: int | None
+    fits: tuple[Fit, ...]
+
+    @property
+    def submodel(self) -> int | None:
+        return None if self.index is None else self.index + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"submodel": self.submodel}
+
+
+def usable_memory(table: CostTable, snapshot: DeviceSnapshot, safety_margin: float) -> int | None:
+    """Memory the training may take: GPU free memory for CUDA (NVML), else available RAM (CPU, Jetson)."""
+    avail = snapshot.memory_available
+    gpu = snapshot.gpus[0] if snapshot.gpus else None
+    if table.device != "cpu" and gpu and gpu.memory_total is not None and gpu.memory_used is not None:
+        avail = gpu.memory_total - gpu.memory_used
+    return None if avail is None else int(avail * (1.0 - safety_margin))
+
+
+def _why_not(fit: Fit, usable: int | None, deadline_s: float | None, max_submodel: int | None) -> tuple[str, str]:
+    if fit.capped:
+        return "cap", f"capped by --max-submodel {max_submodel}"
+    if fit.memory_ok is False:
+        return "memory", f"submodel {fit.index + 1} needs {format_bytes(fit.peak_bytes)}, {format_bytes(usable)} usable"
+    return "deadline", f"submodel {fit.index + 1} would take {fit.seconds:.3g} s, deadline {deadline_s:.3g} s"
+
+
+def select_submodel(
+    table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int = 1,
+    deadline_s: float | None = None, max_submodel: int | None = None,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN, speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C,
+) -> Selection:
+    usable = usable_memory(table, snapshot, safety_margin)
+    fits = []
+    for c in table.costs:
+        seconds = predict_seconds(c, table, snapshot, num_samples, epochs, speed, hot_limit_c)
+        fits.append(Fit(
+            c.index, c.peak_bytes, c.measured_peak is not None,
+            None if usable is None else c.peak_bytes <= usable,
+            seconds,
+            None if seconds is None or deadline_s is None else seconds <= deadline_s,
+            max_submodel is not None and c.index + 1 > max_submodel,
+        ))
+    ok = [f.index for f in fits if f.fits]
+    n = len(fits)
+    if not ok:
+        binding, why = _why_not(fits[0], usable, deadline_s, max_submodel)
+        return Selection(None, f"skip round: {binding} binds: even {why}", binding, usable, tuple(fits))
+    k = max(ok)
+    head = f"submodel {k + 1}/{n} (gamma {table.costs[k].gamma:g})"
+    if k == n - 1:
+        return Selection(k, f"{head}: the largest submodel fits", "none", usable, tuple(fits))
+    binding, why = _why_not(fits[k + 1], usable, deadline_s, max_submodel)
+    return Selection(k, f"{head}: {binding} binds: {why}", binding, usable, tuple(fits))

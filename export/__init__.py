@@ -1,0 +1,1 @@
+"""ONNX export of every submodel of a checkpoint, with a verified manifest."""

@@ -1,0 +1,63 @@
+"""`nefl-export`: write every submodel of a checkpoint to ONNX."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from export.onnx_export import export_checkpoint
+from export.parity import ParityError
+from nefl.checkpoint import CheckpointError
+
+app = typer.Typer(help="Export NeFL submodels to ONNX with a verified manifest.", no_args_is_help=True, add_completion=False)
+console = Console()
+
+
+@app.callback()
+def main() -> None:
+    """Export NeFL submodels to ONNX with a verified manifest."""
+
+
+def _parse_submodels(spec: str | None) -> list[int] | None:
+    if spec is None:
+        return None
+    try:
+        return [int(s) - 1 for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected 1-based indices like '1,3,5', got {spec!r}") from None
+
+
+@app.command("onnx")
+def onnx_command(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint directory (state.safetensors + meta.json)."),
+    out: Path = typer.Option(..., "--out", help="Directory for the .onnx files and manifest.json."),
+    quantize: str | None = typer.Option(None, "--quantize", help="'int8': also write static-QDQ int8 files "
+                                        "and their accuracy delta on the test split."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Where the dataset lives (default: $NEFL_DATA_ROOT "
+                                          "or ~/.cache/nefl/data); parity uses seeded random inputs without it."),
+    submodels: str | None = typer.Option(None, "--submodels", help="Only these submodels, 1-based, e.g. '1,3,5'."),
+) -> None:
+    """One verified .onnx per submodel (BN and step sizes folded), then manifest.json."""
+    indices = _parse_submodels(submodels)
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task("loading checkpoint and reference images", total=None)
+            manifest = export_checkpoint(checkpoint, out, quantize, data_root, indices,
+                                         on_step=lambda msg: bar.update(task, description=msg))
+    except ParityError as e:
+        console.print(f"[red]parity failed:[/red] {e}")
+        raise typer.Exit(1) from None
+    except (CheckpointError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    for entry in manifest["submodels"]:
+        line = (f"submodel {entry['index'] + 1}: {entry['file']}  gamma {entry['gamma']:g}  params {entry['params']:,}  "
+                f"parity {entry['parity_max_diff']:.1e}")
+        if "int8" in entry:
+            q = entry["int8"]
+            line += f"  int8 acc {q['accuracy_int8']:.4f} (delta {q['accuracy_delta']:+.4f})"
+        console.print(line)
+    console.print(f"manifest: {out / 'manifest.json'} (parity inputs: {manifest['parity']['inputs']})")

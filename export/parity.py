@@ -1,0 +1,97 @@
+"""Inputs for checking exported files, and the fp32 parity check itself.
+
+Parity is measured on real test images when the profile's dataset is on disk (a random tensor
+can hide errors that only show on the value ranges a trained network sees), otherwise on seeded
+random inputs. The torch reference is the unfolded eval-mode module, so the check covers folding
+and export together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from nefl.data import DatasetUnavailable, get_dataset_info, load_dataset
+from nefl.profile import Profile
+
+PARITY_TOLERANCE = 1e-4
+PARITY_BATCHES = (1, 8)
+
+
+class ParityError(RuntimeError):
+    """An exported file disagrees with its torch module; no manifest is written."""
+
+
+@dataclass(frozen=True)
+class Normalisation:
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    class_names: tuple[str, ...] | None
+
+
+@dataclass
+class ReferenceData:
+    """Normalised float32 inputs N x C x H x W; labels only when they are real test images."""
+
+    inputs: np.ndarray
+    labels: np.ndarray | None
+    source: str
+
+
+def normalisation(profile: Profile) -> Normalisation:
+    """The registry's mean/std for the profile's dataset; pixels/255 for datasets it lacks."""
+    channels = profile.input_shape[0]
+    try:
+        info = get_dataset_info(profile.dataset)
+    except ValueError:
+        return Normalisation((0.0,) * channels, (1.0,) * channels, None)
+    names = getattr(info.tv_class, "classes", None)
+    return Normalisation(info.mean, info.std, tuple(names) if isinstance(names, list) else None)
+
+
+def reference_data(profile: Profile, data_root: str | Path | None, count: int, seed: int = 0) -> ReferenceData:
+    norm = normalisation(profile)
+    mean = np.asarray(norm.mean, dtype=np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(norm.std, dtype=np.float32).reshape(1, -1, 1, 1)
+    try:
+        ds = load_dataset(profile.dataset, data_root, train=False, download=False)
+    except (ValueError, DatasetUnavailable):
+        ds = None
+    if ds is not None and tuple(ds.images.shape[1:]) == tuple(profile.input_shape):
+        images = ds.images[:count].numpy().astype(np.float32) / 255.0
+        return ReferenceData((images - mean) / std, ds.labels[:count].numpy(), f"{profile.dataset} test split")
+    rng = np.random.default_rng(seed)
+    pixels = rng.random((count, *profile.input_shape), dtype=np.float32)
+    return ReferenceData((pixels - mean) / std, None, f"seeded random inputs (seed {seed})")
+
+
+def session(path: str | Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def run_onnx(sess: ort.InferenceSession, inputs: np.ndarray, batch_size: int = 256) -> np.ndarray:
+    name = sess.get_inputs()[0].name
+    outs = [sess.run(None, {name: inputs[i:i + batch_size]})[0] for i in range(0, len(inputs), batch_size)]
+    return np.concatenate(outs)
+
+
+@torch.no_grad()
+def parity_max_diff(path: str | Path, model: nn.Module, inputs: np.ndarray) -> float:
+    """Largest |ORT - torch| logit difference over the parity batch sizes."""
+    sess = session(path)
+    worst = 0.0
+    for b in PARITY_BATCHES:
+        x = inputs[:b]
+        ref = model(torch.from_numpy(x)).numpy()
+        worst = max(worst, float(np.abs(run_onnx(sess, x) - ref).max()))
+    return worst
+
+
+def top1(path: str | Path, inputs: np.ndarray, labels: np.ndarray) -> float:
+    logits = run_onnx(session(path), inputs)
+    return float((logits.argmax(1) == labels).mean())

@@ -1,0 +1,55 @@
+"""`nefl`: inspect submodel ladders (profiles)."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nefl.cost import full_cost, submodel_cost
+from nefl.methods import METHODS, apply_method, get_method
+from nefl.profile import ProfileError, list_profiles, load_profile
+
+app = typer.Typer(help="NeFL core tools: list and inspect submodel ladders.", no_args_is_help=True, add_completion=False)
+profile_app = typer.Typer(help="Submodel ladders (TOML profiles).", no_args_is_help=True)
+app.add_typer(profile_app, name="profile")
+
+
+def _human(n: int) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+@profile_app.command("list")
+def list_command() -> None:
+    """List the shipped profiles."""
+    for name in list_profiles():
+        p = load_profile(name)
+        print(f"{name:28s} {p.arch.name:18s} {p.num_submodels} submodels  {p.description}")
+
+
+@profile_app.command("show")
+def show_command(
+    profile: str = typer.Argument(..., help="Profile name or path to a TOML file."),
+    method: str = typer.Option(None, help=f"Show the ladder a method derives: {', '.join(METHODS)}."),
+) -> None:
+    """Print a ladder: target gamma, actual parameter ratio, parameters and FLOPs per submodel."""
+    try:
+        p = load_profile(profile)
+        if method:
+            p = apply_method(p, get_method(method))
+    except (ProfileError, ValueError) as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    full = full_cost(p)
+    table = Table(title=f"{p.name} · {p.arch.name} ({p.stem} stem) · input {list(p.input_shape)} · method {p.method}")
+    for col in ("submodel", "gamma", "gamma_w", "depth", "params ratio", "params", "FLOPs (MACs)", "FLOPs ratio", "steps"):
+        table.add_column(col, justify="right" if col != "steps" else "left")
+    for s in p.submodels:
+        c = submodel_cost(p, s)
+        steps = " | ".join(",".join(f"{v:g}" for v in st) for st in s.steps)
+        table.add_row(str(s.index + 1), f"{s.gamma:g}", f"{s.gamma_w:g}", f"{s.depth_ratio:.2f}",
+                      f"{c.params / full.params:.3f}", _human(c.params), _human(c.macs), f"{c.macs / full.macs:.3f}", steps)
+    Console(width=200).print(table)

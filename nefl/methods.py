@@ -1,0 +1,89 @@
+"""Method presets: NeFL and the baselines it generalises, as settings of one machinery.
+
+A preset only chooses (a) how the ladder is derived from the profile's target sizes, (b) whether
+step sizes train, and (c) whether BatchNorm is per-submodel (inconsistent) or shared and sliced
+with static statistics. Models, slicing, aggregation and training are the same code for all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nefl.cost import full_cost, submodel_cost
+from nefl.profile import METHOD_NAMES, Profile, SubmodelSpec
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    learnable_steps: bool
+    bn: str  # "per_submodel" (inconsistent) or "shared_static" (consistent, stats recomputed)
+    ladder: str  # "profile", "width" (gamma_W = sqrt(gamma), all blocks) or "depth_prefix"
+    summary: str
+
+    @property
+    def static_bn(self) -> bool:
+        return self.bn == "shared_static"
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("nefl", True, "per_submodel", "profile", "NeFL: the profile's ladder, learnable steps, BN + steps inconsistent"),
+        Method("nefl-nl", False, "per_submodel", "profile", "NeFL with fixed (non-learnable) step sizes"),
+        Method("fjord", False, "per_submodel", "width", "FjORD: width only, per-width BN"),
+        Method("heterofl", False, "shared_static", "width", "HeteroFL: width only, BN shared and sliced, static BN"),
+        Method("depthfl", False, "per_submodel", "depth_prefix", "DepthFL (as run in the NeFL paper): contiguous depth prefix, fixed steps, per-submodel BN"),
+    )
+}
+assert tuple(METHODS) == METHOD_NAMES
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None
+
+
+def _width_ladder(profile: Profile) -> list[SubmodelSpec]:
+    depths = profile.arch.depths
+    return [
+        SubmodelSpec(s.index, s.gamma, round(math.sqrt(s.gamma), 4), tuple((1.0,) * d for d in depths))
+        for s in profile.submodels
+    ]
+
+
+def _prefix_steps(depths: tuple[int, ...], n: int) -> tuple[tuple[float, ...], ...]:
+    out, seen = [], 0
+    for d in depths:
+        out.append(tuple(1.0 if seen + i < n else 0.0 for i in range(d)))
+        seen += d
+    return tuple(out)
+
+
+def _depth_prefix_ladder(profile: Profile) -> list[SubmodelSpec]:
+    """Contiguous block prefixes whose parameter ratio is closest to each target gamma."""
+    depths = profile.arch.depths
+    total = full_cost(profile).params
+    ratios = []
+    for n in range(1, sum(depths) + 1):
+        spec = SubmodelSpec(-1, 1.0, 1.0, _prefix_steps(depths, n))
+        ratios.append((submodel_cost(profile, spec).params / total, n))
+    ladder = []
+    for s in profile.submodels:
+        # a submodel smaller than the global model never becomes the whole network
+        candidates = ratios if s.gamma >= 1 else ratios[:-1]
+        _, n = min(candidates, key=lambda r: (abs(r[0] - s.gamma), r[1]))
+        ladder.append(SubmodelSpec(s.index, s.gamma, 1.0, _prefix_steps(depths, n)))
+    return ladder
+
+
+def apply_method(profile: Profile, method: Method) -> Profile:
+    """The ladder this method trains, derived from the profile's target sizes."""
+    if method.ladder == "profile":
+        return profile.with_submodels(list(profile.submodels), method.name)
+    if method.ladder == "width":
+        return profile.with_submodels(_width_ladder(profile), method.name)
+    return profile.with_submodels(_depth_prefix_ladder(profile), method.name)

@@ -1,0 +1,109 @@
+"""Local training and evaluation of one submodel, with the paper's optimiser defaults."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nefl.state import load_module_state, module_state
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs."""
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 1
+    milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr drops x0.1
+    lr_decay: float = 0.1
+
+    def lr_at(self, round_index: int, total_rounds: int) -> float:
+        drops = sum(1 for m in self.milestones if round_index >= m * total_rounds)
+        return self.lr * self.lr_decay**drops
+
+
+@dataclass
+class TrainResult:
+    delta: dict[str, torch.Tensor]
+    num_samples: int
+    loss: float
+    accuracy: float
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def local_train(
+    model: nn.Module, start: dict[str, torch.Tensor], batches: Batches, epochs: int, lr: float,
+    config: TrainConfig = TrainConfig(), upload: Iterable[str] | None = None, device: str = "cpu",
+) -> TrainResult:
+    """Train from `start` for `epochs` passes over `batches`; return the delta of `upload` names."""
+    load_module_state(model, start)
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    loss_fn = nn.CrossEntropyLoss()
+    t0 = time.perf_counter()
+    seen = correct = 0
+    loss_sum = 0.0
+    for _ in range(epochs):
+        seen = correct = 0
+        loss_sum = 0.0
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item() * len(y)
+            correct += (out.argmax(1) == y).sum().item()
+            seen += len(y)
+    if seen == 0:
+        raise ValueError("no training data: the client's partition is empty")
+    trained = module_state(model)
+    names = list(start) if upload is None else list(upload)
+    delta = {n: (trained[n].detach().cpu().float() - start[n].float()) for n in names}
+    return TrainResult(delta, seen, loss_sum / seen, correct / seen, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Batches, device: str = "cpu") -> tuple[float, float]:
+    """Top-1 accuracy and mean loss."""
+    model.to(device).eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    seen = correct = 0
+    loss_sum = 0.0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        loss_sum += loss_fn(out, y).item()
+        correct += (out.argmax(1) == y).sum().item()
+        seen += len(y)
+    if seen == 0:
+        raise ValueError("no evaluation data")
+    return correct / seen, loss_sum / seen
+
+
+@torch.no_grad()
+def recompute_bn_stats(model: nn.Module, batches: Batches, device: str = "cpu") -> None:
+    """HeteroFL's static BN: exact (cumulative) batch statistics over the given data."""
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    saved = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
+    model.to(device).train()
+    for x, _ in batches:
+        model(x.to(device))
+    for m, mom in zip(bns, saved):
+        m.momentum = mom
+    model.eval()

@@ -1,0 +1,225 @@
+"""The wire format: tensors as safetensors bytes behind a small JSON header, in bounded chunks.
+
+One MQTT message = b"NEFL" + 4-byte big-endian header length + JSON header + a slice of the
+payload. The payload is a safetensors file of the whole tensor dict (never a pickle); the header
+repeats in every chunk so each message is self-describing, and carries the payload's sha256 so a
+reassembled set is verified before a single byte is parsed as tensors.
+
+Everything received is untrusted: the Reassembler caps sizes, counts and time, drops QoS 1
+redeliveries by (kind, round, client, submodel, payload sha256, chunk index), and raises WireError carrying a
+short reason code that the server counts and logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+VERSION = 1
+MAGIC = b"NEFL"
+DEFAULT_CHUNK_BYTES = 256 * 1024
+MAX_HEADER_BYTES = 4096
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+KINDS = ("model", "update")
+_PREFIX = struct.Struct(">4sI")
+_HEADER_FIELDS = {
+    "v": int, "kind": str, "federation": str, "round": int, "submodel": int, "client": str,
+    "sha256": str, "dtype": str, "samples": int, "metrics": dict, "size": int, "count": int, "index": int,
+}
+
+
+class WireError(ValueError):
+    """A rejected message; `reason` is a short code for counters, the message says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.detail = message
+
+
+@dataclass
+class Assembled:
+    """A complete, verified tensor message."""
+
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor]  # float32, whatever dtype travelled
+    nbytes: int  # payload bytes received (what the wire carried, headers excluded)
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> bytes:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return st_save({n: t.detach().to(DTYPES[dtype]).contiguous() for n, t in tensors.items()})
+
+
+def encode(
+    tensors: dict[str, torch.Tensor], *, kind: str, federation: str, round: int, submodel: int, client: str,
+    dtype: str = "fp32", samples: int = 0, metrics: dict[str, float] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[bytes]:
+    """Messages (each at most chunk_bytes long) carrying `tensors`."""
+    payload = encode_tensors(tensors, dtype)
+    room = chunk_bytes - _PREFIX.size - MAX_HEADER_BYTES
+    if room < 1024:
+        raise ValueError(f"chunk size {chunk_bytes} too small: needs at least {_PREFIX.size + MAX_HEADER_BYTES + 1024} bytes")
+    count = max(1, math.ceil(len(payload) / room))
+    header = {
+        "v": VERSION, "kind": kind, "federation": federation, "round": round, "submodel": submodel,
+        "client": client, "sha256": hashlib.sha256(payload).hexdigest(), "dtype": dtype, "samples": samples,
+        "metrics": metrics or {}, "size": len(payload), "count": count,
+    }
+    out = []
+    for i in range(count):
+        head = json.dumps({**header, "index": i}, separators=(",", ":")).encode()
+        if len(head) > MAX_HEADER_BYTES:
+            raise ValueError(f"message header is {len(head)} bytes, the limit is {MAX_HEADER_BYTES}: fewer metrics")
+        out.append(_PREFIX.pack(MAGIC, len(head)) + head + payload[i * room:(i + 1) * room])
+    return out
+
+
+def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
+    """Header and data slice of one message, with every header field type-checked."""
+    if len(message) < _PREFIX.size:
+        raise WireError("malformed_header", f"message of {len(message)} bytes is too short")
+    magic, hlen = _PREFIX.unpack_from(message)
+    if magic != MAGIC:
+        raise WireError("malformed_header", "not a NEFL message (bad magic)")
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(message):
+        raise WireError("malformed_header", f"header length {hlen} exceeds the message or {MAX_HEADER_BYTES} bytes")
+    try:
+        header = json.loads(message[_PREFIX.size:_PREFIX.size + hlen])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise WireError("malformed_header", "header is not JSON") from None
+    if not isinstance(header, dict):
+        raise WireError("malformed_header", "header is not a JSON object")
+    for name, typ in _HEADER_FIELDS.items():
+        value = header.get(name)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise WireError("malformed_header", f"field {name!r} missing or not {typ.__name__}")
+    if header["v"] != VERSION:
+        raise WireError("bad_version", f"wire version {header['v']}, this build speaks {VERSION}")
+    if header["kind"] not in KINDS or header["dtype"] not in DTYPES:
+        raise WireError("malformed_header", f"kind {header['kind']!r} / dtype {header['dtype']!r} unknown")
+    if not (0 <= header["index"] < header["count"]) or header["size"] < 0:
+        raise WireError("malformed_header", f"chunk {header['index']} of {header['count']}, size {header['size']}")
+    return header, message[_PREFIX.size + hlen:]
+
+
+def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Tensor]:
+    """Verified payload -> float32 tensors; never unpickles, refuses other dtypes and non-finite values."""
+    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise WireError("sha256_mismatch", "payload does not match the sha256 in its header")
+    try:
+        tensors = st_load(payload)
+    except Exception as e:  # the safetensors parser's error types vary by version; all mean "bad bytes"
+        raise WireError("malformed_payload", f"not a safetensors payload ({type(e).__name__})") from None
+    want = DTYPES[header["dtype"]]
+    out = {}
+    for n, t in tensors.items():
+        if t.dtype != want:
+            raise WireError("bad_dtype", f"{n}: {t.dtype}, header says {header['dtype']}")
+        if not torch.isfinite(t).all():
+            raise WireError("non_finite", f"{n}: non-finite values")
+        out[n] = t.to(torch.float32)
+    return out
+
+
+@dataclass
+class _Pending:
+    header: dict[str, Any]
+    started: float
+    parts: dict[int, bytes] = field(default_factory=dict)
+    received: int = 0
+
+
+class Reassembler:
+    """Collects chunks into verified tensor messages under caps on size, count, pending sets and time."""
+
+    def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 120.0, max_pending: int = 64,
+                 max_chunks: int = 4096, remember: int = 4096) -> None:
+        self.max_bytes, self.timeout_s, self.max_pending, self.max_chunks = max_bytes, timeout_s, max_pending, max_chunks
+        self._pending: dict[tuple, _Pending] = {}
+        self._done: OrderedDict[tuple, None] = OrderedDict()
+        self._remember = remember
+        self.duplicates = 0
+
+    @staticmethod
+    def key(header: dict[str, Any]) -> tuple:
+        """Redeliveries share it; a different payload under the same identity is a different set."""
+        return header["kind"], header["round"], header["client"], header["submodel"], header["sha256"]
+
+    def is_duplicate(self, header: dict[str, Any]) -> bool:
+        """A QoS 1 redelivery of a chunk already held, or of a set already completed."""
+        key = self.key(header)
+        pending = self._pending.get(key)
+        if key in self._done or (pending is not None and header["index"] in pending.parts):
+            self.duplicates += 1
+            return True
+        return False
+
+    def feed(self, message: bytes, now: float | None = None) -> Assembled | None:
+        """The assembled message when this chunk completes one; None while incomplete or a redelivery."""
+        now = time.monotonic() if now is None else now
+        if len(message) > self.max_bytes:
+            raise WireError("oversized", f"message of {len(message)} bytes exceeds {self.max_bytes}")
+        header, data = parse_chunk(message)
+        if header["size"] > self.max_bytes or header["count"] > self.max_chunks:
+            raise WireError("oversized", f"{header['size']} bytes in {header['count']} chunks exceeds the caps "
+                                         f"({self.max_bytes} bytes, {self.max_chunks} chunks)")
+        key = self.key(header)
+        if key in self._done:
+            self.duplicates += 1
+            return None
+        pending = self._pending.get(key)
+        if pending is None:
+            if len(self._pending) >= self.max_pending:
+                raise WireError("too_many_pending", f"{self.max_pending} chunk sets already in flight")
+            pending = self._pending[key] = _Pending({k: v for k, v in header.items() if k != "index"}, now)
+        elif {k: v for k, v in header.items() if k != "index"} != pending.header:
+            self._pending.pop(key)
+            raise WireError("inconsistent_chunks", f"chunk {header['index']} header differs from earlier chunks")
+        if header["index"] in pending.parts:
+            self.duplicates += 1
+            return None
+        pending.parts[header["index"]] = data
+        pending.received += len(data)
+        if pending.received > header["size"]:
+            self._pending.pop(key)
+            raise WireError("oversized", f"chunks carry more than the {header['size']} bytes announced")
+        if len(pending.parts) < header["count"]:
+            return None
+        self._pending.pop(key)
+        payload = b"".join(pending.parts[i] for i in range(header["count"]))
+        if len(payload) != header["size"]:
+            raise WireError("size_mismatch", f"{len(payload)} bytes received, header says {header['size']}")
+        tensors = decode_payload(header, payload)
+        self._remember_done(key)  # only verified sets: a corrupted copy must not shadow the real one
+        return Assembled(pending.header, tensors, len(payload))
+
+    def expire(self, now: float | None = None) -> list[tuple]:
+        """Drop chunk sets older than the timeout; returns their keys (kind, round, client, submodel, sha256)."""
+        now = time.monotonic() if now is None else now
+        old = [k for k, p in self._pending.items() if now - p.started > self.timeout_s]
+        for k in old:
+            del self._pending[k]
+        return old
+
+    def discard_rounds_before(self, round_: int) -> None:
+        """Partial sets of closed rounds can never complete usefully; free their memory."""
+        for k in [k for k in self._pending if k[1] < round_]:
+            del self._pending[k]
+
+    def _remember_done(self, key: tuple) -> None:
+        self._done[key] = None
+        while len(self._done) > self._remember:
+            self._done.popitem(last=False)

@@ -1,0 +1,169 @@
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nefl.aggregate import NeFedAvg, UpdateError
+from nefl.methods import get_method
+from nefl.state import GlobalState, Layout
+from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, random_ladder, tiny_profile
+
+FULL = ((1.0, 1.0), (1.0, 1.0))
+
+
+def random_updates(layout: Layout, counts: list[int], gen: torch.Generator) -> list[tuple[int, dict, int]]:
+    ups = []
+    for k, c in enumerate(counts):
+        for _ in range(c):
+            delta = {n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(k).items()}
+            ups.append((k, delta, int(torch.randint(1, 50, (1,), generator=gen))))
+    return ups
+
+
+def brute_force(layout: Layout, state: GlobalState, ups, weighting: str) -> GlobalState:
+    """Element by element, straight from the definition (slow on purpose)."""
+    new = state.clone()
+    for n, old in state.consistent.items():
+        out = new.consistent[n]
+        for idx in itertools.product(*(range(d) for d in old.shape)):
+            num = den = 0.0
+            for k, delta, ns in ups:
+                shape = layout.upload_shapes(k).get(n)
+                if shape is not None and all(i < d for i, d in zip(idx, shape)):
+                    w = ns if weighting == "samples" else 1.0
+                    num += w * float(delta[n][idx])
+                    den += w
+            if den > 0:
+                out[idx] = old[idx] + num / den
+    for k in range(layout.num_submodels):
+        mine = [(d, ns) for kk, d, ns in ups if kk == k]
+        if not mine:
+            continue
+        ws = [ns if weighting == "samples" else 1.0 for _, ns in mine]
+        for n in layout.upload_shapes(k):
+            if n in layout.inconsistent:
+                new.inconsistent[k][n] = state.inconsistent[k][n] + sum(w * d[n] for (d, _), w in zip(mine, ws)) / sum(ws)
+    return new
+
+
+def assert_state_close(a: GlobalState, b: GlobalState, atol: float = 1e-5) -> None:
+    for n in a.consistent:
+        torch.testing.assert_close(a.consistent[n], b.consistent[n], atol=atol, rtol=1e-5, msg=n)
+    for k, (da, db) in enumerate(zip(a.inconsistent, b.inconsistent)):
+        for n in da:
+            torch.testing.assert_close(da[n], db[n], atol=atol, rtol=1e-5, msg=f"{k}:{n}")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_brute_force_on_random_ladders(seed: int) -> None:
+    rng = random.Random(seed)
+    arch = TINY_BOTTLENECK if seed % 3 == 2 else TINY_BASIC
+    # heterofl's BN sharing on the same random (non-nested) ladder, so both BN modes are covered
+    method = replace(get_method("heterofl"), ladder="profile") if seed % 2 else get_method("nefl")
+    layout = Layout.build(random_ladder(rng, arch, n=4), method)
+    gen = torch.Generator().manual_seed(seed)
+    state = GlobalState.init(layout, seed=seed)
+    counts = [rng.randint(0, 3) for _ in range(layout.num_submodels)]
+    counts[rng.randrange(len(counts))] = 0  # at least one untrained submodel
+    ups = random_updates(layout, counts, gen)
+    weighting = "samples" if seed % 2 else "uniform"
+    agg = NeFedAvg(layout, weighting)
+    for k, d, ns in ups:
+        agg.add(k, d, ns)
+    assert_state_close(agg.finalize(state), brute_force(layout, state, ups, weighting))
+
+
+def test_paper_worked_example() -> None:
+    """Block-1 conv in submodels 1, 3, 5; |M1| = |M5| = 2, |M3| = 3: parts averaged over 2, 5 and 7."""
+    on, off = FULL, ((1.0, 1.0), (0.0, 1.0))
+    widths = [0.25, 0.5, 0.625, 0.75, 1.0]
+    profile = tiny_profile([(g, w, on if i in (0, 2, 4) else off) for i, (g, w) in enumerate(zip([0.2, 0.4, 0.6, 0.8, 1.0], widths))])
+    layout = Layout.build(profile)
+    state = GlobalState.init(layout, seed=0)
+    agg = NeFedAvg(layout)
+    name = "stages.1.0.conv2.weight"  # 8 x 8 x 3 x 3 globally
+    values = {0: [1.0, 2.0], 2: [10.0, 20.0, 30.0], 4: [100.0, 200.0]}
+    for k, vals in values.items():
+        for v in vals:
+            agg.add(k, {n: torch.full(s, v) for n, s in layout.upload_shapes(k).items()})
+    new = agg.finalize(state)
+    got = new.consistent[name] - state.consistent[name]
+    c1, c3 = layout.sub_shapes[0][name][0], layout.sub_shapes[2][name][0]  # 2 and 5 channels
+    assert (c1, c3) == (2, 5)
+    assert torch.allclose(got[:c1, :c1], torch.tensor(363.0 / 7))  # over 7 updates
+    assert torch.allclose(got[c1:c3, :c3], torch.tensor(360.0 / 5))  # over 5 updates
+    assert torch.allclose(got[:c3, c1:c3], torch.tensor(360.0 / 5))
+    assert torch.allclose(got[c3:, :], torch.tensor(150.0))  # only submodel 5: over 2 updates
+    counts = agg.counts[name][:, :, 0, 0]
+    assert counts[0, 0] == 7 and counts[c1, c1] == 5 and counts[c3, c3] == 2
+
+
+def test_uncovered_elements_keep_their_value() -> None:
+    skip = ((1.0, 0.0), (1.0, 0.0))
+    profile = tiny_profile([(0.3, 0.5, skip), (1.0, 1.0, FULL)])
+    layout = Layout.build(profile)
+    state = GlobalState.init(layout, seed=1)
+    agg = NeFedAvg(layout)
+    agg.add(0, {n: torch.ones(s) for n, s in layout.upload_shapes(0).items()})
+    new = agg.finalize(state)
+    # blocks skipped by the only trained submodel, and channels beyond its width: untouched, not zeroed
+    assert torch.equal(new.consistent["stages.0.1.conv1.weight"], state.consistent["stages.0.1.conv1.weight"])
+    w = "stages.1.0.conv1.weight"
+    assert torch.equal(new.consistent[w][4:], state.consistent[w][4:])
+    assert torch.allclose(new.consistent[w][:4, :2], state.consistent[w][:4, :2] + 1)
+    # the untrained submodel's inconsistent parameters are untouched
+    for n, t in state.inconsistent[1].items():
+        assert torch.equal(new.inconsistent[1][n], t)
+    assert all(torch.isfinite(t).all() for t in new.consistent.values())
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_merge_of_partials_equals_single_aggregate(weighting: str) -> None:
+    rng = random.Random(7)
+    layout = Layout.build(random_ladder(rng, n=4))
+    state = GlobalState.init(layout, seed=7)
+    ups = random_updates(layout, [2, 1, 3, 2], torch.Generator().manual_seed(7))
+    whole, a, b = NeFedAvg(layout, weighting), NeFedAvg(layout, weighting), NeFedAvg(layout, weighting)
+    for i, (k, d, ns) in enumerate(ups):
+        whole.add(k, d, ns)
+        (a if i % 2 else b).add(k, d, ns)
+    a.merge(b)
+    assert a.updates == whole.updates
+    assert_state_close(a.finalize(state), whole.finalize(state), atol=1e-6)
+
+
+def test_single_full_submodel_is_plain_fedavg() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    clients = [{n: t + torch.randn(t.shape, generator=gen) for n, t in state.extract(layout, 0).items()} for _ in range(4)]
+    agg = NeFedAvg(layout)
+    start = state.extract(layout, 0)
+    for w in clients:
+        agg.add(0, {n: w[n] - start[n] for n in layout.upload_shapes(0)})
+    new = agg.finalize(state)
+    got = new.extract(layout, 0)
+    for n in start:
+        torch.testing.assert_close(got[n], torch.stack([c[n] for c in clients]).mean(0), atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_malformed_updates_without_touching_sums() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)]))
+    agg = NeFedAvg(layout)
+    good = {n: torch.zeros(s) for n, s in layout.upload_shapes(0).items()}
+    name = "fc.weight"
+    cases = {
+        "shape": {**good, name: torch.zeros(5, 99)},
+        "missing": {n: t for n, t in good.items() if n != name},
+        "unexpected": {**good, "evil": torch.zeros(1)},
+        "non-finite": {**good, name: torch.full(good[name].shape, float("nan"))},
+        "dtype": {**good, name: torch.zeros(good[name].shape, dtype=torch.int64)},
+    }
+    for why, delta in cases.items():
+        with pytest.raises(UpdateError):
+            agg.add(0, delta)
+    with pytest.raises(UpdateError):
+        agg.add(5, good)
+    assert agg.total_updates == 0 and all(c.sum() == 0 for c in agg.counts.values())

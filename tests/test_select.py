@@ -1,0 +1,242 @@
+"""Submodel selection from injected readings, the cost model's meters, and real calibrations."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from edge_client.cli import app
+from edge_client.costmodel import (THROTTLED_SLOWDOWN, CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path,
+                                   calibrate, slowdown)
+from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
+from edge_client.select import DeviceBudget, parse_size, select_submodel
+from nefl.profile import load_profile
+from nefl.state import Layout
+
+MB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def table(peaks_mb=(100, 200, 300, 400, 500), steps_s=(0.01, 0.02, 0.03, 0.04, 0.05), device="cpu") -> CostTable:
+    costs = tuple(SubmodelCost(k, (k + 1) / len(peaks_mb), 1000 * (k + 1), 10**6 * (k + 1), int(p * MB), int(p * MB), s)
+                  for k, (p, s) in enumerate(zip(peaks_mb, steps_s)))
+    return CostTable("synthetic", "nefl", 32, device, 1, costs)
+
+
+def snap(avail_mb: float | None = 10_000, **kw) -> DeviceSnapshot:
+    base = dict(time=0.0, cpu_count=2, memory_total=16_000 * MB, cpu_percent=0.0, load_per_core=0.0,
+                memory_available=None if avail_mb is None else int(avail_mb * MB))
+    return DeviceSnapshot(**(base | kw))
+
+
+def pick(t: CostTable, s: DeviceSnapshot, **kw):
+    return select_submodel(t, s, num_samples=320, epochs=1, safety_margin=0.0, **kw)
+
+
+def test_less_free_memory_selects_a_smaller_submodel():
+    t = table()
+    assert pick(t, snap(10_000)).index == 4 and pick(t, snap(10_000)).binding == "none"
+    sel = pick(t, snap(350))
+    assert sel.index == 2 and sel.binding == "memory" and "submodel 4 needs 400.0 MiB" in sel.reason
+    assert pick(t, snap(150)).index == 0
+
+
+def test_safety_margin_is_taken_off_available_memory():
+    t = table()
+    assert select_submodel(t, snap(500), 320, 1, safety_margin=0.0).index == 4
+    assert select_submodel(t, snap(500), 320, 1, safety_margin=0.2).index == 3
+
+
+def test_cap_is_honoured_and_named():
+    sel = pick(table(), snap(), max_submodel=2)
+    assert sel.index == 1 and sel.submodel == 2 and sel.binding == "cap" and "--max-submodel 2" in sel.reason
+    assert [f.fits for f in sel.fits] == [True, True, False, False, False]
+
+
+def test_nothing_fits_skips_with_the_binding_limit():
+    sel = pick(table(), snap(50))
+    assert sel.index is None and sel.binding == "memory" and sel.reason.startswith("skip round")
+    assert "submodel 1 needs 100.0 MiB" in sel.reason
+    sel = pick(table(), snap(), deadline_s=0.05)  # 10 steps x 0.01 s = 0.1 s even for the smallest
+    assert sel.index is None and sel.binding == "deadline" and "would take 0.1 s, deadline 0.05 s" in sel.reason
+
+
+def test_deadline_binds_on_predicted_round_time():
+    # 320 samples / batch 32 = 10 steps per epoch, 2 epochs: submodel k takes 0.2 * (k + 1) s
+    sel = select_submodel(table(), snap(), 320, 2, deadline_s=0.65, safety_margin=0.0)
+    assert sel.index == 2 and sel.binding == "deadline"
+    assert [round(f.seconds, 3) for f in sel.fits] == [0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+@pytest.mark.parametrize("hot", [
+    dict(throttled=0x4),  # Raspberry Pi: throttled now
+    dict(thermal=(ThermalReading("cpu-thermal", 85.0),)),
+])
+def test_throttled_or_hot_device_is_slower_and_picks_smaller(hot):
+    t, deadline = table(), 0.45  # cool: submodel 4 (0.4 s) fits
+    cool = pick(t, snap(), deadline_s=deadline)
+    warm = pick(t, snap(**hot), deadline_s=deadline)
+    assert cool.index == 3
+    assert warm.fits[0].seconds == pytest.approx(cool.fits[0].seconds * THROTTLED_SLOWDOWN)
+    assert warm.index == 1 and warm.binding == "deadline"
+
+
+def test_busy_cpu_is_slower():
+    assert slowdown(snap(), threads=1) == 1.0
+    assert slowdown(snap(cpu_percent=100.0), threads=1) == pytest.approx(1.5)  # 2 busy cores + 1 thread on 2
+    assert slowdown(snap(load_per_core=2.0), threads=2) == pytest.approx(3.0)
+    assert slowdown(snap(cpu_percent=None, load_per_core=None), threads=1) == 1.0  # unknown: idle
+
+
+def test_choice_is_monotone_in_available_memory_even_for_unordered_peaks():
+    rng = random.Random(4)
+    for _ in range(30):
+        peaks = [rng.uniform(50, 800) for _ in range(5)]  # calibrations need not be ordered
+        t = table(peaks)
+        cap = rng.choice([None, 2, 4])
+        chosen = [pick(t, snap(m), max_submodel=cap).index for m in range(0, 1000, 7)]
+        ranks = [-1 if k is None else k for k in chosen]
+        assert ranks == sorted(ranks)
+        assert ranks[-1] == (4 if cap is None else cap - 1)
+
+
+def test_unknown_memory_or_uncalibrated_time_does_not_block():
+    t = table(steps_s=(None,) * 5)
+    sel = pick(t, snap(None), deadline_s=1.0)
+    assert sel.index == 4 and all(f.memory_ok is None and f.time_ok is None for f in sel.fits)
+
+
+def test_cuda_selection_uses_gpu_free_memory():
+    gpu = GpuReading("fake", 1000 * MB, 750 * MB, 0.0)
+    assert pick(table(device="cuda"), snap(10_000, gpus=(gpu,))).index == 1
+    assert pick(table(device="cpu"), snap(10_000, gpus=(gpu,))).index == 4
+
+
+def test_device_budget_emulates_a_smaller_slower_device():
+    assert parse_size("300MB") == 300 * 10**6 and parse_size("512MiB") == parse_size("512M") == 512 * MB
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="300MB"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="cpu-budget"):
+        DeviceBudget.parse(None, 1.5)
+    b = DeviceBudget.parse("250MiB", 0.5)
+    s = b.apply(snap(10_000))
+    assert s.memory_available == 250 * MB
+    sel = select_submodel(table(), s, 320, 1, safety_margin=0.0, speed=b.cpu_budget)
+    assert sel.index == 1 and sel.fits[0].seconds == pytest.approx(0.2)
+    assert b.padding(1.0) == pytest.approx(1.0)
+    assert DeviceBudget().apply(snap(123)).memory_available == 123 * MB
+
+
+def test_cuda_meter_with_fake_cuda():
+    calls = []
+    allocated = iter([100, 100])
+    fake = SimpleNamespace(synchronize=lambda: calls.append("sync"), reset_peak_memory_stats=lambda: calls.append("reset"),
+                           memory_allocated=lambda: next(allocated), max_memory_allocated=lambda: 1100)
+    m = CudaMeter(fake)
+    m.start()
+    assert m.stop() == 1000 and calls == ["sync", "reset", "sync"]
+
+
+def test_rss_meter_sees_a_real_allocation():
+    m = RssMeter()
+    m.start()
+    block = bytearray(64 * MB)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
+    grown = m.stop()
+    assert 60 * MB <= grown <= 80 * MB
+
+
+# -- real measurements on this machine ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wd_layout() -> Layout:
+    return Layout.build(load_profile("resnet20-fmnist-wd"))
+
+
+@pytest.mark.timeout(240)
+def test_calibration_measures_real_steps_and_is_cached(wd_layout, tmp_path):
+    first = calibrate(wd_layout, 8, threads=1, cache_dir=tmp_path, indices=[0, 4])
+    assert first.measured_now == (0, 4)
+    small, large = first.costs[0], first.costs[4]
+    assert large.measured_peak > small.measured_peak > 0 and 0 < small.step_seconds
+    assert first.costs[2].measured_peak is None  # not asked for: still the analytic estimate
+    mtime = first.cache_file.stat().st_mtime_ns
+    second = calibrate(wd_layout, 8, threads=1, cache_dir=tmp_path, indices=[0, 4])
+    assert second.measured_now == () and second.costs == first.costs
+    assert first.cache_file.stat().st_mtime_ns == mtime
+    assert cache_path(wd_layout, 16, "cpu", 1, tmp_path) != first.cache_file  # another batch size: another entry
+
+
+@pytest.fixture(scope="module")
+def w_table(tmp_path_factory) -> tuple[Layout, CostTable]:
+    layout = Layout.build(load_profile("resnet20-fmnist-w"))
+    return layout, calibrate(layout, 16, threads=1, cache_dir=tmp_path_factory.mktemp("cal"))
+
+
+@pytest.mark.timeout(240)
+def test_calibrated_memory_is_monotone_in_gamma(w_table):
+    layout, t = w_table
+    peaks = [c.measured_peak for c in t.costs]
+    assert all(p is not None for p in peaks) and peaks == sorted(peaks), peaks
+    assert t.costs[-1].step_seconds > t.costs[0].step_seconds
+    estimates = [c.estimated_peak for c in t.costs]
+    assert all(0.5 < m / e < 2 for m, e in zip(peaks, estimates)), (peaks, estimates)
+
+
+TRAIN_UNDER_BUDGET = r"""
+import json, sys, torch
+from nefl.profile import load_profile
+from nefl.state import Layout
+from nefl.train import local_train, module_state
+torch.set_num_threads(1)
+profile, k, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+layout = Layout.build(load_profile(profile))
+shape = layout.profile.input_shape
+batches = [(torch.randn(batch, *shape), torch.randint(0, 10, (batch,))) for _ in range(3)]
+def kib(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
+base = kib("VmRSS")
+model = layout.module(k)
+local_train(model, module_state(model), batches, epochs=2, lr=0.1)
+print(json.dumps({"growth": kib("VmHWM") - base}))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_selected_submodel_trains_within_the_memory_budget(w_table):
+    layout, t = w_table
+    peaks = [c.measured_peak for c in t.costs]
+    margin = 0.2
+    budget = DeviceBudget(memory_budget=int((peaks[1] + peaks[-1]) / 2 / (1 - margin)))
+    sel = select_submodel(t, budget.apply(snap(10_000)), 160, 1, safety_margin=margin)
+    assert sel.index is not None and 1 <= sel.index < layout.num_submodels - 1 and sel.binding == "memory"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", TRAIN_UNDER_BUDGET, "resnet20-fmnist-w", str(sel.index), "16"],
+                         capture_output=True, text=True, env=env, timeout=200, check=True)
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    assert growth <= budget.memory_budget, (growth, budget.memory_budget, sel.reason)
+    assert growth >= 2 * 4 * t.costs[sel.index].params  # at least its weights and gradients: a real measurement
+
+
+def test_plan_command_estimates_and_reports_the_choice(tmp_path):
+    args = ["plan", "--profile", "resnet20-fmnist-wd", "--no-calibrate", "--cache-dir", str(tmp_path), "--threads", "1"]
+    ok = CliRunner().invoke(app, args + ["--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.output)
+    assert data["selection"]["submodel"] == 5 and len(data["costs"]) == 5
+    capped = CliRunner().invoke(app, args + ["--max-submodel", "2"])
+    assert capped.exit_code == 0 and "choice:" in capped.output and "--max-submodel 2" in capped.output
+    skip = CliRunner().invoke(app, args + ["--memory-budget", "1MB"])
+    assert skip.exit_code == 3 and "skip round" in skip.output
+    bad = CliRunner().invoke(app, args + ["--memory-budget", "lots"])
+    assert bad.exit_code == 2

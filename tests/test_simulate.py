@@ -1,0 +1,52 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from aggregator.cli import app
+from aggregator.simulate import tier_choices
+from nefl.checkpoint import load_checkpoint
+from nefl.data import SYSTEM_FASHION_MNIST_DIR
+
+
+def test_paper_tiers() -> None:
+    """100 clients, 5 submodels: tier 1 picks among 0.2-0.6, tier 3 among all, tier 5 among 0.6-1."""
+    assert tier_choices(0, 100, 5) == [0, 1, 2]
+    assert tier_choices(20, 100, 5) == [0, 1, 2, 3]
+    assert tier_choices(59, 100, 5) == [0, 1, 2, 3, 4]
+    assert tier_choices(60, 100, 5) == [1, 2, 3, 4]
+    assert tier_choices(99, 100, 5) == [2, 3, 4]
+    counts = [sum(1 for c in range(100) if c * 5 // 100 == t) for t in range(5)]
+    assert counts == [20] * 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.skipif(not SYSTEM_FASHION_MNIST_DIR.exists(), reason="needs apt-get install dataset-fashion-mnist")
+def test_short_simulation_trains_every_submodel_on_real_fashion_mnist(tmp_path) -> None:
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "simulate", "--profile", "resnet8-fmnist-w", "--dataset", "fashion-mnist", "--clients", "10",
+        "--per-round", "10", "--rounds", "6", "--local-epochs", "2", "--max-samples-per-client", "300", "--eval-every", "3",
+        "--eval-samples", "500", "--final-eval-samples", "2000", "--seed", "0", "--out", str(out), "--threads", "2",
+    ])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(6))
+    assert "accuracy" in rows[2] and "accuracy" not in rows[3]
+    final = rows[-1]
+    assert final["eval_samples"] == 2000 and len(final["accuracy"]) == 5
+    assert min(final["accuracy"]) > 0.35, final["accuracy"]  # chance is 0.1
+    assert final["worst"] == min(final["accuracy"])
+    ck = load_checkpoint(out / "checkpoint")
+    assert ck.meta["round"] == 5 and ck.meta["accuracy"] == final["accuracy"]
+    assert "worst" in result.output and "avg" in result.output
+
+
+def test_bad_inputs_exit_with_a_message(tmp_path) -> None:
+    r = CliRunner().invoke(app, ["simulate", "--profile", "no-such", "--rounds", "1"])
+    assert r.exit_code == 2 and "no such profile" in r.output
+    r = CliRunner().invoke(app, ["simulate", "--profile", "resnet20-fmnist-w", "--clients", "2", "--per-round", "3"])
+    assert r.exit_code == 2
+    r = CliRunner().invoke(app, ["simulate", "--profile", "resnet20-fmnist-w", "--method", "magic"])
+    assert r.exit_code == 2 and "unknown method" in r.output

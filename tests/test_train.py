@@ -1,0 +1,62 @@
+from dataclasses import replace
+
+import torch
+
+from nefl.data import ArrayDataset, BatchLoader, get_dataset_info
+from nefl.state import GlobalState, Layout, module_state
+from nefl.train import TrainConfig, evaluate, local_train, recompute_bn_stats
+from tests.helpers import tiny_profile
+
+FULL = ((1.0, 1.0), (1.0, 1.0))
+
+
+def test_paper_lr_schedule() -> None:
+    cfg = TrainConfig()
+    assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size) == (0.1, 0.0, 0.0, 32)
+    lrs = [cfg.lr_at(r, 100) for r in (0, 49, 50, 74, 75, 99)]
+    assert lrs == [0.1, 0.1, 0.1 * 0.1, 0.1 * 0.1, 0.1 * 0.1 * 0.1, 0.1 * 0.1 * 0.1]
+
+
+def _blobs(n: int = 256) -> ArrayDataset:
+    """Two classes that differ in brightness: learnable in a few steps."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (n,), generator=g)
+    images = (torch.rand(n, 1, 8, 8, generator=g) * 100 + labels.view(-1, 1, 1, 1) * 150).to(torch.uint8)
+    return ArrayDataset(images, labels, replace(get_dataset_info("mnist"), shape=(1, 8, 8)))
+
+
+def test_local_training_learns_and_returns_only_upload_delta() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)], in_ch=1))
+    state = GlobalState.init(layout, seed=0)
+    data = _blobs()
+    model = layout.module(0)
+    start = state.extract(layout, 0)
+    res = local_train(model, start, BatchLoader(data, None, 32, True, False, 0), epochs=5, lr=0.1,
+                      upload=layout.upload_shapes(0))
+    assert res.num_samples == 256 and set(res.delta) == set(layout.upload_shapes(0))
+    trained = module_state(model)
+    for n, d in res.delta.items():
+        assert torch.allclose(start[n] + d, trained[n].float())
+    acc, _ = evaluate(model, BatchLoader(data, None, 64, False, False, 0))
+    assert acc > 0.9
+    # fixed steps (nefl-nl) do not move; learnable ones (nefl) do
+    assert res.delta["stages.0.0.step"].abs() > 0
+
+
+def test_fixed_steps_do_not_train() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)], in_ch=1, method="nefl-nl"))
+    state = GlobalState.init(layout, seed=0)
+    res = local_train(layout.module(0), state.extract(layout, 0), BatchLoader(_blobs(64), None, 32, True, False, 0), 1, 0.1)
+    assert all(res.delta[n].abs().max() == 0 for n in res.delta if n.endswith(".step"))
+
+
+def test_static_bn_uses_exact_data_statistics() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)], in_ch=1))
+    model = layout.module(0)
+    data = _blobs(128)
+    recompute_bn_stats(model, BatchLoader(data, None, 32, False, False, 0))
+    x = torch.cat([x for x, _ in BatchLoader(data, None, 128, False, False, 0)])
+    with torch.no_grad():
+        stem = model.stem.conv(x)
+    torch.testing.assert_close(model.stem.bn.running_mean, stem.mean((0, 2, 3)), atol=1e-4, rtol=1e-4)
+    assert model.stem.bn.momentum == 0.1 and not model.training
