@@ -36,6 +36,7 @@ class ClientInfo:
     samples: int
     device: dict[str, Any] = field(default_factory=dict)
     online: bool = True
+    selection: str = ""  # the device's own reason for its current max_submodel
 
 
 @dataclass
@@ -81,10 +82,11 @@ class Federation:
             samples = int(body["samples"])
         except (KeyError, TypeError, ValueError):
             raise Rejected("malformed_announce", "announce needs integer max_submodel and samples") from None
-        if max_sub < 0 or samples < 1:
+        if max_sub < -1 or samples < 1:  # announced 0: the device cannot train anything right now
             raise Rejected("malformed_announce", f"max_submodel {max_sub + 1} / samples {samples} out of range")
         device = body.get("device") if isinstance(body.get("device"), dict) else {}
-        info = ClientInfo(client_id, min(max_sub, self.layout.num_submodels - 1), samples, device)
+        selection = str(body.get("selection", ""))[:200]
+        info = ClientInfo(client_id, min(max_sub, self.layout.num_submodels - 1), samples, device, selection=selection)
         self.clients[client_id] = info
         return info
 
@@ -93,7 +95,7 @@ class Federation:
             self.clients[client_id].online = online
 
     def available(self) -> list[str]:
-        return sorted(c for c, info in self.clients.items() if info.online)
+        return sorted(c for c, info in self.clients.items() if info.online and info.max_submodel >= 0)
 
     # -- rounds -------------------------------------------------------------------------------
     def open_round(self, index: int, now: float | None = None) -> RoundState:
@@ -134,8 +136,12 @@ class Federation:
         except UpdateError as e:
             raise Rejected("tensor_mismatch", str(e)) from None
         self.round.received.add(topic_client)
-        self.round.client_metrics[topic_client] = {"submodel": k + 1, "bytes": nbytes, "samples": header["samples"],
-                                                   **{m: v for m, v in header["metrics"].items() if isinstance(v, (int, float))}}
+        metrics = header["metrics"]
+        self.round.client_metrics[topic_client] = {
+            "submodel": k + 1, "bytes": nbytes, "samples": header["samples"],
+            **{m: v for m, v in metrics.items() if isinstance(v, (int, float))},
+            **({"selection": metrics["selection"][:200]} if isinstance(metrics.get("selection"), str) else {}),
+        }
         self.bytes_in += nbytes
 
     def reject(self, reason: str) -> None:

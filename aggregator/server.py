@@ -110,6 +110,8 @@ class Server:
             "profile_hash": self.layout.profile.hash, "clients_online": self.fed.available(),
             "participants": sorted(r.assignments) if r else [], "reported": sorted(r.received) if r else [],
             "accuracy": self.accuracy, "rejected_total": dict(self.fed.rejected), "time": time.time(),
+            "training": {"batch_size": self.cfg.batch_size, "local_epochs": self.cfg.local_epochs,
+                         "round_timeout": self.cfg.round_timeout},
         }
 
     def publish_status(self, state: str) -> None:
@@ -171,7 +173,8 @@ class Server:
         except Rejected as e:
             self._reject(e.reason, client, str(e))
             return
-        log(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples")
+        why = f" ({info.selection})" if info.selection else ""
+        log(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}")
 
     def _handle_update(self, client: str, payload: bytes) -> None:
         try:

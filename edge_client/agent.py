@@ -22,6 +22,9 @@ import psutil
 import torch
 import typer
 
+from edge_client.costmodel import CostTable, calibrate, estimate_costs
+from edge_client.probe import Prober
+from edge_client.select import DeviceBudget, Selection, select_submodel
 from nefl.data import BatchLoader, DatasetUnavailable, load_dataset, parse_partition, partition_iid
 from nefl.mqtt import QOS, BrokerSettings, make_client, parse_broker
 from nefl.profile import ProfileError, parse_profile
@@ -46,6 +49,9 @@ class JoinConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     seed: int = 0
     threads: int | None = None
+    memory_budget: str | None = None  # emulate a smaller device (see edge_client.select.DeviceBudget)
+    cpu_budget: float | None = None
+    calibrate: bool = True  # measure one training step per submodel (cached) instead of the analytic estimate
 
 
 def log(cid: str, msg: str) -> None:
@@ -77,6 +83,11 @@ class Agent:
         self.ended = False
         self.models_in = Reassembler(max_bytes=1 << 30, timeout_s=600)
         self.models: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # submodel -> (round, weights)
+        self.budget = DeviceBudget.parse(cfg.memory_budget, cfg.cpu_budget)
+        self.prober = Prober()
+        self.training: dict[str, Any] = {}  # the server's batch size, local epochs and round timeout
+        self.costs: CostTable | None = None
+        self.selection: Selection | None = None
         self.client = make_client(settings, cfg.client_id, self.topics.status(cfg.client_id),
                                   json.dumps({"v": 1, "state": "offline"}).encode())
         self.client.on_connect = self._on_connect
@@ -92,11 +103,39 @@ class Agent:
             subs.append(self.topics.model_all(self.model_sub))
         client.subscribe([(t, QOS) for t in subs])
         client.publish(self.topics.status(me), json.dumps({"v": 1, "state": "online"}).encode(), qos=QOS, retain=True)
-        client.publish(self.topics.announce(me), json.dumps({
-            "v": 1, "client": me, "samples": len(self.indices), "max_submodel": self.cfg.max_submodel,
-            "device": device_summary(), "dataset": self.cfg.dataset,
+        self._announce()
+        log(me, f"connected to {self.settings.url}")
+
+    def _announce(self) -> None:
+        """Tell the server what this device can train now (0: nothing fits this round) and why."""
+        sel = self.selection
+        can = self.cfg.max_submodel if sel is None else (sel.submodel or 0)
+        self.client.publish(self.topics.announce(self.cfg.client_id), json.dumps({
+            "v": 1, "client": self.cfg.client_id, "samples": len(self.indices), "max_submodel": can,
+            "selection": "" if sel is None else sel.reason, "device": device_summary(), "dataset": self.cfg.dataset,
         }).encode(), qos=QOS, retain=True)
-        log(me, f"connected to {self.settings.url}; announced {len(self.indices)} samples, submodel <= {self.cfg.max_submodel}")
+        log(self.cfg.client_id, f"announced {len(self.indices)} samples, submodel <= {can}"
+                                + ("" if sel is None else f": {sel.reason}"))
+
+    def _plan(self, deadline_s: float | None = None) -> Selection | None:
+        """Re-select from a fresh probe (the paper's dynamic setting); re-announce when it changed."""
+        if self.layout is None:
+            return None
+        batch = int(self.training.get("batch_size", TrainConfig.batch_size))
+        if self.costs is None:
+            self.costs = (calibrate(self.layout, batch) if self.cfg.calibrate
+                          else estimate_costs(self.layout, batch, threads=torch.get_num_threads()))
+        sel = select_submodel(
+            self.costs, self.budget.apply(self.prober.snapshot()), len(self.indices),
+            int(self.training.get("local_epochs", 1)),
+            deadline_s if deadline_s is not None else self.training.get("round_timeout"),
+            self.cfg.max_submodel, speed=self.budget.cpu_budget,
+        )
+        changed = self.selection is None or sel.index != self.selection.index
+        self.selection = sel
+        if changed:
+            self._announce()
+        return sel
 
     def run(self) -> int:
         """Handle messages and train whenever a task and its weights are both here, until the end."""
@@ -154,7 +193,10 @@ class Agent:
             log(self.cfg.client_id, f"cannot use the server's profile ({e})")
             return
         self.layout, self.profile_hash = layout, layout.profile.hash
+        self.training = status.get("training") if isinstance(status.get("training"), dict) else {}
+        self.costs = self.selection = None
         log(self.cfg.client_id, f"profile {layout.profile.name} ({layout.num_submodels} submodels, {layout.method.name})")
+        self._plan()
 
     def _take_task(self, task: dict[str, Any]) -> None:
         """Remember a new task and subscribe to its submodel's (retained) weights."""
@@ -174,8 +216,11 @@ class Agent:
             return
         if key == self.last_task or (key[0] == self.last_task[0] and r < self.last_task[1]):
             return  # a retained task seen again after a reconnect
-        if not 0 <= k < self.cfg.max_submodel:
-            log(self.cfg.client_id, f"refusing round {r}: submodel {k + 1} is above --max-submodel {self.cfg.max_submodel}")
+        sel = self._plan(float(task.get("deadline_s", 600)))
+        can = self.cfg.max_submodel if sel is None else (sel.submodel or 0)
+        if not 0 <= k < can:
+            why = f"--max-submodel {self.cfg.max_submodel}" if sel is None else sel.reason
+            log(self.cfg.client_id, f"refusing round {r}: submodel {k + 1} does not fit now ({why})")
             self.last_task = key
             return
         self.task, self.task_since = task, time.monotonic()
@@ -212,15 +257,19 @@ class Agent:
         except ValueError as e:  # weights that do not fit the submodel: a server/profile mismatch
             log(me, f"round {r}: cannot train submodel {k + 1}: {e}")
             return
+        time.sleep(self.budget.padding(res.seconds))  # --cpu-budget: really run as the slower device
+        why = {"selection": self.selection.reason} if self.selection else {}
         msgs = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k, client=me,
                       dtype="fp16" if self.cfg.fp16 else "fp32", samples=res.num_samples,
-                      metrics={"loss": round(res.loss, 4), "train_acc": round(res.accuracy, 4), "train_s": round(res.seconds, 2)},
+                      metrics={"loss": round(res.loss, 4), "train_acc": round(res.accuracy, 4), "train_s": round(res.seconds, 2),
+                               **why},
                       chunk_bytes=self.cfg.chunk_bytes)
         for m in msgs:
             self.client.publish(self.topics.update(me), m, qos=QOS)
         self.last_upload = (self.last_task, msgs)
         log(me, f"round {r}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s "
                 f"(loss {res.loss:.3f}), uploading {sum(map(len, msgs))} bytes in {len(msgs)} chunks")
+        self._plan()  # the next round's choice, from the device's state now
 
 
 def join_command(
@@ -231,7 +280,12 @@ def join_command(
     partition: str = typer.Option("1/1", help="This client's IID shard I/N of the training split."),
     data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
     max_samples: int = typer.Option(None, min=1, help="Use at most N samples of the shard (quick tests, demos)."),
-    max_submodel: int = typer.Option(1, min=1, help="Largest submodel (1-based) this device can train."),
+    max_submodel: int = typer.Option(1000, min=1, help="Cap on the submodel (1-based) this device trains; "
+                                     "below it, each round picks the largest that fits memory and deadline."),
+    memory_budget: str = typer.Option(None, help="Emulate a device with this much free memory, e.g. 300MB."),
+    cpu_budget: float = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5."),
+    calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate",
+                                         help="Measure one training step per submodel (cached) or use the analytic estimate."),
     fp16: bool = typer.Option(False, help="Upload deltas as fp16 (half the bytes)."),
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message this client sends, KiB."),
     username: str = typer.Option(None, envvar="NEFL_MQTT_USERNAME", help="Broker user (env NEFL_MQTT_USERNAME)."),
@@ -249,7 +303,7 @@ def join_command(
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
         parse_partition(partition)
         agent = Agent(JoinConfig(cid, federation, dataset, partition, data_root, max_samples, max_submodel, fp16,
-                                 chunk_kib * 1024, seed, threads), settings)
+                                 chunk_kib * 1024, seed, threads, memory_budget, cpu_budget, calibrate_costs), settings)
     except (ValueError, DatasetUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nefl.state import GlobalState, Layout, corner
+from nefl.state import GlobalState, Layout, corner, tensor_mismatch
 
 
 class UpdateError(ValueError):
@@ -42,13 +42,10 @@ class NeFedAvg:
         """Reject anything that is not exactly submodel k's upload, before touching the sums."""
         if not 0 <= k < self.layout.num_submodels:
             raise UpdateError(f"submodel index {k} out of range 0..{self.layout.num_submodels - 1}")
-        expected = self.layout.upload_shapes(k)
-        if set(delta) != set(expected):
-            missing, extra = sorted(set(expected) - set(delta)), sorted(set(delta) - set(expected))
-            raise UpdateError(f"tensor names differ from submodel {k + 1}: missing {missing[:3]}, unexpected {extra[:3]}")
+        problem = tensor_mismatch(delta, self.layout.upload_shapes(k), f"submodel {k + 1}")
+        if problem:
+            raise UpdateError(problem)
         for n, t in delta.items():
-            if t.shape != expected[n]:
-                raise UpdateError(f"{n}: shape {tuple(t.shape)}, submodel {k + 1} has {tuple(expected[n])}")
             if not t.is_floating_point():
                 raise UpdateError(f"{n}: dtype {t.dtype} is not floating point")
             if not torch.isfinite(t).all():

@@ -157,10 +157,18 @@ class GlobalState:
         return cls(consistent, inconsistent)
 
 
-def _check_shapes(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> None:
+def tensor_mismatch(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> str | None:
+    """Why `got` is not exactly the named tensors of `expected` (None when it is)."""
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        raise ValueError(f"{what} tensors do not match the profile: missing {missing[:3]}, unexpected {extra[:3]}")
+        return f"{what}: tensor names differ: missing {missing[:3]}, unexpected {extra[:3]}"
     for n, t in got.items():
         if t.shape != expected[n]:
-            raise ValueError(f"{what} tensor {n!r} has shape {tuple(t.shape)}, the profile says {tuple(expected[n])}")
+            return f"{what}: tensor {n!r} has shape {tuple(t.shape)}, expected {tuple(expected[n])}"
+    return None
+
+
+def _check_shapes(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> None:
+    problem = tensor_mismatch(got, expected, what)
+    if problem:
+        raise ValueError(problem)

@@ -146,8 +146,9 @@ class Reassembler:
     """Collects chunks into verified tensor messages under caps on size, count, pending sets and time."""
 
     def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 120.0, max_pending: int = 64,
-                 max_chunks: int = 4096, remember: int = 4096) -> None:
+                 max_chunks: int = 4096, remember: int = 4096, max_buffered: int | None = None) -> None:
         self.max_bytes, self.timeout_s, self.max_pending, self.max_chunks = max_bytes, timeout_s, max_pending, max_chunks
+        self.max_buffered = max_buffered or 4 * max_bytes  # all incomplete sets together
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, None] = OrderedDict()
         self._remember = remember
@@ -191,6 +192,8 @@ class Reassembler:
         if header["index"] in pending.parts:
             self.duplicates += 1
             return None
+        if sum(p.received for p in self._pending.values()) + len(data) > self.max_buffered:
+            raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across incomplete chunk sets")
         pending.parts[header["index"]] = data
         pending.received += len(data)
         if pending.received > header["size"]:

@@ -37,10 +37,14 @@ for _ in $(seq 240); do   # the aggregator says when its broker listens
     sleep 0.5
 done
 
-for i in 1 2 3 4 5; do   # client i can train submodels 1..i; uploads of odd clients in fp16
+# clients 1-4 are capped at submodels 1..4 (--max-submodel); client 5 may train anything but
+# emulates a device with 234 MiB free (--memory-budget), so its own selection picks what fits.
+# Uploads of odd clients travel as fp16.
+for i in 1 2 3 4 5; do
     fp16=$([ $((i % 2)) = 1 ] && echo --fp16 || echo --no-fp16)
+    limit=$([ "$i" = 5 ] && echo "--memory-budget 234MiB" || echo "--max-submodel $i")
     edge_client join --broker "mqtt://127.0.0.1:$PORT" --federation demo --client-id "edge-$i" \
-        --partition "$i/5" --max-samples "$SAMPLES" --max-submodel "$i" $fp16 --threads 1 \
+        --partition "$i/5" --max-samples "$SAMPLES" $limit --no-calibrate $fp16 --threads 1 \
         > "$OUT/logs/edge-$i.log" 2>&1 &
     PIDS+=("$!")
 done
@@ -62,3 +66,26 @@ for k in sorted(per_sub):
 print("round wall times, s (training part / with evaluation + checkpoint): "
       + ", ".join(f"r{m['round']} {m['train_wall_s']}/{m['wall_s']}" for m in rows if "wall_s" in m))
 PY
+echo "edge-5's own choice each round: $(grep -m1 -o 'submodel <= .*' "$OUT/logs/edge-5.log")"
+
+echo
+echo "== export every submodel to ONNX (BN and steps folded, parity-checked against torch)"
+"$PYTHON" -c 'from export.cli import app; app()' onnx --checkpoint "$OUT/run" --out "$OUT/models"
+"$PYTHON" - "$OUT/images" <<'PY'
+import sys
+from pathlib import Path
+from PIL import Image
+from nefl.data import load_dataset
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+test = load_dataset("fashion-mnist", train=False)
+for i in range(6):
+    Image.fromarray(test.images[i, 0].numpy()).save(out / f"test{i}-label{int(test.labels[i])}.png")
+PY
+echo
+echo "== adaptive inference on an idle device (latency budget ${BUDGET_MS:=4} ms per request)"
+edge_client infer --models "$OUT/models" --latency-budget-ms "$BUDGET_MS" --threads 2 "$OUT"/images/*.png
+echo
+echo "== the same requests under artificial CPU load (4 busy-looping processes)"
+for _ in 1 2 3 4; do "$PYTHON" -c 'while True: pass' & PIDS+=("$!"); done
+sleep 1
+edge_client infer --models "$OUT/models" --latency-budget-ms "$BUDGET_MS" --threads 2 "$OUT"/images/*.png

@@ -178,3 +178,11 @@ def test_a_corrupted_copy_does_not_shadow_the_genuine_message():
     with pytest.raises(WireError):
         r.feed(bytes(corrupted))
     assert r.feed(out[0]) is not None
+
+
+def test_total_buffered_bytes_are_capped():
+    r = Reassembler(max_buffered=CHUNK)  # one chunk fits, two do not
+    r.feed(msgs(round=1)[0])
+    with pytest.raises(WireError) as e:
+        r.feed(msgs(round=2)[0])
+    assert e.value.reason == "oversized"
