@@ -47,6 +47,9 @@ class RoundState:
     started: float
     received: set[str] = field(default_factory=set)
     client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    declined: dict[str, str] = field(default_factory=dict)  # client -> its reason
+
+
 
 
 def state_digest(state: GlobalState) -> str:
@@ -88,6 +91,12 @@ class Federation:
         selection = str(body.get("selection", ""))[:200]
         info = ClientInfo(client_id, min(max_sub, self.layout.num_submodels - 1), samples, device, selection=selection)
         self.clients[client_id] = info
+        r = self.round
+        if r is not None and client_id in r.assignments and client_id not in r.received \
+                and info.max_submodel < r.assignments[client_id]:
+            # the device no longer fits its assigned submodel: don't hold the round for it
+            del r.assignments[client_id]
+            r.declined[client_id] = info.selection or f"can train submodel <= {info.max_submodel + 1} now"
         return info
 
     def set_online(self, client_id: str, online: bool) -> None:
@@ -163,7 +172,7 @@ class Federation:
         facts = {
             "round": r.index, "quorum": quorum, "participants": sorted(r.assignments),
             "assigned": {c: k + 1 for c, k in sorted(r.assignments.items())},
-            "reported": sorted(r.received), "updates_per_submodel": list(agg.updates),
+            "reported": sorted(r.received), "declined": r.declined, "updates_per_submodel": list(agg.updates),
             "clients": r.client_metrics,
         }
         self.round, self.agg = None, None

@@ -175,6 +175,9 @@ class Server:
             return
         why = f" ({info.selection})" if info.selection else ""
         log(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}")
+        r = self.fed.round
+        if r is not None and client in r.declined and client not in r.assignments:
+            log(f"round {r.index}: {client} declined its task; the round no longer waits for it")
 
     def _handle_update(self, client: str, payload: bytes) -> None:
         try:

@@ -25,7 +25,7 @@ import typer
 from edge_client.costmodel import CostTable, calibrate, estimate_costs
 from edge_client.probe import Prober
 from edge_client.select import DeviceBudget, Selection, select_submodel
-from nefl.data import BatchLoader, DatasetUnavailable, load_dataset, parse_partition, partition_iid
+from nefl.data import BatchLoader, DatasetUnavailable, load_dataset, load_image_folder, parse_partition, partition_iid
 from nefl.mqtt import QOS, BrokerSettings, make_client, parse_broker
 from nefl.profile import ProfileError, parse_profile
 from nefl.state import Layout
@@ -43,6 +43,7 @@ class JoinConfig:
     dataset: str = "fashion-mnist"
     partition: str = "1/1"
     data_root: str | None = None
+    data_dir: str | None = None  # the device's own images (ImageFolder layout) instead of a torchvision split
     max_samples: int | None = None
     max_submodel: int = 1
     fp16: bool = False
@@ -69,7 +70,8 @@ class Agent:
     def __init__(self, cfg: JoinConfig, settings: BrokerSettings) -> None:
         self.cfg, self.settings = cfg, settings
         self.topics = Topics(cfg.federation)
-        self.train_set = load_dataset(cfg.dataset, cfg.data_root, train=True)
+        self.train_set = (load_image_folder(cfg.data_dir, cfg.dataset) if cfg.data_dir
+                          else load_dataset(cfg.dataset, cfg.data_root, train=True))
         index, parts = parse_partition(cfg.partition)
         self.indices = partition_iid(len(self.train_set), parts, PARTITION_SEED)[index][: cfg.max_samples]
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -103,8 +105,9 @@ class Agent:
             subs.append(self.topics.model_all(self.model_sub))
         client.subscribe([(t, QOS) for t in subs])
         client.publish(self.topics.status(me), json.dumps({"v": 1, "state": "online"}).encode(), qos=QOS, retain=True)
-        self._announce()
         log(me, f"connected to {self.settings.url}")
+        if self.selection is not None:  # a reconnect; a first connect announces once the profile is planned
+            self._announce()
 
     def _announce(self) -> None:
         """Tell the server what this device can train now (0: nothing fits this round) and why."""
@@ -222,6 +225,7 @@ class Agent:
             why = f"--max-submodel {self.cfg.max_submodel}" if sel is None else sel.reason
             log(self.cfg.client_id, f"refusing round {r}: submodel {k + 1} does not fit now ({why})")
             self.last_task = key
+            self._announce()  # tells the server, which then stops waiting for this client
             return
         self.task, self.task_since = task, time.monotonic()
         self.models_in.discard_rounds_before(r)
@@ -279,6 +283,8 @@ def join_command(
     dataset: str = typer.Option("fashion-mnist", help="Training dataset."),
     partition: str = typer.Option("1/1", help="This client's IID shard I/N of the training split."),
     data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
+    data_dir: str = typer.Option(None, help="Train on this folder of images instead (DIR/CLASS/IMAGE.png, "
+                                 "converted to --dataset's shape); --partition still shards it."),
     max_samples: int = typer.Option(None, min=1, help="Use at most N samples of the shard (quick tests, demos)."),
     max_submodel: int = typer.Option(1000, min=1, help="Cap on the submodel (1-based) this device trains; "
                                      "below it, each round picks the largest that fits memory and deadline."),
@@ -302,7 +308,7 @@ def join_command(
         check_name("client id", cid)
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
         parse_partition(partition)
-        agent = Agent(JoinConfig(cid, federation, dataset, partition, data_root, max_samples, max_submodel, fp16,
+        agent = Agent(JoinConfig(cid, federation, dataset, partition, data_root, data_dir, max_samples, max_submodel, fp16,
                                  chunk_kib * 1024, seed, threads, memory_budget, cpu_budget, calibrate_costs), settings)
     except (ValueError, DatasetUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -86,5 +86,10 @@ def fold(model: NestedResNet) -> FoldedResNet:
 
 @torch.no_grad()
 def fold_error(model: NestedResNet, folded: FoldedResNet, inputs: torch.Tensor) -> float:
-    """Max abs difference of the logits of the original and the folded module."""
-    return float((model(inputs) - folded(inputs)).abs().max())
+    """Max abs difference of the logits, relative to the largest logit (at least 1).
+
+    Folding reorders float32 arithmetic, so its error grows with the activations' scale; an
+    absolute bound would fail large but correct models (e.g. a submodel whose BN never trained).
+    """
+    ref = model(inputs)
+    return float((ref - folded(inputs)).abs().max() / ref.abs().max().clamp_min(1.0))

@@ -28,7 +28,7 @@ from nefl.cost import submodel_cost
 from nefl.models import NestedResNet
 from nefl.state import load_module_state
 
-FOLD_TOLERANCE = 1e-5
+FOLD_TOLERANCE = 1e-5  # relative to the largest logit (fold_error)
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
 EVAL_IMAGES = 2000  # held-out test images for the fp32/int8 accuracy
 CALIBRATION_IMAGES = 256  # taken after the held-out ones: never the images the accuracy is measured on
@@ -128,7 +128,8 @@ def export_checkpoint(
         folded = fold(model)
         err = fold_error(model, folded, torch.from_numpy(data.inputs[:PARITY_IMAGES]))
         if err > FOLD_TOLERANCE:
-            raise ParityError(f"submodel {k + 1}: folded BN/steps differ from the module by {err:.2e} > {FOLD_TOLERANCE}")
+            raise ParityError(f"submodel {k + 1}: folded BN/steps differ from the module by {err:.2e} "
+                              f"(relative) > {FOLD_TOLERANCE}")
         path = out / f"submodel-{k + 1}.onnx"
         export_onnx(folded, path, example, _metadata(ckpt, k))
         on_step(f"submodel {k + 1}: parity")

@@ -32,6 +32,7 @@ __all__ = [
     "color_jitter",
     "get_dataset_info",
     "load_dataset",
+    "load_image_folder",
     "parse_partition",
     "partition_dirichlet",
     "partition_iid",
@@ -304,6 +305,46 @@ def load_dataset(
     if info.apt_package is not None:
         fix = f"install it with `apt-get install {info.apt_package}` or {fix}"
     raise DatasetUnavailable(f"{info.display_name} not found: {fix} ({'; '.join(reasons)})")
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+
+
+def load_image_folder(root: str | Path, like: str) -> ArrayDataset:
+    """A device's own images in the ImageFolder layout (ROOT/CLASS/IMAGE), shaped like dataset `like`.
+
+    Images are converted to that dataset's channels and size so they train the same model with the
+    same normalisation. Class folders named 0..K-1 map to those labels; other names map to their
+    sorted order (torchvision's ImageFolder convention).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    info = get_dataset_info(like)
+    base = Path(root)
+    classes = sorted(d.name for d in base.iterdir() if d.is_dir()) if base.is_dir() else []
+    if not classes:
+        raise DatasetUnavailable(f"{base}: no class folders; expected {base}/CLASS/IMAGE.png (one folder per class)")
+    numeric = all(c.isdigit() for c in classes)
+    labels_of = {c: int(c) if numeric else i for i, c in enumerate(classes)}
+    if max(labels_of.values()) >= info.num_classes:
+        raise DatasetUnavailable(f"{base}: {len(classes)} class folders but {info.display_name} models have "
+                                 f"{info.num_classes} classes; name the folders 0..{info.num_classes - 1}")
+    c, h, w = info.shape
+    images, labels = [], []
+    for cls in classes:
+        for f in sorted((base / cls).iterdir()):
+            if f.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            try:
+                with Image.open(f) as im:
+                    pixels = np.asarray(im.convert("L" if c == 1 else "RGB").resize((w, h)), dtype=np.uint8)
+            except (UnidentifiedImageError, OSError) as e:
+                raise DatasetUnavailable(f"{f}: not a readable image ({e}); remove it from the data folder") from None
+            images.append(pixels.reshape(h, w, c).transpose(2, 0, 1))
+            labels.append(labels_of[cls])
+    if not images:
+        raise DatasetUnavailable(f"{base}: no images ({', '.join(IMAGE_SUFFIXES)}) in the class folders")
+    return ArrayDataset(torch.from_numpy(np.stack(images)), torch.tensor(labels, dtype=torch.int64), info)
 
 
 def random_crop(images: torch.Tensor, padding: int, generator: torch.Generator) -> torch.Tensor:

@@ -355,3 +355,23 @@ def test_parse_partition_accepts_one_based_specs(spec: str, expected: tuple[int,
 def test_parse_partition_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(ValueError, match=r"expected I/N"):
         parse_partition(spec)
+
+
+def test_image_folder_of_a_device_is_shaped_like_the_dataset(tmp_path) -> None:
+    from PIL import Image
+
+    from nefl.data import load_image_folder
+
+    for label in (0, 3):
+        (tmp_path / str(label)).mkdir()
+        for i in range(2):
+            Image.new("RGB", (40, 30), (label * 60, 10, 10)).save(tmp_path / str(label) / f"{i}.png")
+    (tmp_path / "3" / "notes.txt").write_text("not an image, skipped")
+    ds = load_image_folder(tmp_path, "fashion-mnist")
+    assert ds.images.shape == (4, 1, 28, 28) and ds.images.dtype == torch.uint8
+    assert ds.labels.tolist() == [0, 0, 3, 3]
+    (tmp_path / "0" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(DatasetUnavailable, match="broken.png: not a readable image"):
+        load_image_folder(tmp_path, "fashion-mnist")
+    with pytest.raises(DatasetUnavailable, match="no class folders"):
+        load_image_folder(tmp_path / "0", "fashion-mnist")

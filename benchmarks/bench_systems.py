@@ -1,0 +1,612 @@
+"""System costs of the kit, each measured against what it replaces in the same run; writes docs/benchmarks.md.
+
+    PYTHONPATH=. python benchmarks/bench_systems.py [--quick] [--only aggregation,client,wire,inference]
+
+Sections (every comparison is a ratio of two numbers taken in this run, on this machine):
+  aggregation  streaming NeFedAvg vs the paper's Algorithm 2 written as slice loops vs a plain torch
+               sum of as many full-size updates (the memory-bandwidth bound); aggregator peak RSS
+               growth as clients grow, one fresh child process per client count
+  client       one training step per submodel vs the full model (edge_client.costmodel.calibrate)
+  wire         bytes per update per submodel (nefl.wire, fp32/fp16) vs full-model FedAvg, and MQTT
+               QoS 1 throughput of a model-sized chunked payload through mosquitto and the embedded amqtt broker
+  inference    benchmarks/bench_inference.py (torch eager vs onnxruntime fp32/int8), run as is
+
+--quick is a smoke run (smaller counts and payloads) and writes runs/bench-systems-quick.md instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from aggregator.broker import EmbeddedBroker  # noqa: F401  (imported in the broker child; fail early if missing)
+from edge_client.costmodel import RssMeter, calibrate
+from nefl.aggregate import NeFedAvg
+from nefl.mqtt import make_client, parse_broker
+from nefl.profile import load_profile
+from nefl.state import GlobalState, Layout, corner
+from nefl.topics import Topics
+from nefl.wire import DEFAULT_CHUNK_BYTES, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+AGG_PROFILE = "resnet18-cifar10-wd"
+CLIENT_PROFILE = "resnet20-fmnist-wd"
+MOSQUITTO = "/usr/sbin/mosquitto"
+POOL = 2  # distinct random deltas per submodel; updates cycle through them so memory stays bounded
+console = Console()
+
+Delta = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Settings:
+    agg_clients: tuple[int, ...]
+    mem_clients: tuple[int, ...]
+    repeats: int
+    mqtt_profile: str  # whose full fp32 model is the MQTT payload
+    mqtt_repeats: int
+    inference_runs: int
+
+
+FULL = Settings((10, 100), (10, 50, 100), 3, AGG_PROFILE, 3, 200)
+QUICK = Settings((5, 10), (5, 10), 1, CLIENT_PROFILE, 1, 20)
+
+
+# -- aggregation -----------------------------------------------------------------------------------
+
+def random_delta(shapes: dict[str, torch.Size], gen: torch.Generator) -> Delta:
+    return {n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()}
+
+
+def delta_pool(layout: Layout, size: int, seed: int = 0) -> list[list[Delta]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[random_delta(layout.upload_shapes(k), gen) for _ in range(size)] for k in range(layout.num_submodels)]
+
+
+def mixed_updates(layout: Layout, pool: list[list[Delta]], n: int) -> Iterator[tuple[int, Delta]]:
+    """n updates, submodels round-robin (every submodel equally represented), tensors reused from the pool."""
+    for i in range(n):
+        k = i % layout.num_submodels
+        yield k, pool[k][(i // layout.num_submodels) % len(pool[k])]
+
+
+def ring(shape: torch.Size, inner: torch.Size | None) -> list[tuple[slice, ...]]:
+    """phi_k minus phi_k' as disjoint boxes: along each dim d, [inner_d:shape_d) with dims before d cut to inner."""
+    if inner is None:
+        return [corner(shape)]
+    assert all(a <= b for a, b in zip(inner, shape)), f"submodel shapes not nested: {inner} vs {shape}"
+    return [
+        tuple(slice(0, inner[i]) for i in range(d)) + (slice(inner[d], shape[d]),)
+        + tuple(slice(0, shape[i]) for i in range(d + 1, len(shape)))
+        for d in range(len(shape)) if inner[d] < shape[d]
+    ]
+
+
+def reference_average(layout: Layout, state: GlobalState, updates: list[tuple[int, Delta]]) -> GlobalState:
+    """The paper's Algorithm 2 (ParameterAverage) as written: group by submodel, then per tensor and per
+    submodel k holding it, average the part phi_k \\ phi_k' over the clients of submodels >= k holding it."""
+    groups: list[list[Delta]] = [[d for kk, d in updates if kk == k] for k in range(layout.num_submodels)]
+    consistent = {}
+    for n, old in state.consistent.items():
+        having = [k for k in range(layout.num_submodels) if n in layout.upload_shapes(k)]  # M'
+        new = old.clone()
+        inner = None
+        for i, k in enumerate(having):
+            shape = layout.upload_shapes(k)[n]
+            clients = [d[n] for ell in having[i:] for d in groups[ell]]
+            if clients:  # nobody covered this part: it keeps its value
+                for box in ring(shape, inner):
+                    new[box] += sum(c[box] for c in clients) / len(clients)
+            inner = shape
+        consistent[n] = new
+    inconsistent = []
+    for k, old_k in enumerate(state.inconsistent):
+        if groups[k]:
+            inconsistent.append({n: t + sum(d[n] for d in groups[k]) / len(groups[k]) for n, t in old_k.items()})
+        else:
+            inconsistent.append({n: t.clone() for n, t in old_k.items()})
+    return GlobalState(consistent, inconsistent)
+
+
+def streaming_average(layout: Layout, state: GlobalState, updates: list[tuple[int, Delta]],
+                      validate: bool = True) -> GlobalState:
+    agg = NeFedAvg(layout, "uniform")
+    if not validate:  # the arithmetic alone, to separate it from the untrusted-input checks
+        agg.validate = lambda k, delta: None  # type: ignore[method-assign]
+    for k, d in updates:
+        agg.add(k, d)
+    return agg.finalize(state)
+
+
+def plain_sum(full: list[Delta], n: int) -> Delta:
+    """FedAvg of n full-size updates: one add per tensor per update, one divide."""
+    acc = {name: torch.zeros_like(t) for name, t in full[0].items()}
+    for i in range(n):
+        for name, t in full[i % len(full)].items():
+            acc[name].add_(t)
+    return {name: t.div_(n) for name, t in acc.items()}
+
+
+def max_difference(a: GlobalState, b: GlobalState) -> float:
+    diffs = [(a.consistent[n] - b.consistent[n]).abs().max().item() for n in a.consistent]
+    diffs += [(x[n] - y[n]).abs().max().item() for x, y in zip(a.inconsistent, b.inconsistent) for n in x]
+    return max(diffs)
+
+
+def check_reference() -> float:
+    """The paper's worked example (|M1| = |M5| = 2, |M3| = 3, |M2| = |M4| = 0) on the small profile."""
+    layout = Layout.build(load_profile(CLIENT_PROFILE))
+    state = GlobalState.init(layout, 0)
+    gen = torch.Generator().manual_seed(1)
+    updates = [(k, random_delta(layout.upload_shapes(k), gen)) for k in (0, 0, 2, 2, 2, 4, 4)]
+    diff = max_difference(reference_average(layout, state, updates), streaming_average(layout, state, updates))
+    if diff > 1e-5:
+        raise SystemExit(f"reference and NeFedAvg disagree by {diff:g} (> 1e-5): fix before timing anything")
+    return diff
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bench_aggregation(s: Settings, progress: Progress) -> dict:
+    diff = check_reference()
+    layout = Layout.build(load_profile(AGG_PROFILE))
+    state = GlobalState.init(layout, 0)
+    pool = delta_pool(layout, POOL)
+    full = [random_delta(layout.global_shapes, torch.Generator().manual_seed(7 + i)) for i in range(POOL)]
+    rows = []
+    task = progress.add_task("aggregation timing", total=len(s.agg_clients) * 4)
+    for n in s.agg_clients:
+        updates = list(mixed_updates(layout, pool, n))
+        t_stream = best_seconds(lambda: streaming_average(layout, state, updates), s.repeats)
+        progress.advance(task)
+        t_bare = best_seconds(lambda: streaming_average(layout, state, updates, validate=False), s.repeats)
+        progress.advance(task)
+        t_ref = best_seconds(lambda: reference_average(layout, state, updates), s.repeats)
+        progress.advance(task)
+        t_sum = best_seconds(lambda: plain_sum(full, n), s.repeats)
+        progress.advance(task)
+        elements = sum(math.prod(x) for k, _ in updates for x in layout.upload_shapes(k).values())
+        rows.append({"clients": n, "stream": t_stream, "bare": t_bare, "reference": t_ref, "sum": t_sum, "elements": elements,
+                     "full_elements": n * sum(math.prod(x) for x in layout.global_shapes.values())})
+    mem = []
+    task = progress.add_task("aggregator peak memory (child per N)", total=len(s.mem_clients))
+    for n in s.mem_clients:
+        mem.append(aggregation_memory_child(n))
+        progress.advance(task)
+    params = sum(math.prod(x) for x in layout.global_shapes.values())
+    return {"diff": diff, "rows": rows, "mem": mem, "params": params}
+
+
+def aggregation_memory_child(n: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, __file__, "_aggmem", str(n)], capture_output=True, text=True, env=env,
+                         check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"aggregator memory child for {n} clients failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def aggregation_memory_main(n: int) -> None:
+    """Child: peak RSS growth of streaming n updates that arrive as fresh tensors (as decoded off the wire)."""
+    torch.set_num_threads(1)
+    layout = Layout.build(load_profile(AGG_PROFILE))
+    state = GlobalState.init(layout, 0)
+    pool = delta_pool(layout, 1)
+    meter = RssMeter()
+    meter.start()
+    agg = NeFedAvg(layout, "uniform")
+    for k, d in mixed_updates(layout, pool, n):
+        agg.add(k, {name: t.clone() for name, t in d.items()})
+    agg.finalize(state)
+    growth = meter.stop()
+    print(json.dumps({"clients": n, "growth": growth, "hwm": _status_bytes("VmHWM")}))
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- client ----------------------------------------------------------------------------------------
+
+def bench_client(progress: Progress) -> dict:
+    layout = Layout.build(load_profile(CLIENT_PROFILE))
+    task = progress.add_task("client train step (child process)", total=layout.num_submodels)
+    with tempfile.TemporaryDirectory(prefix="nefl-bench-cal-") as cache:
+        table = calibrate(layout, 32, threads=1, cache_dir=Path(cache), force=True,
+                          on_result=lambda k: progress.advance(task))
+    errors = [c.error for c in table.costs if c.error]
+    if errors:
+        raise SystemExit(f"client calibration failed: {errors[0]}")
+    return {"costs": table.costs}
+
+
+# -- wire ------------------------------------------------------------------------------------------
+
+def wire_bytes(tensors: Delta, dtype: str, submodel: int) -> tuple[int, int]:
+    msgs = encode(tensors, kind="update", federation="bench", round=0, submodel=submodel, client="c1", dtype=dtype)
+    return sum(len(m) for m in msgs), len(msgs)
+
+
+def bench_wire_bytes(progress: Progress) -> dict:
+    out = {}
+    profiles = (CLIENT_PROFILE, AGG_PROFILE)
+    task = progress.add_task("wire bytes", total=len(profiles))
+    for name in profiles:
+        layout = Layout.build(load_profile(name))
+        full_bytes, full_chunks = wire_bytes({n: torch.zeros(x) for n, x in layout.global_shapes.items()}, "fp32", 0)
+        rows = []
+        for k in range(layout.num_submodels):
+            delta = {n: torch.zeros(x) for n, x in layout.upload_shapes(k).items()}
+            b32, c32 = wire_bytes(delta, "fp32", k)
+            b16, c16 = wire_bytes(delta, "fp16", k)
+            rows.append({"k": k, "gamma": layout.profile.submodels[k].gamma, "fp32": b32, "fp16": b16,
+                         "chunks32": c32, "chunks16": c16})
+        out[name] = {"full": full_bytes, "full_chunks": full_chunks, "rows": rows}
+        progress.advance(task)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"broker exited with code {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise SystemExit(f"broker did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
+
+
+@contextmanager
+def mosquitto(workdir: Path) -> Iterator[int]:
+    port = free_port()
+    conf = workdir / "mosquitto.conf"
+    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false",
+             "message_size_limit 0", "max_inflight_messages 20", "max_queued_messages 10000"]
+    if os.geteuid() == 0:
+        lines.append("user root")
+    conf.write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextmanager
+def embedded_broker() -> Iterator[int]:
+    """The amqtt broker of aggregator/broker.py in its own process, like mosquitto (no GIL shared with the clients)."""
+    port = free_port()
+    code = ("import sys, time; from aggregator.broker import EmbeddedBroker; "
+            f"b = EmbeddedBroker('127.0.0.1', {port}); b.start(); time.sleep(10**6)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_for_port(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def connected(client, port: int) -> None:
+    ready = threading.Event()
+    client.on_connect = lambda c, u, f, rc, p=None: ready.set()
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    if not ready.wait(15):
+        raise SystemExit(f"MQTT client could not connect to 127.0.0.1:{port}")
+
+
+def transfer_seconds(port: int, messages: list[bytes], run: int, timeout_s: float = 300.0) -> float:
+    """QoS 1 publisher -> broker -> QoS 1 subscriber; from the first publish to the last chunk delivered."""
+    topics = Topics("bench")
+    settings = parse_broker(f"mqtt://127.0.0.1:{port}")
+    got: dict[str, bytes] = {}
+    done, subscribed = threading.Event(), threading.Event()
+
+    def on_message(c, u, msg) -> None:
+        got[msg.topic] = msg.payload
+        if len(got) == len(messages):
+            done.set()
+
+    sub = make_client(settings, f"bench-sub-{run}", topics.status(f"sub{run}"), b"offline")
+    sub.on_message = on_message
+    sub.on_subscribe = lambda c, u, mid, rc, p=None: subscribed.set()
+    connected(sub, port)
+    sub.subscribe(topics.model_all(run), qos=1)
+    subscribed.wait(10)
+    pub = make_client(settings, f"bench-pub-{run}", topics.status(f"pub{run}"), b"offline")
+    connected(pub, port)
+    t0 = time.perf_counter()
+    for i, m in enumerate(messages):
+        pub.publish(topics.model_chunk(run, i), m, qos=1)
+    finished = done.wait(timeout_s)
+    seconds = time.perf_counter() - t0
+    for c in (pub, sub):
+        c.disconnect()
+        c.loop_stop()
+    if not finished:
+        raise SystemExit(f"only {len(got)} of {len(messages)} chunks arrived within {timeout_s:.0f} s")
+    if any(got[topics.model_chunk(run, i)] != m for i, m in enumerate(messages)):
+        raise SystemExit("a chunk arrived corrupted")
+    return seconds
+
+
+def bench_mqtt(s: Settings, progress: Progress) -> dict:
+    layout = Layout.build(load_profile(s.mqtt_profile))
+    full = {n: torch.randn(x) for n, x in layout.global_shapes.items()}
+    messages = encode(full, kind="model", federation="bench", round=0, submodel=0, client="server")
+    nbytes = sum(len(m) for m in messages)
+    results = {}
+    task = progress.add_task("MQTT transfers", total=2 * s.mqtt_repeats)
+    with tempfile.TemporaryDirectory(prefix="nefl-bench-mq-") as tmp:
+        for name, broker in (("mosquitto", lambda: mosquitto(Path(tmp))), ("embedded amqtt", embedded_broker)):
+            with broker() as port:
+                times = []
+                for r in range(s.mqtt_repeats):
+                    times.append(transfer_seconds(port, messages, r))
+                    progress.advance(task)
+            results[name] = min(times)
+    return {"profile": s.mqtt_profile, "bytes": nbytes, "chunks": len(messages), "seconds": results,
+            "repeats": s.mqtt_repeats}
+
+
+# -- inference -------------------------------------------------------------------------------------
+
+def bench_inference(s: Settings, progress: Progress) -> dict:
+    """Runs benchmarks/bench_inference.py unchanged and lifts its rich table into markdown."""
+    task = progress.add_task("inference (bench_inference.py)", total=1)
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_inference.py"), "--threads", "1", "--runs", str(s.inference_runs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    progress.advance(task)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_inference.py failed: {out.stderr.strip()[-500:]}")
+    return {"command": " ".join(["python", "benchmarks/bench_inference.py", *cmd[3:]]), "text": out.stdout}
+
+
+def rich_table_to_markdown(text: str) -> str:
+    rows = [[c.strip() for c in line.strip().strip("│┃").split("│" if "│" in line else "┃")]
+            for line in text.splitlines() if line.strip().startswith(("│", "┃"))]
+    if not rows:
+        return "```\n" + text.strip() + "\n```"
+    head, body = rows[0], rows[1:]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    title = next((line.strip() for line in text.splitlines() if line.strip() and not line.strip()[0] in "│┃┏┡└┗━"), "")
+    return (f"{title}\n\n" if title else "") + "\n".join(lines)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def machine() -> list[str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    import onnxruntime
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
+    load = os.getloadavg()
+    return [
+        f"- CPU: {cpu}, {os.cpu_count()} logical cores; memory {psutil.virtual_memory().total / 2**30:.1f} GiB",
+        f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"onnxruntime {onnxruntime.__version__}, mosquitto {mosquitto_version()}",
+        f"- date {datetime.datetime.now().astimezone().isoformat(timespec='minutes')}, commit {commit}"
+        + (" (with uncommitted changes in the working tree)" if dirty else ""),
+        f"- load average at the end of the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)",
+    ]
+
+
+def mosquitto_version() -> str:
+    out = subprocess.run([MOSQUITTO, "-h"], capture_output=True, text=True).stdout
+    m = re.search(r"version ([\d.]+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def report_aggregation(r: dict) -> list[str]:
+    lines = [
+        "## Aggregation (server)",
+        "",
+        f"Profile `{AGG_PROFILE}` ({r['params'] / 1e6:.2f} M parameters, 5 submodels), uniform weighting as the paper.",
+        "Updates are random deltas of each submodel's upload shapes, submodels round-robin (equal counts); "
+        f"{POOL} distinct deltas per submodel are reused so memory stays bounded. Times are the best of the "
+        "repeats, one thread.",
+        "",
+        "- **NeFedAvg**: `nefl.aggregate.NeFedAvg` add (each update validated: names, shapes, finite values) "
+        "+ finalize.",
+        "- **reference**: the paper's Algorithm 2 written straightforwardly in the benchmark: all updates held, "
+        "then per tensor, per submodel k holding it, the part phi_k \\ phi_k' averaged over the clients of "
+        f"submodels >= k (no validation). Checked equal to NeFedAvg on the paper's worked example "
+        f"(|M1| = |M5| = 2, |M3| = 3) on `{CLIENT_PROFILE}`: max difference {r['diff']:.1e} (<= 1e-5).",
+        "- **plain sum**: FedAvg of the same number of full-size updates (`add_` per tensor, then divide): "
+        "the memory-bandwidth bound; it moves more data than NeFedAvg, since submodel updates are smaller.",
+        "",
+        "- **NeFedAvg, no validate**: the same with `validate` disabled on the instance: the aggregation "
+        "arithmetic alone, comparable to the reference.",
+        "",
+        "| clients | NeFedAvg ms | NeFedAvg, no validate ms | reference ms | plain sum ms "
+        "| reference / NeFedAvg | reference / NeFedAvg no validate | NeFedAvg / plain sum "
+        "| NeFedAvg no validate / plain sum | NeFedAvg GB/s of update data | plain sum GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in r["rows"]:
+        lines.append(f"| {x['clients']} | {x['stream'] * 1e3:.0f} | {x['bare'] * 1e3:.0f} | {x['reference'] * 1e3:.0f} "
+                     f"| {x['sum'] * 1e3:.0f} | {x['reference'] / x['stream']:.2f}x | {x['reference'] / x['bare']:.2f}x "
+                     f"| {x['stream'] / x['sum']:.2f}x | {x['bare'] / x['sum']:.2f}x "
+                     f"| {x['elements'] * 4 / x['stream'] / 1e9:.2f} | {x['full_elements'] * 4 / x['sum'] / 1e9:.2f} |")
+    base = r["mem"][0]["growth"]
+    lines += [
+        "",
+        "Aggregator peak memory as clients grow: one fresh child process per client count; each update arrives as "
+        "a freshly allocated tensor dict (as decoded off the wire), is added and dropped; peak RSS growth "
+        "(VmHWM reset via /proc/self/clear_refs, `edge_client.costmodel.RssMeter`) over NeFedAvg construction, "
+        "all adds and finalize.",
+        "",
+        "| clients | peak RSS growth MiB | vs first row | process peak RSS MiB |",
+        "|---|---|---|---|",
+    ]
+    for m in r["mem"]:
+        lines.append(f"| {m['clients']} | {mib(m['growth'])} | {m['growth'] / base:.2f}x | {mib(m['hwm'])} |")
+    lines.append("")
+    lines.append(f"(The full model is {mib(r['params'] * 4)} MiB fp32: the growth is the sums, the counts, the new "
+                 "state and one update in flight, independent of the number of clients.)")
+    return lines
+
+
+def report_client(r: dict) -> list[str]:
+    costs = r["costs"]
+    full = costs[-1]
+    lines = [
+        "## Client (one training step)",
+        "",
+        f"Profile `{CLIENT_PROFILE}`, batch 32, 1 thread, SGD, measured by `edge_client.costmodel.calibrate` "
+        "(one child process; peak = RSS growth of building the module + one step, plus the process's one-time "
+        "framework cost; step = fastest of 3 steps). Submodel 5 is the full model.",
+        "",
+        "| submodel | gamma | params | MMACs/sample | step ms | step vs full | peak MiB | peak vs full "
+        "| analytic estimate MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in costs:
+        lines.append(f"| {c.index + 1} | {c.gamma:g} | {c.params:,} | {c.macs / 1e6:.1f} | {c.step_seconds * 1e3:.1f} "
+                     f"| {c.step_seconds / full.step_seconds:.2f}x | {mib(c.measured_peak)} "
+                     f"| {c.measured_peak / full.measured_peak:.2f}x | {mib(c.estimated_peak)} |")
+    return lines
+
+
+def report_wire(r: dict, mq: dict) -> list[str]:
+    lines = [
+        "## Wire",
+        "",
+        f"Bytes of one update as sent by `nefl.wire.encode` (safetensors payload + JSON header per chunk, "
+        f"{DEFAULT_CHUNK_BYTES // 1024} KiB chunks), against full-model FedAvg (every tensor of the full "
+        "model, fp32, same encoding).",
+    ]
+    for name, x in r.items():
+        lines += [
+            "",
+            f"`{name}`: full-model FedAvg update {mib(x['full'])} MiB in {x['full_chunks']} chunk(s).",
+            "",
+            "| submodel | gamma | fp32 bytes | fp32 vs full | fp16 bytes | fp16 vs full | chunks fp32 / fp16 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in x["rows"]:
+            lines.append(f"| {row['k'] + 1} | {row['gamma']:g} | {row['fp32']:,} | {row['fp32'] / x['full']:.3f} "
+                         f"| {row['fp16']:,} | {row['fp16'] / x['full']:.3f} | {row['chunks32']} / {row['chunks16']} |")
+    mosq, amq = mq["seconds"]["mosquitto"], mq["seconds"]["embedded amqtt"]
+    lines += [
+        "",
+        f"MQTT transfer of a model-sized payload: the full `{mq['profile']}` model, fp32, encoded by "
+        f"`nefl.wire.encode` into {mq['chunks']} chunks ({mib(mq['bytes'])} MiB), one chunk per topic as the "
+        "aggregator publishes them, QoS 1, paho publisher -> broker -> paho subscriber (`nefl.mqtt.make_client`, "
+        "20 in flight) on 127.0.0.1, each broker in its own process; time from the first publish to the last "
+        f"chunk received (contents checked), best of {mq['repeats']}.",
+        "",
+        "| broker | seconds | MiB/s | vs mosquitto |",
+        "|---|---|---|---|",
+        f"| mosquitto {mosquitto_version()} | {mosq:.2f} | {mq['bytes'] / 2**20 / mosq:.1f} | 1.00x |",
+        f"| embedded amqtt (aggregator/broker.py) | {amq:.2f} | {mq['bytes'] / 2**20 / amq:.1f} | "
+        f"{mosq / amq:.2f}x the throughput |",
+    ]
+    return lines
+
+
+def report_inference(r: dict) -> list[str]:
+    return ["## Inference", "", f"Output of `{r['command']}` (fresh resnet20-fmnist-w export, batch 1):", "",
+            rich_table_to_markdown(r["text"])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: small counts, small MQTT payload")
+    ap.add_argument("--only", default="aggregation,client,wire,inference",
+                    help="comma-separated sections to run (default: all)")
+    ap.add_argument("--out", type=Path, help="markdown report (default docs/benchmarks.md; --quick: runs/)")
+    ap.add_argument("--note", default="", help="a line added under the machine description (e.g. concurrent load)")
+    args = ap.parse_args()
+    sections = set(args.only.split(","))
+    unknown = sections - {"aggregation", "client", "wire", "inference"}
+    if unknown:
+        ap.error(f"unknown section(s) {sorted(unknown)}: choose from aggregation, client, wire, inference")
+    if "wire" in sections and not shutil.which(MOSQUITTO):
+        raise SystemExit(f"{MOSQUITTO} not found: run `make system-deps` (installs mosquitto) or drop 'wire'")
+    s = QUICK if args.quick else FULL
+    out = args.out or (ROOT / "runs" / "bench-systems-quick.md" if args.quick else ROOT / "docs" / "benchmarks.md")
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    body: list[str] = []
+    with Progress(console=console) as progress:
+        if "aggregation" in sections:
+            body += report_aggregation(bench_aggregation(s, progress)) + [""]
+        if "client" in sections:
+            body += report_client(bench_client(progress)) + [""]
+        if "wire" in sections:
+            body += report_wire(bench_wire_bytes(progress), bench_mqtt(s, progress)) + [""]
+        if "inference" in sections:
+            body += report_inference(bench_inference(s, progress)) + [""]
+    command = "PYTHONPATH=. python benchmarks/bench_systems.py" + " ".join(
+        [""] + (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only != ap.get_default("only") else []))
+    head = ["# System benchmarks", "", "Every number below comes from one run of", "", f"    {command}", "",
+            "(`make bench-systems`) on this machine:", "", *machine()]
+    if args.note:
+        head.append(f"- {args.note}")
+    head += [f"- wall time of the run: {time.monotonic() - started:.0f} s" + (" (--quick smoke run)" if args.quick else ""),
+             ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(head + body).rstrip() + "\n")
+    console.print("\n".join(body))
+    console.print(f"[green]wrote {out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "_aggmem":
+        aggregation_memory_main(int(sys.argv[2]))
+    else:
+        main()
