@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env system-deps test test-fast demo lint clean
+.PHONY: env system-deps test test-fast demo bench-systems lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,12 @@ test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 
 demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashion-MNIST, then export + adaptive inference
 	PYTHON=$(abspath $(PY)) scripts/demo.sh
+
+bench-systems: env system-deps  ## aggregation, client, wire and inference costs against their baselines -> docs/benchmarks.md
+	$(PY) benchmarks/bench_systems.py
+
+lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
+	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

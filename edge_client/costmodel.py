@@ -231,7 +231,6 @@ def measure_step(build: Callable[[], Any], layout_profile: Any, batch_size: int,
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    del model, opt, x, y
     return peak, min(times)
 
 

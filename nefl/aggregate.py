@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nefl.state import GlobalState, Layout, corner, tensor_mismatch
+from nefl.state import GlobalState, Layout, all_finite, corner, tensor_mismatch
 
 
 class UpdateError(ValueError):
@@ -48,7 +48,7 @@ class NeFedAvg:
         for n, t in delta.items():
             if not t.is_floating_point():
                 raise UpdateError(f"{n}: dtype {t.dtype} is not floating point")
-            if not torch.isfinite(t).all():
+            if not all_finite(t):
                 raise UpdateError(f"{n}: non-finite values")
 
     def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1) -> None:

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nefl.profile import Profile, ProfileError, load_profile
-from nefl.state import GlobalState, Layout
+from nefl.state import GlobalState, Layout, all_finite
 
 STATE_FILE, META_FILE, PROFILE_FILE = "state.safetensors", "meta.json", "profile.toml"
 
@@ -107,7 +106,7 @@ def load_checkpoint(directory: str | Path, profile: Profile | None = None) -> Ch
         state = GlobalState.from_flat(flat, layout)
     except ValueError as e:
         raise CheckpointError(f"{state_path}: {e}") from None
-    bad = [n for n, t in flat.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad = [n for n, t in flat.items() if t.is_floating_point() and not all_finite(t)]
     if bad:
         raise CheckpointError(f"{state_path}: non-finite values in {bad[:3]}")
     return Checkpoint(state, layout, meta)

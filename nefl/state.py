@@ -157,6 +157,12 @@ class GlobalState:
         return cls(consistent, inconsistent)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/inf, checked cheaply: a finite sum proves it (NaN and inf propagate into any sum);
+    only a non-finite sum (possibly an overflow of huge finite values) needs the element-wise check."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def tensor_mismatch(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> str | None:
     """Why `got` is not exactly the named tensors of `expected` (None when it is)."""
     if set(got) != set(expected):

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from nefl.state import all_finite
+
 VERSION = 1
 MAGIC = b"NEFL"
 DEFAULT_CHUNK_BYTES = 256 * 1024
@@ -128,7 +130,7 @@ def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Te
     for n, t in tensors.items():
         if t.dtype != want:
             raise WireError("bad_dtype", f"{n}: {t.dtype}, header says {header['dtype']}")
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise WireError("non_finite", f"{n}: non-finite values")
         out[n] = t.to(torch.float32)
     return out

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 ROUNDS=${ROUNDS:-5}
 SAMPLES=${SAMPLES:-500}          # training images per client
+BUDGET_MS=${BUDGET_MS:-4}      # per-request latency budget of the adaptive runtime
 OUT=${OUT:-runs/demo}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
@@ -82,10 +83,29 @@ for i in range(6):
     Image.fromarray(test.images[i, 0].numpy()).save(out / f"test{i}-label{int(test.labels[i])}.png")
 PY
 echo
-echo "== adaptive inference on an idle device (latency budget ${BUDGET_MS:=4} ms per request)"
-edge_client infer --models "$OUT/models" --latency-budget-ms "$BUDGET_MS" --threads 2 "$OUT"/images/*.png
-echo
-echo "== the same requests under artificial CPU load (4 busy-looping processes)"
+echo "== adaptive inference: edge-client serve calibrates each submodel once, then answers requests"
+HPORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+edge_client serve --models "$OUT/models" --port "$HPORT" --latency-budget-ms "$BUDGET_MS" --threads 2 \
+    > "$OUT/logs/serve.log" 2>&1 &
+PIDS+=("$!")
+ask() {  # POST every test image; print what answered and why
+    "$PYTHON" - "$HPORT" "$OUT"/images/*.png <<'PY'
+import json, sys, time, urllib.request
+port, paths = sys.argv[1], sys.argv[2:]
+for _ in range(300):  # wait for the server (it calibrates first)
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1); break
+    except OSError:
+        time.sleep(0.2)
+for p in paths:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=open(p, "rb").read(), method="POST")
+    r = json.load(urllib.request.urlopen(req, timeout=30))
+    print(f"  {p.rsplit('/', 1)[-1]:18s} -> {str(r['class_name'] or r['class']):<12} submodel {r['submodel'] + 1} in {r['latency_ms']:.2f} ms: {r['reason']}")
+PY
+}
+echo "-- idle device (latency budget $BUDGET_MS ms per request)"
+ask
+echo "-- the same requests under artificial CPU load (4 busy-looping processes)"
 for _ in 1 2 3 4; do "$PYTHON" -c 'while True: pass' & PIDS+=("$!"); done
-sleep 1
-edge_client infer --models "$OUT/models" --latency-budget-ms "$BUDGET_MS" --threads 2 "$OUT"/images/*.png
+sleep 2
+ask

@@ -6,7 +6,7 @@ from torch import nn
 from nefl.arch import ARCHS
 from nefl.cost import full_cost, submodel_cost
 from nefl.models import NestedResNet, build_submodel, full_steps, load_torchvision_state
-from nefl.profile import SubmodelSpec, load_profile, scaled
+from nefl.profile import load_profile, scaled
 from nefl.state import GlobalState, Layout, load_module_state
 from tests.helpers import TINY_BASIC, tiny_profile
 
