@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env system-deps test test-fast demo bench-systems lint clean
+.PHONY: env system-deps test test-fast demo bench-systems bench-accuracy lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashi
 
 bench-systems: env system-deps  ## aggregation, client, wire and inference costs against their baselines -> docs/benchmarks.md
 	$(PY) benchmarks/bench_systems.py
+
+bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST, about an hour, resumable -> docs/results.md
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) benchmarks/bench_accuracy.py
 
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks

@@ -19,6 +19,7 @@ import torch
 from nefl.aggregate import NeFedAvg
 from nefl.checkpoint import save_checkpoint
 from nefl.data import ArrayDataset, BatchLoader, load_dataset, partition_dirichlet, partition_iid
+from nefl.methods import Method
 from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout, load_module_state, module_state
 from nefl.train import TrainConfig, evaluate, local_train, recompute_bn_stats
@@ -27,7 +28,7 @@ from nefl.train import TrainConfig, evaluate, local_train, recompute_bn_stats
 @dataclass
 class SimConfig:
     profile: str
-    method: str | None = None  # default: the profile's
+    method: str | Method | None = None  # a preset name or a Method (e.g. an ablation); default: the profile's
     dataset: str | None = None  # default: the profile's
     clients: int = 20
     per_round: int = 5

@@ -1,0 +1,358 @@
+"""Accuracy of NeFL against its baselines and ablations on Fashion-MNIST; writes docs/results.md's generated section.
+
+    PYTHONPATH=. python benchmarks/bench_accuracy.py [--quick] [--jobs 2] [--seeds 2] [--rounds 20] [--out DIR]
+
+The sweep runs `aggregator.simulate` in-process, one configuration per worker process (one torch thread
+each), for two settings (IID, Dirichlet(0.5) label skew) x eight methods x the seeds:
+  nefl-w, nefl-d, nefl-wd   NeFL with learnable steps on the resnet20-fmnist-w / -d / -wd ladders
+  fjord, heterofl, depthfl  the baselines, each deriving its ladder from the -wd profile's target sizes
+  nefl-nl                   ablation: NeFL-WD with fixed step sizes
+  nefl-sharedbn             ablation: NeFL-WD with BN shared, sliced and static (HeteroFL's BN)
+The default budget (20 rounds, 300 images per client, final evaluation on 2,000 test images) was chosen
+so the 32 runs fit in about an hour on 2 cores with 2 jobs: a 5-round probe took 67-73 s per run
+with 2 jobs (about 9.5 s per round + 22 s final evaluation), so about 215 s per 20-round run, 240 s with
+static BN (HeteroFL, nefl-sharedbn: statistics recomputed before evaluating), 16 x ~220 s = ~59 min.
+
+Resumable: every finished run is saved as <out>/<setting>/<method>-seed<S>.json and skipped when present.
+--quick is a smoke run of the whole pipeline (2 rounds, 100 images per client, 1 seed, 2 methods, IID)
+that writes to runs/bench-accuracy-quick/ (results.md and img/ there), never to docs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import queue
+import re
+import shlex
+import subprocess
+import sys
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing import Manager
+from pathlib import Path
+
+import psutil
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from aggregator.simulate import SimConfig, Simulator
+from nefl.methods import Method, get_method
+from nefl.profile import load_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- bench-accuracy:start -->", "<!-- bench-accuracy:end -->"
+PLACEHOLDER = "Not yet run: `make bench-accuracy`"
+SETTINGS: dict[str, float | None] = {"iid": None, "dirichlet-0.5": 0.5}  # name -> Dirichlet alpha
+SETTING_TITLES = {"iid": "IID", "dirichlet-0.5": "Dirichlet(0.5) label skew"}
+console = Console()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One line of the tables: a profile (ladder source) and the method that trains it."""
+
+    name: str
+    profile: str
+    method: str
+    description: str
+    shared_bn: bool = False
+
+    def resolve(self) -> Method:
+        method = get_method(self.method)
+        return dataclasses.replace(method, name=self.name, bn="shared_static") if self.shared_bn else method
+
+
+WD = "resnet20-fmnist-wd"
+VARIANTS = {v.name: v for v in (
+    Variant("nefl-w", "resnet20-fmnist-w", "nefl", "NeFL-W: width ladder, learnable steps"),
+    Variant("nefl-d", "resnet20-fmnist-d", "nefl", "NeFL-D: depth ladder, learnable steps"),
+    Variant("nefl-wd", WD, "nefl", "NeFL-WD: width + depth ladder, learnable steps"),
+    Variant("fjord", WD, "fjord", "FjORD: width only, per-width BN"),
+    Variant("heterofl", WD, "heterofl", "HeteroFL: width only, shared sliced BN, static BN"),
+    Variant("depthfl", WD, "depthfl", "DepthFL: contiguous depth prefix, fixed steps"),
+    Variant("nefl-nl", WD, "nefl-nl", "ablation: NeFL-WD with fixed steps"),
+    Variant("nefl-sharedbn", WD, "nefl", "ablation: NeFL-WD with shared static BN", shared_bn=True),
+)}
+# The paper's Table (CIFAR-10, ResNet18, IID, 100 clients, 500 rounds; worst / avg top-1), labelled as such.
+PAPER = {"nefl-wd": (86.86, 87.88), "fjord": (85.12, 87.32), "heterofl": (80.62, 84.26), "depthfl": (64.80, 82.44)}
+
+
+@dataclass(frozen=True)
+class Budget:
+    rounds: int
+    samples_per_client: int
+    eval_samples: int
+    clients: int = 20
+    per_round: int = 5
+
+
+@dataclass(frozen=True)
+class Job:
+    variant: str
+    setting: str
+    seed: int
+    budget: Budget
+    path: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.setting}/{self.variant}-seed{self.seed}"
+
+
+def run_job(job: Job, progress_queue) -> dict:
+    """Worker: one simulation with one torch thread; the result lands atomically in job.path."""
+    torch.set_num_threads(1)
+    v, b = VARIANTS[job.variant], job.budget
+    cfg = SimConfig(profile=v.profile, method=v.resolve(), dataset="fashion-mnist", clients=b.clients,
+                    per_round=b.per_round, rounds=b.rounds, non_iid=SETTINGS[job.setting], seed=job.seed,
+                    eval_every=0, final_eval_samples=b.eval_samples, max_samples_per_client=b.samples_per_client)
+    sim = Simulator(cfg)
+    res = sim.run(lambda row: progress_queue.put((job.label, row["round"] + 1)))
+    out = {
+        "variant": v.name, "setting": job.setting, "seed": job.seed, "profile": v.profile,
+        "method": dataclasses.asdict(sim.layout.method), "budget": dataclasses.asdict(b),
+        "gammas": [s.gamma for s in sim.layout.profile.submodels],
+        "accuracy": res.accuracy, "worst": res.worst, "avg": res.avg, "seconds": res.seconds,
+    }
+    path = Path(job.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
+    return out
+
+
+def load_result(path: Path, budget: Budget) -> dict | None:
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    if result["budget"] != dataclasses.asdict(budget):
+        raise SystemExit(f"{path} was run with {result['budget']}, not {dataclasses.asdict(budget)}: "
+                         "delete it or pass another --out")
+    return result
+
+
+def run_sweep(jobs: list[Job], workers: int, budget: Budget) -> list[dict]:
+    results = [r for j in jobs if (r := load_result(Path(j.path), budget))]
+    todo = [j for j in jobs if not Path(j.path).exists()]
+    console.print(f"{len(jobs)} runs: {len(results)} already done, {len(todo)} to run with {workers} job(s)")
+    if not todo:
+        return results
+    failed: list[str] = []
+    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Manager() as manager, Progress(*columns, console=console) as progress, \
+            ProcessPoolExecutor(max_workers=workers) as pool:
+        rounds_q = manager.Queue()
+        overall = progress.add_task("[bold]sweep", total=len(todo))
+        tasks = {j.label: progress.add_task(j.label, total=budget.rounds, visible=False) for j in todo}
+        pending: dict[Future, Job] = {pool.submit(run_job, j, rounds_q): j for j in todo}
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                _drain(rounds_q, progress, tasks)
+                for fut in done:
+                    job = pending.pop(fut)
+                    progress.update(tasks[job.label], visible=False)
+                    progress.advance(overall)
+                    try:
+                        result = fut.result()
+                    except Exception as exc:  # one broken run must not lose the others' hours
+                        failed.append(f"{job.label}: {type(exc).__name__}: {exc}")
+                        progress.console.print(f"[red]{failed[-1]}")
+                        continue
+                    results.append(result)
+                    progress.console.print(f"{job.label}: worst {100 * result['worst']:.2f} "
+                                           f"avg {100 * result['avg']:.2f} ({result['seconds']:.0f} s)")
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed (finished runs are saved; rerun to resume):\n" + "\n".join(failed))
+    return results
+
+
+def _drain(rounds_q, progress: Progress, tasks: dict) -> None:
+    while True:
+        try:
+            label, done_rounds = rounds_q.get_nowait()
+        except queue.Empty:
+            return
+        progress.update(tasks[label], completed=done_rounds, visible=True)
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+def grouped(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["seed"]):
+        groups.setdefault((r["setting"], r["variant"]), []).append(r)
+    return groups
+
+
+def spread(values: list[float]) -> str:
+    """Mean ± half the min-max range over seeds, in percent."""
+    pct = [100 * v for v in values]
+    return f"{sum(pct) / len(pct):.2f} ± {(max(pct) - min(pct)) / 2:.2f}"
+
+
+def plot_setting(setting: str, groups: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(VARIANTS):
+        runs = groups.get((setting, name))
+        if not runs:
+            continue
+        gammas = runs[0]["gammas"]
+        per_sub = [[100 * r["accuracy"][k] for r in runs] for k in range(len(gammas))]
+        mean = [sum(a) / len(a) for a in per_sub]
+        style = "-" if name.startswith("nefl-") and name not in ("nefl-nl", "nefl-sharedbn") else \
+            (":" if name.startswith("nefl") else "--")
+        (line,) = ax.plot(gammas, mean, style, marker="o", color=f"C{i}", label=name)
+        ax.fill_between(gammas, [min(a) for a in per_sub], [max(a) for a in per_sub], color=line.get_color(), alpha=0.15)
+    seeds = len(next(iter(groups.values())))
+    ax.set(xlabel="submodel size gamma (parameter ratio)", ylabel="top-1 accuracy (%)",
+           title=f"Fashion-MNIST ResNet-20, {SETTING_TITLES[setting]}: mean and min/max over {seeds} seed(s)")
+    ax.title.set_fontsize(10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    load = os.getloadavg()
+    return (f"{cpu}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, no GPU used; "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}; "
+            f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)")
+
+
+def commit() -> str:
+    git = ["git", "-C", str(ROOT)]
+    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+    return sha + (" (with uncommitted changes in the working tree)" if dirty.strip() else "")
+
+
+def report(results: list[dict], budget: Budget, command: str, wall: float, doc: Path, img_dir: Path,
+           quick: bool) -> str:
+    groups = grouped(results)
+    settings = [s for s in SETTINGS if any(k[0] == s for k in groups)]
+    names = [n for n in VARIANTS if any(k[1] == n for k in groups)]
+    seeds = sorted({r["seed"] for r in results})
+    lines = [
+        "## Generated sweep: NeFL vs baselines and ablations (`benchmarks/bench_accuracy.py`)",
+        "",
+        f"Generated {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} at commit {commit()} by",
+        "",
+        f"    {command}",
+        "",
+        f"- machine: {machine()}",
+        f"- budget: ResNet-20 (1 input channel), 5 submodels gamma = 0.2 .. 1, {budget.clients} clients, "
+        f"{budget.per_round} per round, {budget.rounds} rounds, 1 local epoch, batch 32, SGD lr 0.1 (x0.1 at 1/2 and "
+        f"3/4 of the rounds), the paper's tiers; {budget.samples_per_client} training images per client; top-1 on the "
+        f"first {budget.eval_samples:,} Fashion-MNIST test images after the last round; seeds {', '.join(map(str, seeds))}. "
+        + ("--quick smoke run of the pipeline: these numbers measure nothing." if quick else
+           "Chosen so the whole sweep (2 settings x 8 methods x 2 seeds) fits in about an hour on 2 cores with "
+           "2 jobs; far from convergence, so read the ordering, not the absolute numbers."),
+        f"- wall time of this invocation: {wall / 60:.1f} min (runs found on disk are reused and not re-timed); "
+        f"sum of per-run times {sum(r['seconds'] for r in results) / 60:.1f} min",
+        "",
+        "Worst / average submodel top-1 (%), mean ± half the min-max range over seeds. The last column is "
+        "**the paper's** figures (CIFAR-10, ResNet18, IID, 100 clients, 500 rounds on a GPU; "
+        "`benchmarks/paper_cifar10_resnet18.sh` reproduces that protocol), not measured here.",
+        "",
+        "| method | " + " | ".join(f"{SETTING_TITLES[s]} worst | {SETTING_TITLES[s]} avg" for s in settings)
+        + " | paper CIFAR-10 ResNet18 IID worst / avg |",
+        "|---|" + "---|---|" * len(settings) + "---|",
+    ]
+    for name in names:
+        cells = []
+        for s in settings:
+            runs = groups.get((s, name), [])
+            cells += [spread([r["worst"] for r in runs]), spread([r["avg"] for r in runs])] if runs else ["-", "-"]
+        paper = "{:.2f} / {:.2f}".format(*PAPER[name]) if name in PAPER else ""
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {paper} |")
+    lines += ["", "Methods: " + "; ".join(f"`{n}` {VARIANTS[n].description} (`{VARIANTS[n].profile}`)" for n in names) + "."]
+    for s in settings:
+        img = img_dir / f"accuracy-{s}.png"
+        plot_setting(s, groups, img)
+        lines += ["", f"### {SETTING_TITLES[s]}: per-submodel top-1 (%), mean ± half-range over seeds", "",
+                  "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
+                  "|---|" + "---|" * 8]
+        for name in names:
+            runs = groups.get((s, name))
+            if runs:
+                subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
+                lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
+                             f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
+        rel = os.path.relpath(img, doc.parent)
+        lines += ["", f"![per-submodel accuracy, {SETTING_TITLES[s]}]({rel})"]
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, text: str) -> None:
+    """Replace what lies between the markers, leaving the hand-written rest of the doc alone."""
+    current = doc.read_text() if doc.exists() else "# Results\n"
+    if START not in current:
+        current = current.rstrip() + f"\n\n{START}\n{PLACEHOLDER}\n{END}\n"
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(pattern.sub(lambda _: f"{START}\n{text}\n{END}", current))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds, 100 images/client, 1 seed, 2 methods, IID")
+    ap.add_argument("--jobs", type=int, default=2, help="simulations in parallel, one torch thread each (default 2)")
+    ap.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 2; --quick: 1)")
+    ap.add_argument("--rounds", type=int, help="rounds per run (default 20; --quick: 2)")
+    ap.add_argument("--samples", type=int, help="training images per client (default 300; --quick: 100)")
+    ap.add_argument("--eval-samples", type=int, help="test images for the final evaluation (default 2000; --quick: 500)")
+    ap.add_argument("--methods", help=f"comma-separated subset of {','.join(VARIANTS)}")
+    ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
+    ap.add_argument("--out", type=Path, help="run results directory (default runs/bench-accuracy; --quick: "
+                                             "runs/bench-accuracy-quick, whose results.md and img/ then hold the report)")
+    args = ap.parse_args()
+    q = args.quick
+    budget = Budget(rounds=args.rounds or (2 if q else 20), samples_per_client=args.samples or (100 if q else 300),
+                    eval_samples=args.eval_samples or (500 if q else 2000))
+    methods = args.methods.split(",") if args.methods else (["nefl-wd", "heterofl"] if q else list(VARIANTS))
+    settings = args.settings.split(",") if args.settings else (["iid"] if q else list(SETTINGS))
+    for name in methods:
+        if name not in VARIANTS:
+            ap.error(f"unknown method {name!r}: choose from {', '.join(VARIANTS)}")
+    for s in settings:
+        if s not in SETTINGS:
+            ap.error(f"unknown setting {s!r}: choose from {', '.join(SETTINGS)}")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    out = args.out or ROOT / "runs" / ("bench-accuracy-quick" if q else "bench-accuracy")
+    doc, img_dir = (out / "results.md", out / "img") if q else (ROOT / "docs" / "results.md", ROOT / "docs" / "img")
+    for v in {VARIANTS[m].profile for m in methods}:
+        load_profile(v)  # fail before starting workers if a profile is missing
+    jobs = [Job(m, s, seed, budget, str(out / s / f"{m}-seed{seed}.json"))
+            for s in settings for m in methods for seed in range(args.seeds or (1 if q else 2))]
+    started = datetime.datetime.now()
+    results = run_sweep(jobs, args.jobs, budget)
+    wall = (datetime.datetime.now() - started).total_seconds()
+    command = "PYTHONPATH=. python benchmarks/bench_accuracy.py " + shlex.join(sys.argv[1:])
+    write_section(doc, report(results, budget, command.strip(), wall, doc, img_dir, q))
+    console.print(f"[green]wrote {doc} and plots in {img_dir}")
+
+
+if __name__ == "__main__":
+    main()
