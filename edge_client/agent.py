@@ -18,12 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 import typer
 
 from edge_client.costmodel import CostTable, calibrate, estimate_costs
-from edge_client.probe import Prober
+from edge_client.probe import DeviceSnapshot, Prober
 from edge_client.select import DeviceBudget, Selection, select_submodel
 from nefl.data import BatchLoader, DatasetUnavailable, load_dataset, load_image_folder, parse_partition, partition_iid
 from nefl.mqtt import QOS, BrokerSettings, make_client, parse_broker
@@ -59,11 +58,12 @@ def log(cid: str, msg: str) -> None:
     print(f"[{cid} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def device_summary() -> dict[str, Any]:
-    vm = psutil.virtual_memory()
-    return {"machine": platform.machine(), "system": platform.system(), "cpus": psutil.cpu_count() or 1,
-            "mem_total_mb": vm.total >> 20, "mem_available_mb": vm.available >> 20,
-            "cpu_percent": psutil.cpu_percent(interval=None), "torch_threads": torch.get_num_threads()}
+def device_summary(snap: DeviceSnapshot) -> dict[str, Any]:
+    """What the server logs about a device, from the same probe that drives selection."""
+    mb = lambda n: None if n is None else n >> 20  # noqa: E731
+    return {"machine": platform.machine(), "system": platform.system(), "cpus": snap.cpu_count,
+            "mem_total_mb": mb(snap.memory_total), "mem_available_mb": mb(snap.memory_available),
+            "cpu_percent": snap.cpu_percent, "torch_threads": torch.get_num_threads()}
 
 
 class Agent:
@@ -115,7 +115,7 @@ class Agent:
         can = self.cfg.max_submodel if sel is None else (sel.submodel or 0)
         self.client.publish(self.topics.announce(self.cfg.client_id), json.dumps({
             "v": 1, "client": self.cfg.client_id, "samples": len(self.indices), "max_submodel": can,
-            "selection": "" if sel is None else sel.reason, "device": device_summary(), "dataset": self.cfg.dataset,
+            "selection": "" if sel is None else sel.reason, "device": device_summary(self.budget.apply(self.prober.snapshot())), "dataset": self.cfg.dataset,
         }).encode(), qos=QOS, retain=True)
         log(self.cfg.client_id, f"announced {len(self.indices)} samples, submodel <= {can}"
                                 + ("" if sel is None else f": {sel.reason}"))
