@@ -46,6 +46,7 @@ class SimConfig:
     max_samples_per_client: int | None = None
     data_root: str | None = None
     out: str | None = None  # directory for metrics.jsonl and the final checkpoint
+    device: str = "cpu"  # torch device for training and evaluation, e.g. "cuda" for the paper's protocol
 
 
 @dataclass
@@ -73,9 +74,25 @@ def _partitions(train: ArrayDataset, cfg: SimConfig) -> list[torch.Tensor]:
     return parts
 
 
+def check_device(name: str) -> torch.device:
+    """Fail before loading any data when the requested device cannot run."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but torch sees no CUDA GPU: install a CUDA build of torch or use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} requested but MPS is not available on this machine: use --device cpu")
+    return device
+
+
 class Simulator:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
+        self.device = str(check_device(cfg.device))
         profile = load_profile(cfg.profile)
         self.layout = Layout.build(profile, cfg.method)
         dataset = cfg.dataset or profile.dataset
@@ -89,7 +106,7 @@ class Simulator:
         self.parts = _partitions(self.train, cfg)
         self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
         self.state = GlobalState.init(self.layout, seed=cfg.seed)
-        self.modules = [self.layout.module(k) for k in range(self.layout.num_submodels)]
+        self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
         self.rng = random.Random(cfg.seed)
 
     def run_round(self, r: int) -> dict:
@@ -104,7 +121,7 @@ class Simulator:
             loader = BatchLoader(self.train, self.parts[c], cfg.batch_size, shuffle=True, augment=True,
                                  seed=cfg.seed * 1_000_003 + r * 1009 + c)
             res = local_train(self.modules[k], self.state.extract(layout, k), loader, cfg.local_epochs, lr,
-                              self.train_cfg, upload=layout.upload_shapes(k))
+                              self.train_cfg, upload=layout.upload_shapes(k), device=self.device)
             agg.add(k, res.delta, res.num_samples)
             assigned.append([c, k])
             losses.append(res.loss)
@@ -121,12 +138,13 @@ class Simulator:
         for k, model in enumerate(self.modules):
             load_module_state(model, self.state.extract(layout, k))
             if layout.method.static_bn:
-                recompute_bn_stats(model, BatchLoader(self.train, calib[: cfg.bn_calibration_samples], 256, False, False, 0))
+                recompute_bn_stats(model, BatchLoader(self.train, calib[: cfg.bn_calibration_samples], 256, False, False, 0),
+                                   self.device)
                 trained = module_state(model)
                 for name in layout.local:
                     if name in self.state.inconsistent[k]:
-                        self.state.inconsistent[k][name] = trained[name].clone()
-            acc, _ = evaluate(model, BatchLoader(self.test, torch.arange(n), 500, False, False, 0))
+                        self.state.inconsistent[k][name] = trained[name].detach().cpu().clone()
+            acc, _ = evaluate(model, BatchLoader(self.test, torch.arange(n), 500, False, False, 0), self.device)
             accs.append(acc)
         return accs
 

@@ -38,6 +38,7 @@ def simulate_command(
     data_root: Optional[str] = typer.Option(None, help="Dataset root (torchvision layout)."),
     out: Optional[str] = typer.Option(None, help="Directory for metrics.jsonl, config.json and the final checkpoint."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
     if per_round > clients:
@@ -46,7 +47,7 @@ def simulate_command(
         torch.set_num_threads(threads)
     cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
                     lr, weighting, eval_every, eval_samples, final_eval_samples, max_samples_per_client=max_samples_per_client,
-                    data_root=data_root, out=out)
+                    data_root=data_root, out=out, device=device)
     try:
         sim = Simulator(cfg)
     except (ProfileError, DatasetUnavailable, ValueError) as e:

@@ -46,7 +46,6 @@ from nefl.methods import Method, get_method
 from nefl.profile import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
-START, END = "<!-- bench-accuracy:start -->", "<!-- bench-accuracy:end -->"
 PLACEHOLDER = "Not yet run: `make bench-accuracy`"
 SETTINGS: dict[str, float | None] = {"iid": None, "dirichlet-0.5": 0.5}  # name -> Dirichlet alpha
 SETTING_TITLES = {"iid": "IID", "dirichlet-0.5": "Dirichlet(0.5) label skew"}
@@ -103,6 +102,16 @@ class Job:
     @property
     def label(self) -> str:
         return f"{self.setting}/{self.variant}-seed{self.seed}"
+
+
+DEFAULT_BUDGET = Budget(rounds=20, samples_per_client=300, eval_samples=2000)
+QUICK_BUDGET = Budget(rounds=2, samples_per_client=100, eval_samples=500)
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The main sweep owns `bench-accuracy`; a named extra sweep owns `bench-accuracy-NAME`."""
+    tag = f"bench-accuracy-{section}" if section else "bench-accuracy"
+    return f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
 
 
 def run_job(job: Job, progress_queue) -> dict:
@@ -247,14 +256,25 @@ def commit() -> str:
     return sha + (" (with uncommitted changes in the working tree)" if dirty.strip() else "")
 
 
+def budget_note(budget: Budget, quick: bool) -> str:
+    if quick:
+        return "--quick smoke run of the pipeline: these numbers measure nothing."
+    if budget == DEFAULT_BUDGET:
+        return ("Chosen so the whole sweep (2 settings x 8 methods x 2 seeds) fits in about an hour on 2 cores with "
+                "2 jobs; far from convergence, so read the ordering, not the absolute numbers.")
+    return (f"Not the default budget ({DEFAULT_BUDGET.rounds} rounds, {DEFAULT_BUDGET.samples_per_client} images per "
+            "client) of `make bench-accuracy`: an extra run that checks how the ordering moves with more training.")
+
+
 def report(results: list[dict], budget: Budget, command: str, wall: float, doc: Path, img_dir: Path,
-           quick: bool) -> str:
+           quick: bool, section: str = "") -> str:
     groups = grouped(results)
     settings = [s for s in SETTINGS if any(k[0] == s for k in groups)]
     names = [n for n in VARIANTS if any(k[1] == n for k in groups)]
     seeds = sorted({r["seed"] for r in results})
     lines = [
-        "## Generated sweep: NeFL vs baselines and ablations (`benchmarks/bench_accuracy.py`)",
+        f"## Generated sweep{f' `{section}`' if section else ''}: NeFL vs baselines and ablations "
+        "(`benchmarks/bench_accuracy.py`)",
         "",
         f"Generated {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} at commit {commit()} by",
         "",
@@ -265,9 +285,7 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, doc: 
         f"{budget.per_round} per round, {budget.rounds} rounds, 1 local epoch, batch 32, SGD lr 0.1 (x0.1 at 1/2 and "
         f"3/4 of the rounds), the paper's tiers; {budget.samples_per_client} training images per client; top-1 on the "
         f"first {budget.eval_samples:,} Fashion-MNIST test images after the last round; seeds {', '.join(map(str, seeds))}. "
-        + ("--quick smoke run of the pipeline: these numbers measure nothing." if quick else
-           "Chosen so the whole sweep (2 settings x 8 methods x 2 seeds) fits in about an hour on 2 cores with "
-           "2 jobs; far from convergence, so read the ordering, not the absolute numbers."),
+        + budget_note(budget, quick),
         f"- wall time of this invocation: {wall / 60:.1f} min (runs found on disk are reused and not re-timed); "
         f"sum of per-run times {sum(r['seconds'] for r in results) / 60:.1f} min",
         "",
@@ -288,7 +306,7 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, doc: 
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {paper} |")
     lines += ["", "Methods: " + "; ".join(f"`{n}` {VARIANTS[n].description} (`{VARIANTS[n].profile}`)" for n in names) + "."]
     for s in settings:
-        img = img_dir / f"accuracy-{s}.png"
+        img = img_dir / f"accuracy-{section + '-' if section else ''}{s}.png"
         plot_setting(s, groups, img)
         lines += ["", f"### {SETTING_TITLES[s]}: per-submodel top-1 (%), mean ± half-range over seeds", "",
                   "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
@@ -304,14 +322,15 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, doc: 
     return "\n".join(lines)
 
 
-def write_section(doc: Path, text: str) -> None:
+def write_section(doc: Path, text: str, section: str = "") -> None:
     """Replace what lies between the markers, leaving the hand-written rest of the doc alone."""
+    start, end = markers(section)
     current = doc.read_text() if doc.exists() else "# Results\n"
-    if START not in current:
-        current = current.rstrip() + f"\n\n{START}\n{PLACEHOLDER}\n{END}\n"
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    if start not in current:
+        current = current.rstrip() + f"\n\n{start}\n{PLACEHOLDER}\n{end}\n"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(pattern.sub(lambda _: f"{START}\n{text}\n{END}", current))
+    doc.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", current))
 
 
 def main() -> None:
@@ -326,10 +345,15 @@ def main() -> None:
     ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
     ap.add_argument("--out", type=Path, help="run results directory (default runs/bench-accuracy; --quick: "
                                              "runs/bench-accuracy-quick, whose results.md and img/ then hold the report)")
+    ap.add_argument("--section", default="", help="name of an extra sweep (e.g. another budget): its own marked section "
+                                                  "of the doc and its own plots, leaving the main sweep's alone")
     args = ap.parse_args()
     q = args.quick
-    budget = Budget(rounds=args.rounds or (2 if q else 20), samples_per_client=args.samples or (100 if q else 300),
-                    eval_samples=args.eval_samples or (500 if q else 2000))
+    if not re.fullmatch(r"[a-z0-9-]*", args.section):
+        ap.error("--section takes lower-case letters, digits and dashes")
+    base = QUICK_BUDGET if q else DEFAULT_BUDGET
+    budget = Budget(rounds=args.rounds or base.rounds, samples_per_client=args.samples or base.samples_per_client,
+                    eval_samples=args.eval_samples or base.eval_samples)
     methods = args.methods.split(",") if args.methods else (["nefl-wd", "heterofl"] if q else list(VARIANTS))
     settings = args.settings.split(",") if args.settings else (["iid"] if q else list(SETTINGS))
     for name in methods:
@@ -350,7 +374,7 @@ def main() -> None:
     results = run_sweep(jobs, args.jobs, budget)
     wall = (datetime.datetime.now() - started).total_seconds()
     command = "PYTHONPATH=. python benchmarks/bench_accuracy.py " + shlex.join(sys.argv[1:])
-    write_section(doc, report(results, budget, command.strip(), wall, doc, img_dir, q))
+    write_section(doc, report(results, budget, command.strip(), wall, doc, img_dir, q, args.section), args.section)
     console.print(f"[green]wrote {doc} and plots in {img_dir}")
 
 

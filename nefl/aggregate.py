@@ -5,9 +5,11 @@ Consistent tensors: each element is averaged over exactly the updates whose subm
 FedAvg within each submodel, untouched when nobody trained it. Updates are deltas
 (trained - received), so averaging deltas equals the paper's averaging of weights.
 
-The aggregator streams: add() touches only the update's own corner of each tensor, memory is
-O(model) however many clients report, and two partial aggregates merge exactly (sums and counts
-add), which is what hierarchical / multi-site aggregation needs.
+The aggregator streams: each update is summed into its submodel's group, a contiguous buffer of
+exactly the update's shapes, so add() is one dense add per tensor (no strided writes into corners of
+the global tensors) and memory is O(sum of submodel sizes), at most K models, however many clients
+report. finalize() folds the K groups into the global tensors once per round. Two partial aggregates
+merge exactly (group sums and weights add), which is what hierarchical / multi-site aggregation needs.
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ class NeFedAvg:
             raise ValueError("weighting must be 'uniform' (as the paper) or 'samples'")
         self.layout = layout
         self.weighting = weighting
-        self.sums = {n: torch.zeros(s) for n, s in layout.global_shapes.items() if n not in layout.inconsistent}
-        self.counts = {n: torch.zeros(_count_shape(t.shape)) for n, t in self.sums.items()}
-        self.isums: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
-        self.iweights = torch.zeros(layout.num_submodels, dtype=torch.float64)
+        # per submodel: weighted sum of its updates (every tensor it uploads) and the total weight
+        self.groups: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
+        self.weights = torch.zeros(layout.num_submodels, dtype=torch.float64)
         self.updates = [0] * layout.num_submodels
 
     def validate(self, k: int, delta: dict[str, torch.Tensor]) -> None:
@@ -56,55 +57,64 @@ class NeFedAvg:
         w = float(num_samples) if self.weighting == "samples" else 1.0
         if w <= 0:
             raise UpdateError(f"sample count must be positive, got {num_samples}")
-        isum = self.isums[k]
+        group = self.groups[k]
         for n, t in delta.items():
-            t = t.to(torch.float32)
-            if n in self.layout.inconsistent:
-                if n in isum:
-                    isum[n].add_(t, alpha=w)
-                else:
-                    isum[n] = t * w
+            if n in group:
+                group[n].add_(t, alpha=w)
             else:
-                self.sums[n][corner(t.shape)].add_(t, alpha=w)
-                self.counts[n][corner(_count_shape(t.shape))] += w
-        self.iweights[k] += w
+                group[n] = t.to(torch.float32, copy=True).mul_(w)
+        self.weights[k] += w
         self.updates[k] += 1
 
     def merge(self, other: "NeFedAvg") -> None:
         """Fold another partial aggregate (same layout) into this one."""
         if other.layout.global_shapes != self.layout.global_shapes or other.weighting != self.weighting:
             raise ValueError("cannot merge aggregates of different profiles or weightings")
-        for n in self.sums:
-            self.sums[n] += other.sums[n]
-            self.counts[n] += other.counts[n]
-        for k, isum in enumerate(other.isums):
-            for n, t in isum.items():
-                if n in self.isums[k]:
-                    self.isums[k][n] += t
+        for group, theirs in zip(self.groups, other.groups):
+            for n, t in theirs.items():
+                if n in group:
+                    group[n] += t
                 else:
-                    self.isums[k][n] = t.clone()
-        self.iweights += other.iweights
+                    group[n] = t.clone()
+        self.weights += other.weights
         self.updates = [a + b for a, b in zip(self.updates, other.updates)]
 
     @property
     def total_updates(self) -> int:
         return sum(self.updates)
 
+    def coverage(self, name: str) -> torch.Tensor:
+        """Per element of consistent tensor `name`: the total weight of the updates that contain it.
+        Shaped (out, in, 1, 1...): coverage varies only along the channel dims, kernels are never sliced."""
+        shape = self.layout.global_shapes[name]
+        cover = torch.zeros(_count_shape(shape), dtype=torch.float32)
+        for k, group in enumerate(self.groups):
+            if name in group:
+                cover[corner(_count_shape(group[name].shape))] += float(self.weights[k])
+        return cover
+
+    def _consistent_mean(self, name: str) -> torch.Tensor | None:
+        """Average delta of consistent tensor `name`, 0 where nobody covered it; None if nobody did."""
+        held = [(k, g[name]) for k, g in enumerate(self.groups) if name in g]
+        if not held:
+            return None
+        total = torch.zeros(self.layout.global_shapes[name], dtype=torch.float32)
+        for _, g in held:
+            total[corner(g.shape)] += g
+        cover = self.coverage(name)
+        return torch.where(cover > 0, total / cover.clamp_min(1e-12), torch.zeros(()))
+
     def finalize(self, state: GlobalState) -> GlobalState:
         """New global state; `state` (the one the deltas were computed from) is not modified."""
         consistent = {}
         for n, old in state.consistent.items():
-            cnt = self.counts[n]
-            mean = torch.where(cnt > 0, self.sums[n] / cnt.clamp_min(1e-12), torch.zeros(()))
-            consistent[n] = (old.to(torch.float32) + mean).to(old.dtype)
+            mean = self._consistent_mean(n)
+            consistent[n] = old.clone() if mean is None else (old.to(torch.float32) + mean).to(old.dtype)
         inconsistent = []
         for k, old_k in enumerate(state.inconsistent):
-            w = float(self.iweights[k])
-            new_k = {}
-            for n, old in old_k.items():
-                if w > 0 and n in self.isums[k]:
-                    new_k[n] = (old.to(torch.float32) + self.isums[k][n] / w).to(old.dtype)
-                else:
-                    new_k[n] = old.clone()
-            inconsistent.append(new_k)
+            w, group = float(self.weights[k]), self.groups[k]
+            inconsistent.append({
+                n: (old.to(torch.float32) + group[n] / w).to(old.dtype) if w > 0 and n in group else old.clone()
+                for n, old in old_k.items()
+            })
         return GlobalState(consistent, inconsistent)

@@ -96,7 +96,7 @@ def test_paper_worked_example() -> None:
     assert torch.allclose(got[c1:c3, :c3], torch.tensor(360.0 / 5))  # over 5 updates
     assert torch.allclose(got[:c3, c1:c3], torch.tensor(360.0 / 5))
     assert torch.allclose(got[c3:, :], torch.tensor(150.0))  # only submodel 5: over 2 updates
-    counts = agg.counts[name][:, :, 0, 0]
+    counts = agg.coverage(name)[:, :, 0, 0]
     assert counts[0, 0] == 7 and counts[c1, c1] == 5 and counts[c3, c3] == 2
 
 
@@ -166,4 +166,4 @@ def test_rejects_malformed_updates_without_touching_sums() -> None:
             agg.add(0, delta)
     with pytest.raises(UpdateError):
         agg.add(5, good)
-    assert agg.total_updates == 0 and all(c.sum() == 0 for c in agg.counts.values())
+    assert agg.total_updates == 0 and all(not g for g in agg.groups)

@@ -1,10 +1,11 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from aggregator.cli import app
-from aggregator.simulate import tier_choices
+from aggregator.simulate import check_device, tier_choices
 from nefl.checkpoint import load_checkpoint
 from nefl.data import SYSTEM_FASHION_MNIST_DIR
 
@@ -50,3 +51,16 @@ def test_bad_inputs_exit_with_a_message(tmp_path) -> None:
     assert r.exit_code == 2
     r = CliRunner().invoke(app, ["simulate", "--profile", "resnet20-fmnist-w", "--method", "magic"])
     assert r.exit_code == 2 and "unknown method" in r.output
+    r = CliRunner().invoke(app, ["simulate", "--profile", "resnet8-fmnist-w", "--device", "tpu9"])
+    assert r.exit_code == 2 and "unknown device" in r.output
+
+
+def test_device_errors_name_the_fix(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU.*--device cpu"):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="only 1 CUDA GPU"):
+        check_device("cuda:3")
+    assert check_device("cpu") == torch.device("cpu")
