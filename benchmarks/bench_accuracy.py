@@ -128,6 +128,7 @@ def run_job(job: Job, progress_queue) -> dict:
         "method": dataclasses.asdict(sim.layout.method), "budget": dataclasses.asdict(b),
         "gammas": [s.gamma for s in sim.layout.profile.submodels],
         "accuracy": res.accuracy, "worst": res.worst, "avg": res.avg, "seconds": res.seconds,
+        "steps": learned_steps(sim),
     }
     path = Path(job.path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,6 +136,30 @@ def run_job(job: Job, progress_queue) -> dict:
     tmp.write_text(json.dumps(out, indent=1))
     tmp.replace(path)
     return out
+
+
+def learned_steps(sim: Simulator) -> list[list[float]] | None:
+    """Each submodel's step sizes of its present blocks after training (None when steps are frozen):
+    evidence that NeFL's learnable steps do move away from their initial 1."""
+    if not sim.layout.method.learnable_steps:
+        return None
+    return [[round(float(t), 4) for n, t in sorted(own.items()) if n.endswith(".step") and float(t) != 0.0]
+            for own in sim.state.inconsistent]
+
+
+def steps_table(groups: dict, setting: str) -> list[str]:
+    """min / mean / max of the learned steps per submodel, for the runs that recorded them."""
+    rows = [(name, r) for (s, name), runs in groups.items() if s == setting for r in runs if r.get("steps")]
+    if not rows:
+        return []
+    lines = ["", f"Learned step sizes after the last round ({SETTING_TITLES[setting]}; initialised to 1): "
+             "min / mean / max over each submodel's present blocks.", "",
+             "| method | seed | " + " | ".join(f"sub {k + 1}" for k in range(len(rows[0][1]["steps"]))) + " |",
+             "|---|---|" + "---|" * len(rows[0][1]["steps"])]
+    for name, r in rows:
+        cells = [f"{min(v):.2f} / {sum(v) / len(v):.2f} / {max(v):.2f}" for v in r["steps"]]
+        lines.append(f"| {name} | {r['seed']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def load_result(path: Path, budget: Budget) -> dict | None:
@@ -317,6 +342,7 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, doc: 
                 subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
                 lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
                              f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
+        lines += steps_table(groups, s)
         rel = os.path.relpath(img, doc.parent)
         lines += ["", f"![per-submodel accuracy, {SETTING_TITLES[s]}]({rel})"]
     return "\n".join(lines)
