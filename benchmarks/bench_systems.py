@@ -522,7 +522,7 @@ def report_aggregation(r: dict) -> list[str]:
                  "clients. The reference, like any "
                  "implementation that groups updates by submodel first, must hold every update: for "
                  f"{r['rows'][-1]['clients']} clients of this mix that is {mib(held)} MiB (computed from the "
-                 "shapes, not measured: the timing run above reuses pooled tensors).)")
+                 "shapes; the timing run above holds them all, as the reference needs).)")
     return lines
 
 
