@@ -167,3 +167,22 @@ def test_rejects_malformed_updates_without_touching_sums() -> None:
     with pytest.raises(UpdateError):
         agg.add(5, good)
     assert agg.total_updates == 0 and all(not g for g in agg.groups)
+
+
+@pytest.mark.parametrize("method", ["nefl", "fjord", "heterofl"])
+def test_inconsistent_set_is_every_bn_and_step(method: str) -> None:
+    """The paper's inconsistency: step sizes and every BN (shortcut BN included) stay per submodel;
+    with HeteroFL's shared static BN only the running statistics stay local and the affine is shared."""
+    layout = Layout.build(tiny_profile([(0.5, 0.5, ((1.0, 0.0), (0.0, 1.0))), (1.0, 1.0, FULL)]), method)
+    names = set(layout.global_shapes)
+    steps = {n for n in names if n.endswith(".step")}
+    shortcut_bn = {n for n in names if ".shortcut.bn." in n}
+    stats = {n for n in names if n.endswith(("running_mean", "running_var"))}
+    affine = {n.rsplit(".", 1)[0] + suffix for n in stats for suffix in (".weight", ".bias")}
+    assert steps and shortcut_bn and shortcut_bn <= stats | affine
+    if method == "heterofl":
+        assert layout.inconsistent == steps | stats and layout.local == stats
+    else:
+        assert layout.inconsistent == steps | stats | affine and not layout.local
+    # the stem conv, the block convs and the classifier are consistent: averaged across submodels
+    assert not {n for n in names if "conv" in n or n.startswith("fc.")} & layout.inconsistent
