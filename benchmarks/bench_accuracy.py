@@ -311,7 +311,7 @@ def budget_note(budget: Budget, quick: bool) -> str:
             "client) of `make bench-accuracy`: an extra run that checks how the ordering moves with more training.")
 
 
-def report(results: list[dict], budget: Budget, command: str, wall: float, doc: Path, img_dir: Path,
+def report(results: list[dict], budget: Budget, command: str, wall: float, ran: int, doc: Path, img_dir: Path,
            quick: bool, section: str = "") -> str:
     groups = grouped(results)
     settings = [s for s in SETTINGS if any(k[0] == s for k in groups)]
@@ -331,8 +331,9 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, doc: 
         f"3/4 of the rounds), the paper's tiers; {budget.samples_per_client} training images per client; top-1 on the "
         f"first {budget.eval_samples:,} Fashion-MNIST test images after the last round; seeds {', '.join(map(str, seeds))}. "
         + budget_note(budget, quick),
-        f"- wall time of this invocation: {wall / 60:.1f} min (runs found on disk are reused and not re-timed); "
-        f"sum of per-run times {sum(r['seconds'] for r in results) / 60:.1f} min",
+        (f"- wall time of this invocation: {wall / 60:.1f} min for {ran} run(s), {len(results) - ran} more read from disk; "
+         if ran else f"- this invocation only rewrote the report: all {len(results)} runs were read from disk; ")
+        + f"sum of per-run times {sum(r['seconds'] for r in results) / 60:.1f} min",
         "",
         "Worst / average submodel top-1 (%), mean ± half the min-max range over seeds. The last column is "
         "**the paper's** figures (CIFAR-10, ResNet18, IID, 100 clients, 500 rounds on a GPU; "
@@ -417,11 +418,12 @@ def main() -> None:
         load_profile(v)  # fail before starting workers if a profile is missing
     jobs = [Job(m, s, seed, budget, str(out / s / f"{m}-seed{seed}.json"))
             for s in settings for m in methods for seed in range(args.seeds or (1 if q else 2))]
+    ran = sum(not Path(j.path).exists() for j in jobs)
     started = datetime.datetime.now()
     results = run_sweep(jobs, args.jobs, budget)
     wall = (datetime.datetime.now() - started).total_seconds()
     command = "PYTHONPATH=. python benchmarks/bench_accuracy.py " + shlex.join(sys.argv[1:])
-    write_section(doc, report(results, budget, command.strip(), wall, doc, img_dir, q, args.section), args.section)
+    write_section(doc, report(results, budget, command.strip(), wall, ran, doc, img_dir, q, args.section), args.section)
     console.print(f"[green]wrote {doc} and plots in {img_dir}")
 
 
