@@ -59,7 +59,7 @@ def main() -> None:
     x = torch.zeros(1, *ckpt.layout.profile.input_shape)
     opts = session_options(args.threads, enable_cpu_mem_arena=True)
     table = Table("submodel", "gamma", "MFLOPs", "torch eager ms", "ORT fp32 ms", "ORT int8 ms",
-                  "speed-up fp32", "int8 acc delta", title=f"batch 1, {args.threads} thread(s), median of {args.runs}")
+                  "torch / ORT fp32", "torch / ORT int8", "int8 / fp32 time", "int8 acc delta", title=f"batch 1, {args.threads} thread(s), median of {args.runs}")
     for entry in manifest["submodels"]:
         model = submodel_module(ckpt, entry["index"])
         with torch.inference_mode():
@@ -70,7 +70,7 @@ def main() -> None:
         t32 = median_ms(lambda: sess32.run(None, feed), args.runs)
         t8 = median_ms(lambda: sess8.run(None, feed), args.runs)
         table.add_row(str(entry["index"] + 1), f"{entry['gamma']:g}", f"{entry['flops'] / 1e6:.1f}",
-                      f"{t_torch:.3f}", f"{t32:.3f}", f"{t8:.3f}", f"{t_torch / t32:.1f}x",
+                      f"{t_torch:.3f}", f"{t32:.3f}", f"{t8:.3f}", f"{t_torch / t32:.1f}x", f"{t_torch / t8:.1f}x", f"{t8 / t32:.2f}x",
                       f"{entry['int8']['accuracy_delta']:+.4f}")
     Console().print(table)
     print(f"export: {out}")
