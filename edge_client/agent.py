@@ -109,27 +109,33 @@ class Agent:
         if self.selection is not None:  # a reconnect; a first connect announces once the profile is planned
             self._announce()
 
-    def _announce(self) -> None:
+    def _can_train(self) -> int:
+        """Largest submodel (1-based) this device takes now; 0 when nothing fits."""
+        return self.cfg.max_submodel if self.selection is None else (self.selection.submodel or 0)
+
+    def _announce(self, snap: DeviceSnapshot | None = None) -> None:
         """Tell the server what this device can train now (0: nothing fits this round) and why."""
-        sel = self.selection
-        can = self.cfg.max_submodel if sel is None else (sel.submodel or 0)
+        sel, can = self.selection, self._can_train()
+        snap = snap or self.budget.apply(self.prober.snapshot())
         self.client.publish(self.topics.announce(self.cfg.client_id), json.dumps({
             "v": 1, "client": self.cfg.client_id, "samples": len(self.indices), "max_submodel": can,
-            "selection": "" if sel is None else sel.reason, "device": device_summary(self.budget.apply(self.prober.snapshot())), "dataset": self.cfg.dataset,
+            "selection": "" if sel is None else sel.reason, "device": device_summary(snap), "dataset": self.cfg.dataset,
         }).encode(), qos=QOS, retain=True)
         log(self.cfg.client_id, f"announced {len(self.indices)} samples, submodel <= {can}"
                                 + ("" if sel is None else f": {sel.reason}"))
 
-    def _plan(self, deadline_s: float | None = None) -> Selection | None:
-        """Re-select from a fresh probe (the paper's dynamic setting); re-announce when it changed."""
+    def _plan(self, deadline_s: float | None = None) -> bool:
+        """Re-select from a fresh probe (the paper's dynamic setting); re-announce when it changed.
+        Returns whether it announced."""
         if self.layout is None:
-            return None
+            return False
         batch = int(self.training.get("batch_size", TrainConfig.batch_size))
         if self.costs is None:
             self.costs = (calibrate(self.layout, batch) if self.cfg.calibrate
                           else estimate_costs(self.layout, batch, threads=torch.get_num_threads()))
+        snap = self.budget.apply(self.prober.snapshot())
         sel = select_submodel(
-            self.costs, self.budget.apply(self.prober.snapshot()), len(self.indices),
+            self.costs, snap, len(self.indices),
             int(self.training.get("local_epochs", 1)),
             deadline_s if deadline_s is not None else self.training.get("round_timeout"),
             self.cfg.max_submodel, speed=self.budget.cpu_budget,
@@ -137,8 +143,8 @@ class Agent:
         changed = self.selection is None or sel.index != self.selection.index
         self.selection = sel
         if changed:
-            self._announce()
-        return sel
+            self._announce(snap)
+        return changed
 
     def run(self) -> int:
         """Handle messages and train whenever a task and its weights are both here, until the end."""
@@ -219,13 +225,14 @@ class Agent:
             return
         if key == self.last_task or (key[0] == self.last_task[0] and r < self.last_task[1]):
             return  # a retained task seen again after a reconnect
-        sel = self._plan(float(task.get("deadline_s", 600)))
-        can = self.cfg.max_submodel if sel is None else (sel.submodel or 0)
-        if not 0 <= k < can:
+        announced = self._plan(float(task.get("deadline_s", 600)))
+        if not 0 <= k < self._can_train():
+            sel = self.selection
             why = f"--max-submodel {self.cfg.max_submodel}" if sel is None else sel.reason
             log(self.cfg.client_id, f"refusing round {r}: submodel {k + 1} does not fit now ({why})")
             self.last_task = key
-            self._announce()  # tells the server, which then stops waiting for this client
+            if not announced:  # the server stops waiting for this client once it hears
+                self._announce()
             return
         self.task, self.task_since = task, time.monotonic()
         self.models_in.discard_rounds_before(r)
