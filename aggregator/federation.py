@@ -50,8 +50,6 @@ class RoundState:
     declined: dict[str, str] = field(default_factory=dict)  # client -> its reason
 
 
-
-
 def state_digest(state: GlobalState) -> str:
     """sha256 over every tensor (name, dtype, shape, bytes): equal digests mean bit-identical weights."""
     h = hashlib.sha256()

@@ -95,11 +95,11 @@ class NeFedAvg:
 
     def _consistent_mean(self, name: str) -> torch.Tensor | None:
         """Average delta of consistent tensor `name`, 0 where nobody covered it; None if nobody did."""
-        held = [(k, g[name]) for k, g in enumerate(self.groups) if name in g]
+        held = [g[name] for g in self.groups if name in g]
         if not held:
             return None
         total = torch.zeros(self.layout.global_shapes[name], dtype=torch.float32)
-        for _, g in held:
+        for g in held:
             total[corner(g.shape)] += g
         cover = self.coverage(name)
         return torch.where(cover > 0, total / cover.clamp_min(1e-12), torch.zeros(()))
