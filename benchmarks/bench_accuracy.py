@@ -29,7 +29,6 @@ import platform
 import queue
 import re
 import shlex
-import subprocess
 import sys
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from aggregator.simulate import SimConfig, Simulator
+from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from nefl.cost import full_cost, submodel_cost
 from nefl.methods import Method, apply_method, get_method
 from nefl.profile import load_profile
@@ -267,19 +267,9 @@ def plot_setting(setting: str, groups: dict, path: Path) -> None:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    load = os.getloadavg()
-    return (f"{cpu}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, no GPU used; "
+    return (f"{cpu_name()}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, no GPU used; "
             f"{platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}; "
-            f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)")
-
-
-def commit() -> str:
-    git = ["git", "-C", str(ROOT)]
-    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-    return sha + (" (with uncommitted changes in the working tree)" if dirty.strip() else "")
+            f"load average at the end {load_average()}")
 
 
 def ladder_table(names: list[str]) -> list[str]:
@@ -321,7 +311,7 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
         f"## Generated sweep{f' `{section}`' if section else ''}: NeFL vs baselines and ablations "
         "(`benchmarks/bench_accuracy.py`)",
         "",
-        f"Generated {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} at commit {commit()} by",
+        f"Generated {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} at commit {commit_label()} by",
         "",
         f"    {command}",
         "",

@@ -40,6 +40,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from edge_client.costmodel import RssMeter, calibrate
 from nefl.aggregate import NeFedAvg
 from nefl.mqtt import make_client, parse_broker
@@ -447,21 +448,14 @@ def mib(b: float) -> str:
 
 
 def machine() -> list[str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
     import onnxruntime
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip()
-    load = os.getloadavg()
     return [
-        f"- CPU: {cpu}, {os.cpu_count()} logical cores; memory {psutil.virtual_memory().total / 2**30:.1f} GiB",
+        f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores; memory {psutil.virtual_memory().total / 2**30:.1f} GiB",
         f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}, "
         f"onnxruntime {onnxruntime.__version__}, mosquitto {mosquitto_version()}",
-        f"- date {datetime.datetime.now().astimezone().isoformat(timespec='minutes')}, commit {commit}"
-        + (" (with uncommitted changes in the working tree)" if dirty else ""),
-        f"- load average at the end of the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)",
+        f"- date {datetime.datetime.now().astimezone().isoformat(timespec='minutes')}, commit {commit_label()}",
+        f"- load average at the end of the run: {load_average()}",
     ]
 
 
