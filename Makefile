@@ -3,15 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env system-deps test test-fast demo bench-systems bench-accuracy lint clean
+.PHONY: env wheel system-deps test test-fast demo bench-systems bench-accuracy lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[full,test,dp]'
 	touch $@
 
-env: $(VENV)/.installed  ## virtual environment with torch 2.14.1 / torchvision 0.29.1 and the kit
+env: $(VENV)/.installed  ## virtual environment with the full kit (torch 2.14.1 / torchvision 0.29.1) and the test tools
+
+wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (small), or with [full] to train
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
 system-deps:  ## Fashion-MNIST and mosquitto from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
@@ -20,7 +23,8 @@ test: env system-deps  ## the whole test suite (about 10 minutes on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'
+	$(PY) -m pytest -q -m "not slow" -rs $(PYTEST_ARGS)
 
 demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashion-MNIST, then export + adaptive inference
 	PYTHON=$(abspath $(PY)) scripts/demo.sh
@@ -29,11 +33,11 @@ bench-systems: env system-deps  ## aggregation, client, wire and inference costs
 	$(PY) benchmarks/bench_systems.py
 
 bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST, about an hour, resumable -> docs/results.md
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_accuracy.py
 
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build dist

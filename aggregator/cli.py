@@ -10,12 +10,15 @@ import typer
 app = typer.Typer(help="NeFL aggregator: run a federation over MQTT, simulate, inspect status.",
                   no_args_is_help=True, add_completion=False)
 
+from nefl.extras import full_install_required  # noqa: E402
+
 # command registrations (one import per module that adds commands):
-from aggregator.server import serve_command  # noqa: E402
-from aggregator.status import status_command  # noqa: E402
+with full_install_required("aggregator"):
+    from aggregator.server import key_command, serve_command
+    from aggregator.simulate_cli import simulate_command
+    from aggregator.status import status_command
 
 app.command("serve")(serve_command)
+app.command("key")(key_command)
 app.command("status")(status_command)
-from aggregator.simulate_cli import simulate_command  # noqa: E402
-
 app.command("simulate")(simulate_command)

@@ -1,34 +1,60 @@
-"""Server-side evaluation of every submodel, each with its own BN and step sizes (design fact 7)."""
+"""Evaluation of every submodel, each with its own BN and step sizes (design fact 7), for the server
+and the simulator alike: one path, so a simulated accuracy and a served one mean the same thing.
+
+Static-BN methods (HeteroFL) never upload BN statistics; they are recomputed on training images
+before each evaluation. The recomputed statistics are written into the global state, because they
+are the ones the scored model used: a checkpoint or an ONNX export without them would carry the
+statistics of the initial weights.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from nefl.data import BatchLoader, load_dataset
-from nefl.state import GlobalState, Layout, load_module_state
+from nefl.data import ArrayDataset, BatchLoader, load_dataset
+from nefl.state import GlobalState, Layout, load_module_state, module_state
 from nefl.train import evaluate, recompute_bn_stats
 
 
 class Evaluator:
-    """Holds the test split (and, for static-BN methods, calibration images) in memory once."""
+    """Holds the test split (and, for static BN, a seeded sample of calibration images) in memory once."""
 
-    def __init__(self, layout: Layout, dataset: str, max_samples: int | None = None, data_root: str | None = None,
-                 calibration_samples: int = 2000) -> None:
-        self.layout = layout
-        self.test = load_dataset(dataset, data_root, train=False)
-        self.n = min(len(self.test), max_samples or len(self.test))
-        self.calib = None
-        if layout.method.static_bn:  # HeteroFL: BN statistics recomputed on training data before eval
-            train = load_dataset(dataset, data_root, train=True)
-            self.calib = (train, torch.arange(min(len(train), calibration_samples)))
+    def __init__(self, layout: Layout, test: ArrayDataset, calibration: ArrayDataset | None = None,
+                 max_samples: int | None = None, calibration_samples: int = 2000, seed: int = 0,
+                 device: str = "cpu") -> None:
+        self.layout, self.test, self.device = layout, test, device
+        self.n = min(len(test), max_samples or len(test))
+        self.calib: BatchLoader | None = None
+        if layout.method.static_bn:
+            if calibration is None:
+                raise ValueError(f"method {layout.method.name} recomputes BN statistics: give calibration images")
+            order = torch.randperm(len(calibration), generator=torch.Generator().manual_seed(seed))
+            self.calib = BatchLoader(calibration, order[:calibration_samples], 256, False, False, 0)
+        self.modules = [layout.module(k).to(device) for k in range(layout.num_submodels)]
 
-    def accuracy(self, state: GlobalState) -> list[float]:
+    @classmethod
+    def for_dataset(cls, layout: Layout, dataset: str, max_samples: int | None = None, data_root: str | None = None,
+                    calibration_samples: int = 2000, seed: int = 0) -> "Evaluator":
+        """The server's evaluator: loads the training split only when static BN needs it."""
+        train = load_dataset(dataset, data_root, train=True) if layout.method.static_bn else None
+        return cls(layout, load_dataset(dataset, data_root, train=False), train, max_samples, calibration_samples, seed)
+
+    def accuracy(self, state: GlobalState, max_samples: int | None = None) -> list[float]:
+        """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);
+        static-BN statistics are recalibrated into `state` first."""
+        n = min(self.n if max_samples is None else max_samples, len(self.test))
         out = []
-        for k in range(self.layout.num_submodels):
-            model = self.layout.module(k)
+        for k, model in enumerate(self.modules):
             load_module_state(model, state.extract(self.layout, k))
             if self.calib is not None:
-                recompute_bn_stats(model, BatchLoader(self.calib[0], self.calib[1], 256, False, False, 0))
-            acc, _ = evaluate(model, BatchLoader(self.test, torch.arange(self.n), 500, False, False, 0))
+                recompute_bn_stats(model, self.calib, self.device)
+                self._record_stats(model, state, k)
+            acc, _ = evaluate(model, BatchLoader(self.test, torch.arange(n), 500, False, False, 0), self.device)
             out.append(round(acc, 4))
         return out
+
+    def _record_stats(self, model: torch.nn.Module, state: GlobalState, k: int) -> None:
+        """Submodel k's recomputed statistics become its (never uploaded) per-submodel tensors."""
+        trained = module_state(model)
+        for name in self.layout.local & state.inconsistent[k].keys():
+            state.inconsistent[k][name] = trained[name].detach().cpu().clone()

@@ -9,16 +9,24 @@ an accepted update is folded into NeFedAvg at once and dropped.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
 from nefl.aggregate import NeFedAvg, UpdateError
+from nefl.checkpoint import UPDATES_TOTAL_KEY
+from nefl.messages import Announce, DeviceSummary
+from nefl.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
 from nefl.state import GlobalState, Layout
+
+log = logging.getLogger(__name__)
 
 
 class Rejected(ValueError):
@@ -34,9 +42,34 @@ class ClientInfo:
     client_id: str
     max_submodel: int  # 0-based, already clipped to the profile
     samples: int
-    device: dict[str, Any] = field(default_factory=dict)
+    device: DeviceSummary = field(default_factory=DeviceSummary)
     online: bool = True
     selection: str = ""  # the device's own reason for its current max_submodel
+    last_seen: float = 0.0  # monotonic time of its last announce or status change
+    announces: list[float] = field(default_factory=list)  # times of its recent announces (rate limit)
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """Per-client bounds: what one device id can make the server remember and do."""
+
+    max_clients: int = 10_000  # client table size; offline clients are evicted first
+    forget_after_s: float = 3600.0  # an offline client is forgotten after this long
+    announces_per_minute: int = 30  # honest devices announce on changes, a few times per round
+
+
+@dataclass(frozen=True)
+class Robustness:
+    """What an update and a new global state must satisfy to count (docs/security.md)."""
+
+    bound: NormBound = NormBound()
+    max_weight_abs: float = 1e6  # a committed state never holds |w| above this
+    dp_noise_multiplier: float = 0.0  # DP-FedAvg: noise std = multiplier x the clip norm (bound.max_norm)
+    dp_seed: int | None = None  # None: fresh OS randomness (what DP needs); a seed only for tests
+
+    def __post_init__(self) -> None:
+        if self.dp_noise_multiplier > 0 and (self.bound.mode != "clip" or self.bound.max_norm is None):
+            raise ValueError("DP noise needs every update clipped: give --max-update-norm and --clip")
 
 
 @dataclass
@@ -62,32 +95,55 @@ def state_digest(state: GlobalState) -> str:
 
 class Federation:
     def __init__(self, layout: Layout, state: GlobalState, federation: str, clients_per_round: int,
-                 min_clients: int, round_timeout: float, weighting: str = "uniform", seed: int = 0) -> None:
+                 min_clients: int, round_timeout: float, weighting: str = "uniform", seed: int = 0,
+                 limits: ClientLimits = ClientLimits(), robustness: Robustness = Robustness(),
+                 assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
+                 trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3) -> None:
         if min_clients < 1 or clients_per_round < min_clients:
             raise ValueError("need 1 <= --min-clients <= --clients-per-round")
+        if trained_updates is not None and len(trained_updates) != layout.num_submodels:
+            raise ValueError(f"{len(trained_updates)} update counts for {layout.num_submodels} submodels: "
+                             "the checkpoint belongs to another profile")
         self.layout, self.state, self.name = layout, state, federation
         self.clients_per_round, self.min_clients, self.round_timeout = clients_per_round, min_clients, round_timeout
         self.weighting = weighting
+        self.limits = limits
+        self.robustness = robustness
+        self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
+        self._noise = torch.Generator()
+        if robustness.dp_seed is None:
+            self._noise.seed()
+        else:
+            self._noise.manual_seed(robustness.dp_seed)
+        self._reference: dict[int, float] = {}  # submodel -> norm of its current weights, once per round
         self.clients: dict[str, ClientInfo] = {}
+        # last status per client id, announced or not (retained statuses and announces arrive in any
+        # order); bounded like the client table, oldest entries first out
+        self.presence: OrderedDict[str, bool] = OrderedDict()
         self.round: RoundState | None = None
         self.agg: NeFedAvg | None = None
         self.rejected: Counter[str] = Counter()
         self.bytes_in = 0
         self._rng = random.Random(seed)
+        self._assign = get_policy(assignment)
+        self.assignment = assignment
+        self.tiers = dict(tiers or {})  # fixed tiers (the simulator's); a server client's tier is its bound
+        self.trained_updates = list(trained_updates or [0] * layout.num_submodels)  # committed, all rounds
+        self.untrained_rounds = [0] * layout.num_submodels  # consecutive rounds without a committed update
+        self.warn_untrained_after = warn_untrained_after
 
     # -- membership ---------------------------------------------------------------------------
-    def announce(self, client_id: str, body: dict[str, Any]) -> ClientInfo:
-        """Register or refresh a client from its announce message (already JSON-decoded, untrusted)."""
-        try:
-            max_sub = int(body["max_submodel"]) - 1  # announced 1-based, like the CLI
-            samples = int(body["samples"])
-        except (KeyError, TypeError, ValueError):
-            raise Rejected("malformed_announce", "announce needs integer max_submodel and samples") from None
-        if max_sub < -1 or samples < 1:  # announced 0: the device cannot train anything right now
-            raise Rejected("malformed_announce", f"max_submodel {max_sub + 1} / samples {samples} out of range")
-        device = body.get("device") if isinstance(body.get("device"), dict) else {}
-        selection = str(body.get("selection", ""))[:200]
-        info = ClientInfo(client_id, min(max_sub, self.layout.num_submodels - 1), samples, device, selection=selection)
+    def announce(self, client_id: str, msg: Announce, now: float | None = None) -> ClientInfo:
+        """Register or refresh a client from its (schema-checked, still untrusted) announce."""
+        now = time.monotonic() if now is None else now
+        if msg.client != client_id:
+            raise Rejected("client_mismatch", f"announce says client {msg.client!r}, topic says {client_id!r}")
+        old = self.clients.get(client_id) or self._admit(client_id, now)
+        recent = [t for t in old.announces if now - t < 60.0]
+        if len(recent) >= self.limits.announces_per_minute:
+            raise Rejected("rate_limited", f"more than {self.limits.announces_per_minute} announces a minute")
+        info = ClientInfo(client_id, min(msg.max_submodel - 1, self.layout.num_submodels - 1), msg.samples, msg.device,
+                          online=old.online, selection=msg.selection, last_seen=now, announces=[*recent, now])
         self.clients[client_id] = info
         r = self.round
         if r is not None and client_id in r.assignments and client_id not in r.received \
@@ -97,21 +153,54 @@ class Federation:
             r.declined[client_id] = info.selection or f"can train submodel <= {info.max_submodel + 1} now"
         return info
 
-    def set_online(self, client_id: str, online: bool) -> None:
+    def _admit(self, client_id: str, now: float) -> ClientInfo:
+        """A table slot for a new client: forget long-offline clients, then the longest-offline one."""
+        self.forget_offline(now)
+        if len(self.clients) >= self.limits.max_clients:
+            offline = [c for c, i in self.clients.items() if not i.online and not self._in_round(c)]
+            if not offline:
+                raise Rejected("client_table_full", f"{len(self.clients)} clients known and online")
+            del self.clients[min(offline, key=lambda c: self.clients[c].last_seen)]
+        return ClientInfo(client_id, -1, 1, online=self.presence.get(client_id, False), last_seen=now)
+
+    def _in_round(self, client_id: str) -> bool:
+        return self.round is not None and client_id in self.round.assignments
+
+    def forget_offline(self, now: float | None = None) -> list[str]:
+        """Drop clients offline for longer than the limit (never a participant of the open round)."""
+        now = time.monotonic() if now is None else now
+        gone = [c for c, i in self.clients.items()
+                if not i.online and now - i.last_seen > self.limits.forget_after_s and not self._in_round(c)]
+        for c in gone:
+            del self.clients[c]
+        return gone
+
+    def set_online(self, client_id: str, online: bool, now: float | None = None) -> None:
+        """A client's status message: only a device that said "online" (and has not gone) is picked."""
+        self.presence[client_id] = online
+        self.presence.move_to_end(client_id)
+        while len(self.presence) > self.limits.max_clients:
+            self.presence.popitem(last=False)
         if client_id in self.clients:
-            self.clients[client_id].online = online
+            info = self.clients[client_id]
+            info.online, info.last_seen = online, time.monotonic() if now is None else now
 
     def available(self) -> list[str]:
         return sorted(c for c, info in self.clients.items() if info.online and info.max_submodel >= 0)
 
     # -- rounds -------------------------------------------------------------------------------
     def open_round(self, index: int, now: float | None = None) -> RoundState:
-        """Pick participants among online clients; each trains the largest submodel it announced."""
+        """Pick participants among online clients; the assignment policy gives each a submodel
+        within the bound it announced."""
         now = time.monotonic() if now is None else now
         pool = self.available()
         chosen = sorted(self._rng.sample(pool, min(self.clients_per_round, len(pool))))
-        self.round = RoundState(index, {c: self.clients[c].max_submodel for c in chosen}, now + self.round_timeout, now)
+        bounds = {c: self.clients[c].max_submodel for c in chosen}
+        assigned = self._assign([Candidate(c, m, self.tiers.get(c, m)) for c, m in bounds.items()],
+                                coverage_order(self.trained_updates), self._rng)
+        self.round = RoundState(index, {c: assigned[c] for c in chosen}, now + self.round_timeout, now)
         self.agg = NeFedAvg(self.layout, self.weighting)
+        self._reference = {}
         return self.round
 
     def check_header(self, topic_client: str, header: dict[str, Any]) -> int:
@@ -139,13 +228,20 @@ class Federation:
         if header["samples"] < 1:
             raise Rejected("bad_samples", f"sample count {header['samples']}")
         try:
+            self.agg.validate(k, delta)
+            if k not in self._reference:
+                self._reference[k] = reference_norm(self.state, self.layout, k)
+            delta, norm, clipped = self.guard.check(k, delta, self._reference[k])
             self.agg.add(k, delta, header["samples"])
         except UpdateError as e:
             raise Rejected("tensor_mismatch", str(e)) from None
+        except UpdateRejected as e:
+            raise Rejected(e.reason, str(e)) from None
+        self.guard.record(k, norm)
         self.round.received.add(topic_client)
         metrics = header["metrics"]
         self.round.client_metrics[topic_client] = {
-            "submodel": k + 1, "bytes": nbytes, "samples": header["samples"],
+            "submodel": k + 1, "bytes": nbytes, "samples": header["samples"], "norm": round(norm, 6), "clipped": clipped,
             **{m: v for m, v in metrics.items() if isinstance(v, (int, float))},
             **({"selection": metrics["selection"][:200]} if isinstance(metrics.get("selection"), str) else {}),
         }
@@ -154,24 +250,55 @@ class Federation:
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
 
+    def waiting_for(self) -> list[str]:
+        """Participants that may still report: assigned, not reported, and not gone offline."""
+        r = self.round
+        return [c for c in r.assignments if c not in r.received and c in self.clients and self.clients[c].online]
+
     def complete(self, now: float | None = None) -> bool:
-        """Quorum reached and every participant reported, or the deadline passed."""
+        """Every participant still online reported (with quorum), or nobody is left to wait for, or
+        the deadline passed: a participant whose last will says offline does not hold the round."""
         r = self.round
         now = time.monotonic() if now is None else now
-        everyone = len(r.received) >= len(r.assignments) and len(r.received) >= self.min_clients
-        return everyone or now >= r.deadline
+        return not self.waiting_for() or now >= r.deadline
 
     def close_round(self) -> dict[str, Any]:
         """Fold the aggregate into the global state (only with quorum); returns the round's facts."""
         r, agg = self.round, self.agg
         quorum = len(r.received) >= self.min_clients
-        if quorum:
-            self.state = agg.finalize(self.state)
+        problem = self._commit(agg) if quorum else "no quorum"
+        self._count_training(r.index, agg.updates if problem is None else [0] * len(agg.updates))
         facts = {
-            "round": r.index, "quorum": quorum, "participants": sorted(r.assignments),
+            "round": r.index, "quorum": quorum, "committed": problem is None, "not_committed": problem,
+            "participants": sorted(r.assignments),
             "assigned": {c: k + 1 for c, k in sorted(r.assignments.items())},
-            "reported": sorted(r.received), "declined": r.declined, "updates_per_submodel": list(agg.updates),
-            "clients": r.client_metrics,
+            "reported": sorted(r.received), "declined": r.declined,
+            "went_offline": sorted(c for c in r.assignments if c not in r.received and c not in self.waiting_for()), "updates_per_submodel": list(agg.updates),
+            UPDATES_TOTAL_KEY: list(self.trained_updates), "clients": r.client_metrics,
         }
         self.round, self.agg = None, None
         return facts
+
+    def _count_training(self, index: int, committed: list[int]) -> None:
+        """Cumulative updates per submodel, and a warning while one goes untrained: its weights stay
+        as initialised, and an export would ship a submodel at chance accuracy."""
+        for k, n in enumerate(committed):
+            self.trained_updates[k] += n
+            self.untrained_rounds[k] = 0 if n else self.untrained_rounds[k] + 1
+        stale = [k + 1 for k, n in enumerate(self.untrained_rounds) if n >= self.warn_untrained_after]
+        if stale:
+            fix = "" if self.assignment == "coverage" else "use --assignment coverage, or "
+            log.warning("submodel(s) %s untrained for %d+ rounds under --assignment %s: %sadd devices that can "
+                        "train them", ", ".join(map(str, stale)), self.warn_untrained_after, self.assignment, fix,
+                        extra={"round": index})
+
+    def _commit(self, agg: NeFedAvg) -> str | None:
+        """Make the aggregate the new state unless it is not finite and bounded; returns why not."""
+        rb = self.robustness
+        if rb.dp_noise_multiplier > 0:
+            agg.add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self._noise)
+        candidate = agg.finalize(self.state)
+        problem = check_state(candidate, rb.max_weight_abs)
+        if problem is None:
+            self.state = candidate
+        return problem

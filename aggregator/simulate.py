@@ -1,28 +1,34 @@
 """In-process research simulator: the paper's client tiers on a real dataset.
 
-Every client trains a physically smaller submodel with the same code a device runs, and the
-server side is the same streaming NeFedAvg the MQTT aggregator uses; only the transport is
-missing. That keeps simulated accuracy an honest preview of a real federation.
+The simulator is the server minus the transport: the same `Federation` picks participants, assigns
+submodels with the same policy code, guards and folds the updates and commits the round; every
+client trains a physically smaller submodel with the same `local_train` a device runs; the same
+`Evaluator` scores the submodels. That keeps simulated accuracy an honest preview of a real federation.
 """
 
 from __future__ import annotations
 
 import json
-import random
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from nefl.aggregate import NeFedAvg
-from nefl.checkpoint import save_checkpoint
+from aggregator.assignment import PAPER_WINDOW, Assignment
+from aggregator.evaluation import Evaluator
+from aggregator.federation import Federation, Rejected
+from nefl.checkpoint import UPDATES_TOTAL_KEY, save_checkpoint
 from nefl.data import ArrayDataset, BatchLoader, load_dataset, partition_dirichlet, partition_iid
+from nefl.messages import Announce
 from nefl.methods import Method
 from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout, load_module_state, module_state
-from nefl.train import TrainConfig, evaluate, local_train, recompute_bn_stats
+from nefl.state import GlobalState, Layout
+from nefl.train import TrainConfig, local_train
+
+FEDERATION = "simulation"
 
 
 @dataclass
@@ -47,6 +53,7 @@ class SimConfig:
     data_root: str | None = None
     out: str | None = None  # directory for metrics.jsonl and the final checkpoint
     device: str = "cpu"  # torch device for training and evaluation, e.g. "cuda" for the paper's protocol
+    assignment: Assignment = "paper"  # the paper's tiers; "coverage" / "largest" as the server can
 
 
 @dataclass
@@ -58,10 +65,35 @@ class SimResult:
     rounds: list[dict] = field(default_factory=list)
 
 
-def tier_choices(client: int, num_clients: int, num_submodels: int) -> list[int]:
-    """The paper's dynamic setting: equal tiers, tier t picks among submodels t-2..t+2 (clipped)."""
-    tier = client * num_submodels // num_clients
-    return list(range(max(0, tier - 2), min(num_submodels - 1, tier + 2) + 1))
+def tier_of(client: int, num_clients: int, num_tiers: int) -> int:
+    """The paper's equal tiers by client index, tier 0 the most constrained."""
+    return client * num_tiers // num_clients
+
+
+def tier_bound(tier: int, num_submodels: int) -> int:
+    """The largest submodel (0-based) a client of `tier` can train: the top of its paper window."""
+    return min(tier + PAPER_WINDOW, num_submodels - 1)
+
+
+def client_ids(num_clients: int) -> list[str]:
+    """Zero-padded, so the ids sort in index order and the seeded sampling and the paper's draws
+    replay the simulator's runs from before it drove a Federation."""
+    width = len(str(num_clients - 1))
+    return [f"c{c:0{width}d}" for c in range(num_clients)]
+
+
+def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int]) -> Federation:
+    """The server's round state with every client online and announcing its tier's bound once, as
+    a device does over MQTT; `samples` is each client's partition size."""
+    k = layout.num_submodels
+    ids = client_ids(cfg.clients)
+    tiers = {cid: tier_of(c, cfg.clients, k) for c, cid in enumerate(ids)}
+    fed = Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
+                     cfg.weighting, cfg.seed, assignment=cfg.assignment, tiers=tiers)
+    for cid, n in zip(ids, samples):
+        fed.set_online(cid, True, now=0.0)
+        fed.announce(cid, Announce(client=cid, samples=max(1, n), max_submodel=tier_bound(tiers[cid], k) + 1), now=0.0)
+    return fed
 
 
 def _partitions(train: ArrayDataset, cfg: SimConfig) -> list[torch.Tensor]:
@@ -105,48 +137,45 @@ class Simulator:
             )
         self.parts = _partitions(self.train, cfg)
         self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
-        self.state = GlobalState.init(self.layout, seed=cfg.seed)
         self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
-        self.rng = random.Random(cfg.seed)
+        self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
+        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts])
+        self.evaluator = Evaluator(self.layout, self.test, self.train, calibration_samples=cfg.bn_calibration_samples,
+                                   seed=cfg.seed, device=self.device)
+
+    @property
+    def state(self) -> GlobalState:
+        return self.fed.state
 
     def run_round(self, r: int) -> dict:
-        cfg, layout = self.cfg, self.layout
+        cfg, layout, fed = self.cfg, self.layout, self.fed
         t0 = time.perf_counter()
-        lr = self.train_cfg.lr_at(r, cfg.rounds)
-        agg = NeFedAvg(layout, cfg.weighting)
-        participants = sorted(self.rng.sample(range(cfg.clients), cfg.per_round))
-        assigned, losses = [], []
-        for c in participants:
-            k = self.rng.choice(tier_choices(c, cfg.clients, layout.num_submodels))
+        train_cfg = self.train_cfg.for_round(r, cfg.rounds)
+        rejected: dict[str, int] = {}
+        losses = []
+        for cid, k in sorted(fed.open_round(r, now=0.0).assignments.items()):
+            c = self.client_index[cid]
             loader = BatchLoader(self.train, self.parts[c], cfg.batch_size, shuffle=True, augment=True,
                                  seed=cfg.seed * 1_000_003 + r * 1009 + c)
-            res = local_train(self.modules[k], self.state.extract(layout, k), loader, cfg.local_epochs, lr,
-                              self.train_cfg, upload=layout.upload_shapes(k), device=self.device)
-            agg.add(k, res.delta, res.num_samples)
-            assigned.append([c, k])
+            res = local_train(self.modules[k], fed.state.extract(layout, k), loader, train_cfg,
+                              upload=layout.upload_shapes(k), device=self.device)
+            header = {"kind": "update", "federation": FEDERATION, "client": cid, "round": r, "submodel": k,
+                      "samples": res.num_samples,
+                      "metrics": {"loss": res.loss, "train_acc": res.accuracy, "train_s": res.seconds}}
+            try:
+                fed.accept(cid, header, res.delta, sum(t.numel() * t.element_size() for t in res.delta.values()))
+            except Rejected as e:  # the server's guard applies to simulated updates too
+                fed.reject(e.reason)
+                rejected[e.reason] = rejected.get(e.reason, 0) + 1
             losses.append(res.loss)
-        self.state = agg.finalize(self.state)
-        return {"round": r, "lr": lr, "participants": assigned, "updates_per_submodel": agg.updates,
-                "train_loss": sum(losses) / len(losses), "train_seconds": time.perf_counter() - t0}
+        facts = fed.close_round()
+        participants = [[self.client_index[cid], k - 1] for cid, k in facts["assigned"].items()]
+        return {"round": r, "lr": train_cfg.lr, "participants": participants,
+                "updates_per_submodel": facts["updates_per_submodel"], "committed": facts["committed"],
+                "rejected": rejected, "train_loss": sum(losses) / len(losses), "train_seconds": time.perf_counter() - t0}
 
     def evaluate(self, max_samples: int) -> list[float]:
-        """Each submodel with its own BN and steps (static BN statistics recomputed first)."""
-        cfg, layout = self.cfg, self.layout
-        n = min(max_samples, len(self.test))
-        calib = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(cfg.seed))
-        accs = []
-        for k, model in enumerate(self.modules):
-            load_module_state(model, self.state.extract(layout, k))
-            if layout.method.static_bn:
-                recompute_bn_stats(model, BatchLoader(self.train, calib[: cfg.bn_calibration_samples], 256, False, False, 0),
-                                   self.device)
-                trained = module_state(model)
-                for name in layout.local:
-                    if name in self.state.inconsistent[k]:
-                        self.state.inconsistent[k][name] = trained[name].detach().cpu().clone()
-            acc, _ = evaluate(model, BatchLoader(self.test, torch.arange(n), 500, False, False, 0), self.device)
-            accs.append(acc)
-        return accs
+        return self.evaluator.accuracy(self.fed.state, max_samples)
 
     def run(self, on_round: Callable[[dict], None] | None = None) -> SimResult:
         cfg = self.cfg
@@ -177,6 +206,7 @@ class Simulator:
             if metrics_file:
                 metrics_file.close()
         if out:
-            save_checkpoint(out / "checkpoint", self.state, self.layout,
-                            {"round": cfg.rounds - 1, "accuracy": accs, "dataset": cfg.dataset or self.layout.profile.dataset})
+            save_checkpoint(out / "checkpoint", self.fed.state, self.layout,
+                            {"round": cfg.rounds - 1, "accuracy": accs, "dataset": cfg.dataset or self.layout.profile.dataset,
+                             UPDATES_TOTAL_KEY: self.fed.trained_updates})
         return SimResult(accs, min(accs), sum(accs) / len(accs), time.perf_counter() - t0, rows)

@@ -11,9 +11,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from aggregator.assignment import Assignment
 from aggregator.simulate import SimConfig, Simulator
+from nefl.aggregate import Weighting
 from nefl.data import DatasetUnavailable
 from nefl.profile import ProfileError
+from nefl.train import TrainConfig
 
 console = Console(stderr=True)
 
@@ -25,12 +28,12 @@ def simulate_command(
     clients: int = typer.Option(20, min=1, help="Clients in the federation (split into equal tiers)."),
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
     rounds: int = typer.Option(30, min=1, help="Communication rounds."),
-    local_epochs: int = typer.Option(1, min=1, help="Local epochs E."),
+    local_epochs: int = typer.Option(TrainConfig.local_epochs, min=1, help="Local epochs E."),
     non_iid: Optional[float] = typer.Option(None, help="Dirichlet alpha for label skew (omit for IID)."),
     seed: int = typer.Option(0, help="Seed for init, partitions, sampling and augmentation."),
-    batch_size: int = typer.Option(32, min=1, help="Local batch size."),
-    lr: float = typer.Option(0.1, help="SGD learning rate (x0.1 at 1/2 and 3/4 of the rounds)."),
-    weighting: str = typer.Option("uniform", help="uniform (as the paper) or samples."),
+    batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size."),
+    lr: float = typer.Option(TrainConfig.lr, help="SGD learning rate (x0.1 at 1/2 and 3/4 of the rounds)."),
+    weighting: Weighting = typer.Option("uniform", help="uniform (as the paper) or samples."),
     eval_every: int = typer.Option(5, min=0, help="Evaluate every N rounds (always after the last)."),
     eval_samples: int = typer.Option(2000, min=1, help="Test images for intermediate evaluations."),
     final_eval_samples: Optional[int] = typer.Option(None, min=1, help="Test images for the last evaluation (default: all)."),
@@ -39,6 +42,8 @@ def simulate_command(
     out: Optional[str] = typer.Option(None, help="Directory for metrics.jsonl, config.json and the final checkpoint."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
     device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
+    assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
+                                          "(every submodel trained each round when the pool allows) or largest."),
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
     if per_round > clients:
@@ -47,7 +52,7 @@ def simulate_command(
         torch.set_num_threads(threads)
     cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
                     lr, weighting, eval_every, eval_samples, final_eval_samples, max_samples_per_client=max_samples_per_client,
-                    data_root=data_root, out=out, device=device)
+                    data_root=data_root, out=out, device=device, assignment=assignment)
     try:
         sim = Simulator(cfg)
     except (ProfileError, DatasetUnavailable, ValueError) as e:

@@ -7,25 +7,30 @@ The server keeps its state retained on nefl/{federation}/server/status and mirro
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import secrets
-import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import paho.mqtt.client as mqtt
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from aggregator.server import METRICS_FILE, STATUS_FILE
-from nefl.mqtt import QOS, parse_broker
+from aggregator.server import STATUS_FILE
+from nefl.checkpoint import read_metrics
+from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+                              UsernameOption)
+from nefl.logs import console, setup_logging
+from nefl.messages import MAX_STATUS_BYTES, MessageError, ServerStatus
+from nefl.mqtt import QOS, BrokerSettings, parse_broker
 from nefl.topics import Topics
 
+log = logging.getLogger(__name__)
 
-def read_retained(url: str, federation: str, username: str | None, password: str | None, ca_cert: str | None,
-                  timeout_s: float) -> dict[str, Any] | None:
-    settings = parse_broker(url, username, password, ca_cert)
+
+def read_retained(settings: BrokerSettings, federation: str, timeout_s: float) -> dict[str, Any] | None:
     topic = Topics(federation).server_status
     got: queue.Queue[bytes] = queue.Queue()
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"nefl-status-{secrets.token_hex(4)}",
@@ -33,14 +38,14 @@ def read_retained(url: str, federation: str, username: str | None, password: str
     if settings.username:
         client.username_pw_set(settings.username, settings.password)
     if settings.tls:
-        client.tls_set(ca_certs=settings.ca_cert)
+        client.tls_set(ca_certs=settings.ca_cert, certfile=settings.certfile, keyfile=settings.keyfile)
     client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, QOS)
     client.on_message = lambda c, u, m: m.topic == topic and got.put(bytes(m.payload))
     client.connect(settings.host, settings.port, keepalive=10)
     client.loop_start()
-    try:
-        return json.loads(got.get(timeout=timeout_s))
-    except (queue.Empty, json.JSONDecodeError, UnicodeDecodeError):
+    try:  # whatever sits on the topic is parsed by the strict loader: a hostile retained message is just "no status"
+        return msgspec.to_builtins(ServerStatus.from_json(got.get(timeout=timeout_s), MAX_STATUS_BYTES))
+    except (queue.Empty, MessageError):
         return None
     finally:
         client.disconnect()
@@ -48,48 +53,53 @@ def read_retained(url: str, federation: str, username: str | None, password: str
 
 
 def show(status: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
-    console = Console()
-    console.print(f"federation [bold]{status.get('federation')}[/]: {status.get('state')}, "
+    out = console()
+    out.print(f"federation [bold]{status.get('federation')}[/]: {status.get('state')}, "
                   f"round {status.get('round')}/{status.get('rounds')}, profile {status.get('profile', {}).get('name')}")
-    console.print(f"online clients: {', '.join(status.get('clients_online') or []) or '-'}")
+    online = status.get("clients_online") or []
+    more = (status.get("clients_online_count") or len(online)) - len(online)
+    out.print(f"online clients ({len(online) + more}): {', '.join(online) or '-'}" + (f" and {more} more" if more > 0 else ""))
     if status.get("participants"):
-        console.print(f"this round: {len(status.get('reported') or [])}/{len(status['participants'])} reported")
+        out.print(f"this round: {len(status.get('reported') or [])}/{len(status['participants'])} reported")
     if status.get("rejected_total"):
-        console.print(f"rejected messages: {status['rejected_total']}")
+        out.print(f"rejected messages: {status['rejected_total']}")
     rows = [m for m in metrics if m.get("accuracy")]
     if rows:
         table = Table("round", *[f"sub {i + 1}" for i in range(len(rows[0]["accuracy"]))], "wall s")
         for m in rows[-10:]:
             table.add_row(str(m["round"]), *[f"{a:.4f}" for a in m["accuracy"]], str(m.get("wall_s", "")))
-        console.print(table)
+        out.print(table)
 
 
 def status_command(
     broker: str = typer.Option(None, help="Read the retained status from this broker (mqtt://HOST:PORT)."),
     federation: str = typer.Option("default", help="Federation name."),
-    checkpoint_dir: str = typer.Option(None, help="Read status.json and metrics.jsonl here [default: runs/FEDERATION]."),
-    username: str = typer.Option(None, envvar="NEFL_MQTT_USERNAME", help="Broker user."),
-    password: str = typer.Option(None, envvar="NEFL_MQTT_PASSWORD", help="Broker password."),
-    ca_cert: str = typer.Option(None, help="CA certificate for mqtts://."),
+    checkpoint_dir: str = typer.Option(None, help="Read status.json and metrics.jsonl here (default runs/FEDERATION)."),
+    username: UsernameOption = None,
+    password: PasswordOption = None,
+    ca_cert: CaCertOption = None,
+    certfile: CertfileOption = None,
+    keyfile: KeyfileOption = None,
     timeout: float = typer.Option(5.0, help="Seconds to wait for the retained status."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw status JSON."),
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
+    setup_logging(log_level, log_format)
     run_dir = Path(checkpoint_dir or f"runs/{federation}")
     try:
         if broker:
-            status = read_retained(broker, federation, username, password, ca_cert, timeout)
+            status = read_retained(parse_broker(broker, username, password, ca_cert, certfile, keyfile), federation, timeout)
         else:
             status = json.loads((run_dir / STATUS_FILE).read_text()) if (run_dir / STATUS_FILE).exists() else None
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"{broker or run_dir}: {e}")
         raise typer.Exit(2) from None
     if status is None:
-        print(f"error: no status for federation {federation!r} (is `aggregator serve` running? right --broker/--checkpoint-dir?)",
-              file=sys.stderr)
+        log.error(f"no status for federation {federation!r} (is `aggregator serve` running? right --broker/--checkpoint-dir?)")
         raise typer.Exit(1)
-    metrics_path = run_dir / METRICS_FILE
-    metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
+    metrics = read_metrics(run_dir)
     if as_json:
         print(json.dumps(status, indent=1))
     else:

@@ -43,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from aggregator.simulate import SimConfig, Simulator
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from nefl.cost import full_cost, submodel_cost
+from nefl.fsio import atomic_write_text
 from nefl.methods import Method, apply_method, get_method
 from nefl.profile import load_profile
 
@@ -133,9 +134,7 @@ def run_job(job: Job, progress_queue) -> dict:
     }
     path = Path(job.path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(out, indent=1))
     return out
 
 
@@ -148,12 +147,12 @@ def learned_steps(sim: Simulator) -> list[list[float]] | None:
             for own in sim.state.inconsistent]
 
 
-def steps_table(groups: dict, setting: str) -> list[str]:
+def steps_table(groups: dict, setting: str, budget: Budget) -> list[str]:
     """min / mean / max of the learned steps per submodel, for the runs that recorded them."""
     rows = [(name, r) for (s, name), runs in groups.items() if s == setting for r in runs if r.get("steps")]
     if not rows:
         return []
-    lines = ["", f"Learned step sizes after the last round ({SETTING_TITLES[setting]}; initialised to 1): "
+    lines = ["", f"Learned step sizes after the last round ({setting_title(setting, budget)}; initialised to 1): "
              "min / mean / max over each submodel's present blocks.", "",
              "| method | seed | " + " | ".join(f"sub {k + 1}" for k in range(len(rows[0][1]["steps"]))) + " |",
              "|---|---|" + "---|" * len(rows[0][1]["steps"])]
@@ -236,7 +235,25 @@ def spread(values: list[float]) -> str:
     return f"{sum(pct) / len(pct):.2f} ± {(max(pct) - min(pct)) / 2:.2f}"
 
 
-def plot_setting(setting: str, groups: dict, path: Path) -> None:
+def setting_title(setting: str, budget: Budget) -> str:
+    """The setting and its round count: the main and the `long` sweep share settings, so without the
+    rounds two figures and two headings of the same doc would read the same."""
+    return f"{SETTING_TITLES[setting]}, {budget.rounds} rounds"
+
+
+def realised_sizes(name: str) -> tuple[list[float], list[float]]:
+    """Each submodel's parameters and MACs as fractions of the full model, as the method's ladder has them:
+    block-granular depth ladders only approximate the target gammas, so accuracy is read against these."""
+    v = VARIANTS[name]
+    ladder = apply_method(load_profile(v.profile), v.resolve())
+    full = full_cost(ladder)
+    costs = [submodel_cost(ladder, sub) for sub in ladder.submodels]
+    return [c.params / full.params for c in costs], [c.macs / full.macs for c in costs]
+
+
+def plot_setting(setting: str, groups: dict, budget: Budget, seeds: int, path: Path) -> None:
+    """Per-submodel accuracy against the realised parameter ratio, so ladders that miss their targets
+    (DepthFL's submodels 3 and 4 are the same 0.73 network) are drawn where they really are."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,16 +264,16 @@ def plot_setting(setting: str, groups: dict, path: Path) -> None:
         runs = groups.get((setting, name))
         if not runs:
             continue
-        gammas = runs[0]["gammas"]
-        per_sub = [[100 * r["accuracy"][k] for r in runs] for k in range(len(gammas))]
+        params, _ = realised_sizes(name)
+        per_sub = [[100 * r["accuracy"][k] for r in runs] for k in range(len(params))]
         mean = [sum(a) / len(a) for a in per_sub]
         style = "-" if name.startswith("nefl-") and name not in ("nefl-nl", "nefl-sharedbn") else \
             (":" if name.startswith("nefl") else "--")
-        (line,) = ax.plot(gammas, mean, style, marker="o", color=f"C{i}", label=name)
-        ax.fill_between(gammas, [min(a) for a in per_sub], [max(a) for a in per_sub], color=line.get_color(), alpha=0.15)
-    seeds = len(next(iter(groups.values())))
-    ax.set(xlabel="submodel size gamma (parameter ratio)", ylabel="top-1 accuracy (%)",
-           title=f"Fashion-MNIST ResNet-20, {SETTING_TITLES[setting]}: mean and min/max over {seeds} seed(s)")
+        (line,) = ax.plot(params, mean, style, marker="o", color=f"C{i}", label=name)
+        ax.fill_between(params, [min(a) for a in per_sub], [max(a) for a in per_sub], color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="realised parameter ratio of the submodel (fraction of the full ResNet-20's parameters)",
+           ylabel="top-1 accuracy (%)",
+           title=f"Fashion-MNIST ResNet-20, {setting_title(setting, budget)}\nmean and min/max over {seeds} seed(s)")
     ax.title.set_fontsize(10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
@@ -280,15 +297,16 @@ def ladder_table(names: list[str]) -> list[str]:
              "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | mean params | mean MACs |",
              "|---|" + "---|" * 7]
     for name in names:
-        v = VARIANTS[name]
-        ladder = apply_method(load_profile(v.profile), v.resolve())
-        full = full_cost(ladder)
-        costs = [submodel_cost(ladder, sub) for sub in ladder.submodels]
-        p = [c.params / full.params for c in costs]
-        m = [c.macs / full.macs for c in costs]
+        p, m = realised_sizes(name)
         lines.append(f"| {name} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(p, m))
                      + f" | {sum(p) / len(p):.2f} | {sum(m) / len(m):.2f} |")
     return lines
+
+
+def provenance_verb(ran: int) -> str:
+    """A report re-rendered from stored runs must not pass off today's commit and machine as the ones that
+    trained the models."""
+    return "Generated" if ran else "Re-rendered from the stored runs (nothing trained)"
 
 
 def budget_note(budget: Budget, quick: bool) -> str:
@@ -311,11 +329,12 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
         f"## Generated sweep{f' `{section}`' if section else ''}: NeFL vs baselines and ablations "
         "(`benchmarks/bench_accuracy.py`)",
         "",
-        f"Generated {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} at commit {commit_label()} by",
+        f"{provenance_verb(ran)} {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} "
+        f"at commit {commit_label()} by",
         "",
         f"    {command}",
         "",
-        f"- machine: {machine()}",
+        f"- machine{'' if ran else ' of this re-render'}: {machine()}",
         f"- budget: ResNet-20 (1 input channel), 5 submodels gamma = 0.2 .. 1, {budget.clients} clients, "
         f"{budget.per_round} per round, {budget.rounds} rounds, 1 local epoch, batch 32, SGD lr 0.1 (x0.1 at 1/2 and "
         f"3/4 of the rounds), the paper's tiers; {budget.samples_per_client} training images per client; top-1 on the "
@@ -344,8 +363,8 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
     lines += ladder_table(names)
     for s in settings:
         img = img_dir / f"accuracy-{section + '-' if section else ''}{s}.png"
-        plot_setting(s, groups, img)
-        lines += ["", f"### {SETTING_TITLES[s]}: per-submodel top-1 (%), mean ± half-range over seeds", "",
+        plot_setting(s, groups, budget, len(seeds), img)
+        lines += ["", f"### {setting_title(s, budget)}: per-submodel top-1 (%), mean ± half-range over seeds", "",
                   "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
                   "|---|" + "---|" * 8]
         for name in names:
@@ -354,9 +373,11 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
                 subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
                 lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
                              f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
-        lines += steps_table(groups, s)
+        lines += steps_table(groups, s, budget)
         rel = os.path.relpath(img, doc.parent)
-        lines += ["", f"![per-submodel accuracy, {SETTING_TITLES[s]}]({rel})"]
+        lines += ["", f"![per-submodel accuracy, {setting_title(s, budget)}]({rel})", "",
+                  "The plot puts each submodel at its realised parameter ratio (the table of realised sizes above), "
+                  "not at its target gamma."]
     return "\n".join(lines)
 
 

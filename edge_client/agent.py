@@ -1,328 +1,327 @@
-"""`edge-client join`: the device side of a federation.
+"""The device side of a federation as pure logic: messages in, publishes and training out.
 
-The paho network thread only enqueues messages; the main thread waits for a task, collects that
-round's weights (retained on the broker, so a late or reconnected client still gets them), trains
-the physically smaller submodel, and uploads its delta in chunks. The profile comes from the
-server's retained status, so a device needs no copy of it.
+`Agent` holds the client's state machine (which server run it follows, the task it holds, the
+weights it is collecting, what it last uploaded) and talks to the world only through a `Transport`
+(publish / subscribe) and a `Device` (plan, train). The MQTT shell in edge_client/join.py feeds it
+messages and the clock; the unit tests feed it messages with fakes of both.
+
+Everything from the broker is untrusted: server messages must carry the pinned server key's
+signature (nefl/signing.py), weights must hash to what the signed task names, and any message
+that fails is dropped with a counted reason; nothing inbound can end the agent.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-import platform
-import queue
-import socket
-import sys
 import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Protocol
 
 import torch
-import typer
 
-from edge_client.costmodel import CostTable, calibrate, estimate_costs
-from edge_client.probe import DeviceSnapshot, Prober
-from edge_client.select import DeviceBudget, Selection, select_submodel
-from nefl.data import BatchLoader, DatasetUnavailable, load_dataset, load_image_folder, parse_partition, partition_iid
-from nefl.mqtt import QOS, BrokerSettings, make_client, parse_broker
+from edge_client.device import Device
+from edge_client.select import Selection
+from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Message, MessageError, ServerStatus, Task,
+                           TrainingSettings)
 from nefl.profile import ProfileError, parse_profile
+from nefl.signing import KeyFileError, KeyPin, parse_public_key, public_key_arg, split_signed, verify
 from nefl.state import Layout
-from nefl.topics import Topics, check_name
-from nefl.train import TrainConfig, local_train
-from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode
+from nefl.topics import Topics
+from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
-PARTITION_SEED = 0  # every client must cut the same permutation, or partitions overlap
+PIN_DIR = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser() / "servers"
+UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
+log = logging.getLogger(__name__)
 
 
-@dataclass
-class JoinConfig:
+@dataclass(frozen=True)
+class AgentConfig:
     client_id: str
     federation: str = "default"
-    dataset: str = "fashion-mnist"
-    partition: str = "1/1"
-    data_root: str | None = None
-    data_dir: str | None = None  # the device's own images (ImageFolder layout) instead of a torchvision split
-    max_samples: int | None = None
-    max_submodel: int = 1
+    max_submodel: int = 1000  # the operator's cap (1-based); below it each round picks what fits
     fp16: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    seed: int = 0
-    threads: int | None = None
-    memory_budget: str | None = None  # emulate a smaller device (see edge_client.select.DeviceBudget)
-    cpu_budget: float | None = None
-    calibrate: bool = True  # measure one training step per submodel (cached) instead of the analytic estimate
+    server_key: str | None = None  # pinned aggregator public key (base64 or file); None: trust on first use
+    pin_file: Path | None = None  # where a first-use key is remembered
 
 
-def log(cid: str, msg: str) -> None:
-    print(f"[{cid} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+class Transport(Protocol):
+    """What the agent needs of MQTT (paho's client satisfies it; tests record the calls)."""
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> object: ...
+
+    def subscribe(self, topic: str, qos: int = 0) -> object: ...
+
+    def unsubscribe(self, topic: str) -> object: ...
 
 
-def device_summary(snap: DeviceSnapshot) -> dict[str, Any]:
-    """What the server logs about a device, from the same probe that drives selection."""
-    mb = lambda n: None if n is None else n >> 20  # noqa: E731
-    return {"machine": platform.machine(), "system": platform.system(), "cpus": snap.cpu_count,
-            "mem_total_mb": mb(snap.memory_total), "mem_available_mb": mb(snap.memory_available),
-            "cpu_percent": snap.cpu_percent, "torch_threads": torch.get_num_threads()}
+def pin_file_for(pin_dir: Path, federation: str, host: str, port: int) -> Path:
+    return pin_dir / f"{federation}@{host}_{port}.pub"
+
+
+def model_bytes_bound(layout: Layout, k: int) -> int:
+    """Most bytes an honest fp32 safetensors payload of submodel k's weights can take."""
+    shapes = layout.sub_shapes[k]
+    return 4 * sum(s.numel() for s in shapes.values()) + 256 * len(shapes) + 4096
+
+
+def self_signed_key(payload: bytes) -> str | None:
+    """The key a signed server status names, if that key verifies it (what first-use trust can check)."""
+    parts = split_signed(payload)
+    if parts is None:
+        return None
+    status = ServerStatus.from_json(parts[0], MAX_STATUS_BYTES)
+    try:
+        verify(payload, parse_public_key(status.key))
+    except (MessageError, KeyFileError):
+        return None
+    return status.key
 
 
 class Agent:
-    def __init__(self, cfg: JoinConfig, settings: BrokerSettings) -> None:
-        self.cfg, self.settings = cfg, settings
+    def __init__(self, cfg: AgentConfig, transport: Transport, device: Device,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.transport, self.device, self.clock = cfg, transport, device, clock
         self.topics = Topics(cfg.federation)
-        self.train_set = (load_image_folder(cfg.data_dir, cfg.dataset) if cfg.data_dir
-                          else load_dataset(cfg.dataset, cfg.data_root, train=True))
-        index, parts = parse_partition(cfg.partition)
-        self.indices = partition_iid(len(self.train_set), parts, PARTITION_SEED)[index][: cfg.max_samples]
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.pin = KeyPin(public_key_arg(cfg.server_key) if cfg.server_key else None, cfg.pin_file)
         self.layout: Layout | None = None
         self.profile_hash: str | None = None
+        self.training = TrainingSettings()  # the server's batch size, local epochs and round timeout
+        self.selection: Selection | None = None
+        self.run_id: str | None = None  # the server run whose signed status we follow
+        self.status_time = 0.0  # time stamp of the newest signed status (older ones are replays)
+        self.server_seen = False  # a trusted server status has arrived (for "no server" diagnostics)
+        self.held: dict[str, bytes] = {}  # signed messages that arrived before the status they depend on
+        self.task: Task | None = None
+        self.task_since = 0.0
         self.last_task: tuple[str, int] = ("", 0)  # (server run id, round) of the last task taken
         self.last_upload: tuple[tuple[str, int], list[bytes]] = (("", 0), [])  # kept for a resend after a broker restart
         self.model_sub: int | None = None
-        self.task: dict[str, Any] | None = None
-        self.task_since = 0.0
+        self.models_in = Reassembler(max_bytes=1, timeout_s=1)  # sized by each task: no task, no buffering
+        self.weights: dict[str, torch.Tensor] | None = None  # the current task's verified weights
         self.ended = False
-        self.models_in = Reassembler(max_bytes=1 << 30, timeout_s=600)
-        self.models: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # submodel -> (round, weights)
-        self.budget = DeviceBudget.parse(cfg.memory_budget, cfg.cpu_budget)
-        self.prober = Prober()
-        self.training: dict[str, Any] = {}  # the server's batch size, local epochs and round timeout
-        self.costs: CostTable | None = None
-        self.selection: Selection | None = None
-        self.client = make_client(settings, cfg.client_id, self.topics.status(cfg.client_id),
-                                  json.dumps({"v": 1, "state": "offline"}).encode())
-        self.client.on_connect = self._on_connect
-        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, bytes(m.payload)))
+        self.dropped: Counter[str] = Counter()
 
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            log(self.cfg.client_id, f"broker refused the connection: {reason_code}; check credentials")
-            return
+    # -- connection ---------------------------------------------------------------------------------
+    def subscriptions(self) -> list[str]:
         me = self.cfg.client_id
         subs = [self.topics.task(me), self.topics.control, self.topics.server_status]
-        if self.model_sub is not None:
-            subs.append(self.topics.model_all(self.model_sub))
-        client.subscribe([(t, QOS) for t in subs])
-        client.publish(self.topics.status(me), json.dumps({"v": 1, "state": "online"}).encode(), qos=QOS, retain=True)
-        log(me, f"connected to {self.settings.url}")
-        if self.selection is not None:  # a reconnect; a first connect announces once the profile is planned
+        return subs + ([self.topics.model_all(self.model_sub)] if self.model_sub is not None else [])
+
+    def on_connected(self) -> None:
+        """(Re)connected: say we are here; a first connect announces once the profile is planned."""
+        for topic in self.subscriptions():
+            self.transport.subscribe(topic, qos=1)
+        self.transport.publish(self.topics.status(self.cfg.client_id), ClientStatus(state="online").to_json(),
+                               qos=1, retain=True)
+        if self.selection is not None:
             self._announce()
 
-    def _can_train(self) -> int:
-        """Largest submodel (1-based) this device takes now; 0 when nothing fits."""
-        return self.cfg.max_submodel if self.selection is None else (self.selection.submodel or 0)
-
-    def _announce(self, snap: DeviceSnapshot | None = None) -> None:
-        """Tell the server what this device can train now (0: nothing fits this round) and why."""
-        sel, can = self.selection, self._can_train()
-        snap = snap or self.budget.apply(self.prober.snapshot())
-        self.client.publish(self.topics.announce(self.cfg.client_id), json.dumps({
-            "v": 1, "client": self.cfg.client_id, "samples": len(self.indices), "max_submodel": can,
-            "selection": "" if sel is None else sel.reason, "device": device_summary(snap), "dataset": self.cfg.dataset,
-        }).encode(), qos=QOS, retain=True)
-        log(self.cfg.client_id, f"announced {len(self.indices)} samples, submodel <= {can}"
-                                + ("" if sel is None else f": {sel.reason}"))
-
-    def _plan(self, deadline_s: float | None = None) -> bool:
-        """Re-select from a fresh probe (the paper's dynamic setting); re-announce when it changed.
-        Returns whether it announced."""
-        if self.layout is None:
-            return False
-        batch = int(self.training.get("batch_size", TrainConfig.batch_size))
-        if self.costs is None:
-            self.costs = (calibrate(self.layout, batch) if self.cfg.calibrate
-                          else estimate_costs(self.layout, batch, threads=torch.get_num_threads()))
-        snap = self.budget.apply(self.prober.snapshot())
-        sel = select_submodel(
-            self.costs, snap, len(self.indices),
-            int(self.training.get("local_epochs", 1)),
-            deadline_s if deadline_s is not None else self.training.get("round_timeout"),
-            self.cfg.max_submodel, speed=self.budget.cpu_budget,
-        )
-        changed = self.selection is None or sel.index != self.selection.index
-        self.selection = sel
-        if changed:
-            self._announce(snap)
-        return changed
-
-    def run(self) -> int:
-        """Handle messages and train whenever a task and its weights are both here, until the end."""
-        self.client.connect_async(self.settings.host, self.settings.port, keepalive=15)
-        self.client.loop_start()
-        try:
-            while not self.ended:
-                try:
-                    self.dispatch(*self.inbox.get(timeout=0.5))
-                except queue.Empty:
-                    pass
-                self._maybe_train()
-            log(self.cfg.client_id, "federation ended")
-            return 0
-        finally:
-            self.client.publish(self.topics.status(self.cfg.client_id), json.dumps({"v": 1, "state": "offline"}).encode(),
-                                qos=QOS, retain=True).wait_for_publish(5)
-            self.client.disconnect()
-            self.client.loop_stop()
-
+    # -- inbound --------------------------------------------------------------------------------------
     def dispatch(self, topic: str, payload: bytes) -> None:
+        """The trust boundary: any message is handled, held, or dropped with a counted reason."""
         if not payload:
             return  # a retained message being cleared
-        if topic == self.topics.control:
-            self.ended = self._json(payload).get("event") == "end"
-        elif topic == self.topics.server_status:
-            self._adopt_profile(self._json(payload))
+        try:
+            self._route(topic, payload)
+        except (MessageError, WireError) as e:
+            self._drop(e.reason, f"{topic}: {e.detail}")
+        except Exception:  # a bug must not let one message end the agent: count it, keep the trace
+            self._drop("internal_error", traceback.format_exc(limit=3).strip().replace("\n", " | "))
+
+    def _route(self, topic: str, payload: bytes) -> None:
+        if topic == self.topics.server_status:
+            self._on_status(payload)
+        elif topic == self.topics.control:
+            self._on_signed(topic, payload, Control, self._on_control)
         elif topic == self.topics.task(self.cfg.client_id):
-            self._take_task(self._json(payload))
+            self._on_signed(topic, payload, Task, self._take_task)
         elif self.model_sub is not None and topic.startswith(self.topics.model_all(self.model_sub)[:-1]):
-            try:
-                done = self.models_in.feed(payload)
-            except WireError as e:
-                log(self.cfg.client_id, f"dropped a model chunk: {e}")
-                return
-            if done is None or done.header["kind"] != "model" or done.header["federation"] != self.cfg.federation:
-                return
-            if done.header["round"] >= self.models.get(done.header["submodel"], (0, {}))[0]:
-                self.models[done.header["submodel"]] = (done.header["round"], done.tensors)
+            self._on_model_chunk(payload)
 
-    @staticmethod
-    def _json(payload: bytes) -> dict[str, Any]:
+    def _drop(self, reason: str, detail: str) -> None:
+        """Count and say why; a flood of one reason is logged at 1, 2, 4, 8, ... occurrences."""
+        self.dropped[reason] += 1
+        n = self.dropped[reason]
+        if n & (n - 1) == 0:
+            log.warning(f"dropped a message ({reason}, {n} so far): {detail[:300]}", extra={"reason": reason})
+
+    def _on_signed(self, topic: str, payload: bytes, cls: type[Message], handle: Callable) -> None:
+        """Verify against the pinned key and the current run; hold it until a status names the run."""
+        if self.pin.key is None or self.run_id is None:
+            self.held[topic] = payload  # the newest one per topic; replayed once the status is trusted
+            return
+        msg = cls.from_json(verify(payload, self.pin.key))
+        if msg.federation != self.cfg.federation or msg.run != self.run_id:
+            raise MessageError("wrong_run", f"{type(msg).__name__} of {msg.federation}/{msg.run}, "
+                                            f"following {self.cfg.federation}/{self.run_id}")
+        handle(msg)
+
+    def _on_status(self, payload: bytes) -> None:
+        if split_signed(payload) is None:
+            if ServerStatus.from_json(payload, MAX_STATUS_BYTES).state == "offline":  # the broker's last will
+                log.warning("the aggregator went offline; waiting for it to come back")
+                return
+            raise MessageError("unsigned", "server status without a signature")
+        if self.pin.key is None:
+            self._trust_on_first_use(payload)
         try:
-            body = json.loads(payload)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {}
-        return body if isinstance(body, dict) else {}
+            body = verify(payload, self.pin.key)
+        except MessageError as e:
+            raise MessageError(e.reason, f"{e.detail}; if the aggregator's key was really replaced, delete "
+                                         f"{self.pin.pin_file} or pass --server-key") from None
+        status = ServerStatus.from_json(body, MAX_STATUS_BYTES)
+        if status.federation != self.cfg.federation or status.run is None:
+            raise MessageError("wrong_run", f"status of federation {status.federation}, joined {self.cfg.federation}")
+        if status.time < self.status_time:
+            raise MessageError("replayed", f"status from {status.time:.0f}, newer one seen at {self.status_time:.0f}")
+        if not self.server_seen or status.run != self.run_id:
+            log.info(f"aggregator found: federation {status.federation}, run {status.run}, {status.state}, "
+                     f"round {status.round}/{status.rounds}")
+        self.status_time, self.run_id, self.server_seen = status.time, status.run, True
+        self.training = status.training
+        self._adopt_profile(status)
+        held, self.held = self.held, {}
+        for topic, message in held.items():
+            self.dispatch(topic, message)
 
-    def _adopt_profile(self, status: dict[str, Any]) -> None:
-        if status.get("profile_hash") in (None, self.profile_hash):
+    def _trust_on_first_use(self, payload: bytes) -> None:
+        """No key pinned: adopt the key a self-consistent signed status names, and say so loudly."""
+        key = self_signed_key(payload)
+        if key is None:
+            raise MessageError("bad_signature", "server status not signed by the key it names; no key pinned yet")
+        self.pin.learn(key)
+        log.warning(f"trusting server key {key} on first use (remembered in {self.pin.pin_file}); "
+                    "pass --server-key to pin it explicitly")
+
+    def _adopt_profile(self, status: ServerStatus) -> None:
+        if not status.profile_hash or status.profile_hash == self.profile_hash or status.profile is None:
             return
         try:
-            layout = Layout.build(parse_profile(status["profile"]), status.get("method"))
+            layout = Layout.build(parse_profile(status.profile), status.method or None)
         except (ProfileError, KeyError, TypeError, ValueError) as e:
-            log(self.cfg.client_id, f"cannot use the server's profile ({e})")
-            return
-        self.layout, self.profile_hash = layout, layout.profile.hash
-        self.training = status.get("training") if isinstance(status.get("training"), dict) else {}
-        self.costs = self.selection = None
-        log(self.cfg.client_id, f"profile {layout.profile.name} ({layout.num_submodels} submodels, {layout.method.name})")
-        self._plan()
+            raise MessageError("bad_profile", f"cannot use the server's profile ({e})") from None
+        self.layout, self.profile_hash, self.selection = layout, layout.profile.hash, None
+        log.info(f"profile {layout.profile.name} ({layout.num_submodels} submodels, {layout.method.name})")
+        self.plan()
 
-    def _take_task(self, task: dict[str, Any]) -> None:
-        """Remember a new task and subscribe to its submodel's (retained) weights."""
-        try:
-            r, k = int(task["round"]), int(task["submodel"])
-            float(task["lr"]), int(task["epochs"]), float(task.get("deadline_s", 600))
-        except (KeyError, TypeError, ValueError):
-            log(self.cfg.client_id, f"ignoring malformed task {task}")
-            return
-        key = (str(task.get("run")), r)
+    def _on_control(self, msg: Control) -> None:
+        self.ended = msg.event == "end"
+
+    def _take_task(self, task: Task) -> None:
+        """Remember a new task and subscribe to its submodel's (retained) weights, or decline it."""
+        r, k = task.round, task.submodel
+        key = (task.run, r)
         if key == self.last_task and self.last_upload[0] == key:
             # the task is still open after a reconnect: the broker may have lost our upload in a restart;
             # resending is safe, the server drops chunks it already has
-            for m in self.last_upload[1]:
-                self.client.publish(self.topics.update(self.cfg.client_id), m, qos=QOS)
-            log(self.cfg.client_id, f"round {r}: task redelivered, resent the update")
+            self._publish_update(self.last_upload[1])
+            log.info(f"round {r}: task redelivered, resent the update")
             return
         if key == self.last_task or (key[0] == self.last_task[0] and r < self.last_task[1]):
             return  # a retained task seen again after a reconnect
-        announced = self._plan(float(task.get("deadline_s", 600)))
-        if not 0 <= k < self._can_train():
-            sel = self.selection
-            why = f"--max-submodel {self.cfg.max_submodel}" if sel is None else sel.reason
-            log(self.cfg.client_id, f"refusing round {r}: submodel {k + 1} does not fit now ({why})")
+        if self.layout is None or task.profile_hash != self.profile_hash or k >= self.layout.num_submodels:
+            raise MessageError("bad_task", f"round {r}: task for profile {task.profile_hash} submodel {k + 1}, "
+                                           f"following profile {self.profile_hash}")
+        if task.model_bytes > model_bytes_bound(self.layout, k):
+            raise MessageError("bad_task", f"round {r}: {task.model_bytes}-byte weights exceed submodel {k + 1}'s size")
+        announced = self.plan(task.deadline_s)
+        if not 0 <= k < self.can_train():
+            why = f"--max-submodel {self.cfg.max_submodel}" if self.selection is None else self.selection.reason
+            log.info(f"refusing round {r}: submodel {k + 1} does not fit now ({why})")
             self.last_task = key
             if not announced:  # the server stops waiting for this client once it hears
                 self._announce()
             return
-        self.task, self.task_since = task, time.monotonic()
-        self.models_in.discard_rounds_before(r)
-        if self.model_sub != k:
-            if self.model_sub is not None:
-                self.client.unsubscribe(self.topics.model_all(self.model_sub))
-            self.model_sub = k
-            self.client.subscribe(self.topics.model_all(k), qos=QOS)
+        self.task, self.task_since, self.weights = task, self.clock(), None
+        # buffer exactly one honest copy of the weights, for as long as the round may last
+        room = task.model_bytes + MAX_HEADER_BYTES + 8  # one message may carry the whole payload
+        self.models_in = Reassembler(max_bytes=room, max_buffered=task.model_bytes, timeout_s=task.deadline_s)
+        if self.model_sub is not None and self.model_sub != k:
+            self.transport.unsubscribe(self.topics.model_all(self.model_sub))
+        self.model_sub = k
+        self.transport.subscribe(self.topics.model_all(k), qos=1)  # again: the retained chunks are redelivered
 
-    def _maybe_train(self) -> None:
+    def _on_model_chunk(self, payload: bytes) -> None:
+        """Weights count only when they are what the signed task names (sha256, round, submodel)."""
+        task = self.task
+        if task is None or self.weights is not None:
+            return
+        h, _ = parse_chunk(payload)  # checked before a byte is buffered: forged chunks cost nothing
+        if h["kind"] != "model" or (h["round"], h["submodel"], h["sha256"]) != (task.round, task.submodel, task.model_sha256):
+            raise MessageError("model_mismatch", f"weights for round {h['round']} submodel {h['submodel'] + 1} "
+                                                 f"do not match the signed task")
+        done = self.models_in.feed(payload)
+        if done is not None:
+            self.weights = done.tensors
+
+    # -- planning and training ------------------------------------------------------------------------
+    def can_train(self) -> int:
+        """Largest submodel (1-based) this device takes now; 0 when nothing fits."""
+        return self.cfg.max_submodel if self.selection is None else (self.selection.submodel or 0)
+
+    def plan(self, deadline_s: float | None = None) -> bool:
+        """Re-select from a fresh probe (the paper's dynamic setting); re-announce when it changed.
+        Returns whether it announced."""
+        if self.layout is None:
+            return False
+        sel = self.device.plan(self.layout, self.training, deadline_s or self.training.round_timeout, self.cfg.max_submodel)
+        changed = self.selection is None or sel.index != self.selection.index
+        self.selection = sel
+        if changed:
+            self._announce()
+        return changed
+
+    def _announce(self) -> None:
+        """Tell the server what this device can train now (0: nothing fits this round) and why."""
+        sel, can = self.selection, self.can_train()
+        msg = Announce(client=self.cfg.client_id, samples=max(1, self.device.samples), max_submodel=can,
+                       selection="" if sel is None else sel.reason[:300], device=self.device.summary())
+        self.transport.publish(self.topics.announce(self.cfg.client_id), msg.to_json(), qos=1, retain=True)
+        log.info(f"announced {self.device.samples} samples, submodel <= {can}" + ("" if sel is None else f": {sel.reason}"))
+
+    def tick(self) -> None:
+        """Called by the shell between messages: give up a task past its deadline, train when ready."""
         task = self.task
         if task is None:
             return
-        r, k = int(task["round"]), int(task["submodel"])
-        if time.monotonic() - self.task_since > float(task.get("deadline_s", 600)):
-            log(self.cfg.client_id, f"round {r}: weights or profile did not arrive before the deadline; skipping")
-            self.task, self.last_task = None, (str(task.get("run")), r)
+        elapsed = self.clock() - self.task_since
+        if elapsed > task.deadline_s:
+            log.warning(f"round {task.round}: weights did not arrive before the deadline; skipping")
+            self.task, self.last_task = None, (task.run, task.round)
             return
-        have_round, start = self.models.get(k, (0, None))
-        if have_round != r or self.layout is None or task.get("profile_hash") != self.profile_hash:
+        if self.weights is None:
             return
-        self.task, self.last_task = None, (str(task.get("run")), r)
-        self._train_and_upload(r, k, float(task["lr"]), int(task["epochs"]), int(task.get("batch_size", 32)), start)
+        self.task, self.last_task = None, (task.run, task.round)
+        weights, self.weights = self.weights, None
+        self._train_and_upload(task, weights, (task.deadline_s - elapsed) * (1 - UPLOAD_SHARE))
 
-    def _train_and_upload(self, r: int, k: int, lr: float, epochs: int, batch: int, start: dict[str, torch.Tensor]) -> None:
-        me = self.cfg.client_id
-        torch.manual_seed(self.cfg.seed + r)
-        model = self.layout.module(k)
-        loader = BatchLoader(self.train_set, self.indices, batch, True, True, self.cfg.seed * 100003 + r)
+    def _train_and_upload(self, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> None:
+        r, k = task.round, task.submodel
         try:
-            res = local_train(model, start, loader, epochs, lr, TrainConfig(lr=lr, batch_size=batch),
-                              upload=self.layout.upload_shapes(k))
+            res = self.device.train(self.layout, task, start, budget_s)
         except ValueError as e:  # weights that do not fit the submodel: a server/profile mismatch
-            log(me, f"round {r}: cannot train submodel {k + 1}: {e}")
+            log.error(f"round {r}: cannot train submodel {k + 1}: {e}")
             return
-        time.sleep(self.budget.padding(res.seconds))  # --cpu-budget: really run as the slower device
-        why = {"selection": self.selection.reason} if self.selection else {}
-        msgs = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k, client=me,
-                      dtype="fp16" if self.cfg.fp16 else "fp32", samples=res.num_samples,
-                      metrics={"loss": round(res.loss, 4), "train_acc": round(res.accuracy, 4), "train_s": round(res.seconds, 2),
-                               **why},
+        why = {"selection": self.selection.reason[:300]} if self.selection else {}
+        msgs = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k,
+                      client=self.cfg.client_id, dtype="fp16" if self.cfg.fp16 else "fp32", samples=res.num_samples,
+                      metrics={"loss": round(res.loss, 4), "train_acc": round(res.accuracy, 4),
+                               "train_s": round(res.seconds, 2), **res.metrics, **why},
                       chunk_bytes=self.cfg.chunk_bytes)
-        for m in msgs:
-            self.client.publish(self.topics.update(me), m, qos=QOS)
+        self._publish_update(msgs)
         self.last_upload = (self.last_task, msgs)
-        log(me, f"round {r}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s "
-                f"(loss {res.loss:.3f}), uploading {sum(map(len, msgs))} bytes in {len(msgs)} chunks")
-        self._plan()  # the next round's choice, from the device's state now
+        cut = f", {res.metrics['steps']} steps (time budget {budget_s:.0f}s)" if res.metrics.get("budget_cut") else ""
+        log.info(f"round {r}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s{cut} "
+                 f"(loss {res.loss:.3f}), uploading {sum(map(len, msgs))} bytes in {len(msgs)} chunks",
+                 extra={"round": r, "submodel": k + 1})
+        self.plan()  # the next round's choice, from the device's state now
 
-
-def join_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker."),
-    client_id: str = typer.Option(None, help="Unique id (letters, digits, _ . -) [default: edge-HOSTNAME-PID]."),
-    federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/)."),
-    dataset: str = typer.Option("fashion-mnist", help="Training dataset."),
-    partition: str = typer.Option("1/1", help="This client's IID shard I/N of the training split."),
-    data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
-    data_dir: str = typer.Option(None, help="Train on this folder of images instead (DIR/CLASS/IMAGE.png, "
-                                 "converted to --dataset's shape); --partition still shards it."),
-    max_samples: int = typer.Option(None, min=1, help="Use at most N samples of the shard (quick tests, demos)."),
-    max_submodel: int = typer.Option(1000, min=1, help="Cap on the submodel (1-based) this device trains; "
-                                     "below it, each round picks the largest that fits memory and deadline."),
-    memory_budget: str = typer.Option(None, help="Emulate a device with this much free memory, e.g. 300MB."),
-    cpu_budget: float = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5."),
-    calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate",
-                                         help="Measure one training step per submodel (cached) or use the analytic estimate."),
-    fp16: bool = typer.Option(False, help="Upload deltas as fp16 (half the bytes)."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message this client sends, KiB."),
-    username: str = typer.Option(None, envvar="NEFL_MQTT_USERNAME", help="Broker user (env NEFL_MQTT_USERNAME)."),
-    password: str = typer.Option(None, envvar="NEFL_MQTT_PASSWORD", help="Broker password (env NEFL_MQTT_PASSWORD)."),
-    ca_cert: str = typer.Option(None, help="CA certificate (PEM) to verify an mqtts:// broker."),
-    certfile: str = typer.Option(None, help="Client certificate (PEM) for mutual TLS."),
-    keyfile: str = typer.Option(None, help="Key of --certfile."),
-    threads: int = typer.Option(None, min=1, help="torch CPU threads [default: torch's choice]."),
-    seed: int = typer.Option(0, help="Seed of local shuffling and augmentation."),
-) -> None:
-    """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
-    cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
-    try:
-        check_name("client id", cid)
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-        parse_partition(partition)
-        agent = Agent(JoinConfig(cid, federation, dataset, partition, data_root, data_dir, max_samples, max_submodel, fp16,
-                                 chunk_kib * 1024, seed, threads, memory_budget, cpu_budget, calibrate_costs), settings)
-    except (ValueError, DatasetUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        raise typer.Exit(agent.run())
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+    def _publish_update(self, msgs: list[bytes]) -> None:
+        for m in msgs:
+            self.transport.publish(self.topics.update(self.cfg.client_id), m, qos=1)

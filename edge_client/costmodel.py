@@ -38,9 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
+from torch import nn
 
 from edge_client.probe import DeviceSnapshot, is_hot, is_throttled
 from nefl.cost import submodel_cost
+from nefl.fsio import atomic_write_text
+from nefl.methods import get_method
+from nefl.models import build_submodel
+from nefl.profile import parse_profile
 from nefl.state import Layout
 from nefl.train import TrainConfig
 
@@ -53,7 +59,6 @@ FRAMEWORK_OVERHEAD = 170 * 2**20  # a fresh process's first step: lazy kernel pa
 THROTTLED_SLOWDOWN = 2.0
 HOT_LIMIT_C = 80.0
 TIMED_STEPS = 3
-_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -191,8 +196,6 @@ class CudaMeter:
     """Peak allocated CUDA memory growth; `cuda` is injectable so the logic is testable without a GPU."""
 
     def __init__(self, cuda: Any = None) -> None:
-        import torch
-
         self._cuda = cuda or torch.cuda
         self._base = 0
 
@@ -209,12 +212,9 @@ class CudaMeter:
 def measure_step(build: Callable[[], Any], layout_profile: Any, batch_size: int, device: str, meter: Any,
                  sync: Callable[[], None] = lambda: None, repeats: int = TIMED_STEPS) -> tuple[int, float]:
     """Peak memory growth of building + one SGD step from scratch, then the fastest of `repeats` steps."""
-    import torch
-    from torch import nn
-
     meter.start()
     model = build().to(device).train()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=TrainConfig.momentum)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=TrainConfig.lr, momentum=TrainConfig.momentum)
     x = torch.randn(batch_size, *layout_profile.input_shape, device=device)
     y = torch.randint(0, layout_profile.num_classes, (batch_size,), device=device)
 
@@ -235,12 +235,6 @@ def measure_step(build: Callable[[], Any], layout_profile: Any, batch_size: int,
 
 
 def _measure_all(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    import torch
-
-    from nefl.methods import get_method
-    from nefl.models import build_submodel
-    from nefl.profile import parse_profile
-
     torch.set_num_threads(job["threads"])
     profile, method = parse_profile(job["profile"]), get_method(job["method"])
     device = job["device"]
@@ -283,8 +277,6 @@ def _cpu_model() -> str:
 
 def device_fingerprint(device: str, threads: int) -> dict[str, Any]:
     """What makes a measurement valid on this machine: a change here means calibrate again."""
-    import torch
-
     return {
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -316,18 +308,15 @@ def _write_cache(path: Path, entries: dict[str, dict[str, Any]], layout: Layout,
     doc = {"fingerprint": device_fingerprint(device, threads), "profile": layout.profile.name,
            "profile_hash": layout.profile.hash, "method": layout.method.name, "batch_size": batch_size,
            "submodels": entries}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True))  # a crash or a concurrent probe never leaves a torn cache
 
 
 def _run_worker(layout: Layout, indices: list[int], batch_size: int, device: str, threads: int,
                 on_result: Callable[[int], None]) -> tuple[dict[int, dict[str, Any]], str | None]:
     job = {"profile": layout.profile.to_dict(), "method": layout.method.name, "indices": indices,
            "batch_size": batch_size, "device": device, "threads": threads}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
-               MALLOC_MMAP_THRESHOLD_=str(64 * 1024))  # glibc: tensors get their own pages, freed at once
-    cmd = [sys.executable, "-c", "from edge_client.costmodel import worker_main; worker_main()"]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024))  # glibc: tensors get their own pages, freed at once
+    cmd = [sys.executable, "-m", "edge_client.costmodel"]  # the same interpreter finds the package, installed or not
     results: dict[int, dict[str, Any]] = {}
     with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=env) as proc:
@@ -352,8 +341,6 @@ def calibrate(
     on_result: Callable[[int], None] = lambda k: None,
 ) -> CostTable:
     """Calibrated costs for `indices` (default all); cached ones are reused unless `force`."""
-    import torch
-
     threads = threads or torch.get_num_threads()
     table = estimate_costs(layout, batch_size, device, threads)
     wanted = list(range(layout.num_submodels)) if indices is None else sorted(set(indices))
@@ -373,3 +360,7 @@ def calibrate(
     )
     measured = tuple(k for k in missing if str(k) in entries)
     return replace(table, costs=costs, measured_now=measured, cache_file=path)
+
+
+if __name__ == "__main__":  # the calibration child: `python -m edge_client.costmodel`, see _run_worker
+    worker_main()

@@ -92,6 +92,16 @@ def is_hot(snapshot: DeviceSnapshot, limit_c: float) -> bool:
     return hottest is not None and hottest >= limit_c
 
 
+def format_bytes(n: int | None) -> str:
+    """Human-readable size; "?" for a reading the snapshot could not take."""
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def _read_text(path: Path) -> str:
     return path.read_text().strip()
 

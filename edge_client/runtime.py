@@ -10,9 +10,8 @@ calibration moment is tracked without recalibrating.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
+import logging
 import os
 import statistics
 import threading
@@ -20,15 +19,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
 
-MANIFEST_FILE = "manifest.json"
-SUPPORTED_FORMAT = 1
+from nefl.manifest import Manifest, ManifestError, SubmodelEntry, read_manifest, read_verified, untrained_reason
+
 MIN_FREE_CORES = 0.1  # a fully loaded CPU still gives us a time slice; avoids dividing by zero
-MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size cap: a small PNG can inflate to gigabytes
+MAX_IMAGE_PIXELS = 2048 * 2048  # decoded size cap, checked on the header: a 65 KB PNG can declare 4096x4096 RGBA
+IMAGE_FORMATS = ("PNG", "JPEG", "PPM", "BMP", "GIF", "WEBP")  # PIL would also try EPS (ghostscript), TIFF, ...
+FORMATS_HINT = "send PNG, JPEG, PPM/PGM, BMP, GIF or WebP bytes"
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 Probe = Callable[[], tuple[float | None, int | None]]
 
@@ -39,6 +43,10 @@ class ModelsError(RuntimeError):
 
 class ImageError(ValueError):
     """Input that is not an image the model can take."""
+
+
+class ImageTooLarge(ImageError):
+    """An image whose decoded pixels would exceed the cap; refused from its header, before decoding."""
 
 
 @dataclass(frozen=True)
@@ -65,37 +73,44 @@ class Result:
     reason: str
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+log = logging.getLogger(__name__)
+LoadedModel = tuple[SubmodelEntry, str, bytes]  # entry, file name, verified bytes of that file
 
 
-def load_manifest(models_dir: str | Path, precision: str = "fp32") -> dict[str, Any]:
-    """Read the manifest and verify every file the runtime will load against its sha256."""
-    d = Path(models_dir)
-    path = d / MANIFEST_FILE
-    if not path.exists():
-        raise ModelsError(f"{d}: no {MANIFEST_FILE}; export one with `nefl-export onnx --checkpoint CKPT --out {d}`")
+def usable_entries(manifest: Manifest, include_untrained: bool) -> list[SubmodelEntry]:
+    """The submodels allowed to answer, smallest gamma first: an untrained one (or one no better
+    than chance) would be picked exactly when the device is loaded, so it is skipped with a warning."""
+    keep = []
+    for entry in sorted(manifest.submodels, key=lambda e: e.gamma):
+        why = untrained_reason(entry.updates, entry.accuracy, manifest.output.num_classes)
+        if why is not None:
+            log.warning(f"submodel {entry.index + 1}: {why}; "
+                        + ("serving it anyway (--include-untrained)" if include_untrained else "not used (--include-untrained uses it)"))
+        if why is None or include_untrained:
+            keep.append(entry)
+    if not keep:
+        raise ModelsError("no trained submodel in this export: train more rounds, or pass --include-untrained")
+    return keep
+
+
+def load_models(models_dir: str | Path, precision: str = "fp32",
+                include_untrained: bool = False) -> tuple[Manifest, list[LoadedModel]]:
+    """The manifest and its usable submodels, smallest gamma first, with the `precision` file of each.
+
+    Sessions are built from the verified bytes, not the path, so nothing can swap a file in between.
+    """
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelsError(f"{path}: not valid JSON ({e}); export again") from None
-    if manifest.get("format_version") != SUPPORTED_FORMAT:
-        raise ModelsError(f"{path}: manifest format {manifest.get('format_version')!r}, this runtime reads "
-                          f"{SUPPORTED_FORMAT}; export again with a matching nefl-export")
-    for entry in manifest["submodels"]:
-        spec = entry if precision == "fp32" else entry.get("int8")
-        if spec is None:
-            raise ModelsError(f"{path}: submodel {entry['index'] + 1} has no int8 file; export with --quantize int8")
-        f = d / spec["file"]
-        if not f.exists():
-            raise ModelsError(f"{f}: listed in the manifest but missing; copy the whole export directory")
-        if _sha256(f) != spec["sha256"]:
-            raise ModelsError(f"{f}: sha256 does not match the manifest (tampered or corrupt); refusing to load it")
-    return manifest
+        manifest = read_manifest(models_dir)
+        models = []
+        for entry in usable_entries(manifest, include_untrained):
+            spec = entry if precision == "fp32" else entry.int8
+            if spec is None:
+                raise ModelsError(f"{models_dir}: submodel {entry.index + 1} has no int8 file; "
+                                  "export with --quantize int8")
+            models.append((entry, spec.file, read_verified(models_dir, spec.file, spec.sha256)))
+    except ManifestError as e:
+        raise ModelsError(str(e)) from None
+    return manifest, models
 
 
 def session_options(threads: int, enable_cpu_mem_arena: bool) -> ort.SessionOptions:
@@ -138,32 +153,28 @@ class AdaptiveRuntime:
         self, models_dir: str | Path, probe: Probe | None = None, latency_budget_ms: float = 20.0,
         threads: int | None = None, enable_cpu_mem_arena: bool = True, precision: str = "fp32",
         memory_reserve_bytes: int = 64 << 20, ema_alpha: float = 0.2, calibration_runs: int = 7,
-        probe_interval_s: float = 0.25,
+        probe_interval_s: float = 0.25, include_untrained: bool = False,
     ) -> None:
         if precision not in ("fp32", "int8"):
             raise ValueError(f"precision must be 'fp32' or 'int8', got {precision!r}")
         self.models_dir = Path(models_dir)
-        self.manifest = load_manifest(self.models_dir, precision)
+        self.manifest, models = load_models(self.models_dir, precision, include_untrained)
         self.precision = precision
         self.latency_budget_ms = latency_budget_ms
         self.memory_reserve_bytes = memory_reserve_bytes
         self.ema_alpha = ema_alpha
         self.threads = threads or max(1, (os.cpu_count() or 2) // 2)
         self.cores = os.cpu_count() or 1
-        inp = self.manifest["input"]
-        self.input_name, self.input_shape = inp["name"], tuple(inp["shape"])
-        self._mean = np.asarray(inp["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
-        self._std = np.asarray(inp["std"], dtype=np.float32).reshape(1, -1, 1, 1)
-        self.class_names: list[str] | None = self.manifest["output"].get("class_names")
-        entries = sorted(self.manifest["submodels"], key=lambda e: e["gamma"])
-        self.submodels = [
-            Submodel(e["index"], e["gamma"], e["file"] if precision == "fp32" else e["int8"]["file"],
-                     e["weight_bytes"], e["activation_bytes_per_sample"], e["flops"])
-            for e in entries
-        ]
+        inp = self.manifest.input
+        self.input_name = inp.name
+        self.input_shape: tuple[int, int, int] = (inp.shape[0], inp.shape[1], inp.shape[2])
+        self._mean = np.asarray(inp.mean, dtype=np.float32).reshape(1, -1, 1, 1)
+        self._std = np.asarray(inp.std, dtype=np.float32).reshape(1, -1, 1, 1)
+        self.class_names: list[str] | None = self.manifest.output.class_names
+        self.submodels = [Submodel(e.index, e.gamma, file, e.weight_bytes, e.activation_bytes_per_sample, e.flops)
+                          for e, file, _ in models]
         opts = session_options(self.threads, enable_cpu_mem_arena)
-        self._sessions = [ort.InferenceSession(str(self.models_dir / s.file), opts, providers=["CPUExecutionProvider"])
-                          for s in self.submodels]
+        self._sessions = [ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"]) for _, _, data in models]
         self.calibrated_ms = [self._calibrate(sess, calibration_runs) for sess in self._sessions]
         self.correction = 1.0
         self._probe = probe or ExternalLoadProbe()
@@ -221,20 +232,8 @@ class AdaptiveRuntime:
                              f"got {x.dtype} {tuple(x.shape)}")
         return (x.astype(np.float32) / 255.0 - self._mean) / self._std
 
-    def decode_image(self, data: bytes) -> np.ndarray:
-        """PNG/JPEG/... bytes -> uint8 C,H,W in the model's channels and size."""
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise ImageError(f"image is {img.width}x{img.height}; at most {MAX_IMAGE_PIXELS} pixels are accepted")
-            c, h, w = self.input_shape
-            img = img.convert("L" if c == 1 else "RGB").resize((w, h), Image.BILINEAR)
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-            raise ImageError(f"not a readable image ({type(e).__name__}); send PNG or JPEG bytes") from None
-        arr = np.asarray(img, dtype=np.uint8)
-        return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1).copy()
+    def decode_image(self, data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+        return decode_image(data, self.input_shape, max_pixels)
 
     def predict(self, images: np.ndarray) -> Result:
         x = self.preprocess(images)
@@ -253,8 +252,8 @@ class AdaptiveRuntime:
     def describe(self) -> dict[str, Any]:
         """What /models reports: the ladder, calibration and the current estimate."""
         return {
-            "profile": self.manifest["profile"], "profile_hash": self.manifest["profile_hash"],
-            "source_round": self.manifest.get("source_round"), "precision": self.precision,
+            "profile": self.manifest.profile, "profile_hash": self.manifest.profile_hash,
+            "source_round": self.manifest.source_round, "precision": self.precision,
             "latency_budget_ms": self.latency_budget_ms, "threads": self.threads, "correction": self.correction,
             "input_shape": list(self.input_shape), "class_names": self.class_names,
             "submodels": [
@@ -262,3 +261,45 @@ class AdaptiveRuntime:
                 for s, ms in zip(self.submodels, self.calibrated_ms)
             ],
         }
+
+
+def decode_image(data: bytes, shape: tuple[int, int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Image bytes -> uint8 C,H,W of `shape`; any input that is not such an image raises ImageError.
+
+    The size is checked on the header PIL reads lazily, before a single pixel is decoded. Every
+    other failure is caught broadly because PIL's decoders answer malformed input with a zoo of
+    types (OSError, ValueError, SyntaxError, struct.error, EOFError, ...): bytes from a client must
+    never become a 500.
+    """
+    from PIL import Image
+
+    c, h, w = shape
+    try:
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        img.draft("L" if c == 1 else "RGB", (w, h))  # JPEG only: let libjpeg decode at 1/2..1/8 scale
+        if img.width * img.height > max_pixels:
+            raise ImageTooLarge(f"image is {img.width}x{img.height} = {img.width * img.height} pixels, at most "
+                                f"{max_pixels} are accepted; resize it to {w}x{h} before sending")
+        small = _to_8bit(img).convert("L" if c == 1 else "RGB").resize((w, h), Image.BILINEAR)
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # the warning too, under -W error
+        raise ImageTooLarge(f"image dimensions are beyond PIL's decompression-bomb limit, at most {max_pixels} "
+                            f"pixels are accepted; resize it to {w}x{h} before sending") from None
+    except Exception as e:  # noqa: BLE001 (see the docstring)
+        raise ImageError(f"not a readable image ({type(e).__name__}); {FORMATS_HINT}") from None
+    arr = np.asarray(small, dtype=np.uint8)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1).copy()
+
+
+def _to_8bit(img: PILImage) -> PILImage:
+    """16-bit and float images scaled to 8 bits: PIL's own convert("L") clips them, turning most of the image white."""
+    from PIL import Image
+
+    if img.mode.startswith("I"):  # I, I;16, I;16B: 16-bit PNG/PGM samples, 0..65535
+        scaled = np.asarray(img, dtype=np.float32) / 257.0
+    elif img.mode == "F":  # PFM: floats in 0..1 by convention
+        scaled = np.nan_to_num(np.asarray(img, dtype=np.float32)) * 255.0
+    else:
+        return img
+    return Image.fromarray(np.clip(scaled, 0, 255).round().astype(np.uint8))

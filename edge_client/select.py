@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from edge_client.costmodel import HOT_LIMIT_C, CostTable, predict_seconds
-from edge_client.probe import DeviceSnapshot
+from edge_client.probe import DeviceSnapshot, format_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.2  # fraction of available memory left untouched (other processes, page cache)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -42,15 +42,6 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read memory size {text!r}; write e.g. 300MB, 512MiB, 1.5GB or a byte count")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)

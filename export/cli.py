@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from export.onnx_export import export_checkpoint
-from export.parity import ParityError
-from nefl.checkpoint import CheckpointError
+from nefl.cli_options import LogFormatOption, LogLevelOption
+from nefl.extras import full_install_required
+from nefl.logs import progress, setup_logging
+
+with full_install_required("nefl-export"):
+    from export.onnx_export import export_checkpoint
+    from export.parity import ParityError
+    from nefl.checkpoint import CheckpointError
 
 app = typer.Typer(help="Export NeFL submodels to ONNX with a verified manifest.", no_args_is_help=True, add_completion=False)
-console = Console()
+log = logging.getLogger(__name__)
 
 
 @app.callback()
@@ -32,26 +36,31 @@ def _parse_submodels(spec: str | None) -> list[int] | None:
 
 @app.command("onnx")
 def onnx_command(
-    checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint directory (state.safetensors + meta.json)."),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint directory (as written by serve or simulate)."),
     out: Path = typer.Option(..., "--out", help="Directory for the .onnx files and manifest.json."),
     quantize: str | None = typer.Option(None, "--quantize", help="'int8': also write static-QDQ int8 files "
                                         "and their accuracy delta on the test split."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Where the dataset lives (default: $NEFL_DATA_ROOT "
                                           "or ~/.cache/nefl/data); parity uses seeded random inputs without it."),
     submodels: str | None = typer.Option(None, "--submodels", help="Only these submodels, 1-based, e.g. '1,3,5'."),
+    include_untrained: bool = typer.Option(False, "--include-untrained", help="Also export submodels the checkpoint "
+                                           "records as never trained or no better than chance (skipped by default)."),
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
 ) -> None:
     """One verified .onnx per submodel (BN and step sizes folded), then manifest.json."""
+    setup_logging(log_level, log_format)
     indices = _parse_submodels(submodels)
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("loading checkpoint and reference images", total=None)
-            manifest = export_checkpoint(checkpoint, out, quantize, data_root, indices,
-                                         on_step=lambda msg: bar.update(task, description=msg))
+        with progress(log_format, log) as step:
+            step("loading checkpoint and reference images")
+            manifest = export_checkpoint(checkpoint, out, quantize, data_root, indices, on_step=step,
+                                         include_untrained=include_untrained)
     except ParityError as e:
-        console.print(f"[red]parity failed:[/red] {e}")
+        log.error(f"parity failed: {e}")
         raise typer.Exit(1) from None
     except (CheckpointError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        log.error(str(e))
         raise typer.Exit(2) from None
     for entry in manifest["submodels"]:
         line = (f"submodel {entry['index'] + 1}: {entry['file']}  gamma {entry['gamma']:g}  params {entry['params']:,}  "
@@ -59,5 +68,5 @@ def onnx_command(
         if "int8" in entry:
             q = entry["int8"]
             line += f"  int8 acc {q['accuracy_int8']:.4f} (delta {q['accuracy_delta']:+.4f})"
-        console.print(line)
-    console.print(f"manifest: {out / 'manifest.json'} (parity inputs: {manifest['parity']['inputs']})")
+        print(line)
+    print(f"manifest: {out / 'manifest.json'} (parity inputs: {manifest['parity']['inputs']})")

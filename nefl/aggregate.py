@@ -14,9 +14,16 @@ merge exactly (group sums and weights add), which is what hierarchical / multi-s
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 import torch
 
+from nefl.choices import check_choice
 from nefl.state import GlobalState, Layout, all_finite, corner, tensor_mismatch
+
+# uniform: every update counts once, as the paper; samples: an update counts its client's sample count
+Weighting = Literal["uniform", "samples"]
 
 
 class UpdateError(ValueError):
@@ -29,9 +36,8 @@ def _count_shape(shape: torch.Size) -> tuple[int, ...]:
 
 
 class NeFedAvg:
-    def __init__(self, layout: Layout, weighting: str = "uniform") -> None:
-        if weighting not in ("uniform", "samples"):
-            raise ValueError("weighting must be 'uniform' (as the paper) or 'samples'")
+    def __init__(self, layout: Layout, weighting: Weighting = "uniform") -> None:
+        check_choice(Weighting, weighting, "NeFedAvg weighting")
         self.layout = layout
         self.weighting = weighting
         # per submodel: weighted sum of its updates (every tensor it uploads) and the total weight
@@ -79,6 +85,22 @@ class NeFedAvg:
         self.weights += other.weights
         self.updates = [a + b for a, b in zip(self.updates, other.updates)]
 
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        """DP-FedAvg: N(0, std^2) on every element of every group sum that has updates (std = noise
+        multiplier x clip norm; one client changes one group by at most the clip norm). finalize
+        divides by coverage, so an element's noise ends up std * sqrt(groups covering it) / coverage.
+        Call once per round, after the last add or merge and before finalize."""
+        if self.weighting != "uniform":
+            raise ValueError("DP noise needs weighting='uniform': 'samples' scales a client's influence by its sample count")
+        if not (math.isfinite(std) and std >= 0):
+            raise ValueError(f"noise std must be a finite number >= 0, got {std!r}")
+        for k, group in enumerate(self.groups):
+            if self.updates[k] == 0:
+                continue
+            for n in sorted(group):  # fixed order: the same generator seed gives the same noise
+                t = group[n]
+                t.add_(torch.randn(t.shape, generator=generator, dtype=t.dtype), alpha=std)
+
     @property
     def total_updates(self) -> int:
         return sum(self.updates)
@@ -93,23 +115,24 @@ class NeFedAvg:
                 cover[corner(_count_shape(group[name].shape))] += float(self.weights[k])
         return cover
 
-    def _consistent_mean(self, name: str) -> torch.Tensor | None:
-        """Average delta of consistent tensor `name`, 0 where nobody covered it; None if nobody did."""
+    def _consistent_update(self, name: str, old: torch.Tensor) -> torch.Tensor:
+        """`old` plus the average delta where covered; an uncovered element is `old`'s element bit
+        for bit (old + 0 would turn -0.0 into +0.0, so the digest of untouched weights would change)."""
         held = [g[name] for g in self.groups if name in g]
         if not held:
-            return None
+            return old.clone()
         total = torch.zeros(self.layout.global_shapes[name], dtype=torch.float32)
         for g in held:
             total[corner(g.shape)] += g
         cover = self.coverage(name)
-        return torch.where(cover > 0, total / cover.clamp_min(1e-12), torch.zeros(()))
+        new = total.div_(cover.clamp_min(1e-12)).add_(old)
+        return torch.where(cover > 0, new.to(old.dtype), old)
 
     def finalize(self, state: GlobalState) -> GlobalState:
         """New global state; `state` (the one the deltas were computed from) is not modified."""
         consistent = {}
         for n, old in state.consistent.items():
-            mean = self._consistent_mean(n)
-            consistent[n] = old.clone() if mean is None else (old.to(torch.float32) + mean).to(old.dtype)
+            consistent[n] = self._consistent_update(n, old)
         inconsistent = []
         for k, old_k in enumerate(state.inconsistent):
             w, group = float(self.weights[k]), self.groups[k]

@@ -8,17 +8,25 @@ that models, cost estimates and profile validation agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from nefl.choices import check_choice
+
+BlockKind = Literal["basic", "bottleneck"]
 
 
 @dataclass(frozen=True)
 class Arch:
     name: str
-    block: str  # "basic" or "bottleneck"
+    block: BlockKind
     depths: tuple[int, ...]  # blocks per stage
     widths: tuple[int, ...]  # planes per stage (bottleneck output is planes * expansion)
     stem_width: int
     default_stem: str  # "cifar" or "imagenet"
     width_per_group: int = 64  # bottleneck inner width = planes * width_per_group / 64
+
+    def __post_init__(self) -> None:
+        check_choice(BlockKind, self.block, f"architecture {self.name!r}: block")
 
     @property
     def expansion(self) -> int:

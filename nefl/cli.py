@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
-from rich.console import Console
 from rich.table import Table
 
+import nefl.profile
+from nefl.cli_options import LogFormatOption, LogLevelOption
 from nefl.cost import full_cost, submodel_cost
+from nefl.logs import console, setup_logging
 from nefl.methods import METHODS, apply_method, get_method
 from nefl.profile import ProfileError, list_profiles, load_profile
+
+log = logging.getLogger(__name__)
 
 app = typer.Typer(help="NeFL core tools: list and inspect submodel ladders.", no_args_is_help=True, add_completion=False)
 profile_app = typer.Typer(help="Submodel ladders (TOML profiles).", no_args_is_help=True)
@@ -23,9 +29,15 @@ def _human(n: int) -> str:
 
 
 @profile_app.command("list")
-def list_command() -> None:
+def list_command(log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain") -> None:
     """List the shipped profiles."""
-    for name in list_profiles():
+    setup_logging(log_level, log_format)
+    names = list_profiles()
+    if not names:  # an install that lost its package data must not look like an empty, healthy one
+        log.error(f"no profiles found in {nefl.profile.PROFILES_DIR}; reinstall nefl-edge "
+                  "(its wheel ships them as nefl/profiles) or restore profiles/ in a checkout")
+        raise typer.Exit(2)
+    for name in names:
         p = load_profile(name)
         print(f"{name:28s} {p.arch.name:18s} {p.num_submodels} submodels  {p.description}")
 
@@ -34,14 +46,17 @@ def list_command() -> None:
 def show_command(
     profile: str = typer.Argument(..., help="Profile name or path to a TOML file."),
     method: str = typer.Option(None, help=f"Show the ladder a method derives: {', '.join(METHODS)}."),
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
 ) -> None:
     """Print a ladder: target gamma, actual parameter ratio, parameters and FLOPs per submodel."""
+    setup_logging(log_level, log_format)
     try:
         p = load_profile(profile)
         if method:
             p = apply_method(p, get_method(method))
     except (ProfileError, ValueError) as e:
-        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        log.error(str(e))
         raise typer.Exit(2) from None
     full = full_cost(p)
     table = Table(title=f"{p.name} · {p.arch.name} ({p.stem} stem) · input {list(p.input_shape)} · method {p.method}")
@@ -52,4 +67,4 @@ def show_command(
         steps = " | ".join(",".join(f"{v:g}" for v in st) for st in s.steps)
         table.add_row(str(s.index + 1), f"{s.gamma:g}", f"{s.gamma_w:g}", f"{s.depth_ratio:.2f}",
                       f"{c.params / full.params:.3f}", _human(c.params), _human(c.macs), f"{c.macs / full.macs:.3f}", steps)
-    Console(width=200).print(table)
+    console().print(table)

@@ -11,7 +11,6 @@ import gzip
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torchvision import datasets as tv_datasets
+
+from nefl.fsio import atomic_write
 
 __all__ = [
     "DATASETS",
@@ -178,6 +179,37 @@ DATASETS: dict[str, DatasetInfo] = {
 }
 
 
+def class_names(info: DatasetInfo) -> tuple[str, ...] | None:
+    """The dataset's label names (torchvision's `classes`), e.g. Fashion-MNIST's 'T-shirt/top', 'Trouser'."""
+    names = getattr(info.tv_class, "classes", None)
+    return tuple(names) if isinstance(names, list) and len(names) == info.num_classes else None
+
+
+def _folder_key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def folder_labels(folders: list[str], info: DatasetInfo) -> dict[str, int]:
+    """Class folder -> label: a number 0..K-1, or the dataset's class name (case, spaces and
+    punctuation ignored; a unique prefix is enough: 'T-shirt' is 'T-shirt/top'). Anything else is an
+    error naming what is expected, never a silent relabelling by sorted order."""
+    names = class_names(info) or ()
+    keys = [_folder_key(n) for n in names]
+    labels = {}
+    for folder in folders:
+        if folder.isdigit() and int(folder) < info.num_classes:
+            labels[folder] = int(folder)
+            continue
+        key = _folder_key(folder)
+        hits = [i for i, k in enumerate(keys) if k == key] or [i for i, k in enumerate(keys) if key and k.startswith(key)]
+        if len(hits) != 1:
+            expected = ", ".join(repr(n) for n in names) if names else f"0..{info.num_classes - 1}"
+            raise DatasetUnavailable(f"class folder {folder!r} is not one of {info.display_name}'s classes: "
+                                     f"name each folder after a class ({expected}) or its number 0..{info.num_classes - 1}")
+        labels[folder] = hits[0]
+    return labels
+
+
 def get_dataset_info(name: str) -> DatasetInfo:
     """Registry lookup that fails with the list of valid names."""
     try:
@@ -224,22 +256,20 @@ def _extract_system_copy(system_dir: Path, raw_dir: Path) -> None:
 
     The packaged .gz files have other checksums than torchvision's, so torchvision
     would reject them; the unpacked IDX files are what it reads. Each file is
-    written to a temporary name and renamed, so a concurrent or interrupted run
-    never leaves a truncated file behind.
+    written atomically (nefl/fsio.py), so a concurrent or interrupted run never
+    leaves a truncated file behind.
     """
     raw_dir.mkdir(parents=True, exist_ok=True)
     for gz_path in sorted(system_dir.glob("*.gz")):
         target = raw_dir / gz_path.stem
         if target.exists():
             continue
-        fd, tmp_name = tempfile.mkstemp(dir=raw_dir, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out, gzip.open(gz_path, "rb") as src:
-                shutil.copyfileobj(src, out)
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        atomic_write(target, lambda tmp: _gunzip(gz_path, tmp))
+
+
+def _gunzip(src_path: Path, dest: str) -> None:
+    with open(dest, "wb") as out, gzip.open(src_path, "rb") as src:
+        shutil.copyfileobj(src, out)
 
 
 def _open_torchvision(info: DatasetInfo, root: Path, train: bool, download: bool) -> tv_datasets.VisionDataset:
@@ -314,8 +344,8 @@ def load_image_folder(root: str | Path, like: str) -> ArrayDataset:
     """A device's own images in the ImageFolder layout (ROOT/CLASS/IMAGE), shaped like dataset `like`.
 
     Images are converted to that dataset's channels and size so they train the same model with the
-    same normalisation. Class folders named 0..K-1 map to those labels; other names map to their
-    sorted order (torchvision's ImageFolder convention).
+    same normalisation. Class folders are named after the dataset's classes or their numbers
+    (folder_labels), so a device's 'Sneaker' folder trains label 7 as the model's readers expect.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -324,11 +354,7 @@ def load_image_folder(root: str | Path, like: str) -> ArrayDataset:
     classes = sorted(d.name for d in base.iterdir() if d.is_dir()) if base.is_dir() else []
     if not classes:
         raise DatasetUnavailable(f"{base}: no class folders; expected {base}/CLASS/IMAGE.png (one folder per class)")
-    numeric = all(c.isdigit() for c in classes)
-    labels_of = {c: int(c) if numeric else i for i, c in enumerate(classes)}
-    if max(labels_of.values()) >= info.num_classes:
-        raise DatasetUnavailable(f"{base}: {len(classes)} class folders but {info.display_name} models have "
-                                 f"{info.num_classes} classes; name the folders 0..{info.num_classes - 1}")
+    labels_of = folder_labels(classes, info)
     c, h, w = info.shape
     images, labels = [], []
     for cls in classes:

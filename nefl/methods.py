@@ -8,19 +8,31 @@ with static statistics. Models, slicing, aggregation and training are the same c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from nefl.choices import check_choice
 from nefl.cost import full_cost, submodel_cost
 from nefl.profile import METHOD_NAMES, Profile, SubmodelSpec
+
+# per_submodel: inconsistent (FedAvg within each submodel); shared_static: consistent, sliced, stats recomputed
+BatchNormMode = Literal["per_submodel", "shared_static"]
+# profile: the TOML's ladder; width: gamma_W = sqrt(gamma), all blocks; depth_prefix: contiguous block prefixes
+LadderRule = Literal["profile", "width", "depth_prefix"]
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     learnable_steps: bool
-    bn: str  # "per_submodel" (inconsistent) or "shared_static" (consistent, stats recomputed)
-    ladder: str  # "profile", "width" (gamma_W = sqrt(gamma), all blocks) or "depth_prefix"
+    bn: BatchNormMode
+    ladder: LadderRule
     summary: str
+
+    def __post_init__(self) -> None:
+        check_choice(BatchNormMode, self.bn, f"method {self.name!r}: bn")
+        check_choice(LadderRule, self.ladder, f"method {self.name!r}: ladder")
 
     @property
     def static_bn(self) -> bool:
@@ -80,10 +92,14 @@ def _depth_prefix_ladder(profile: Profile) -> list[SubmodelSpec]:
     return ladder
 
 
+LADDERS: dict[LadderRule, Callable[[Profile], list[SubmodelSpec]]] = {
+    "profile": lambda profile: list(profile.submodels),
+    "width": _width_ladder,
+    "depth_prefix": _depth_prefix_ladder,
+}
+assert tuple(LADDERS) == get_args(LadderRule)
+
+
 def apply_method(profile: Profile, method: Method) -> Profile:
     """The ladder this method trains, derived from the profile's target sizes."""
-    if method.ladder == "profile":
-        return profile.with_submodels(list(profile.submodels), method.name)
-    if method.ladder == "width":
-        return profile.with_submodels(_width_ladder(profile), method.name)
-    return profile.with_submodels(_depth_prefix_ladder(profile), method.name)
+    return profile.with_submodels(LADDERS[method.ladder](profile), method.name)

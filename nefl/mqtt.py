@@ -5,14 +5,18 @@ Both apps connect the same way (URL, credentials, TLS, backoff, last will), so i
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import ssl
+import threading
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
-ENV_USERNAME, ENV_PASSWORD = "NEFL_MQTT_USERNAME", "NEFL_MQTT_PASSWORD"
+from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
+
 QOS = 1
 
 
@@ -69,3 +73,78 @@ def make_client(settings: BrokerSettings, client_id: str, will_topic: str, will_
     client.max_queued_messages_set(0)  # unbounded: QoS 1 publishes wait out a broker restart
     client.max_inflight_messages_set(20)
     return client
+
+
+class Connection:
+    """A paho client whose connection state is said out loud, on the server and on the device:
+    connecting to URL, unreachable (retrying in N s), connected, lost. Inbound messages go to a
+    bounded queue the main thread drains, and a (re)connect is a flag it polls (`just_connected`):
+    the network thread never touches the application's state."""
+
+    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str, will_payload: bytes,
+                 log: logging.Logger, backoff: tuple[int, int] = (1, 30), inbox_messages: int = 10_000) -> None:
+        self.settings, self.log, self.backoff = settings, log, backoff
+        self.client = make_client(settings, client_id, will_topic, will_payload, backoff)
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=inbox_messages)
+        self.inbox_dropped = 0
+        self.connected = False
+        self._fresh = threading.Event()
+        self._failures = 0
+        self.client.on_connect = self._on_connect
+        self.client.on_connect_fail = self._on_connect_fail
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = lambda c, u, m: self._enqueue(m.topic, bytes(m.payload))
+
+    def start(self) -> None:
+        self.log.info(f"connecting to {self.settings.url}")
+        self.client.connect_async(self.settings.host, self.settings.port, keepalive=15)
+        self.client.loop_start()
+
+    def stop(self, last: tuple[str, bytes] | None = None) -> None:
+        """Disconnect cleanly, first publishing `last` (topic, payload; retained) when connected."""
+        if last is not None and self.connected:
+            try:
+                self.client.publish(*last, qos=QOS, retain=True).wait_for_publish(5)
+            except (RuntimeError, ValueError):
+                pass  # the broker went away at the very end: the last will says the same
+        self.connected = False  # a disconnect we asked for is not a lost connection
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def _enqueue(self, topic: str, payload: bytes) -> None:
+        try:
+            self.inbox.put_nowait((topic, payload))
+        except queue.Full:
+            self.inbox_dropped += 1
+
+    def _retry_in(self) -> int:
+        """paho's reconnect backoff: doubling from the minimum up to the maximum."""
+        low, high = self.backoff
+        return min(high, low * 2 ** min(self._failures - 1, 16))
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._failures += 1
+            self.log.error(f"broker {self.settings.url} refused the connection: {reason_code} "
+                           f"(check --username/--password); retrying in {self._retry_in()} s")
+            return
+        self._failures, self.connected = 0, True
+        self.log.info(f"connected to {self.settings.url}")
+        self._fresh.set()
+
+    def just_connected(self) -> bool:
+        """True once after each (re)connect: time to subscribe again (clean sessions) and republish."""
+        if self._fresh.is_set():
+            self._fresh.clear()
+            return True
+        return False
+
+    def _on_connect_fail(self, client, userdata) -> None:
+        self._failures += 1
+        self.log.warning(f"cannot reach the broker at {self.settings.url}; retrying in {self._retry_in()} s "
+                         "(is it running, and is the URL right?)")
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self.connected:
+            self.log.warning(f"lost the connection to {self.settings.url} ({reason_code}); reconnecting")
+        self.connected = False

@@ -21,7 +21,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+def _shipped_profiles_dir() -> Path:
+    """A wheel ships the ladders as nefl/profiles (pyproject maps that package onto profiles/); a
+    checkout or an editable install reads the top-level profiles/ itself, so the TOML files have one source."""
+    package = Path(__file__).resolve().parent
+    return next((d for d in (package / "profiles", package.parent / "profiles") if d.is_dir()), package / "profiles")
+
+
+PROFILES_DIR = _shipped_profiles_dir()
 METHOD_NAMES = ("nefl", "nefl-nl", "fjord", "heterofl", "depthfl")
 STEMS = ("cifar", "imagenet")
 
@@ -187,7 +195,11 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
     shipped = PROFILES_DIR / (p.name if p.suffix == ".toml" else f"{p.name}.toml")
     if shipped.exists():
         return shipped
-    raise ProfileError(f"{name_or_path}: no such profile file; pass a path or one of: {', '.join(list_profiles())}")
+    shipped_names = list_profiles()
+    if not shipped_names:
+        raise ProfileError(f"{name_or_path}: no such profile file, and no shipped profiles in {PROFILES_DIR}; "
+                           "pass a TOML path or reinstall nefl-edge")
+    raise ProfileError(f"{name_or_path}: no such profile file; pass a path or one of: {', '.join(shipped_names)}")
 
 
 def load_profile(name_or_path: str | Path) -> Profile:

@@ -16,6 +16,7 @@ from torch import nn
 from nefl.methods import Method, apply_method, get_method
 from nefl.models import NestedResNet, build_submodel, build_supernet
 from nefl.profile import Profile
+from nefl.tensors import all_finite, corner, tensor_mismatch  # noqa: F401 (re-exported)
 
 BN_STATS = ("running_mean", "running_var")
 
@@ -30,10 +31,6 @@ def load_module_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
     if missing or result.unexpected_keys:
         raise ValueError(f"state does not fit the module: missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
-
-
-def corner(shape: torch.Size | tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(0, d) for d in shape)
 
 
 def _bn_names(model: nn.Module) -> set[str]:
@@ -155,23 +152,6 @@ class GlobalState:
             expected = {n: s for n, s in layout.sub_shapes[k].items() if n in layout.inconsistent}
             _check_shapes(d, expected, f"submodel {k + 1}")
         return cls(consistent, inconsistent)
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/inf, checked cheaply: a finite sum proves it (NaN and inf propagate into any sum);
-    only a non-finite sum (possibly an overflow of huge finite values) needs the element-wise check."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def tensor_mismatch(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> str | None:
-    """Why `got` is not exactly the named tensors of `expected` (None when it is)."""
-    if set(got) != set(expected):
-        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        return f"{what}: tensor names differ: missing {missing[:3]}, unexpected {extra[:3]}"
-    for n, t in got.items():
-        if t.shape != expected[n]:
-            return f"{what}: tensor {n!r} has shape {tuple(t.shape)}, expected {tuple(expected[n])}"
-    return None
 
 
 def _check_shapes(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> None:

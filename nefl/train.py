@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -16,7 +16,10 @@ Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs."""
+    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs.
+
+    The one source of these defaults: the server, the simulator, the device cost model and the
+    command lines read them from here (`TrainConfig.lr` ...), so they cannot drift apart."""
 
     lr: float = 0.1
     momentum: float = 0.0
@@ -30,6 +33,10 @@ class TrainConfig:
         drops = sum(1 for m in self.milestones if round_index >= m * total_rounds)
         return self.lr * self.lr_decay**drops
 
+    def for_round(self, round_index: int, total_rounds: int) -> TrainConfig:
+        """What a client trains round `round_index` with: the schedule's lr, everything else as is."""
+        return replace(self, lr=self.lr_at(round_index, total_rounds))
+
 
 @dataclass
 class TrainResult:
@@ -42,19 +49,28 @@ class TrainResult:
 
 
 def local_train(
-    model: nn.Module, start: dict[str, torch.Tensor], batches: Batches, epochs: int, lr: float,
-    config: TrainConfig = TrainConfig(), upload: Iterable[str] | None = None, device: str = "cpu",
+    model: nn.Module, start: dict[str, torch.Tensor], batches: Batches, config: TrainConfig,
+    upload: Iterable[str] | None = None, device: str = "cpu", time_budget_s: float | None = None,
 ) -> TrainResult:
-    """Train from `start` for `epochs` passes over `batches`; return the delta of `upload` names."""
+    """Train from `start` for `config.local_epochs` passes over `batches` (already cut at the batch
+    size by the caller) at `config.lr`; return the delta of `upload` names.
+
+    With `time_budget_s`, stop after the batch that exhausts it: a device with more data than its
+    round deadline allows trains what fits instead of refusing the round. `metrics` says how many
+    steps ran and whether the budget cut the epochs short; `num_samples` is the samples seen in the
+    last (possibly partial) pass."""
     load_module_state(model, start)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     t0 = time.perf_counter()
-    seen = correct = 0
+    seen = correct = steps = 0
     loss_sum = 0.0
-    for _ in range(epochs):
+    out_of_time = False
+    for _ in range(config.local_epochs):
+        if out_of_time:
+            break
         seen = correct = 0
         loss_sum = 0.0
         for x, y in batches:
@@ -67,12 +83,17 @@ def local_train(
             loss_sum += loss.item() * len(y)
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)
+            steps += 1
+            if time_budget_s is not None and time.perf_counter() - t0 >= time_budget_s:
+                out_of_time = True
+                break
     if seen == 0:
         raise ValueError("no training data: the client's partition is empty")
     trained = module_state(model)
     names = list(start) if upload is None else list(upload)
     delta = {n: (trained[n].detach().cpu().float() - start[n].float()) for n in names}
-    return TrainResult(delta, seen, loss_sum / seen, correct / seen, time.perf_counter() - t0)
+    return TrainResult(delta, seen, loss_sum / seen, correct / seen, time.perf_counter() - t0,
+                       {"steps": steps, "budget_cut": int(out_of_time)})
 
 
 @torch.no_grad()

@@ -13,31 +13,44 @@ short reason code that the server counts and logs.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from nefl.state import all_finite
+from nefl.messages import Count, Hex64, Message, MessageError, Name, Reason, Round, Short, Submodel, decode
+from nefl.tensors import all_finite
 
-VERSION = 1
 MAGIC = b"NEFL"
 DEFAULT_CHUNK_BYTES = 256 * 1024
 MAX_HEADER_BYTES = 4096
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 KINDS = ("model", "update")
 _PREFIX = struct.Struct(">4sI")
-_HEADER_FIELDS = {
-    "v": int, "kind": str, "federation": str, "round": int, "submodel": int, "client": str,
-    "sha256": str, "dtype": str, "samples": int, "metrics": dict, "size": int, "count": int, "index": int,
-}
+
+
+class ChunkHeader(Message, frozen=True):
+    """The JSON header every chunk repeats; parsed by the same strict loader as control messages."""
+
+    kind: Literal["model", "update"]
+    federation: Name
+    round: Round
+    submodel: Submodel
+    client: Name
+    sha256: Hex64
+    dtype: Literal["fp32", "fp16"]
+    samples: Count
+    metrics: Annotated[dict[Short, float | int | Reason | None], msgspec.Meta(max_length=32)]
+    size: Count
+    count: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    index: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
 
 
 class WireError(ValueError):
@@ -75,14 +88,12 @@ def encode(
     if room < 1024:
         raise ValueError(f"chunk size {chunk_bytes} too small: needs at least {_PREFIX.size + MAX_HEADER_BYTES + 1024} bytes")
     count = max(1, math.ceil(len(payload) / room))
-    header = {
-        "v": VERSION, "kind": kind, "federation": federation, "round": round, "submodel": submodel,
-        "client": client, "sha256": hashlib.sha256(payload).hexdigest(), "dtype": dtype, "samples": samples,
-        "metrics": metrics or {}, "size": len(payload), "count": count,
-    }
+    header = dict(kind=kind, federation=federation, round=round, submodel=submodel, client=client,
+                  sha256=hashlib.sha256(payload).hexdigest(), dtype=dtype, samples=samples,
+                  metrics=metrics or {}, size=len(payload), count=count)
     out = []
     for i in range(count):
-        head = json.dumps({**header, "index": i}, separators=(",", ":")).encode()
+        head = ChunkHeader(**header, index=i).to_json()
         if len(head) > MAX_HEADER_BYTES:
             raise ValueError(f"message header is {len(head)} bytes, the limit is {MAX_HEADER_BYTES}: fewer metrics")
         out.append(_PREFIX.pack(MAGIC, len(head)) + head + payload[i * room:(i + 1) * room])
@@ -99,21 +110,12 @@ def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(message):
         raise WireError("malformed_header", f"header length {hlen} exceeds the message or {MAX_HEADER_BYTES} bytes")
     try:
-        header = json.loads(message[_PREFIX.size:_PREFIX.size + hlen])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise WireError("malformed_header", "header is not JSON") from None
-    if not isinstance(header, dict):
-        raise WireError("malformed_header", "header is not a JSON object")
-    for name, typ in _HEADER_FIELDS.items():
-        value = header.get(name)
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise WireError("malformed_header", f"field {name!r} missing or not {typ.__name__}")
-    if header["v"] != VERSION:
-        raise WireError("bad_version", f"wire version {header['v']}, this build speaks {VERSION}")
-    if header["kind"] not in KINDS or header["dtype"] not in DTYPES:
-        raise WireError("malformed_header", f"kind {header['kind']!r} / dtype {header['dtype']!r} unknown")
-    if not (0 <= header["index"] < header["count"]) or header["size"] < 0:
-        raise WireError("malformed_header", f"chunk {header['index']} of {header['count']}, size {header['size']}")
+        parsed = decode(message[_PREFIX.size:_PREFIX.size + hlen], ChunkHeader, MAX_HEADER_BYTES)
+    except MessageError as e:
+        raise WireError("bad_version" if e.reason == "bad_version" else "malformed_header", e.detail) from None
+    if parsed.index >= parsed.count:
+        raise WireError("malformed_header", f"chunk {parsed.index} of {parsed.count}")
+    header = msgspec.structs.asdict(parsed)
     return header, message[_PREFIX.size + hlen:]
 
 
@@ -145,12 +147,15 @@ class _Pending:
 
 
 class Reassembler:
-    """Collects chunks into verified tensor messages under caps on size, count, pending sets and time."""
+    """Collects chunks into verified tensor messages under caps on size, count, pending sets and time.
 
-    def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 120.0, max_pending: int = 64,
+    The caps on pending sets and buffered bytes hold per sender (the header's client, which the
+    server has already matched to the topic), so one client can only exhaust its own share."""
+
+    def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 120.0, max_pending: int = 2,
                  max_chunks: int = 4096, remember: int = 4096, max_buffered: int | None = None) -> None:
         self.max_bytes, self.timeout_s, self.max_pending, self.max_chunks = max_bytes, timeout_s, max_pending, max_chunks
-        self.max_buffered = max_buffered or 4 * max_bytes  # all incomplete sets together
+        self.max_buffered = max_buffered or 2 * max_bytes  # one sender's incomplete sets together
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, None] = OrderedDict()
         self._remember = remember
@@ -184,9 +189,10 @@ class Reassembler:
             self.duplicates += 1
             return None
         pending = self._pending.get(key)
+        sender = header["client"]
         if pending is None:
-            if len(self._pending) >= self.max_pending:
-                raise WireError("too_many_pending", f"{self.max_pending} chunk sets already in flight")
+            if self._count(sender) >= self.max_pending:
+                raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
             pending = self._pending[key] = _Pending({k: v for k, v in header.items() if k != "index"}, now)
         elif {k: v for k, v in header.items() if k != "index"} != pending.header:
             self._pending.pop(key)
@@ -194,8 +200,8 @@ class Reassembler:
         if header["index"] in pending.parts:
             self.duplicates += 1
             return None
-        if sum(p.received for p in self._pending.values()) + len(data) > self.max_buffered:
-            raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across incomplete chunk sets")
+        if self._buffered(sender) + len(data) > self.max_buffered:
+            raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across {sender}'s incomplete chunk sets")
         pending.parts[header["index"]] = data
         pending.received += len(data)
         if pending.received > header["size"]:
@@ -210,6 +216,12 @@ class Reassembler:
         tensors = decode_payload(header, payload)
         self._remember_done(key)  # only verified sets: a corrupted copy must not shadow the real one
         return Assembled(pending.header, tensors, len(payload))
+
+    def _count(self, sender: str) -> int:
+        return sum(1 for k in self._pending if k[2] == sender)
+
+    def _buffered(self, sender: str) -> int:
+        return sum(p.received for k, p in self._pending.items() if k[2] == sender)
 
     def expire(self, now: float | None = None) -> list[tuple]:
         """Drop chunk sets older than the timeout; returns their keys (kind, round, client, submodel, sha256)."""

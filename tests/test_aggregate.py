@@ -186,3 +186,20 @@ def test_inconsistent_set_is_every_bn_and_step(method: str) -> None:
         assert layout.inconsistent == steps | stats | affine and not layout.local
     # the stem conv, the block convs and the classifier are consistent: averaged across submodels
     assert not {n for n in names if "conv" in n or n.startswith("fc.")} & layout.inconsistent
+
+
+def test_uncovered_negative_zero_keeps_its_sign_bit() -> None:
+    """Untouched weights keep their exact bits: old + 0.0 would flip -0.0 to +0.0 and change the state digest."""
+    skip = ((1.0, 0.0), (1.0, 0.0))
+    layout = Layout.build(tiny_profile([(0.3, 0.5, skip), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=1)
+    skipped, sliced = "stages.0.1.conv1.weight", "stages.1.0.conv1.weight"
+    state.consistent[skipped].fill_(-0.0)
+    state.consistent[sliced][4:] = -0.0
+    agg = NeFedAvg(layout)
+    agg.add(0, {n: torch.ones(s) for n, s in layout.upload_shapes(0).items()})
+    new = agg.finalize(state)
+    assert torch.signbit(new.consistent[skipped]).all()
+    assert torch.signbit(new.consistent[sliced][4:]).all()
+    assert torch.equal(new.consistent[sliced][4:].view(torch.int32), state.consistent[sliced][4:].view(torch.int32))
+    assert torch.allclose(new.consistent[sliced][:4, :2], state.consistent[sliced][:4, :2] + 1)

@@ -375,3 +375,19 @@ def test_image_folder_of_a_device_is_shaped_like_the_dataset(tmp_path) -> None:
         load_image_folder(tmp_path, "fashion-mnist")
     with pytest.raises(DatasetUnavailable, match="no class folders"):
         load_image_folder(tmp_path / "0", "fashion-mnist")
+
+
+def test_class_folders_are_matched_to_the_dataset_class_names(tmp_path) -> None:
+    from PIL import Image
+
+    from nefl.data import load_image_folder
+
+    for folder in ("Sneaker", "trouser", "T-shirt", "9"):
+        (tmp_path / folder).mkdir()
+        Image.new("L", (28, 28), 5).save(tmp_path / folder / "a.png")
+    ds = load_image_folder(tmp_path, "fashion-mnist")  # sorted folders: 9, Sneaker, T-shirt, trouser
+    assert ds.labels.tolist() == [9, 7, 0, 1]
+    (tmp_path / "Sneakers2").mkdir()
+    Image.new("L", (28, 28), 5).save(tmp_path / "Sneakers2" / "a.png")
+    with pytest.raises(DatasetUnavailable, match="'Sneakers2' is not one of Fashion-MNIST's classes.*'Ankle boot'"):
+        load_image_folder(tmp_path, "fashion-mnist")

@@ -45,7 +45,8 @@ class Procs:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, {}
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "NEFL_CACHE_DIR": str(tmp / "cache")}  # pinned server keys and calibrations stay per test
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
@@ -78,13 +79,6 @@ class Procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.stop_all()
 
 
 def port_open(port: int) -> bool:
@@ -198,6 +192,7 @@ class RawClient:
         self.c.loop_stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_embedded_broker_federation_learns(procs, tmp_path):
     port = free_port()
@@ -220,6 +215,7 @@ def test_embedded_broker_federation_learns(procs, tmp_path):
 
 
 @needs_mosquitto
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_mosquitto_federation_learns_and_survives_bad_input(procs, tmp_path):
     port = free_port()
@@ -253,8 +249,9 @@ def test_mosquitto_federation_learns_and_survives_bad_input(procs, tmp_path):
 
 
 @needs_mosquitto
+@pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_client_killed_mid_round_round_closes_at_deadline(procs, tmp_path):
+def test_client_killed_mid_round_does_not_hold_the_round(procs, tmp_path):
     port = free_port()
     procs.mosquitto(port)
     procs.aggregator("agg", serve_args(["--broker", f"mqtt://127.0.0.1:{port}"], 2, 12))
@@ -270,11 +267,13 @@ def test_client_killed_mid_round_round_closes_at_deadline(procs, tmp_path):
     m = metrics(tmp_path)
     assert sorted(m[1]["participants"]) == ["c1", "c2", "c3"]
     assert sorted(m[1]["reported"]) == ["c1", "c2"]
-    assert m[1]["train_wall_s"] >= 11  # closed by its deadline, not by the missing update
+    assert m[1]["went_offline"] == ["c3"]  # its last will told the server, which stopped waiting for it
+    assert m[1]["train_wall_s"] < 12  # closed before the 12 s deadline
     assert sorted(m[2]["reported"]) == ["c1", "c2"]  # the dead client is offline (last will) and not waited for
 
 
 @needs_mosquitto
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_aggregator_killed_and_resumed_bit_identical(procs, tmp_path):
     port = free_port()
@@ -299,6 +298,7 @@ def test_aggregator_killed_and_resumed_bit_identical(procs, tmp_path):
 
 
 @needs_mosquitto
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_broker_restart_mid_federation(procs, tmp_path):
     port = free_port()
@@ -321,6 +321,7 @@ def test_broker_restart_mid_federation(procs, tmp_path):
 
 
 @needs_mosquitto
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_password_file_refuses_anonymous(procs, tmp_path):
     passwd = tmp_path / "passwd"
@@ -353,7 +354,7 @@ def test_resume_refuses_corrupt_mismatched_or_overwritten_checkpoints(tmp_path):
     from typer.testing import CliRunner
 
     from aggregator.cli import app
-    from nefl.checkpoint import save_checkpoint
+    from nefl.checkpoint import checkpoint_files, save_checkpoint
 
     layout = Layout.build(load_profile(PROFILE))
     save_checkpoint(tmp_path / "run", GlobalState.init(layout, 0), layout, {"round": 1})
@@ -366,6 +367,6 @@ def test_resume_refuses_corrupt_mismatched_or_overwritten_checkpoints(tmp_path):
     assert fresh.exit_code == 2 and "pass --resume" in fresh.output
     other = serve("--profile", "resnet20-fmnist-d", "--resume")
     assert other.exit_code == 2 and "use the matching --profile" in other.output
-    (tmp_path / "run" / "state.safetensors").write_bytes(b"\x00" * 100)
+    (checkpoint_files(tmp_path / "run") / "state.safetensors").write_bytes(b"\x00" * 100)
     corrupt = serve("--profile", PROFILE, "--resume")
     assert corrupt.exit_code == 2 and "corrupt state file" in corrupt.output

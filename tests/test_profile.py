@@ -1,8 +1,11 @@
 import math
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
 
+from nefl.aggregate import NeFedAvg
+from nefl.arch import ARCHS
 from nefl.cli import app
 from nefl.cost import full_cost, submodel_cost
 from nefl.methods import METHODS, apply_method
@@ -91,6 +94,17 @@ def test_method_presets_derive_their_ladders() -> None:
                 n = int(sum(flat))
                 assert s.gamma_w == 1 and flat == [1.0] * n + [0.0] * (len(flat) - n)  # contiguous prefix
     assert apply_method(p, METHODS["nefl"]).submodels == p.submodels
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: replace(METHODS["nefl"], bn="per-submodel"), "method 'nefl': bn must be one of 'per_submodel', 'shared_static'"),
+    (lambda: replace(METHODS["depthfl"], ladder="depth"), "method 'depthfl': ladder must be one of 'profile', 'width'"),
+    (lambda: replace(ARCHS["resnet20"], block="Basic"), "architecture 'resnet20': block must be one of 'basic', 'bottleneck'"),
+    (lambda: NeFedAvg(Layout.build(load_profile("resnet8-fmnist-w")), "sample"), "weighting must be one of 'uniform', 'samples'"),
+], ids=["bn", "ladder", "block", "weighting"])
+def test_a_misspelt_switch_is_refused_not_read_as_another_branch(make, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make()
 
 
 def test_profile_show_prints_the_table() -> None:

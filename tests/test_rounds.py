@@ -1,15 +1,31 @@
 """Round bookkeeping of the aggregator, in-process (the MQTT side is in test_federation.py)."""
 
+import logging
+import random
+from collections import Counter
+from itertools import product
+
+import pytest
 import torch
 
+from aggregator.assignment import Candidate, assign_coverage, assign_paper, coverage_order, paper_window
 from aggregator.federation import Federation
+from nefl.checkpoint import UPDATES_TOTAL_KEY
+from nefl.messages import Announce
 from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout
 
 
-def _federation() -> Federation:
+def _federation(assignment: str = "coverage", per_round: int = 3) -> Federation:
     layout = Layout.build(load_profile("resnet8-fmnist-w"))
-    return Federation(layout, GlobalState.init(layout, seed=0), "t", clients_per_round=3, min_clients=1, round_timeout=60)
+    return Federation(layout, GlobalState.init(layout, seed=0), "t", clients_per_round=per_round, min_clients=1,
+                      round_timeout=60, assignment=assignment)
+
+
+def join(fed: Federation, client: str, msg: Announce) -> None:
+    """What a device does on connect: status "online", then its announce."""
+    fed.set_online(client, True)
+    fed.announce(client, msg)
 
 
 def _update(fed: Federation, client: str) -> None:
@@ -19,30 +35,115 @@ def _update(fed: Federation, client: str) -> None:
     fed.accept(client, header, {n: torch.zeros(s) for n, s in fed.layout.upload_shapes(k).items()}, 100)
 
 
+def _round(fed: Federation, index: int) -> dict:
+    """Open a round, every participant reports, close it; returns the round's facts."""
+    for c in fed.open_round(index, now=0.0).assignments:
+        _update(fed, c)
+    return fed.close_round()
+
+
 def test_assignments_honour_what_each_device_announced() -> None:
-    fed = _federation()
+    fed = _federation("largest")
     for c, can in (("a", 1), ("b", 3), ("c", 5)):
-        fed.announce(c, {"max_submodel": can, "samples": 10})
+        join(fed, c, Announce(client=c, max_submodel=can, samples=10))
     r = fed.open_round(1, now=0.0)
     assert r.assignments == {"a": 0, "b": 2, "c": 4}
 
 
 def test_device_that_cannot_train_now_is_not_picked() -> None:
     fed = _federation()
-    fed.announce("a", {"max_submodel": 2, "samples": 10})
-    fed.announce("b", {"max_submodel": 0, "samples": 10, "selection": "skip round: memory binds"})
+    join(fed, "a", Announce(client="a", max_submodel=2, samples=10))
+    join(fed, "b", Announce(client="b", max_submodel=0, samples=10, selection="skip round: memory binds"))
     assert fed.available() == ["a"]
     assert set(fed.open_round(1, now=0.0).assignments) == {"a"}
 
 
 def test_a_client_that_declines_mid_round_does_not_hold_the_round() -> None:
-    fed = _federation()
-    fed.announce("a", {"max_submodel": 5, "samples": 10})
-    fed.announce("b", {"max_submodel": 5, "samples": 10})
+    fed = _federation("largest")
+    join(fed, "a", Announce(client="a", max_submodel=5, samples=10))
+    join(fed, "b", Announce(client="b", max_submodel=5, samples=10))
     fed.open_round(1, now=0.0)
-    fed.announce("b", {"max_submodel": 2, "samples": 10, "selection": "submodel 2/5: memory binds"})
+    join(fed, "b", Announce(client="b", max_submodel=2, samples=10, selection="submodel 2/5: memory binds"))
     _update(fed, "a")
     assert fed.complete(now=1.0)  # long before the deadline at 60 s
     facts = fed.close_round()
     assert facts["declined"] == {"b": "submodel 2/5: memory binds"} and facts["reported"] == ["a"]
     assert facts["clients"]["a"]["selection"] == "submodel 2/5: memory binds"
+
+
+def test_coverage_trains_every_submodel_with_two_identical_clients() -> None:
+    """The reported bug: two devices that can train everything got submodel 5 every round under
+    `largest`; coverage rotates through the least-trained submodels instead."""
+    fed = _federation(per_round=2)
+    for c in ("a", "b"):
+        join(fed, c, Announce(client=c, max_submodel=5, samples=10))
+    facts = [_round(fed, i) for i in (1, 2, 3)]
+    assert [f["assigned"] for f in facts] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}, {"a": 5, "b": 1}]
+    assert facts[-1][UPDATES_TOTAL_KEY] == fed.trained_updates == [2, 1, 1, 1, 1]
+
+
+def test_coverage_keeps_capable_devices_for_large_submodels_and_gives_the_rest_their_bound() -> None:
+    mixed = [Candidate("a", 4, 4), Candidate("b", 0, 0), Candidate("c", 2, 2)]
+    assert assign_coverage(mixed, coverage_order([0] * 5), random.Random(0)) == {"b": 0, "c": 1, "a": 2}
+    alike = [Candidate(f"c{i}", 4, 4) for i in range(7)]
+    got = assign_coverage(alike, coverage_order([0] * 5), random.Random(0))
+    assert sorted(got.values()) == [0, 1, 2, 3, 4, 4, 4]
+    assert coverage_order([3, 0, 1, 0, 2]) == [1, 3, 2, 4, 0]
+
+
+def test_paper_policy_draws_uniformly_within_the_tier_window() -> None:
+    """Simulator tiers (bound = top of the window) and server tiers (tier = the announced bound)."""
+    assert [list(paper_window(t, min(t + 2, 4))) for t in range(5)] == \
+        [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4], [1, 2, 3, 4], [2, 3, 4]]
+    assert list(paper_window(3, 3)) == [1, 2, 3] and list(paper_window(0, 0)) == [0]
+    rng = random.Random(0)
+    draws = 3000
+    for tier in range(5):
+        bound = min(tier + 2, 4)
+        counts = Counter(assign_paper([Candidate("x", bound, tier)], [], rng)["x"] for _ in range(draws))
+        window = paper_window(tier, bound)
+        assert set(counts) == set(window)
+        for k in window:  # uniform: 3000 draws over 3-5 submodels, well inside 5 standard deviations
+            assert abs(counts[k] - draws / len(window)) < 0.1 * draws, (tier, counts)
+
+
+def test_paper_policy_in_a_federation_uses_fixed_tiers_when_given() -> None:
+    layout = Layout.build(load_profile("resnet8-fmnist-w"))
+    fed = Federation(layout, GlobalState.init(layout, seed=0), "t", 1, 1, 60, assignment="paper", tiers={"a": 0})
+    join(fed, "a", Announce(client="a", max_submodel=3, samples=10))
+    assert {_round(fed, i)["assigned"]["a"] for i in range(1, 40)} == {1, 2, 3}
+
+
+def test_a_submodel_untrained_for_three_rounds_is_warned_about(caplog) -> None:
+    fed = _federation("largest", per_round=2)
+    for c in ("a", "b"):
+        join(fed, c, Announce(client=c, max_submodel=5, samples=10))
+    with caplog.at_level(logging.WARNING, logger="aggregator.federation"):
+        for i in (1, 2):
+            _round(fed, i)
+        assert not caplog.records
+        _round(fed, 3)
+    assert fed.trained_updates == [0, 0, 0, 0, 6]
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "submodel(s) 1, 2, 3, 4 untrained for 3+ rounds" in msg and "--assignment coverage" in msg
+
+
+def test_unknown_policy_and_foreign_counts_are_refused() -> None:
+    layout = Layout.build(load_profile("resnet8-fmnist-w"))
+    with pytest.raises(ValueError, match="--assignment must be one of 'coverage', 'largest', 'paper'"):
+        Federation(layout, GlobalState.init(layout, seed=0), "t", 1, 1, 60, assignment="magic")
+    with pytest.raises(ValueError, match="3 update counts for 5 submodels"):
+        Federation(layout, GlobalState.init(layout, seed=0), "t", 1, 1, 60, trained_updates=[1, 2, 3])
+
+
+def test_coverage_covers_as_many_submodels_as_the_best_assignment() -> None:
+    """Brute force over small pools: whatever the order of need, no assignment covers more."""
+    rng = random.Random(0)
+    for _ in range(300):
+        bounds = [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+        pool = [Candidate(f"c{i}", b, b) for i, b in enumerate(bounds)]
+        order = coverage_order([rng.randrange(3) for _ in range(5)])
+        best = max(len(set(ks)) for ks in product(*(range(b + 1) for b in bounds)))
+        got = assign_coverage(pool, order, rng)
+        assert len(set(got.values())) == best and all(got[c.client] <= c.max_submodel for c in pool), (bounds, order)

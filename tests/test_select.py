@@ -196,7 +196,7 @@ TRAIN_UNDER_BUDGET = r"""
 import json, sys, torch
 from nefl.profile import load_profile
 from nefl.state import Layout
-from nefl.train import local_train, module_state
+from nefl.train import TrainConfig, local_train, module_state
 torch.set_num_threads(1)
 profile, k, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 layout = Layout.build(load_profile(profile))
@@ -207,7 +207,7 @@ def kib(field):
 open("/proc/self/clear_refs", "w").write("5")  # peak RSS := current RSS
 base = kib("VmRSS")
 model = layout.module(k)
-local_train(model, module_state(model), batches, epochs=2, lr=0.1)
+local_train(model, module_state(model), batches, TrainConfig(local_epochs=2))
 print(json.dumps({"growth": kib("VmHWM") - base}))
 """
 

@@ -15,6 +15,7 @@ def test_paper_lr_schedule() -> None:
     assert (cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size) == (0.1, 0.0, 0.0, 32)
     lrs = [cfg.lr_at(r, 100) for r in (0, 49, 50, 74, 75, 99)]
     assert lrs == [0.1, 0.1, 0.1 * 0.1, 0.1 * 0.1, 0.1 * 0.1 * 0.1, 0.1 * 0.1 * 0.1]
+    assert cfg.for_round(50, 100) == replace(cfg, lr=0.1 * 0.1)
 
 
 def _blobs(n: int = 256) -> ArrayDataset:
@@ -31,7 +32,7 @@ def test_local_training_learns_and_returns_only_upload_delta() -> None:
     data = _blobs()
     model = layout.module(0)
     start = state.extract(layout, 0)
-    res = local_train(model, start, BatchLoader(data, None, 32, True, False, 0), epochs=5, lr=0.1,
+    res = local_train(model, start, BatchLoader(data, None, 32, True, False, 0), TrainConfig(local_epochs=5),
                       upload=layout.upload_shapes(0))
     assert res.num_samples == 256 and set(res.delta) == set(layout.upload_shapes(0))
     trained = module_state(model)
@@ -46,7 +47,7 @@ def test_local_training_learns_and_returns_only_upload_delta() -> None:
 def test_fixed_steps_do_not_train() -> None:
     layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)], in_ch=1, method="nefl-nl"))
     state = GlobalState.init(layout, seed=0)
-    res = local_train(layout.module(0), state.extract(layout, 0), BatchLoader(_blobs(64), None, 32, True, False, 0), 1, 0.1)
+    res = local_train(layout.module(0), state.extract(layout, 0), BatchLoader(_blobs(64), None, 32, True, False, 0), TrainConfig())
     assert all(res.delta[n].abs().max() == 0 for n in res.delta if n.endswith(".step"))
 
 

@@ -1,0 +1,117 @@
+"""What the agent asks of the device it runs on: its data, what it can train now, and the training.
+
+Kept apart from the agent's message handling so that the handling can be unit-tested with a fake
+device (no dataset, no torch training), and so that everything that costs time or memory on a Pi
+lives in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from edge_client.costmodel import CACHE_DIR, CostTable, calibrate, estimate_costs
+from edge_client.probe import Prober
+from edge_client.select import DeviceBudget, Selection, select_submodel
+from nefl.data import BatchLoader, load_dataset, load_image_folder, parse_partition, partition_iid
+from nefl.messages import DeviceSummary, Task, TrainingSettings, finite_or_none
+from nefl.state import Layout
+from nefl.train import TrainConfig, TrainResult, local_train
+
+PARTITION_SEED = 0  # every client must cut the same permutation, or partitions overlap
+MIN_BATCHES = 10  # a submodel is worth a round if at least this many batches fit the time budget
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "fashion-mnist"
+    partition: str = "1/1"
+    data_root: str | None = None
+    data_dir: str | None = None  # the device's own images (ImageFolder layout) instead of a torchvision split
+    max_samples: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    max_submodel: int = 1000
+    memory_budget: str | None = None  # emulate a smaller device (see edge_client.select.DeviceBudget)
+    cpu_budget: float | None = None
+    calibrate: bool = True  # measure one training step per submodel (cached) instead of the analytic estimate
+    seed: int = 0
+    torch_device: str = "cpu"
+    recalibrate: bool = False  # measure again instead of reusing the cached calibration
+    cache_dir: Path = CACHE_DIR
+
+
+class Device(Protocol):
+    """The agent's view of the device (a fake in the agent's unit tests)."""
+
+    samples: int
+
+    def summary(self) -> DeviceSummary: ...
+
+    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection: ...
+
+    def train(self, layout: Layout, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult: ...
+
+
+class LocalDevice:
+    """This machine: its data shard, its probes and cost model, and torch training."""
+
+    def __init__(self, data: DataConfig, cfg: DeviceConfig) -> None:
+        self.cfg = cfg
+        self.train_set = (load_image_folder(data.data_dir, data.dataset) if data.data_dir
+                          else load_dataset(data.dataset, data.data_root, train=True))
+        index, parts = parse_partition(data.partition)
+        self.indices = partition_iid(len(self.train_set), parts, PARTITION_SEED)[index][: data.max_samples]
+        self.samples = len(self.indices)
+        self.budget = DeviceBudget.parse(cfg.memory_budget, cfg.cpu_budget)
+        self.prober = Prober()
+        self._costs: dict[tuple[str, int], CostTable] = {}
+
+    def summary(self) -> DeviceSummary:
+        """What the server logs about this device, from the same probe that drives selection."""
+        snap = self.budget.apply(self.prober.snapshot())
+        mb = lambda n: None if n is None else n >> 20  # noqa: E731
+        return DeviceSummary(machine=platform.machine()[:64], system=platform.system()[:64], cpus=snap.cpu_count,
+                             mem_total_mb=mb(snap.memory_total), mem_available_mb=mb(snap.memory_available),
+                             cpu_percent=finite_or_none(snap.cpu_percent), torch_threads=torch.get_num_threads())
+
+    def costs(self, layout: Layout, batch: int) -> CostTable:
+        """Per-submodel step time and peak memory, measured once per profile and batch size (cached on disk)."""
+        key = (layout.profile.hash, batch)
+        if key not in self._costs:
+            if self.cfg.calibrate:
+                n = layout.num_submodels
+                log.info(f"calibrating: one training step per submodel of {layout.profile.name} at batch {batch} "
+                         f"on {self.cfg.torch_device} (cached in {self.cfg.cache_dir} for later runs)")
+                self._costs[key] = calibrate(layout, batch, device=self.cfg.torch_device, cache_dir=self.cfg.cache_dir,
+                                             force=self.cfg.recalibrate,
+                                             on_result=lambda k: log.info(f"calibrated submodel {k + 1}/{n}"))
+            else:
+                self._costs[key] = estimate_costs(layout, batch, threads=torch.get_num_threads())
+        return self._costs[key]
+
+    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection:
+        """The largest submodel that fits memory now and can do at least MIN_BATCHES batches in time:
+        the device then trains as many batches as its time budget allows, not a fixed epoch."""
+        work = min(self.samples, MIN_BATCHES * training.batch_size)
+        return select_submodel(self.costs(layout, training.batch_size), self.budget.apply(self.prober.snapshot()),
+                               work, 1, deadline_s, cap, speed=self.budget.cpu_budget)
+
+    def train(self, layout: Layout, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult:
+        torch.manual_seed(self.cfg.seed + task.round)
+        loader = BatchLoader(self.train_set, self.indices, task.batch_size, True, True, self.cfg.seed * 100003 + task.round)
+        config = TrainConfig(lr=task.lr, batch_size=task.batch_size, local_epochs=task.epochs)
+        # --cpu-budget stretches work to the emulated speed, so it also shrinks the time to work in
+        res = local_train(layout.module(task.submodel), start, loader, config, upload=layout.upload_shapes(task.submodel),
+                          device=self.cfg.torch_device, time_budget_s=budget_s * self.budget.cpu_budget)
+        time.sleep(self.budget.padding(res.seconds))  # really run as the slower device
+        return res

@@ -1,0 +1,28 @@
+"""Options several commands share, declared once so their flags, environment variables and help agree.
+
+Each is an Annotated type: a command declares `password: PasswordOption = None` and gets the same
+`--password` (env NEFL_MQTT_PASSWORD) as every other command that talks to a broker. This module
+imports neither torch nor paho, so the small inference install's commands can use it too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from nefl.logs import LogFormat, LogLevel
+
+ENV_USERNAME, ENV_PASSWORD = "NEFL_MQTT_USERNAME", "NEFL_MQTT_PASSWORD"
+
+# the broker's credentials and TLS files, in nefl.mqtt.parse_broker's argument order
+UsernameOption = Annotated[Optional[str], typer.Option("--username", envvar=ENV_USERNAME, help="Broker user.")]
+PasswordOption = Annotated[Optional[str], typer.Option("--password", envvar=ENV_PASSWORD, help="Broker password.")]
+CaCertOption = Annotated[Optional[str], typer.Option("--ca-cert", help="CA certificate (PEM) to verify an mqtts:// broker.")]
+CertfileOption = Annotated[Optional[str], typer.Option("--certfile", help="Client certificate (PEM) for mutual TLS.")]
+KeyfileOption = Annotated[Optional[str], typer.Option("--keyfile", help="Key of --certfile.")]
+
+LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Least severe events logged.")]
+LogFormatOption = Annotated[LogFormat, typer.Option(
+    "--log-format", help="plain: a readable line per event; json: one object per line (time, level, logger, msg, "
+                         "and the event's fields such as round, client, submodel, reason).")]

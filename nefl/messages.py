@@ -1,0 +1,197 @@
+"""Control messages: one typed, versioned, validated class per JSON message that crosses the broker.
+
+Every byte from the broker is hostile until proven otherwise, on the server and on the device.
+`decode` is the one strict loader both sides use: size cap before parsing, bounded nesting,
+no NaN/Infinity (msgspec's JSON is strict), integers and floats range-checked by the schema, and
+any failure becomes a `MessageError` with a short reason code that the caller counts. Nothing
+from inbound bytes can raise anything else.
+
+Server-to-device messages (task, control, server status) are signed (nefl/signing.py); the
+signature covers the whole body, which names its type, federation, run and round, so a signed
+task cannot be replayed as a status or into another run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+VERSION = 1
+MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
+MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
+MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
+MAX_LISTED = 200  # client ids listed in a server status; counts carry the rest
+
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+Short = Annotated[str, msgspec.Meta(max_length=64)]
+Reason = Annotated[str, msgspec.Meta(max_length=300)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Round = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Submodel = Annotated[int, msgspec.Meta(ge=0, le=255)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+
+T = TypeVar("T", bound="Message")
+
+
+class MessageError(ValueError):
+    """An inbound message refused for `reason` (a short counter key); never fatal to the receiver."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.detail = message
+
+
+class Message(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=False):
+    """Base of every control message: the wire version first, checked before anything else."""
+
+    v: int = VERSION
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls: type[T], payload: bytes, max_bytes: int = MAX_CONTROL_BYTES) -> T:
+        return decode(payload, cls, max_bytes)
+
+
+class DeviceSummary(msgspec.Struct, kw_only=True, frozen=True):
+    """What the server logs about a device; every field optional, every value bounded."""
+
+    machine: Short = ""
+    system: Short = ""
+    cpus: Annotated[int, msgspec.Meta(ge=0, le=65536)] | None = None
+    mem_total_mb: Count | None = None
+    mem_available_mb: Count | None = None
+    cpu_percent: Annotated[float, msgspec.Meta(ge=0, le=1e6)] | None = None
+    torch_threads: Annotated[int, msgspec.Meta(ge=0, le=65536)] | None = None
+
+
+class Announce(Message, frozen=True, tag="announce", tag_field="type"):
+    """Client -> server, retained: what this device can train now (max_submodel 1-based, 0 = nothing)."""
+
+    client: Name
+    samples: Annotated[int, msgspec.Meta(ge=1, le=10**9)]
+    max_submodel: Annotated[int, msgspec.Meta(ge=0, le=256)]
+    selection: Reason = ""
+    device: DeviceSummary = DeviceSummary()
+    dataset: Short = ""
+
+
+class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):
+    """Client -> server, retained; the broker publishes the "offline" one as the client's last will."""
+
+    state: Literal["online", "offline"]
+
+
+class Task(Message, frozen=True, tag="task", tag_field="type"):
+    """Server -> one client, retained, signed: train `submodel` (0-based) of `round` from the weights
+    whose safetensors payload hashes to `model_sha256`."""
+
+    federation: Name
+    run: Name
+    round: Round
+    submodel: Submodel
+    lr: Annotated[float, msgspec.Meta(gt=0, le=100)]
+    epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)]
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)]
+    profile_hash: Short
+    deadline_s: Seconds
+    chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+    model_sha256: Hex64
+    model_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
+
+
+class Control(Message, frozen=True, tag="control", tag_field="type"):
+    """Server -> all, retained, signed: the federation's run `run` is over."""
+
+    federation: Name
+    run: Name
+    event: Literal["end"]
+
+
+class TrainingSettings(msgspec.Struct, kw_only=True, frozen=True):
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 32
+    local_epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    round_timeout: Seconds = 120.0
+
+
+class ServerStatus(Message, frozen=True, tag="server_status", tag_field="type"):
+    """Server -> all, retained, signed (except the broker-published last will, which only says
+    "offline" and is never trusted for anything else)."""
+
+    state: Literal["waiting", "training", "evaluating", "finished", "offline"]
+    federation: Name | None = None
+    run: Name | None = None
+    round: Round = 0
+    rounds: Round = 0
+    profile: dict[str, Any] | None = None
+    method: Short = ""
+    profile_hash: Short = ""
+    key: Annotated[str, msgspec.Meta(max_length=64)] = ""  # the server's Ed25519 public key (base64)
+    clients_online: Annotated[list[Name], msgspec.Meta(max_length=MAX_LISTED)] = []
+    clients_online_count: Count = 0
+    participants: Annotated[list[Name], msgspec.Meta(max_length=MAX_LISTED)] = []
+    reported: Annotated[list[Name], msgspec.Meta(max_length=MAX_LISTED)] = []
+    accuracy: Annotated[list[float], msgspec.Meta(max_length=256)] | None = None
+    rejected_total: dict[Short, Count] = {}
+    time: float = 0.0
+    training: TrainingSettings = TrainingSettings()
+
+
+class _Head(msgspec.Struct):
+    v: int
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nesting_depth(payload: bytes) -> int:
+    """Deepest bracket nesting outside strings: checked before parsing so no parser recursion
+    limit is ever what stops a hostile message."""
+    depth = deepest = 0
+    for b in _STRING.sub(b"", payload).translate(None, _NOT_BRACKETS):
+        if b == 0x5B or b == 0x7B:  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b == 0x5D or b == 0x7D:  # ] }
+            depth -= 1
+    return deepest
+
+
+def decode(payload: bytes, cls: type[T], max_bytes: int = MAX_CONTROL_BYTES) -> T:
+    """The strict loader: `payload` as a validated `cls`, or MessageError with a reason code."""
+    kind = cls.__struct_config__.tag or cls.__name__.lower()
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise MessageError("malformed_json", f"{kind}: payload is not bytes")
+    if len(payload) > max_bytes:
+        raise MessageError("oversized", f"{len(payload)}-byte {kind} message, the limit is {max_bytes}")
+    if nesting_depth(bytes(payload)) > MAX_DEPTH:
+        raise MessageError("too_deep", f"{kind} message nests deeper than {MAX_DEPTH} levels")
+    try:
+        head = msgspec.json.decode(payload, type=_Head)
+    except msgspec.DecodeError as e:
+        raise MessageError("malformed_json", f"{kind}: {_short(e)}") from None
+    except (msgspec.ValidationError, RecursionError) as e:
+        raise MessageError("malformed_json", f"{kind}: no integer wire version 'v' ({_short(e)})") from None
+    if head.v != VERSION:
+        raise MessageError("bad_version", f"{kind} message of wire version {head.v}, this build speaks {VERSION}")
+    try:
+        return msgspec.json.decode(payload, type=cls)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+        raise MessageError(f"invalid_{kind}", _short(e)) from None
+
+
+def _short(e: Exception) -> str:
+    return str(e)[:200]
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """Device readings that JSON cannot carry (NaN from a failed sensor) travel as null."""
+    return x if x is None or math.isfinite(x) else None

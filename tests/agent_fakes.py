@@ -1,0 +1,107 @@
+"""Fakes for the agent's logic tests: a transport that records, a device that trains instantly, and
+a signed server that speaks to the agent like the aggregator does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from edge_client.agent import Agent, AgentConfig
+from edge_client.select import Selection
+from nefl.messages import DeviceSummary, ServerStatus, Task, TrainingSettings
+from nefl.profile import load_profile
+from nefl.signing import Signer
+from nefl.state import Layout
+from nefl.topics import Topics
+from nefl.train import TrainResult
+from nefl.wire import encode
+
+PROFILE = "resnet8-fmnist-w"
+T = Topics("t")
+
+
+@dataclass
+class FakeTransport:
+    published: list[tuple[str, bytes, bool]] = field(default_factory=list)
+    subscribed: list[str] = field(default_factory=list)
+    unsubscribed: list[str] = field(default_factory=list)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+        self.published.append((topic, payload, retain))
+
+    def subscribe(self, topic: str, qos: int = 0) -> None:
+        self.subscribed.append(topic)
+
+    def unsubscribe(self, topic: str) -> None:
+        self.unsubscribed.append(topic)
+
+    def on(self, topic: str) -> list[bytes]:
+        return [p for t, p, _ in self.published if t == topic]
+
+
+@dataclass
+class FakeDevice:
+    """Can train submodels up to `can` (1-based; 0: nothing); training returns a zero delta at once."""
+
+    can: int = 5
+    samples: int = 100
+    trained: list[tuple[int, int, float]] = field(default_factory=list)  # (round, submodel, budget_s)
+
+    def summary(self) -> DeviceSummary:
+        return DeviceSummary(machine="fake")
+
+    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection:
+        k = min(self.can, cap)
+        return Selection(k - 1 if k else None, f"fake device: submodel <= {k}", "memory" if k else "none", None, ())
+
+    def train(self, layout: Layout, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult:
+        self.trained.append((task.round, task.submodel, budget_s))
+        delta = {n: torch.zeros(s) for n, s in layout.upload_shapes(task.submodel).items()}
+        return TrainResult(delta, self.samples, 1.0, 0.5, 0.01, {"steps": 4, "budget_cut": 0})
+
+
+class FakeServer:
+    """Signs what the aggregator would send: status, tasks, weights."""
+
+    def __init__(self, directory: Path, run: str = "run1") -> None:
+        self.signer = Signer.load_or_create(directory)
+        self.run = run
+        profile = load_profile(PROFILE)
+        self.layout = Layout.build(profile)
+        self.profile = profile
+
+    def status(self, **kw) -> bytes:
+        args = dict(state="training", federation="t", run=self.run, round=1, rounds=3, profile=self.profile.to_dict(),
+                    method=self.profile.method, profile_hash=self.layout.profile.hash, key=self.signer.public_text,
+                    time=1000.0, training=TrainingSettings(batch_size=16, round_timeout=60))
+        return self.signer.sign(ServerStatus(**{**args, **kw}).to_json())
+
+    def weights(self, k: int = 0, round: int = 1, scale: float = 0.0) -> list[bytes]:
+        shapes = self.layout.sub_shapes[k]
+        return encode({n: torch.full(s, scale) for n, s in shapes.items()}, kind="model", federation="t", round=round,
+                      submodel=k, client="server", chunk_bytes=1 << 20)
+
+    def task_msg(self, k: int = 0, round: int = 1, **kw) -> Task:
+        w = self.weights(k, round)
+        header = json.loads(w[0][8:8 + int.from_bytes(w[0][4:8], "big")])
+        args = dict(federation="t", run=self.run, round=round, submodel=k, lr=0.1, epochs=1, batch_size=16,
+                    profile_hash=self.layout.profile.hash, deadline_s=60.0, chunks=len(w),
+                    model_sha256=header["sha256"], model_bytes=header["size"])
+        return Task(**{**args, **kw})
+
+    def task(self, k: int = 0, round: int = 1, **kw) -> bytes:
+        return self.signer.sign(self.task_msg(k, round, **kw).to_json())
+
+
+def make_agent(tmp: Path, server: FakeServer | None = None, device: FakeDevice | None = None,
+               clock=None) -> tuple[Agent, FakeTransport, FakeDevice]:
+    """An agent that has trusted `server` (first use) and adopted its profile."""
+    transport, device = FakeTransport(), device or FakeDevice()
+    cfg = AgentConfig("c1", federation="t", pin_file=tmp / "pins" / "t.pub")
+    agent = Agent(cfg, transport, device, **({"clock": clock} if clock else {}))
+    if server is not None:
+        agent.dispatch(T.server_status, server.status())
+    return agent, transport, device

@@ -1,0 +1,118 @@
+"""The device agent's logic without a broker: task handling, decline and re-plan, upload, resend."""
+
+from __future__ import annotations
+
+from nefl.messages import Announce, ClientStatus
+from nefl.wire import Reassembler
+from tests.agent_fakes import FakeDevice, FakeServer, T, make_agent
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def announces(transport) -> list[Announce]:
+    return [Announce.from_json(p) for p in transport.on(T.announce("c1"))]
+
+
+def test_connect_subscribes_and_says_online(tmp_path):
+    agent, transport, _ = make_agent(tmp_path)
+    agent.on_connected()
+    assert set(transport.subscribed) == {T.task("c1"), T.control, T.server_status}
+    assert ClientStatus.from_json(transport.on(T.status("c1"))[-1]).state == "online"
+    assert not announces(transport)  # nothing to say before the profile is known
+
+
+def test_profile_from_the_status_is_planned_and_announced(tmp_path):
+    agent, transport, _ = make_agent(tmp_path, FakeServer(tmp_path / "s"), FakeDevice(can=3, samples=77))
+    (a,) = announces(transport)
+    assert (a.max_submodel, a.samples, a.client) == (3, 77, "c1") and "fake device" in a.selection
+    agent.on_connected()  # a reconnect re-announces, so a restarted server hears of the device
+    assert len(announces(transport)) == 2
+
+
+def test_task_weights_train_upload(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    agent, transport, device = make_agent(tmp_path, server, clock=clock)
+    agent.dispatch(T.task("c1"), server.task(k=1))
+    assert transport.subscribed[-1] == T.model_all(1)
+    agent.tick()
+    assert device.trained == []  # no weights yet
+    for m in server.weights(k=1):
+        agent.dispatch(T.model_chunk(1, 0), m)
+    clock.now += 10
+    agent.tick()
+    ((rnd, k, budget),) = device.trained
+    assert (rnd, k) == (1, 1) and 0 < budget <= 50 * 0.8  # the time left, less the upload's share
+    updates = transport.on(T.update("c1"))
+    done = None
+    r = Reassembler()
+    for m in updates:
+        done = r.feed(m) or done
+    assert done.header["client"] == "c1" and done.header["round"] == 1 and done.header["submodel"] == 1
+    assert done.header["metrics"]["steps"] == 4 and set(done.tensors) == set(server.layout.upload_shapes(1))
+
+
+def test_a_task_too_big_for_the_device_is_declined_and_the_server_told(tmp_path):
+    server = FakeServer(tmp_path / "s")
+    agent, transport, device = make_agent(tmp_path, server, FakeDevice(can=2))
+    before = len(announces(transport))
+    agent.dispatch(T.task("c1"), server.task(k=3))
+    assert agent.task is None and T.model_all(3) not in transport.subscribed
+    assert len(announces(transport)) == before + 1 and announces(transport)[-1].max_submodel == 2
+    agent.dispatch(T.task("c1"), server.task(k=3))  # the retained copy again: not declined twice
+    assert len(announces(transport)) == before + 1 and device.trained == []
+
+
+def test_the_device_that_changed_re_announces_on_the_next_task(tmp_path):
+    server = FakeServer(tmp_path / "s")
+    device = FakeDevice(can=5)
+    agent, transport, _ = make_agent(tmp_path, server, device)
+    device.can = 1  # memory got tight
+    agent.dispatch(T.task("c1"), server.task(k=4))
+    assert announces(transport)[-1].max_submodel == 1 and agent.task is None
+
+
+def test_redelivered_task_after_upload_resends_the_same_update(tmp_path):
+    server = FakeServer(tmp_path / "s")
+    agent, transport, _ = make_agent(tmp_path, server)
+    agent.dispatch(T.task("c1"), server.task())
+    for m in server.weights():
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    first = transport.on(T.update("c1"))
+    agent.dispatch(T.task("c1"), server.task())  # the broker restarted and redelivered the retained task
+    assert transport.on(T.update("c1")) == first + first
+
+
+def test_weights_that_never_come_give_up_at_the_deadline(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    agent, _, device = make_agent(tmp_path, server, clock=clock)
+    agent.dispatch(T.task("c1"), server.task())
+    clock.now += 61
+    agent.tick()
+    assert agent.task is None and agent.last_task == ("run1", 1)
+    for m in server.weights():  # too late: no task holds them
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    assert device.trained == []
+
+
+def test_a_new_server_run_restarts_the_rounds(tmp_path):
+    server = FakeServer(tmp_path / "s")
+    agent, _, device = make_agent(tmp_path, server)
+    agent.dispatch(T.task("c1"), server.task(round=3))
+    for m in server.weights(round=3):
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    restarted = FakeServer(tmp_path / "s", run="run2")  # same key (same directory), new run
+    agent.dispatch(T.server_status, restarted.status(time=2000.0))
+    agent.dispatch(T.task("c1"), restarted.task(round=1))
+    for m in restarted.weights(round=1):
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    assert [(r, k) for r, k, _ in device.trained] == [(3, 0), (1, 0)]

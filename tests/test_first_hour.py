@@ -1,0 +1,50 @@
+"""A new user's first hour, with real processes: the default commands must train every submodel.
+
+Two identical devices run a *bare* `edge-client join` (their half of the full Fashion-MNIST
+training split, calibration on, no caps), started before the aggregator exists: they must say they
+are retrying, join once it is up, train within the round deadline (a time budget, not a refusal),
+and the default `coverage` assignment must leave every submodel better than chance after 3 rounds.
+A join stopped with SIGTERM exits 0 without a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.test_federation import finish, free_port, metrics, port_open, wait_for
+
+pytestmark = pytest.mark.slow
+CHANCE = 0.1
+
+
+@pytest.mark.timeout(420)
+def test_two_identical_bare_joins_train_every_submodel(procs, tmp_path):
+    port = free_port()
+    url = f"mqtt://127.0.0.1:{port}"
+    for i in (1, 2):  # before the server: nothing listens on the port yet
+        procs.client(f"c{i}", url, ["--federation", "t", "--partition", f"{i}/2"])
+    wait_for(lambda: all("retrying in" in procs.log(f"c{i}") for i in (1, 2)), 60, "the clients to report retries")
+    procs.aggregator("agg", ["--embedded-port", str(port), "--federation", "t", "--rounds", "3", "--clients-per-round", "2",
+                             "--min-clients", "2", "--round-timeout", "15", "--join-wait", "5",
+                             "--eval-dataset", "fashion-mnist", "--eval-samples", "500"])
+    finish(procs, "agg", 300)
+    m = metrics(tmp_path)
+    for r in (1, 2, 3):
+        assert sorted(m[r]["reported"]) == ["c1", "c2"], m[r]
+        for c in ("c1", "c2"):
+            assert m[r]["clients"][c]["budget_cut"] == 1  # 30,000 images do not fit 15 s: it trained what fit
+    assert all(n >= 1 for n in m[3]["updates_per_submodel_total"]), m[3]["updates_per_submodel_total"]
+    assert all(acc > 2 * CHANCE for acc in m[3]["accuracy"]), m[3]["accuracy"]
+    for i in (1, 2):
+        finish(procs, f"c{i}", 30)
+        log = procs.log(f"c{i}")
+        assert "connected to" in log and "calibrated submodel 5/5" in log and "Traceback" not in log
+
+    assert not port_open(port)  # the aggregator took its embedded broker with it
+    late = procs.client("late", url, ["--federation", "t", "--partition", "1/2", "--max-samples", "64"])
+    wait_for(lambda: "retrying in" in procs.log("late"), 60, "the late client to retry")
+    late.send_signal(signal.SIGTERM)
+    assert late.wait(30) == 0
+    assert "stopping (SIGTERM)" in procs.log("late") and "Traceback" not in procs.log("late")

@@ -1,0 +1,196 @@
+"""Every inbound handler, on the server and on the device, driven with hostile bytes: nothing escapes.
+
+The handlers are the real ones (`Server.handle`, `Agent.dispatch`) on objects built without a broker;
+hypothesis throws random bytes, random JSON (NaN/Infinity literals, deep nesting, huge integers),
+mutated valid messages and validly signed but hostile bodies at every topic. A bug would surface as
+an `internal_error` rejection (the boundary's last resort), so the tests also assert there is none.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggregator.server import ServeConfig, Server, Start
+from edge_client.agent import Agent
+from nefl.messages import Announce, ClientStatus, Control
+from nefl.mqtt import parse_broker
+from nefl.profile import load_profile
+from nefl.signing import Signer
+from nefl.state import GlobalState, Layout
+from nefl.topics import Topics
+from nefl.wire import encode
+from tests.agent_fakes import FakeServer, make_agent
+
+PROFILE = "resnet8-fmnist-w"
+T = Topics("t")
+fuzz = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30,
+)
+KILLERS = [  # each ended the aggregator or a client before the strict loader
+    b'{"v":1,"samples":1,"max_submodel":Infinity}',
+    b"[" * 2000 + b"]" * 2000,
+    b'{"v":1,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",
+    b'{"v":1,"state":' + b"[" * 2000 + b"]" * 2000 + b"}",
+    b"NEFL\x00\x00\x0f\xa0" + b"[" * 2000 + b"]" * 2000,
+    b"",
+    b"\x00" * 70000,
+]
+
+
+def mutate(data: st.DataObject, raw: bytes) -> bytes:
+    out = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 6))):
+        out[data.draw(st.integers(0, len(out) - 1))] = data.draw(st.integers(0, 255))
+    return bytes(out)
+
+
+# -- server -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layout() -> Layout:
+    return Layout.build(load_profile(PROFILE))
+
+
+@pytest.fixture
+def server(tmp_path, layout) -> Server:
+    cfg = ServeConfig(profile=PROFILE, federation="t", checkpoint_dir=str(tmp_path), clients_per_round=3, round_timeout=60)
+    srv = Server(cfg, parse_broker("mqtt://127.0.0.1:1"), Start(layout.profile, layout, GlobalState.init(layout, 0), 1),
+                 Signer.load_or_create(tmp_path))
+    srv.handle(T.status("raw"), ClientStatus(state="online").to_json())
+    srv.handle(T.announce("raw"), Announce(client="raw", samples=10, max_submodel=1).to_json())
+    srv.fed.open_round(1)
+    return srv
+
+
+def update(layout: Layout, scale: float = 0.0, **kw) -> bytes:
+    args = dict(kind="update", federation="t", round=1, submodel=0, client="raw", samples=10, chunk_bytes=1 << 22)
+    return encode({n: torch.full(s, scale) for n, s in layout.upload_shapes(0).items()}, **{**args, **kw})[0]
+
+
+def test_killer_messages_are_counted_rejections(server):
+    for payload in KILLERS:
+        for kind in ("announce", "status", "update"):
+            server.handle(f"nefl/t/{kind}/raw", payload)
+    assert "internal_error" not in server.fed.rejected
+    assert sum(server.fed.rejected.values()) >= 2 * len(KILLERS)  # empty payloads clear, they are no rejection
+    server.handle(T.update("raw"), update(server.layout))  # and the honest path still works
+    assert server.fed.round.received == {"raw"}
+
+
+@fuzz
+@given(data=st.data())
+def test_server_handle_never_raises(server, data):
+    topic = data.draw(st.sampled_from([T.announce("raw"), T.status("raw"), T.update("raw"), T.announce("other"),
+                                       T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y"]))
+    kind = data.draw(st.sampled_from(["bytes", "json", "announce", "status", "update"]))
+    if kind == "bytes":
+        payload = data.draw(st.binary(max_size=3000))
+    elif kind == "json":
+        payload = json.dumps(data.draw(json_values)).encode()
+    elif kind == "announce":
+        payload = mutate(data, Announce(client="raw", samples=10, max_submodel=2).to_json())
+    elif kind == "status":
+        payload = mutate(data, ClientStatus(state="online").to_json())
+    else:
+        payload = mutate(data, update(server.layout))
+    server.handle(topic, payload)
+    assert "internal_error" not in server.fed.rejected
+
+
+# -- device ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def server_side(tmp_path) -> FakeServer:
+    return FakeServer(tmp_path / "server")
+
+
+@pytest.fixture
+def agent(tmp_path, server_side) -> Agent:
+    a, _, _ = make_agent(tmp_path, server_side)
+    assert a.layout is not None and a.run_id == "run1"
+    return a
+
+
+def test_first_use_pins_the_key_and_a_new_key_is_refused(agent, server_side, tmp_path):
+    pinned = next((tmp_path / "pins").glob("*.pub")).read_text().strip()
+    assert pinned == server_side.signer.public_text
+    impostor = FakeServer(tmp_path / "impostor", run="evil")
+    agent.dispatch(T.server_status, impostor.status(time=2000.0))
+    assert agent.run_id == "run1" and agent.dropped["bad_signature"] == 1
+
+
+def test_unsigned_forged_and_replayed_server_messages_are_dropped(agent, server_side, tmp_path):
+    signer = server_side.signer
+    agent.dispatch(T.control, Control(federation="t", run="run1", event="end").to_json())  # unsigned
+    impostor = FakeServer(tmp_path / "impostor").signer
+    agent.dispatch(T.control, impostor.sign(Control(federation="t", run="run1", event="end").to_json()))
+    agent.dispatch(T.control, signer.sign(Control(federation="t", run="old-run", event="end").to_json()))
+    assert not agent.ended
+    assert agent.dropped["unsigned"] == 1 and agent.dropped["bad_signature"] == 1 and agent.dropped["wrong_run"] == 1
+    agent.dispatch(T.server_status, server_side.status(time=10.0))  # an old status replayed
+    assert agent.dropped["replayed"] == 1
+    agent.dispatch(T.control, signer.sign(Control(federation="t", run="run1", event="end").to_json()))
+    assert agent.ended
+
+
+def test_hostile_tasks_are_dropped(agent, server_side):
+    signer = server_side.signer
+    good = json.loads(server_side.task_msg().to_json())
+    agent.dispatch(T.task("c1"), signer.sign(json.dumps({**good, "batch_size": 0}).encode()))
+    agent.dispatch(T.task("c1"), signer.sign(json.dumps({**good, "epochs": 10**6}).encode()))
+    agent.dispatch(T.task("c1"), server_side.task(model_bytes=1 << 33))  # would buffer 8 GiB
+    agent.dispatch(T.task("c1"), json.dumps(good).encode())  # unsigned
+    assert agent.task is None
+    assert agent.dropped["invalid_task"] == 2 and agent.dropped["bad_task"] == 1 and agent.dropped["unsigned"] == 1
+
+
+def test_weights_must_match_the_signed_task(agent, server_side):
+    agent.dispatch(T.task("c1"), server_side.task())
+    assert agent.task is not None
+    for m in server_side.weights(scale=1e30):  # a forged retained model
+        agent.dispatch(T.model_chunk(0, 0), m)
+    assert agent.weights is None and agent.dropped["model_mismatch"] == 1
+    for m in server_side.weights():
+        agent.dispatch(T.model_chunk(0, 0), m)
+    assert agent.weights is not None and float(next(iter(agent.weights.values())).abs().sum()) == 0.0
+
+
+def test_tasks_before_the_status_wait_for_it(tmp_path, server_side):
+    a, _, _ = make_agent(tmp_path)
+    a.dispatch(T.control, server_side.signer.sign(Control(federation="t", run="run1", event="end").to_json()))
+    assert not a.ended  # no key pinned yet: held, not trusted
+    a.dispatch(T.server_status, server_side.status())
+    assert a.ended
+
+
+@fuzz
+@given(data=st.data())
+def test_agent_dispatch_never_raises(agent, server_side, data):
+    topic = data.draw(st.sampled_from([T.control, T.server_status, T.task("c1"), T.model_chunk(0, 0), T.task("c2"), "x"]))
+    kind = data.draw(st.sampled_from(["bytes", "json", "signed-json", "task", "status", "model"]))
+    if kind == "bytes":
+        payload = data.draw(st.binary(max_size=3000))
+    elif kind == "json":
+        payload = json.dumps(data.draw(json_values)).encode()
+    elif kind == "signed-json":  # validly signed by the pinned key, hostile body
+        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
+        payload = server_side.signer.sign(json.dumps({"v": 1, **value}).encode())
+    elif kind == "task":
+        payload = mutate(data, server_side.task())
+    elif kind == "status":
+        payload = mutate(data, server_side.status(time=5000.0))
+    else:
+        payload = mutate(data, server_side.weights()[0])
+    agent.dispatch(topic, payload)
+    agent.tick()
+    assert "internal_error" not in agent.dropped
+    assert not agent.ended
