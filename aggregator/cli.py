@@ -14,7 +14,7 @@ from nefl.extras import full_install_required  # noqa: E402
 
 # command registrations (one import per module that adds commands):
 with full_install_required("aggregator"):
-    from aggregator.server import key_command, serve_command
+    from aggregator.serve_cli import key_command, serve_command
     from aggregator.simulate_cli import simulate_command
     from aggregator.status import status_command
 

@@ -96,7 +96,7 @@ def state_digest(state: GlobalState) -> str:
 class Federation:
     def __init__(self, layout: Layout, state: GlobalState, federation: str, clients_per_round: int,
                  min_clients: int, round_timeout: float, weighting: str = "uniform", seed: int = 0,
-                 limits: ClientLimits = ClientLimits(), robustness: Robustness = Robustness(),
+                 limits: ClientLimits = ClientLimits(), robustness: Robustness = Robustness(), offline_grace_s: float = 10.0,
                  assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
                  trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3) -> None:
         if min_clients < 1 or clients_per_round < min_clients:
@@ -108,6 +108,7 @@ class Federation:
         self.clients_per_round, self.min_clients, self.round_timeout = clients_per_round, min_clients, round_timeout
         self.weighting = weighting
         self.limits = limits
+        self.offline_grace_s = offline_grace_s
         self.robustness = robustness
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self._noise = torch.Generator()
@@ -250,17 +251,26 @@ class Federation:
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
 
-    def waiting_for(self) -> list[str]:
-        """Participants that may still report: assigned, not reported, and not gone offline."""
+    def gone_offline(self) -> list[str]:
+        """Participants that have not reported and whose last status says offline."""
         r = self.round
-        return [c for c in r.assignments if c not in r.received and c in self.clients and self.clients[c].online]
+        return sorted(c for c in r.assignments if c not in r.received and not (c in self.clients and self.clients[c].online))
 
-    def complete(self, now: float | None = None) -> bool:
-        """Every participant still online reported (with quorum), or nobody is left to wait for, or
-        the deadline passed: a participant whose last will says offline does not hold the round."""
+    def waiting_for(self, now: float | None = None) -> list[str]:
+        """Participants that may still report: not reported, and online or offline for less than the
+        grace period (a broker restart sends every device's last will, and the devices come back)."""
         r = self.round
         now = time.monotonic() if now is None else now
-        return not self.waiting_for() or now >= r.deadline
+        gone = set(self.gone_offline())
+        return [c for c in r.assignments if c not in r.received
+                and (c not in gone or (c in self.clients and now - self.clients[c].last_seen < self.offline_grace_s))]
+
+    def complete(self, now: float | None = None) -> bool:
+        """Every participant still online reported, or the deadline passed: a participant whose last
+        will says offline (and stays offline for the grace period) does not hold the round."""
+        r = self.round
+        now = time.monotonic() if now is None else now
+        return not self.waiting_for(now) or now >= r.deadline
 
     def close_round(self) -> dict[str, Any]:
         """Fold the aggregate into the global state (only with quorum); returns the round's facts."""
@@ -273,7 +283,7 @@ class Federation:
             "participants": sorted(r.assignments),
             "assigned": {c: k + 1 for c, k in sorted(r.assignments.items())},
             "reported": sorted(r.received), "declined": r.declined,
-            "went_offline": sorted(c for c in r.assignments if c not in r.received and c not in self.waiting_for()), "updates_per_submodel": list(agg.updates),
+            "went_offline": self.gone_offline(), "updates_per_submodel": list(agg.updates),
             UPDATES_TOTAL_KEY: list(self.trained_updates), "clients": r.client_metrics,
         }
         self.round, self.agg = None, None

@@ -1,4 +1,5 @@
-"""`aggregator serve`: runs federated rounds over MQTT.
+"""The federation server: runs rounds over MQTT around the pure round state of aggregator/federation.py
+(its command line is aggregator/serve_cli.py).
 
 Threads: paho's network thread only enqueues (topic, payload); the main thread owns all state
 (membership, round, aggregate) and does the publishing, aggregation, evaluation and checkpoints.
@@ -11,8 +12,6 @@ import json
 import logging
 import queue
 import secrets
-import signal
-import sys
 import time
 import traceback
 from collections import Counter
@@ -20,10 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from aggregator.assignment import Assignment
-from aggregator.broker import EmbeddedBroker
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, state_digest
 from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
@@ -31,15 +27,12 @@ from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, a
 from nefl.fsio import atomic_write_text
 from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, ServerStatus, Task,
                            TrainingSettings)
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
-from nefl.logs import setup_logging
-from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
-from nefl.profile import Profile, ProfileError, load_profile
-from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_RELATIVE, DPAccountant, NormBound
+from nefl.mqtt import QOS, BrokerSettings, Connection
+from nefl.profile import Profile, load_profile
+from nefl.robust import DPAccountant
 from nefl.state import GlobalState, Layout
+from nefl.signing import Signer
 from nefl.topics import Topics
-from nefl.signing import KeyFileError, Signer
 from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
 
@@ -83,14 +76,6 @@ class Start:
 
 
 log = logging.getLogger(__name__)
-
-
-class Stop(Exception):
-    """SIGTERM: end like Ctrl-C, cleanly."""
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise Stop(signal.Signals(signum).name)
 
 
 class Server:
@@ -153,13 +138,11 @@ class Server:
                 self.client.subscribe([(t, QOS) for t in self.topics.server_subscriptions()])
                 self._republish()
             try:
-                topic, payload = self.conn.inbox.get(timeout=0.1)
+                self.handle(*self.conn.inbox.get(timeout=0.1))
             except queue.Empty:
                 for key in self.reasm.expire():
                     self._reject("timeout", key[2], f"chunk set of round {key[1]} incomplete after {self.cfg.round_timeout}s")
-                continue
-            self.handle(topic, payload)
-            if self.fed.round is not None and self.fed.complete():
+            if self.fed.round is not None and self.fed.complete():  # also when quiet: a grace period may end
                 return
 
     def handle(self, topic: str, payload: bytes) -> None:
@@ -283,7 +266,9 @@ class Server:
         while not self.fed.complete():
             self.pump(r.deadline)
         if len(r.received) < len(r.assignments):
-            log.info(f"round {index} closed at its deadline: {len(r.received)}/{len(r.assignments)} updates")
+            gone = self.fed.gone_offline()
+            why = f"without waiting for {', '.join(gone)} (went offline)" if gone else "at its deadline"
+            log.info(f"round {index} closed {why}: {len(r.received)}/{len(r.assignments)} updates")
         for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
             self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
         facts = self.fed.close_round()
@@ -365,108 +350,3 @@ def load_start(cfg: ServeConfig) -> Start:
     if has_checkpoint(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir} already holds a checkpoint: pass --resume, or another --checkpoint-dir")
     return Start(profile, layout, GlobalState.init(layout, cfg.seed), 1)
-
-
-def serve_command(
-    profile: str = typer.Option("resnet20-fmnist-w", help="Profile name or TOML path (the submodel ladder)."),
-    broker: str = typer.Option(None, help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
-    rounds: int = typer.Option(10, min=1, help="Rounds to run (in total, counting resumed ones)."),
-    clients_per_round: int = typer.Option(10, min=1, help="Participants per round, among connected clients."),
-    min_clients: int = typer.Option(1, min=1, help="Quorum: updates needed for a round to change the model."),
-    round_timeout: float = typer.Option(120.0, min=1, help="Seconds before a round closes without stragglers."),
-    join_wait: float = typer.Option(10.0, min=0, help="Seconds to wait for --clients-per-round clients before starting with the quorum."),
-    checkpoint_dir: str = typer.Option(None, help="Checkpoint + metrics.jsonl directory (default: runs/FEDERATION)."),
-    resume: bool = typer.Option(False, help="Continue from the checkpoint in --checkpoint-dir."),
-    eval_dataset: str = typer.Option(None, help="Evaluate every submodel on this dataset's test split after each round."),
-    eval_samples: int = typer.Option(None, min=1, help="Evaluate on the first N test images only (faster)."),
-    data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
-    local_epochs: int = typer.Option(TrainConfig.local_epochs, min=1, help="Local epochs per task."),
-    lr: float = typer.Option(TrainConfig.lr, help="Base learning rate (x0.1 at 1/2 and 3/4 of the rounds)."),
-    batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size clients train with."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
-    embedded_port: int = typer.Option(1883, help="Port of the embedded broker (127.0.0.1)."),
-    seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
-    max_update_norm: float = typer.Option(None, min=0, help="Fixed bound on an update's L2 norm (docs/security.md)."),
-    update_norm_relative: float = typer.Option(DEFAULT_RELATIVE, min=0, help="Bound an update's norm by this multiple "
-                                               "of its submodel's weight norm; 0 turns it off."),
-    update_norm_k: float = typer.Option(DEFAULT_ADAPTIVE_K, min=0, help="Bound an update's norm by K x the median of the "
-                                        "submodel's recent accepted norms; 0 turns it off."),
-    clip: bool = typer.Option(False, "--clip/--reject", help="Scale oversized updates down to the bound, or refuse them."),
-    max_weight_abs: float = typer.Option(1e6, min=0, help="A round whose new weights exceed this magnitude (or are not "
-                                         "finite) is not committed."),
-    dp_noise_multiplier: float = typer.Option(0.0, min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm "
-                                              "(needs --clip); the spent epsilon is logged per round."),
-    dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
-    assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
-                                          "announced: coverage (every submodel each round when the pool allows), "
-                                          "largest (the bound), or paper (tier t picks among t-2..t+2)."),
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
-) -> None:
-    """Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."""
-    setup_logging(log_level, log_format)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        bound = NormBound(max_norm=max_update_norm or None, relative=update_norm_relative or None,
-                          adaptive_k=update_norm_k or None, mode="clip" if clip else "reject")
-        robust = Robustness(bound, max_weight_abs, dp_noise_multiplier)
-        if dp_noise_multiplier > 0:
-            DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
-    except (ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    cfg = ServeConfig(profile=profile, federation=federation, rounds=rounds, clients_per_round=clients_per_round,
-                      min_clients=min_clients, round_timeout=round_timeout, join_wait=join_wait,
-                      checkpoint_dir=checkpoint_dir or f"runs/{federation}", resume=resume, eval_dataset=eval_dataset,
-                      eval_samples=eval_samples, data_root=data_root, local_epochs=local_epochs, lr=lr,
-                      batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
-                      dp_delta=dp_delta, assignment=assignment)
-    try:
-        Topics(federation)
-        start = load_start(cfg)
-        signer = Signer.load_or_create(cfg.checkpoint_dir)
-        embedded = None
-        if broker is None:
-            embedded = EmbeddedBroker("127.0.0.1", embedded_port)
-            embedded.start()
-            broker = embedded.url
-            log.info(f"started embedded MQTT broker on {broker} (amqtt, MQTT 3.1.1); clients join with --broker {broker}")
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    if start.next_round > rounds:
-        log.info(f"checkpoint is already at round {start.next_round - 1} of {rounds}: nothing to do (raise --rounds)")
-        return
-    if start.next_round > 1:
-        log.info(f"resuming federation {federation!r} at round {start.next_round} from {cfg.checkpoint_dir}")
-    log.info(f"server key {signer.public_text} (devices: --server-key; `aggregator key` prints it)")
-    server = Server(cfg, settings, start, signer)
-    try:
-        server.run()
-    except (KeyboardInterrupt, Stop) as e:
-        done = server.next_round - 1
-        log.info(f"stopping ({e or 'interrupted'}); "
-                 + (f"round {done} is the last checkpointed one: continue with --resume" if done >= 1
-                    else "no round completed yet, so there is nothing to resume"))
-        server.conn.stop()
-    finally:
-        if embedded is not None:
-            embedded.stop()
-
-
-def key_command(
-    checkpoint_dir: str = typer.Option(..., help="The federation's run directory (serve's --checkpoint-dir)."),
-) -> None:
-    """Print the aggregator's public key (created if missing), for devices' --server-key."""
-    try:
-        print(Signer.load_or_create(checkpoint_dir).public_text)
-    except (KeyFileError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None

@@ -79,7 +79,7 @@ def result_json(runtime: AdaptiveRuntime, image: bytes, max_pixels: int = MAX_IM
     return {
         "class": label, "class_name": names[label] if names else None,
         "probabilities": [round(float(p), 6) for p in result.probabilities[0]],
-        "submodel": result.submodel, "gamma": result.gamma,
+        "submodel": result.submodel + 1, "gamma": result.gamma,  # 1-based, like the CLIs and logs
         "latency_ms": round(result.latency_ms, 3), "predicted_ms": round(result.predicted_ms, 3),
         "reason": result.reason,
     }

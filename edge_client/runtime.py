@@ -257,7 +257,7 @@ class AdaptiveRuntime:
             "latency_budget_ms": self.latency_budget_ms, "threads": self.threads, "correction": self.correction,
             "input_shape": list(self.input_shape), "class_names": self.class_names,
             "submodels": [
-                {"submodel": s.index, "gamma": s.gamma, "file": s.file, "flops": s.flops, "calibrated_ms": ms}
+                {"submodel": s.index + 1, "gamma": s.gamma, "file": s.file, "flops": s.flops, "calibrated_ms": ms}
                 for s, ms in zip(self.submodels, self.calibrated_ms)
             ],
         }

@@ -108,7 +108,7 @@ import json, sys, time, urllib.request
 from pathlib import Path
 port, manifest, labels = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
 names = manifest["output"]["class_names"] or [str(k) for k in range(manifest["output"]["num_classes"])]
-accuracy = {s["index"]: s.get("accuracy") for s in manifest["submodels"]}  # None: not evaluated
+accuracy = {s["index"] + 1: s.get("accuracy") for s in manifest["submodels"]}  # 1-based as the API; None: not evaluated
 for _ in range(300):  # wait for the server (it calibrates first)
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1); break
@@ -123,7 +123,7 @@ for name, label in labels.items():
     right += ok
     expected.append(accuracy.get(r["submodel"]))
     print(f"  {name:9s} {names[label]:<11} -> {names[r['class']]:<11} {'right' if ok else 'WRONG':5s}  "
-          f"submodel {r['submodel'] + 1} in {r['latency_ms']:.2f} ms: {r['reason']}")
+          f"submodel {r['submodel']} in {r['latency_ms']:.2f} ms: {r['reason']}")
 known = "" if None in expected else f"; the answering submodels' test accuracies predict {sum(expected):.1f} of {len(labels)}"
 print(f"  {right} of {len(labels)} right{known}")
 PY

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aggregator.assignment import Candidate, assign_coverage, assign_paper, coverage_order, paper_window
-from aggregator.federation import Federation
+from aggregator.federation import ClientLimits, Federation, Rejected
 from nefl.checkpoint import UPDATES_TOTAL_KEY
 from nefl.messages import Announce
 from nefl.profile import load_profile
@@ -147,3 +147,69 @@ def test_coverage_covers_as_many_submodels_as_the_best_assignment() -> None:
         best = max(len(set(ks)) for ks in product(*(range(b + 1) for b in bounds)))
         got = assign_coverage(pool, order, rng)
         assert len(set(got.values())) == best and all(got[c.client] <= c.max_submodel for c in pool), (bounds, order)
+
+
+def _limited(**limits) -> Federation:
+    layout = Layout.build(load_profile("resnet8-fmnist-w"))
+    return Federation(layout, GlobalState.init(layout, seed=0), "t", clients_per_round=3, min_clients=1, round_timeout=60,
+                      limits=ClientLimits(**limits))
+
+
+def test_the_client_table_is_bounded_and_evicts_offline_clients_first() -> None:
+    fed = _limited(max_clients=3)
+    for c in ("a", "b", "c"):
+        fed.set_online(c, True)
+        fed.announce(c, Announce(client=c, max_submodel=1, samples=10), now=0.0)
+    with pytest.raises(Rejected) as e:
+        fed.announce("d", Announce(client="d", max_submodel=1, samples=10), now=1.0)
+    assert e.value.reason == "client_table_full"
+    fed.set_online("b", False, now=2.0)
+    fed.announce("d", Announce(client="d", max_submodel=1, samples=10), now=3.0)
+    assert sorted(fed.clients) == ["a", "c", "d"]
+
+
+def test_offline_clients_are_forgotten_and_statuses_are_bounded_too() -> None:
+    fed = _limited(max_clients=2, forget_after_s=100.0)
+    fed.set_online("a", True)
+    fed.announce("a", Announce(client="a", max_submodel=1, samples=10), now=0.0)
+    fed.set_online("a", False, now=10.0)
+    assert fed.forget_offline(now=50.0) == [] and fed.forget_offline(now=111.0) == ["a"]
+    for i in range(50):  # statuses of ids that never announce cannot grow the server's memory
+        fed.set_online(f"ghost{i}", True)
+    assert len(fed.presence) == 2
+
+
+def test_announces_are_rate_limited_per_client() -> None:
+    fed = _limited(announces_per_minute=5)
+    fed.set_online("a", True)
+    for i in range(5):
+        fed.announce("a", Announce(client="a", max_submodel=1, samples=10), now=float(i))
+    with pytest.raises(Rejected) as e:
+        fed.announce("a", Announce(client="a", max_submodel=1, samples=10), now=5.0)
+    assert e.value.reason == "rate_limited"
+    fed.set_online("b", True)
+    fed.announce("b", Announce(client="b", max_submodel=1, samples=10), now=5.0)  # others are not affected
+    fed.announce("a", Announce(client="a", max_submodel=1, samples=10), now=61.0)  # nor is a, a minute later
+
+
+def test_an_announce_naming_another_client_is_refused() -> None:
+    fed = _limited()
+    with pytest.raises(Rejected) as e:
+        fed.announce("a", Announce(client="b", max_submodel=1, samples=10))
+    assert e.value.reason == "client_mismatch"
+
+
+def test_a_participant_gone_offline_holds_the_round_only_for_the_grace_period() -> None:
+    fed = _federation()
+    for c in ("a", "b"):
+        join(fed, c, Announce(client=c, max_submodel=5, samples=10))
+    fed.open_round(1, now=0.0)
+    _update(fed, "a")
+    fed.set_online("b", False, now=5.0)  # its last will (or a broker restart sending every will)
+    assert fed.gone_offline() == ["b"]
+    assert not fed.complete(now=10.0)  # within the 10 s grace: it may come back and report
+    fed.set_online("b", True, now=12.0)
+    assert not fed.complete(now=20.0)  # it came back: wait for it again
+    fed.set_online("b", False, now=21.0)
+    assert fed.complete(now=31.5)  # gone for good: long before the 60 s deadline
+    assert fed.close_round()["went_offline"] == ["b"]

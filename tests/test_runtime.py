@@ -148,7 +148,7 @@ def test_http_server_answers_and_rejects_bad_input(models: tuple[Path, Path]) ->
     try:
         image = np.random.default_rng(2).integers(0, 256, (28, 28), dtype=np.uint8)
         status, body = _request(f"{base}/predict", _png(image))
-        assert status == 200 and body["submodel"] == 4 and len(body["probabilities"]) == 10
+        assert status == 200 and body["submodel"] == 5 and len(body["probabilities"]) == 10
         expected = rt.predict(image[None]).labels[0]
         assert body["class"] == expected and body["class_name"] == rt.class_names[expected]
         # an RGB image of another size is converted to the model's channels and size
@@ -156,7 +156,7 @@ def test_http_server_answers_and_rejects_bad_input(models: tuple[Path, Path]) ->
         assert status == 200 and 0 <= body["class"] < 10
         assert _request(f"{base}/health")[0] == 200
         status, body = _request(f"{base}/models")
-        assert status == 200 and [s["submodel"] for s in body["submodels"]] == [0, 2, 4]
+        assert status == 200 and [s["submodel"] for s in body["submodels"]] == [1, 3, 5]
         status, body = _request(f"{base}/predict", b"this is not an image")
         assert status == 400 and "not a readable image" in body["error"]
         status, body = _request(f"{base}/nope")
