@@ -56,6 +56,8 @@ class ClientLimits:
     max_clients: int = 10_000  # client table size; offline clients are evicted first
     forget_after_s: float = 3600.0  # an offline client is forgotten after this long
     announces_per_minute: int = 30  # honest devices announce on changes, a few times per round
+    require_device_keys: bool = False  # refuse devices that do not sign (every edge-client signs)
+    max_pinned_keys: int = 100_000  # device keys remembered (kept past the client table: a pin outlives absence)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Federation:
         # last status per client id, announced or not (retained statuses and announces arrive in any
         # order); bounded like the client table, oldest entries first out
         self.presence: OrderedDict[str, bool] = OrderedDict()
+        self.keys: dict[str, str] = {}  # client id -> its device public key, pinned on first signed announce
         self.round: RoundState | None = None
         self.agg: NeFedAvg | None = None
         self.rejected: Counter[str] = Counter()
@@ -153,6 +156,19 @@ class Federation:
             del r.assignments[client_id]
             r.declined[client_id] = info.selection or f"can train submodel <= {info.max_submodel + 1} now"
         return info
+
+    def check_key(self, client_id: str, key: str) -> None:
+        """The key a (verified) announce names must be the one pinned for this id; the first one is pinned."""
+        pinned = self.keys.get(client_id)
+        if pinned is None:
+            if not key and self.limits.require_device_keys:
+                raise Rejected("unsigned", f"{client_id} does not sign its messages and --require-device-keys is on")
+            if key and len(self.keys) < self.limits.max_pinned_keys:
+                self.keys[client_id] = key
+        elif key != pinned:
+            raise Rejected("key_mismatch" if key else "unsigned",
+                           f"{client_id} is pinned to device key {pinned[:12]}..., this message "
+                           + (f"is signed by {key[:12]}..." if key else "is not signed"))
 
     def _admit(self, client_id: str, now: float) -> ClientInfo:
         """A table slot for a new client: forget long-offline clients, then the longest-offline one."""

@@ -15,7 +15,7 @@ import typer
 
 from aggregator.assignment import Assignment
 from aggregator.broker import EmbeddedBroker
-from aggregator.federation import Robustness
+from aggregator.federation import ClientLimits, Robustness
 from aggregator.server import ServeConfig, Server, load_start
 from nefl.checkpoint import CheckpointError
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
@@ -53,7 +53,8 @@ def serve_command(
     clients_per_round: int = typer.Option(10, min=1, help="Participants per round, among connected clients."),
     min_clients: int = typer.Option(1, min=1, help="Quorum: updates needed for a round to change the model."),
     round_timeout: float = typer.Option(120.0, min=1, help="Seconds before a round closes without stragglers."),
-    join_wait: float = typer.Option(10.0, min=0, help="Seconds to wait for --clients-per-round clients before starting with the quorum."),
+    join_wait: float = typer.Option(10.0, min=0, help="Once a first client is ready, seconds to wait for "
+                                    "--clients-per-round before starting with --min-clients."),
     checkpoint_dir: str = typer.Option(None, help="Checkpoint + metrics.jsonl directory (default: runs/FEDERATION)."),
     resume: bool = typer.Option(False, help="Continue from the checkpoint in --checkpoint-dir."),
     eval_dataset: str = typer.Option(None, help="Evaluate every submodel on this dataset's test split after each round."),
@@ -76,6 +77,8 @@ def serve_command(
     dp_noise_multiplier: float = typer.Option(0.0, min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm "
                                               "(needs --clip); the spent epsilon is logged per round."),
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
+    require_device_keys: bool = typer.Option(False, help="Refuse devices that do not sign their announces and "
+                                             "updates (every edge-client signs; keys are pinned per client id)."),
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
                                           "announced: coverage (every submodel each round when the pool allows), "
                                           "largest (the bound), or paper (tier t picks among t-2..t+2)."),
@@ -99,7 +102,8 @@ def serve_command(
                       checkpoint_dir=checkpoint_dir or f"runs/{federation}", resume=resume, eval_dataset=eval_dataset,
                       eval_samples=eval_samples, data_root=data_root, local_epochs=local_epochs, lr=lr,
                       batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
-                      dp_delta=dp_delta, assignment=assignment)
+                      dp_delta=dp_delta, assignment=assignment,
+                      limits=ClientLimits(require_device_keys=require_device_keys))
     try:
         Topics(federation)
         start = load_start(cfg)

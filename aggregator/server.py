@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
-from aggregator.federation import Federation, Rejected, Robustness, state_digest
+from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, state_digest
 from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
                              load_checkpoint, replay_metrics, save_checkpoint)
 from nefl.fsio import atomic_write_text
@@ -31,10 +33,10 @@ from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
 from nefl.robust import DPAccountant
 from nefl.state import GlobalState, Layout
-from nefl.signing import Signer
+from nefl.signing import KeyFileError, Signer, parse_public_key, split_signed, verify
 from nefl.topics import Topics
 from nefl.train import TrainConfig
-from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
+from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk, split_chunk
 
 STATUS_FILE = "status.json"
 
@@ -60,6 +62,7 @@ class ServeConfig:
     max_update_bytes: int = 64 << 20
     seed: int = 0
     robustness: Robustness = Robustness()
+    limits: ClientLimits = ClientLimits()
     dp_delta: float = 1e-5
     assignment: Assignment = "coverage"
 
@@ -84,7 +87,7 @@ class Server:
         self.cfg, self.settings, self.profile, self.layout = cfg, settings, start.profile, layout
         self.topics = Topics(cfg.federation)
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
-                              cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness,
+                              cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
                               assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY))
         if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
             self.fed.guard.load_state_dict(start.meta["update_guard"])
@@ -101,6 +104,10 @@ class Server:
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
         self.signer = signer
+        self._keys: dict[str, Ed25519PublicKey] = {}  # parsed device keys, by their text
+        pins = start.meta.get("client_keys")  # pins survive a restart
+        if isinstance(pins, dict):
+            self.fed.keys.update({c: k for c, k in pins.items() if isinstance(c, str) and isinstance(k, str)})
         self.conn = Connection(settings, f"nefl-aggregator-{cfg.federation}", self.topics.server_status,
                                ServerStatus(state="offline", federation=cfg.federation).to_json(), log)
         self.client = self.conn.client
@@ -154,7 +161,7 @@ class Server:
                 self._handle_update(client, payload)
             elif (client := t.client_of(topic, "announce")) is not None:
                 if payload:  # an empty retained message clears the announce
-                    self._handle_announce(client, Announce.from_json(payload))
+                    self._handle_announce(client, self._open_announce(client, payload))
             elif (client := t.client_of(topic, "status")) is not None:
                 online = bool(payload) and ClientStatus.from_json(payload).state == "online"
                 self.fed.set_online(client, online)
@@ -162,6 +169,30 @@ class Server:
             self._reject(e.reason, client or "?", str(e))
         except Exception:  # a bug must not let one message end the federation: count it, keep the trace
             self._reject("internal_error", client or "?", traceback.format_exc(limit=3).strip().replace("\n", " | "))
+
+    def _open_announce(self, client: str, payload: bytes) -> Announce:
+        """A device signs its announce with the key it names: check that, then the key pinned for its id."""
+        parts = split_signed(payload)
+        msg = Announce.from_json(payload if parts is None else parts[0])
+        if parts is not None:
+            try:
+                verify(payload, parse_public_key(msg.key))
+            except KeyFileError:
+                raise MessageError("bad_signature", f"announce of {client} names no usable device key") from None
+        self.fed.check_key(client, msg.key if parts is not None else "")
+        return msg
+
+    def _verify_chunk(self, client: str, payload: bytes) -> None:
+        """A device whose key is pinned signs every chunk header (round, submodel, payload sha256 ...):
+        a replayed or re-wrapped update under its id fails here, on any broker."""
+        key = self.fed.keys.get(client)
+        if key is not None:
+            verify(split_chunk(payload)[0], self._device_key(key))
+
+    def _device_key(self, text: str) -> Ed25519PublicKey:
+        if text not in self._keys:
+            self._keys[text] = parse_public_key(text)
+        return self._keys[text]
 
     def _handle_announce(self, client: str, msg: Announce) -> None:
         info = self.fed.announce(client, msg)
@@ -175,6 +206,7 @@ class Server:
         if len(payload) > self.cfg.chunk_bytes * 4:  # peers use our chunk size; allow slack, refuse floods
             raise WireError("oversized", f"{len(payload)}-byte message, chunks are <= {self.cfg.chunk_bytes}")
         header, _ = parse_chunk(payload)
+        self._verify_chunk(client, payload)
         if self.reasm.is_duplicate(header):
             return
         try:
@@ -293,7 +325,8 @@ class Server:
         save_checkpoint(self.out, self.fed.state, self.layout,
                         {"round": index, "rounds": self.cfg.rounds, "federation": self.cfg.federation,
                          "accuracy": self.accuracy, "state_sha256": state_digest(self.fed.state),
-                         "update_guard": self.fed.guard.state_dict(), UPDATES_TOTAL_KEY: self.fed.trained_updates},
+                         "update_guard": self.fed.guard.state_dict(), "client_keys": self.fed.keys,
+                         UPDATES_TOTAL_KEY: self.fed.trained_updates},
                         metrics=facts)
         self.write_metrics(facts)
         log.info(f"round {index} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"

@@ -29,12 +29,14 @@ from edge_client.select import Selection
 from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Message, MessageError, ServerStatus, Task,
                            TrainingSettings)
 from nefl.profile import ProfileError, parse_profile
-from nefl.signing import KeyFileError, KeyPin, parse_public_key, public_key_arg, split_signed, verify
+from nefl.signing import KeyFileError, KeyPin, Signer, parse_public_key, public_key_arg, split_signed, verify
 from nefl.state import Layout
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
-PIN_DIR = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser() / "servers"
+CACHE = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser()
+PIN_DIR = CACHE / "servers"  # aggregator keys trusted on first use
+DEVICE_KEY_DIR = CACHE / "device-keys"  # this machine's device keys, one per client id
 UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class AgentConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     server_key: str | None = None  # pinned aggregator public key (base64 or file); None: trust on first use
     pin_file: Path | None = None  # where a first-use key is remembered
+    device_key: Signer | None = None  # this device's key: signs its announces and update headers
 
 
 class Transport(Protocol):
@@ -280,9 +283,12 @@ class Agent:
     def _announce(self) -> None:
         """Tell the server what this device can train now (0: nothing fits this round) and why."""
         sel, can = self.selection, self.can_train()
+        key = self.cfg.device_key
         msg = Announce(client=self.cfg.client_id, samples=max(1, self.device.samples), max_submodel=can,
-                       selection="" if sel is None else sel.reason[:300], device=self.device.summary())
-        self.transport.publish(self.topics.announce(self.cfg.client_id), msg.to_json(), qos=1, retain=True)
+                       selection="" if sel is None else sel.reason[:300], device=self.device.summary(),
+                       key="" if key is None else key.public_text)
+        payload = msg.to_json() if key is None else key.sign(msg.to_json())
+        self.transport.publish(self.topics.announce(self.cfg.client_id), payload, qos=1, retain=True)
         log.info(f"announced {self.device.samples} samples, submodel <= {can}" + ("" if sel is None else f": {sel.reason}"))
 
     def tick(self) -> None:
@@ -313,7 +319,8 @@ class Agent:
                       client=self.cfg.client_id, dtype="fp16" if self.cfg.fp16 else "fp32", samples=res.num_samples,
                       metrics={"loss": round(res.loss, 4), "train_acc": round(res.accuracy, 4),
                                "train_s": round(res.seconds, 2), **res.metrics, **why},
-                      chunk_bytes=self.cfg.chunk_bytes)
+                      chunk_bytes=self.cfg.chunk_bytes,
+                      sign=None if self.cfg.device_key is None else self.cfg.device_key.sign)
         self._publish_update(msgs)
         self.last_upload = (self.last_task, msgs)
         cut = f", {res.metrics['steps']} steps (time budget {budget_s:.0f}s)" if res.metrics.get("budget_cut") else ""

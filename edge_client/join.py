@@ -21,7 +21,7 @@ from types import FrameType
 import torch
 import typer
 
-from edge_client.agent import PIN_DIR, Agent, AgentConfig, pin_file_for
+from edge_client.agent import DEVICE_KEY_DIR, PIN_DIR, Agent, AgentConfig, pin_file_for
 from edge_client.costmodel import CACHE_DIR
 from edge_client.device import DataConfig, DeviceConfig, LocalDevice
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
@@ -30,6 +30,7 @@ from nefl.data import DatasetUnavailable, parse_partition
 from nefl.logs import setup_logging
 from nefl.messages import ClientStatus
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
+from nefl.signing import Signer
 from nefl.topics import Topics, check_name
 from nefl.wire import DEFAULT_CHUNK_BYTES
 
@@ -104,6 +105,8 @@ def join_command(
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
                                    help="The aggregator's public key (`aggregator key` prints it) or a file holding it; "
                                         "without it the first key seen is trusted and remembered, with a warning."),
+    device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
+                                    "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator pins it."),
     log_level: LogLevelOption = "info",
     log_format: LogFormatOption = "plain",
 ) -> None:
@@ -124,8 +127,10 @@ def join_command(
         local = LocalDevice(DataConfig(dataset, partition, data_root, data_dir, max_samples),
                             DeviceConfig(max_submodel, memory_budget, cpu_budget, calibrate_costs, seed, device, recalibrate,
                                          cache_dir))
+        key_path = device_key or DEVICE_KEY_DIR / f"{cid}.key"
         cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key,
-                          pin_file_for(PIN_DIR, federation, settings.host, settings.port))
+                          pin_file_for(PIN_DIR, federation, settings.host, settings.port),
+                          Signer.load_or_create(key_path.parent, key_path.name))
         conn = Connection(settings, cid, Topics(federation).status(cid), ClientStatus(state="offline").to_json(), log)
         agent = Agent(cfg, conn.client, local)
     except (ValueError, DatasetUnavailable, OSError) as e:

@@ -34,6 +34,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Round = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Submodel = Annotated[int, msgspec.Meta(ge=0, le=255)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+KeyText = Annotated[str, msgspec.Meta(max_length=64)]  # a base64 Ed25519 public key
 
 T = TypeVar("T", bound="Message")
 
@@ -81,6 +82,7 @@ class Announce(Message, frozen=True, tag="announce", tag_field="type"):
     selection: Reason = ""
     device: DeviceSummary = DeviceSummary()
     dataset: Short = ""
+    key: KeyText = ""  # the device's Ed25519 public key (base64); the announce is then signed with it
 
 
 class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):
@@ -133,7 +135,7 @@ class ServerStatus(Message, frozen=True, tag="server_status", tag_field="type"):
     profile: dict[str, Any] | None = None
     method: Short = ""
     profile_hash: Short = ""
-    key: Annotated[str, msgspec.Meta(max_length=64)] = ""  # the server's Ed25519 public key (base64)
+    key: KeyText = ""  # the server's Ed25519 public key (base64)
     clients_online: Annotated[list[Name], msgspec.Meta(max_length=MAX_LISTED)] = []
     clients_online_count: Count = 0
     participants: Annotated[list[Name], msgspec.Meta(max_length=MAX_LISTED)] = []

@@ -7,6 +7,9 @@ The body names its type, federation, run and round, which binds the signature to
 
 The aggregator's key lives beside its checkpoints (`server.key`, mode 0600). Devices pin the
 public key: given with `--server-key`, or trusted on first use and remembered in a pin file.
+The same scheme runs the other way: each device has a key of its own, signs its announce and every
+update chunk's header, and the aggregator pins the key of each client id on its first announce, so
+on a broker without ACLs nobody can announce or upload under a device's id but that device.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ class Signer:
         self.public_text = public_key_text(key.public_key())
 
     @classmethod
-    def load_or_create(cls, directory: str | Path) -> "Signer":
-        """The key in `directory`, generated (0600) on first use so a restart keeps the devices' trust."""
-        path = Path(directory) / KEY_FILE
+    def load_or_create(cls, directory: str | Path, name: str = KEY_FILE) -> "Signer":
+        """The key `name` in `directory`, generated (0600) on first use so a restart keeps the peers' trust."""
+        path = Path(directory) / name
         if path.exists():
             try:
                 key = serialization.load_pem_private_key(path.read_bytes(), password=None)

@@ -17,6 +17,7 @@ import math
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -80,9 +81,10 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> byt
 def encode(
     tensors: dict[str, torch.Tensor], *, kind: str, federation: str, round: int, submodel: int, client: str,
     dtype: str = "fp32", samples: int = 0, metrics: dict[str, float] | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES, sign: Callable[[bytes], bytes] | None = None,
 ) -> list[bytes]:
-    """Messages (each at most chunk_bytes long) carrying `tensors`."""
+    """Messages (each at most chunk_bytes long) carrying `tensors`; `sign` (a device's key) signs
+    every chunk's header, which names the payload's sha256, so the payload is covered too."""
     payload = encode_tensors(tensors, dtype)
     room = chunk_bytes - _PREFIX.size - MAX_HEADER_BYTES
     if room < 1024:
@@ -94,14 +96,15 @@ def encode(
     out = []
     for i in range(count):
         head = ChunkHeader(**header, index=i).to_json()
+        head = sign(head) if sign is not None else head
         if len(head) > MAX_HEADER_BYTES:
             raise ValueError(f"message header is {len(head)} bytes, the limit is {MAX_HEADER_BYTES}: fewer metrics")
         out.append(_PREFIX.pack(MAGIC, len(head)) + head + payload[i * room:(i + 1) * room])
     return out
 
 
-def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
-    """Header and data slice of one message, with every header field type-checked."""
+def split_chunk(message: bytes) -> tuple[bytes, bytes]:
+    """The raw JSON header (what a device signature covers) and the data slice of one message."""
     if len(message) < _PREFIX.size:
         raise WireError("malformed_header", f"message of {len(message)} bytes is too short")
     magic, hlen = _PREFIX.unpack_from(message)
@@ -109,14 +112,19 @@ def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
         raise WireError("malformed_header", "not a NEFL message (bad magic)")
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(message):
         raise WireError("malformed_header", f"header length {hlen} exceeds the message or {MAX_HEADER_BYTES} bytes")
+    return message[_PREFIX.size:_PREFIX.size + hlen], message[_PREFIX.size + hlen:]
+
+
+def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
+    """Header and data slice of one message, with every header field type-checked."""
+    head, data = split_chunk(message)
     try:
-        parsed = decode(message[_PREFIX.size:_PREFIX.size + hlen], ChunkHeader, MAX_HEADER_BYTES)
+        parsed = decode(head, ChunkHeader, MAX_HEADER_BYTES)
     except MessageError as e:
         raise WireError("bad_version" if e.reason == "bad_version" else "malformed_header", e.detail) from None
     if parsed.index >= parsed.count:
         raise WireError("malformed_header", f"chunk {parsed.index} of {parsed.count}")
-    header = msgspec.structs.asdict(parsed)
-    return header, message[_PREFIX.size + hlen:]
+    return msgspec.structs.asdict(parsed), data
 
 
 def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Tensor]:

@@ -100,7 +100,8 @@ def make_agent(tmp: Path, server: FakeServer | None = None, device: FakeDevice |
                clock=None) -> tuple[Agent, FakeTransport, FakeDevice]:
     """An agent that has trusted `server` (first use) and adopted its profile."""
     transport, device = FakeTransport(), device or FakeDevice()
-    cfg = AgentConfig("c1", federation="t", pin_file=tmp / "pins" / "t.pub")
+    cfg = AgentConfig("c1", federation="t", pin_file=tmp / "pins" / "t.pub",
+                      device_key=Signer.load_or_create(tmp / "device-keys", "c1.key"))
     agent = Agent(cfg, transport, device, **({"clock": clock} if clock else {}))
     if server is not None:
         agent.dispatch(T.server_status, server.status())

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from nefl.messages import Announce, ClientStatus
-from nefl.wire import Reassembler
+from nefl.signing import parse_public_key, split_signed, verify
+from nefl.wire import Reassembler, split_chunk
 from tests.agent_fakes import FakeDevice, FakeServer, T, make_agent
 
 
@@ -16,7 +17,13 @@ class Clock:
 
 
 def announces(transport) -> list[Announce]:
-    return [Announce.from_json(p) for p in transport.on(T.announce("c1"))]
+    """The agent's announces, each checked to be signed by the key it names (the device key)."""
+    out = []
+    for p in transport.on(T.announce("c1")):
+        msg = Announce.from_json(split_signed(p)[0])
+        verify(p, parse_public_key(msg.key))
+        out.append(msg)
+    return out
 
 
 def test_connect_subscribes_and_says_online(tmp_path):
@@ -55,6 +62,9 @@ def test_task_weights_train_upload(tmp_path):
         done = r.feed(m) or done
     assert done.header["client"] == "c1" and done.header["round"] == 1 and done.header["submodel"] == 1
     assert done.header["metrics"]["steps"] == 4 and set(done.tensors) == set(server.layout.upload_shapes(1))
+    device_key = parse_public_key(announces(transport)[0].key)
+    for m in updates:  # every chunk header carries the device's signature
+        verify(split_chunk(m)[0], device_key)
 
 
 def test_a_task_too_big_for_the_device_is_declined_and_the_server_told(tmp_path):

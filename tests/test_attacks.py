@@ -22,7 +22,7 @@ from nefl.checkpoint import load_checkpoint
 from nefl.profile import load_profile
 from nefl.state import Layout
 from nefl.topics import Topics
-from nefl.wire import encode
+from nefl.wire import encode, split_chunk
 from tests.test_federation import (PROFILE, Procs, client_args, finish, free_port, metrics, needs_mosquitto,
                                    serve_args, wait_for)
 
@@ -53,15 +53,23 @@ class Attacker:
 
     def __init__(self, port: int, acl: bool) -> None:
         self.tasks: queue.Queue[bytes] = queue.Queue()
+        self.overheard: list[bytes] = []  # c1's update chunks, where the broker lets anyone read them
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw", protocol=mqtt.MQTTv311)
         if acl:
             self.c.username_pw_set("raw", PASSWORD)
-        self.c.on_message = lambda cl, u, m: m.payload and self.tasks.put(bytes(m.payload))
+        self.c.on_message = self._on_message
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
         self.c.subscribe(T.task("raw"), qos=1)
+        self.c.subscribe(T.update("c1"), qos=1)
         self.send(T.status("raw"), b'{"v":1,"type":"client_status","state":"online"}', retain=True)
         self.send(T.announce("raw"), b'{"v":1,"type":"announce","client":"raw","samples":10,"max_submodel":1}', retain=True)
+
+    def _on_message(self, client, userdata, m) -> None:
+        if m.payload and m.topic == T.task("raw"):
+            self.tasks.put(bytes(m.payload))
+        elif m.payload:
+            self.overheard.append(bytes(m.payload))
 
     def send(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self.c.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
@@ -122,7 +130,13 @@ def test_one_device_cannot_stop_or_spoil_the_federation(procs, tmp_path, acl):
         raw.send(T.update("raw"), update(layout, task, float(i), chunk_bytes=16 << 10)[0])
     wait_for(lambda: all(f"round {r}: update from c{i}" in procs.log("agg") for i in (1, 2)
                          for r in [task["round"]]), 60, "the honest updates despite the flood")
-    # 5. at the devices, where the broker lets it through (without an ACL anyone is anyone): a forged end,
+    # 5. without an ACL anyone is anyone: c1's own update, overheard and re-wrapped into the next round
+    if not acl:
+        wait_for(lambda: raw.overheard, 30, "c1's update to be overheard")
+        head, data = split_chunk(raw.overheard[0])
+        moved = head.replace(f'"round":{task["round"]}'.encode(), f'"round":{task["round"] + 1}'.encode())
+        raw.send(T.update("c1"), b"NEFL" + len(moved).to_bytes(4, "big") + moved + data)
+    # ... and at the devices, where the broker lets it through (without an ACL anyone is anyone): a forged end,
     # nested JSON, a forged task, and forged weights retained where the server never overwrites them
     raw.send(T.control, b'{"v":1,"type":"control","federation":"t","run":"x","event":"end"}', retain=True)
     raw.send(T.control, b"[" * 2000 + b"]" * 2000)
@@ -139,7 +153,8 @@ def test_one_device_cannot_stop_or_spoil_the_federation(procs, tmp_path, acl):
     for rnd in (1, 2):  # the honest clients were heard every round
         assert {"c1", "c2"} <= set(m[rnd]["reported"]), m[rnd]
     rejected = m[r]["rejected"]
-    for reason in ("malformed_json", "invalid_announce", "too_deep", "update_norm", "too_many_pending"):
+    for reason in ("malformed_json", "invalid_announce", "too_deep", "update_norm", "too_many_pending",
+                   *(() if acl else ("bad_signature",))):  # the re-wrapped update fails c1's pinned key
         assert rejected.get(reason, 0) >= 1, (reason, rejected)
     assert "internal_error" not in json.dumps(m)
     state = load_checkpoint(tmp_path / "run").state.flat()

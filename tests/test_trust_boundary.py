@@ -86,6 +86,43 @@ def test_killer_messages_are_counted_rejections(server):
     assert server.fed.round.received == {"raw"}
 
 
+def _signed_server(tmp_path, layout) -> tuple[Server, Signer]:
+    """A server with one participant, "dev", that signs with its device key."""
+    cfg = ServeConfig(profile=PROFILE, federation="t", checkpoint_dir=str(tmp_path), clients_per_round=3, round_timeout=60)
+    srv = Server(cfg, parse_broker("mqtt://127.0.0.1:1"), Start(layout.profile, layout, GlobalState.init(layout, 0), 1),
+                 Signer.load_or_create(tmp_path))
+    device = Signer.load_or_create(tmp_path / "dev", "dev.key")
+    srv.handle(T.status("dev"), ClientStatus(state="online").to_json())
+    srv.handle(T.announce("dev"), device.sign(Announce(client="dev", samples=10, max_submodel=1, key=device.public_text).to_json()))
+    srv.fed.open_round(1)
+    return srv, device
+
+
+def test_a_device_key_is_pinned_on_first_announce(tmp_path, layout):
+    srv, device = _signed_server(tmp_path, layout)
+    assert srv.fed.keys == {"dev": device.public_text} and srv.fed.round.assignments == {"dev": 0}
+    impostor = Signer.load_or_create(tmp_path / "imp", "dev.key")
+    srv.handle(T.announce("dev"), impostor.sign(Announce(client="dev", samples=10, max_submodel=5,
+                                                         key=impostor.public_text).to_json()))
+    srv.handle(T.announce("dev"), Announce(client="dev", samples=10, max_submodel=5).to_json())  # unsigned
+    forged = device.sign(Announce(client="dev", samples=10, max_submodel=1, key=device.public_text).to_json())
+    srv.handle(T.announce("dev"), forged.replace(b'"max_submodel":1', b'"max_submodel":5'))
+    assert srv.fed.rejected == {"key_mismatch": 1, "unsigned": 1, "bad_signature": 1}
+    assert srv.fed.clients["dev"].max_submodel == 0  # none of them changed what the server believes
+
+
+def test_updates_under_a_pinned_id_must_carry_its_signature(tmp_path, layout):
+    srv, device = _signed_server(tmp_path, layout)
+    srv.handle(T.update("dev"), update(layout, client="dev"))  # unsigned
+    replayed = update(layout, client="dev", round=7, sign=device.sign)  # a signed header of another round...
+    srv.handle(T.update("dev"), replayed.replace(b'"round":7', b'"round":1'))  # ...re-wrapped into this one
+    imp = Signer.load_or_create(tmp_path / "imp", "dev.key")
+    srv.handle(T.update("dev"), update(layout, client="dev", sign=imp.sign))
+    assert srv.fed.rejected == {"unsigned": 1, "bad_signature": 2} and not srv.fed.round.received
+    srv.handle(T.update("dev"), update(layout, client="dev", sign=device.sign))
+    assert srv.fed.round.received == {"dev"}
+
+
 @fuzz
 @given(data=st.data())
 def test_server_handle_never_raises(server, data):
