@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 from rich.progress import Progress
 
@@ -48,7 +49,8 @@ from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout, corner
 from nefl.topics import Topics
 from nefl.robust import NormBound, UpdateGuard, check_state, reference_norm
-from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, encode, parse_chunk
+from nefl.signing import Signer, parse_public_key, verify
+from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, encode, parse_chunk, split_chunk
 
 ROOT = Path(__file__).resolve().parent.parent
 AGG_PROFILE = "resnet18-cifar10-wd"
@@ -599,12 +601,14 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
     k = layout.num_submodels - 1
     state = GlobalState.init(layout, 0)
     delta = random_delta(layout.upload_shapes(k), torch.Generator().manual_seed(0))
-    msgs = encode(delta, kind="update", federation="bench", round=1, submodel=k, client="c1")
+    device = Signer(Ed25519PrivateKey.from_private_bytes(bytes(32)))
+    msgs = encode(delta, kind="update", federation="bench", round=1, submodel=k, client="c1", sign=device.sign)
+    device_key = parse_public_key(device.public_text)
     guard = UpdateGuard(NormBound(), layout.num_submodels)
     ref = reference_norm(state, layout, k)
     agg = NeFedAvg(layout)
     repeats = max(3, s.repeats)
-    task = progress.add_task("trust boundary checks", total=6)
+    task = progress.add_task("trust boundary checks", total=7)
 
     def timed(fn: Callable[[], object]) -> float:
         progress.advance(task)
@@ -612,6 +616,8 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
 
     rows = {
         "strict header parse, every chunk": timed(lambda: [parse_chunk(m) for m in msgs]),
+        "device signature of every chunk header (Ed25519 verify)":
+            timed(lambda: [verify(split_chunk(m)[0], device_key) for m in msgs]),
         "reassembly (includes the header parse): sha256, safetensors decode, dtype + finite":
             timed(lambda: reassemble(msgs)),
         "names/shapes/finite against the submodel (NeFedAvg.validate)": timed(lambda: agg.validate(k, delta)),
@@ -625,7 +631,7 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
 
 
 def report_trust(r: dict) -> list[str]:
-    per_update = sum(ms for name, ms in r["rows"].items() if "once per" not in name and "every chunk" not in name)
+    per_update = sum(ms for name, ms in r["rows"].items() if "once per" not in name and "header parse, every" not in name)
     lines = [
         "## Trust boundary checks",
         "",
@@ -637,9 +643,10 @@ def report_trust(r: dict) -> list[str]:
         "|---|---|",
         *[f"| {name} | {ms:.1f} |" for name, ms in r["rows"].items()],
         "",
-        f"Receiving and checking one update takes {per_update:.1f} ms (rows 2-4; row 2 includes row 1); summing "
+        f"Receiving and checking one update takes {per_update:.1f} ms (rows 2-5; row 3 includes row 1); summing "
         f"it into NeFedAvg takes {r['add_ms']:.1f} ms. Of the checks, the strict JSON parsing of the chunk "
-        "headers is row 1 and the norm bound row 4; sha256 and the safetensors decode are needed to read an "
+        "headers is row 1, the device signatures row 2 and the norm bound row 5; sha256 and the safetensors "
+        "decode are needed to read an "
         "update at all.",
     ]
     return lines
