@@ -19,7 +19,7 @@ wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (
 system-deps:  ## Fashion-MNIST and mosquitto from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
-test: env system-deps  ## the whole test suite (about 10 minutes on 2 cores)
+test: env system-deps  ## the whole test suite (about 7 minutes on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
@@ -29,7 +29,7 @@ test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashion-MNIST, then export + adaptive inference
 	PYTHON=$(abspath $(PY)) scripts/demo.sh
 
-bench-systems: env system-deps  ## aggregation, client, wire and inference costs against their baselines -> docs/benchmarks.md
+bench-systems: env system-deps  ## aggregation, client, wire, trust-check and inference costs against their baselines -> docs/benchmarks.md
 	$(PY) benchmarks/bench_systems.py
 
 bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST, about an hour, resumable -> docs/results.md
