@@ -33,7 +33,7 @@ from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
 from nefl.robust import DPAccountant
 from nefl.state import GlobalState, Layout
-from nefl.signing import KeyFileError, Signer, parse_public_key, split_signed, verify
+from nefl.signing import Signer, parse_public_key, split_signed, verify, verify_self_signed
 from nefl.topics import Topics
 from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk, split_chunk
@@ -172,15 +172,13 @@ class Server:
 
     def _open_announce(self, client: str, payload: bytes) -> Announce:
         """A device signs its announce with the key it names: check that, then the key pinned for its id."""
-        parts = split_signed(payload)
-        msg = Announce.from_json(payload if parts is None else parts[0])
-        if parts is not None:
-            try:
-                verify(payload, parse_public_key(msg.key))
-            except KeyFileError:
-                raise MessageError("bad_signature", f"announce of {client} names no usable device key") from None
-        self.fed.check_key(client, msg.key if parts is not None else "")
-        return msg
+        if split_signed(payload) is None:
+            msg = Announce.from_json(payload)
+            self.fed.check_key(client, "")
+            return msg
+        body, key = verify_self_signed(payload, lambda b: Announce.from_json(b).key)
+        self.fed.check_key(client, key)
+        return Announce.from_json(body)
 
     def _verify_chunk(self, client: str, payload: bytes) -> None:
         """A device whose key is pinned signs every chunk header (round, submodel, payload sha256 ...):

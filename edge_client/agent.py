@@ -29,7 +29,7 @@ from edge_client.select import Selection
 from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Message, MessageError, ServerStatus, Task,
                            TrainingSettings)
 from nefl.profile import ProfileError, parse_profile
-from nefl.signing import KeyFileError, KeyPin, Signer, parse_public_key, public_key_arg, split_signed, verify
+from nefl.signing import KeyPin, Signer, public_key_arg, split_signed, verify, verify_self_signed
 from nefl.state import Layout
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
@@ -71,19 +71,6 @@ def model_bytes_bound(layout: Layout, k: int) -> int:
     """Most bytes an honest fp32 safetensors payload of submodel k's weights can take."""
     shapes = layout.sub_shapes[k]
     return 4 * sum(s.numel() for s in shapes.values()) + 256 * len(shapes) + 4096
-
-
-def self_signed_key(payload: bytes) -> str | None:
-    """The key a signed server status names, if that key verifies it (what first-use trust can check)."""
-    parts = split_signed(payload)
-    if parts is None:
-        return None
-    status = ServerStatus.from_json(parts[0], MAX_STATUS_BYTES)
-    try:
-        verify(payload, parse_public_key(status.key))
-    except (MessageError, KeyFileError):
-        return None
-    return status.key
 
 
 class Agent:
@@ -195,9 +182,7 @@ class Agent:
 
     def _trust_on_first_use(self, payload: bytes) -> None:
         """No key pinned: adopt the key a self-consistent signed status names, and say so loudly."""
-        key = self_signed_key(payload)
-        if key is None:
-            raise MessageError("bad_signature", "server status not signed by the key it names; no key pinned yet")
+        _, key = verify_self_signed(payload, lambda body: ServerStatus.from_json(body, MAX_STATUS_BYTES).key)
         self.pin.learn(key)
         log.warning(f"trusting server key {key} on first use (remembered in {self.pin.pin_file}); "
                     "pass --server-key to pin it explicitly")

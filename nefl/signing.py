@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -114,6 +115,20 @@ def verify(payload: bytes, key: Ed25519PublicKey) -> bytes:
     except InvalidSignature:
         raise MessageError("bad_signature", "signature does not match the pinned server key") from None
     return body
+
+
+def verify_self_signed(payload: bytes, key_of: Callable[[bytes], str]) -> tuple[bytes, str]:
+    """(body, key) of a message signed by the key it names (`key_of` reads it from the body): all that
+    trust on first use can check, for the server's status on a device and a device's announce on the server."""
+    parts = split_signed(bytes(payload))
+    if parts is None:
+        raise MessageError("unsigned", "message carries no signature")
+    key = key_of(parts[0])
+    try:
+        public = parse_public_key(key)
+    except KeyFileError:
+        raise MessageError("bad_signature", "message names no usable public key") from None
+    return verify(payload, public), key
 
 
 class KeyPin:
