@@ -249,7 +249,7 @@ class Federation:
             if k not in self._reference:
                 self._reference[k] = reference_norm(self.state, self.layout, k)
             delta, norm, clipped = self.guard.check(k, delta, self._reference[k])
-            self.agg.add(k, delta, header["samples"])
+            self.agg.add_validated(k, delta, header["samples"])
         except UpdateError as e:
             raise Rejected("tensor_mismatch", str(e)) from None
         except UpdateRejected as e:

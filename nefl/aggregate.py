@@ -60,6 +60,11 @@ class NeFedAvg:
 
     def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1) -> None:
         self.validate(k, delta)
+        self.add_validated(k, delta, num_samples)
+
+    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1) -> None:
+        """`add` for a caller that ran `validate` itself (the server validates before bounding the
+        norm, and a clipped delta is the validated one scaled): the finite checks are not repeated."""
         w = float(num_samples) if self.weighting == "samples" else 1.0
         if w <= 0:
             raise UpdateError(f"sample count must be positive, got {num_samples}")
