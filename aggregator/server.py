@@ -8,7 +8,6 @@ One consumer means no locks around the federation state and no message is handle
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import secrets
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aggregator.assignment import Assignment
@@ -131,11 +132,13 @@ class Server:
                                       round_timeout=self.cfg.round_timeout),
         )
 
-    def publish_status(self, state: str) -> None:
-        body = self.status(state)
-        self.client.publish(self.topics.server_status, self.signer.sign(body.to_json()), qos=QOS, retain=True)
+    def publish_status(self, state: str) -> mqtt.MQTTMessageInfo:
+        """Signed and retained on the broker, and mirrored (unsigned, readable) in status.json."""
+        body = self.status(state).to_json()
+        info = self.client.publish(self.topics.server_status, self.signer.sign(body), qos=QOS, retain=True)
         self.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.out / STATUS_FILE, json.dumps(json.loads(body.to_json()), indent=1))
+        atomic_write_text(self.out / STATUS_FILE, msgspec.json.format(body, indent=1).decode())
+        return info
 
     # -- inbound (main thread) ------------------------------------------------------------------
     def pump(self, until: float) -> None:
@@ -347,14 +350,12 @@ class Server:
         self.finish()
 
     def finish(self) -> None:
-        self.publish_status("finished")
         end = Control(federation=self.cfg.federation, run=self.run_id, event="end")
         self.client.publish(self.topics.control, self.signer.sign(end.to_json()), qos=QOS, retain=True)
         for k, msgs in self._published.items():
             for i in range(len(msgs)):
                 self.client.publish(self.topics.model_chunk(k, i), b"", qos=QOS, retain=True)
-        info = self.client.publish(self.topics.server_status, self.signer.sign(self.status("finished").to_json()),
-                                   qos=QOS, retain=True)
+        info = self.publish_status("finished")  # last, so waiting for it waits for everything before it
         try:
             info.wait_for_publish(5)
         except (RuntimeError, ValueError):
