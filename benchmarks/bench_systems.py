@@ -30,7 +30,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,8 @@ from edge_client.costmodel import RssMeter, calibrate
 from nefl.aggregate import NeFedAvg
 from nefl.mqtt import make_client, parse_broker
 from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout, corner
+from nefl.state import GlobalState, Layout
+from nefl.tensors import ring
 from nefl.topics import Topics
 from nefl.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.signing import Signer, parse_public_key, verify
@@ -54,6 +56,7 @@ from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, encode, parse_chunk, spl
 
 ROOT = Path(__file__).resolve().parent.parent
 AGG_PROFILE = "resnet18-cifar10-wd"
+BASELINE_COMMIT = "cfb5226"  # NeFedAvg before its rework for throughput (issue 15), timed beside the current one
 CLIENT_PROFILE = "resnet20-fmnist-wd"
 MOSQUITTO = "/usr/sbin/mosquitto"
 console = Console()
@@ -71,7 +74,7 @@ class Settings:
     inference_runs: int
 
 
-FULL = Settings((10, 100), (10, 50, 100), 3, AGG_PROFILE, 3, 200)
+FULL = Settings((10, 100), (10, 50, 100), 5, AGG_PROFILE, 3, 200)
 QUICK = Settings((5, 10), (5, 10), 1, CLIENT_PROFILE, 1, 20)
 
 
@@ -99,18 +102,6 @@ def mixed_updates(layout: Layout, pool: list[list[Delta]], n: int) -> Iterator[t
         yield k, pool[k][(i // layout.num_submodels) % len(pool[k])]
 
 
-def ring(shape: torch.Size, inner: torch.Size | None) -> list[tuple[slice, ...]]:
-    """phi_k minus phi_k' as disjoint boxes: along each dim d, [inner_d:shape_d) with dims before d cut to inner."""
-    if inner is None:
-        return [corner(shape)]
-    assert all(a <= b for a, b in zip(inner, shape)), f"submodel shapes not nested: {inner} vs {shape}"
-    return [
-        tuple(slice(0, inner[i]) for i in range(d)) + (slice(inner[d], shape[d]),)
-        + tuple(slice(0, shape[i]) for i in range(d + 1, len(shape)))
-        for d in range(len(shape)) if inner[d] < shape[d]
-    ]
-
-
 def reference_average(layout: Layout, state: GlobalState, updates: list[tuple[int, Delta]]) -> GlobalState:
     """The paper's Algorithm 2 (ParameterAverage) as written: group by submodel, then per tensor and per
     submodel k holding it, average the part phi_k \\ phi_k' over the clients of submodels >= k holding it."""
@@ -124,6 +115,7 @@ def reference_average(layout: Layout, state: GlobalState, updates: list[tuple[in
             shape = layout.upload_shapes(k)[n]
             clients = [d[n] for ell in having[i:] for d in groups[ell]]
             if clients:  # nobody covered this part: it keeps its value
+                assert inner is None or all(a <= b for a, b in zip(inner, shape)), f"not nested: {inner} vs {shape}"
                 for box in ring(shape, inner):
                     new[box] += sum(c[box] for c in clients) / len(clients)
             inner = shape
@@ -137,11 +129,40 @@ def reference_average(layout: Layout, state: GlobalState, updates: list[tuple[in
     return GlobalState(consistent, inconsistent)
 
 
-def streaming_average(layout: Layout, state: GlobalState, updates: list[tuple[int, Delta]],
-                      validate: bool = True) -> GlobalState:
+def streaming_average(layout: Layout, state: GlobalState, updates: list[tuple[int, Delta]]) -> GlobalState:
+    """NeFedAvg.add as a library user calls it: every update validated (names, shapes, finite values)
+    and left untouched (copied into the sums)."""
     agg = NeFedAvg(layout, "uniform")
-    if not validate:  # the arithmetic alone, to separate it from the untrusted-input checks
-        agg.validate = lambda k, delta: None  # type: ignore[method-assign]
+    for k, d in updates:
+        agg.add(k, d)
+    return agg.finalize(state)
+
+
+def server_average(layout: Layout, state: GlobalState, updates: Iterable[tuple[int, Delta]]) -> GlobalState:
+    """NeFedAvg as the aggregator runs it (aggregator/federation.py): the wire decoder already proved the
+    values finite, so only names and shapes are checked, and the just-decoded tensors are handed over."""
+    agg = NeFedAvg(layout, "uniform")
+    for k, d in updates:
+        agg.check_shapes(k, d)
+        agg.add_validated(k, d, owned=True)
+    return agg.finalize(state)
+
+
+def baseline_nefedavg() -> type | None:
+    """NeFedAvg as it was at BASELINE_COMMIT, loaded from git, so old and new are timed in the same run."""
+    try:
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_COMMIT}:nefl/aggregate.py"],
+                             capture_output=True, text=True, check=True).stdout
+        module = types.ModuleType("nefl_aggregate_baseline")
+        exec(compile(src, f"{BASELINE_COMMIT}:nefl/aggregate.py", "exec"), module.__dict__)
+        return module.NeFedAvg
+    except (OSError, subprocess.CalledProcessError, ImportError) as e:
+        console.print(f"[yellow]baseline NeFedAvg at {BASELINE_COMMIT} unavailable ({e}); its column stays empty")
+        return None
+
+
+def baseline_average(cls: type, layout: Layout, state: GlobalState, updates: list[tuple[int, Delta]]) -> GlobalState:
+    agg = cls(layout, "uniform")
     for k, d in updates:
         agg.add(k, d)
     return agg.finalize(state)
@@ -175,34 +196,48 @@ def check_reference() -> float:
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Best CPU time of this thread over the repeats: other load on the machine does not count."""
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return min(times)
 
 
-def time_mixed(layout: Layout, state: GlobalState, n: int, repeats: int,
-               tick: Callable[[], None]) -> tuple[float, float, float, int]:
-    """NeFedAvg (validated, bare) and the reference on n mixed updates; returns their times and the elements."""
-    # every update in its own memory: reusing a few tensors lets cache hits flatter the layer-by-layer
-    # reference (measured for 100 clients: 336 ms on 2 reused deltas per submodel, 764 ms on distinct ones)
+def fresh_mixed(layout: Layout, n: int) -> list[tuple[int, Delta]]:
+    """n submodel updates, round-robin, each in its own just-allocated memory, as decoded off the wire."""
     per_submodel = -(-n // layout.num_submodels)
     pool = [distinct_deltas(layout.upload_shapes(k), per_submodel, k * per_submodel) for k in range(layout.num_submodels)]
-    updates = list(mixed_updates(layout, pool, n))
-    times = []
-    for fn in (lambda: streaming_average(layout, state, updates), lambda: streaming_average(layout, state, updates, False),
-               lambda: reference_average(layout, state, updates)):
-        times.append(best_seconds(fn, repeats))
-        tick()
-    elements = sum(math.prod(x) for k, _ in updates for x in layout.upload_shapes(k).values())
-    return times[0], times[1], times[2], elements
+    return list(mixed_updates(layout, pool, n))
 
 
-def time_plain_sum(layout: Layout, n: int, repeats: int) -> float:
-    full = distinct_deltas(layout.global_shapes, n)
-    return best_seconds(lambda: plain_sum(full, n), repeats)
+def time_aggregators(layout: Layout, state: GlobalState, n: int, repeats: int, tick: Callable[[], None]) -> dict:
+    """Best-of-repeats seconds of each aggregator on n updates, interleaved (one call of every variant per
+    repeat, so a change in machine load hits all of them alike), as CPU time of this thread (user + system,
+    page faults included), so other processes on the machine do not count. Every call gets freshly allocated updates
+    (built before the clock starts): the server variant takes ownership of its updates, and cold caches
+    are what a real round sees."""
+    mixed = lambda: fresh_mixed(layout, n)  # noqa: E731
+    variants: dict[str, tuple[Callable[[], object], Callable[[object], object]]] = {
+        "server": (mixed, lambda u: server_average(layout, state, u)),
+        "add": (mixed, lambda u: streaming_average(layout, state, u)),
+        "reference": (mixed, lambda u: reference_average(layout, state, u)),
+        "sum": (lambda: distinct_deltas(layout.global_shapes, n), lambda u: plain_sum(u, n)),
+    }
+    old = baseline_nefedavg()
+    if old is not None:
+        variants["before"] = (mixed, lambda u: baseline_average(old, layout, state, u))
+    best = {name: math.inf for name in variants}
+    for _ in range(repeats):
+        for name, (make, run) in variants.items():
+            inputs = make()
+            t0 = time.thread_time()
+            run(inputs)
+            best[name] = min(best[name], time.thread_time() - t0)
+            del inputs
+            tick()
+    return best
 
 
 def bench_aggregation(s: Settings, progress: Progress) -> dict:
@@ -210,12 +245,11 @@ def bench_aggregation(s: Settings, progress: Progress) -> dict:
     layout = Layout.build(load_profile(AGG_PROFILE))
     state = GlobalState.init(layout, 0)
     rows = []
-    task = progress.add_task("aggregation timing", total=len(s.agg_clients) * 4)
+    task = progress.add_task("aggregation timing", total=len(s.agg_clients) * s.repeats * 5)
     for n in s.agg_clients:
-        t_stream, t_bare, t_ref, elements = time_mixed(layout, state, n, s.repeats, lambda: progress.advance(task))
-        t_sum = time_plain_sum(layout, n, s.repeats)
-        progress.advance(task)
-        rows.append({"clients": n, "stream": t_stream, "bare": t_bare, "reference": t_ref, "sum": t_sum, "elements": elements,
+        times = time_aggregators(layout, state, n, s.repeats, lambda: progress.advance(task))
+        elements = sum(math.prod(x) for k in range(n) for x in layout.upload_shapes(k % layout.num_submodels).values())
+        rows.append({"clients": n, **times, "elements": elements,
                      "full_elements": n * sum(math.prod(x) for x in layout.global_shapes.values())})
     mem = []
     task = progress.add_task("aggregator peak memory (child per N)", total=len(s.mem_clients))
@@ -244,10 +278,7 @@ def aggregation_memory_main(n: int) -> None:
     pool = delta_pool(layout, 1)
     meter = RssMeter()
     meter.start()
-    agg = NeFedAvg(layout, "uniform")
-    for k, d in mixed_updates(layout, pool, n):
-        agg.add(k, {name: t.clone() for name, t in d.items()})
-    agg.finalize(state)
+    server_average(layout, state, ((k, {name: t.clone() for name, t in d.items()}) for k, d in mixed_updates(layout, pool, n)))
     growth = meter.stop()
     print(json.dumps({"clients": n, "growth": growth, "hwm": _status_bytes("VmHWM")}))
 
@@ -468,6 +499,14 @@ def mosquitto_version() -> str:
     return m.group(1) if m else "unknown"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def _ratio(a: float | None, b: float) -> str:
+    return "-" if a is None else f"{a / b:.2f}x"
+
+
 def report_aggregation(r: dict) -> list[str]:
     lines = [
         "## Aggregation (server)",
@@ -475,29 +514,39 @@ def report_aggregation(r: dict) -> list[str]:
         f"Profile `{AGG_PROFILE}` ({r['params'] / 1e6:.2f} M parameters, 5 submodels), uniform weighting as the paper.",
         "Updates are deltas of each submodel's upload shapes, submodels round-robin (equal counts), every update "
         "in its own memory as if just decoded off the wire (the plain sum gets as many distinct full-size updates). "
-        "Times are the best of the repeats, one thread.",
+        "Times are the best of the repeats, one thread, in CPU time of the aggregating thread (user + system, "
+        "so other load on the machine does not count; memory-bandwidth contention still does), the variants "
+        "interleaved within each repeat, every call on freshly allocated updates (allocation not timed).",
         "",
-        "- **NeFedAvg**: `nefl.aggregate.NeFedAvg` add (each update validated: names, shapes, finite values) "
-        "+ finalize.",
-        "- **NeFedAvg, no validate**: the same with `validate` disabled on the instance: the aggregation "
-        "arithmetic alone, comparable to the reference.",
+        "- **NeFedAvg, server path**: what `aggregator serve` runs per update (aggregator/federation.py): "
+        "`check_shapes` (names, shapes, dtype; the wire decoder has already proven every value finite, and the "
+        "norm bound refuses NaN/inf too) and `add_validated(owned=True)` (the just-decoded tensors are handed "
+        "over: a submodel's first update becomes its group sum without a copy), then `finalize`.",
+        "- **NeFedAvg.add**: the library call on untrusted tensors: names, shapes, dtype and a finite-value scan "
+        "of every update, copied into the sums (the caller's tensors are never written), then `finalize`.",
+        f"- **before**: `NeFedAvg.add` + `finalize` as they were at commit {BASELINE_COMMIT} (loaded from git in "
+        "this run): per-tensor finite checks and adds, a copy plus a multiply by the weight for each "
+        "submodel's first update, and a finalize that built global-size sums, a coverage tensor and a select.",
         "- **reference**: the paper's Algorithm 2 written straightforwardly in the benchmark: all updates held, "
         "then per tensor, per submodel k holding it, the part phi_k \\ phi_k' averaged over the clients of "
         f"submodels >= k (no validation). Checked equal to NeFedAvg on the paper's worked example "
         f"(|M1| = |M5| = 2, |M3| = 3) on `{CLIENT_PROFILE}`: max difference {r['diff']:.1e} (<= 1e-5).",
-        "- **plain sum**: FedAvg of the same number of full-size updates (`add_` per tensor, then divide): "
-        "the memory-bandwidth bound; it moves more data than NeFedAvg, since submodel updates are smaller.",
+        "- **plain sum**: FedAvg of the same number of full-size updates (`add_` per tensor into zeros, then "
+        "divide), no checks: the memory-bandwidth bound; it moves more data than NeFedAvg, since submodel "
+        "updates are smaller (here {:.2f}x the bytes of full ones).".format(r["rows"][0]["elements"] / r["rows"][0]["full_elements"]),
         "",
-        "| clients | NeFedAvg ms | NeFedAvg, no validate ms | reference ms | plain sum ms "
-        "| reference / NeFedAvg | reference / NeFedAvg no validate | NeFedAvg / plain sum "
-        "| NeFedAvg no validate / plain sum | NeFedAvg GB/s of update data | plain sum GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| clients | NeFedAvg server path ms | NeFedAvg.add ms | before ms | reference ms | plain sum ms "
+        "| server path / plain sum | NeFedAvg.add / plain sum | before / plain sum | reference / server path "
+        "| server path GB/s of update data | plain sum GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["rows"]:
-        lines.append(f"| {x['clients']} | {x['stream'] * 1e3:.0f} | {x['bare'] * 1e3:.0f} | {x['reference'] * 1e3:.0f} "
-                     f"| {x['sum'] * 1e3:.0f} | {x['reference'] / x['stream']:.2f}x | {x['reference'] / x['bare']:.2f}x "
-                     f"| {x['stream'] / x['sum']:.2f}x | {x['bare'] / x['sum']:.2f}x "
-                     f"| {x['elements'] * 4 / x['stream'] / 1e9:.2f} | {x['full_elements'] * 4 / x['sum'] / 1e9:.2f} |")
+        before = x.get("before")
+        cells = [x["clients"], _ms(x["server"]), _ms(x["add"]), _ms(before), _ms(x["reference"]), _ms(x["sum"]),
+                 _ratio(x["server"], x["sum"]), _ratio(x["add"], x["sum"]), _ratio(before, x["sum"]),
+                 _ratio(x["reference"], x["server"]), f"{x['elements'] * 4 / x['server'] / 1e9:.2f}",
+                 f"{x['full_elements'] * 4 / x['sum'] / 1e9:.2f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     base = r["mem"][0]["growth"]
     lines += [
         "",
@@ -514,8 +563,8 @@ def report_aggregation(r: dict) -> list[str]:
     held = r["rows"][-1]["elements"] * 4
     lines.append("")
     lines.append(f"(The full model is {mib(r['params'] * 4)} MiB fp32. The growth is NeFedAvg's per-submodel group "
-                 f"sums (all 5 submodels together: {mib(r['group_elements'] * 4)} MiB), the global sums and coverage "
-                 "built once at finalize, the new state and one update in flight: independent of the number of "
+                 f"sums (all 5 submodels together: {mib(r['group_elements'] * 4)} MiB, which finalize turns into the "
+                 "new state in place), the untouched tensors copied into the new state and one update in flight: independent of the number of "
                  "clients. The reference, like any "
                  "implementation that groups updates by submodel first, must hold every update: for "
                  f"{r['rows'][-1]['clients']} clients of this mix that is {mib(held)} MiB (computed from the "
@@ -620,12 +669,13 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
             timed(lambda: [verify(split_chunk(m)[0], device_key) for m in msgs]),
         "reassembly (includes the header parse): sha256, safetensors decode, dtype + finite":
             timed(lambda: reassemble(msgs)),
-        "names/shapes/finite against the submodel (NeFedAvg.validate)": timed(lambda: agg.validate(k, delta)),
+        "names/shapes against the submodel (NeFedAvg.check_shapes; row 3 proved the values finite)":
+            timed(lambda: agg.check_shapes(k, delta)),
         "update norm bound (UpdateGuard.check)": timed(lambda: guard.check(k, delta, ref)),
         "reference weight norm (once per submodel per round)": timed(lambda: reference_norm(state, layout, k)),
         "commit check of the new state (once per round)": timed(lambda: check_state(state, 1e6)),
     }
-    add = best_seconds(lambda: NeFedAvg(layout).add(k, delta), repeats) * 1e3
+    add = best_seconds(lambda: NeFedAvg(layout).add_validated(k, delta), repeats) * 1e3
     return {"profile": AGG_PROFILE, "elements": sum(t.numel() for t in delta.values()), "chunks": len(msgs),
             "bytes": sum(map(len, msgs)), "rows": rows, "add_ms": add}
 
@@ -637,7 +687,7 @@ def report_trust(r: dict) -> list[str]:
         "",
         f"What the aggregator spends on checking one update before it is summed: the full-model update of "
         f"`{r['profile']}` ({r['elements']:,} float32 elements, {mib(r['bytes'])} MiB in {r['chunks']} chunks), "
-        "one thread, best of the repeats.",
+        "one thread, best of the repeats in CPU time of the thread.",
         "",
         "| check | ms |",
         "|---|---|",
@@ -645,7 +695,8 @@ def report_trust(r: dict) -> list[str]:
         "",
         f"Receiving and checking one update takes {per_update:.1f} ms (rows 2-5; row 3 includes row 1); summing "
         f"it into NeFedAvg takes {r['add_ms']:.1f} ms. Of the checks, the strict JSON parsing of the chunk "
-        "headers is row 1, the device signatures row 2 and the norm bound row 5; sha256 and the safetensors "
+        "headers is row 1, the device signatures row 2 and the norm bound row 5 (float32 norms of 4096-element rows "
+        "combined in float64: float64's range and accuracy at float32 speed); sha256 and the safetensors "
         "decode are needed to read an "
         "update at all.",
     ]
@@ -658,6 +709,16 @@ def report_inference(r: dict) -> list[str]:
             "The model is untrained, so the int8 accuracy delta column says nothing here (pass --checkpoint to "
             "bench_inference.py for a trained one); batch-1 latencies of a few ms are sensitive to the "
             "concurrent load on this machine."]
+
+
+def kept_sections(out: Path, body: list[str]) -> list[tuple[str, str]]:
+    """The `## ` sections of the existing report that this run did not write (a --only run, or a section
+    another benchmark appends, such as the fleet load test), kept verbatim so a rerun loses nothing."""
+    if not out.exists():
+        return []
+    written = {line[3:].strip() for line in body if line.startswith("## ")}
+    parts = re.split(r"(?m)^(?=## )", out.read_text())[1:]
+    return [(p.splitlines()[0][3:].strip(), p.rstrip()) for p in parts if p.splitlines()[0][3:].strip() not in written]
 
 
 def main() -> None:
@@ -698,6 +759,12 @@ def main() -> None:
         head.append(f"- {args.note}")
     head += [f"- wall time of the run: {time.monotonic() - started:.0f} s" + (" (--quick smoke run)" if args.quick else ""),
              ""]
+    kept = kept_sections(out, body)
+    if kept:
+        head.append(f"Sections kept from the previous {out.name} (not produced by this run, each with its own provenance): "
+                    + ", ".join(title for title, _ in kept) + ".")
+        head.append("")
+        body += [line for _, text in kept for line in (text, "")]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(head + body).rstrip() + "\n")
     console.print("\n".join(body))

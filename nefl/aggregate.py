@@ -20,7 +20,8 @@ from typing import Literal
 import torch
 
 from nefl.choices import check_choice
-from nefl.state import GlobalState, Layout, all_finite, corner, tensor_mismatch
+from nefl.state import GlobalState, Layout, corner, tensor_mismatch
+from nefl.tensors import first_non_finite, ring
 
 # uniform: every update counts once, as the paper; samples: an update counts its client's sample count
 Weighting = Literal["uniform", "samples"]
@@ -44,9 +45,19 @@ class NeFedAvg:
         self.groups: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
         self.weights = torch.zeros(layout.num_submodels, dtype=torch.float64)
         self.updates = [0] * layout.num_submodels
+        self._finalized = False
 
     def validate(self, k: int, delta: dict[str, torch.Tensor]) -> None:
         """Reject anything that is not exactly submodel k's upload, before touching the sums."""
+        self.check_shapes(k, delta)
+        bad = first_non_finite(delta)
+        if bad is not None:
+            raise UpdateError(f"{bad}: non-finite values")
+
+    def check_shapes(self, k: int, delta: dict[str, torch.Tensor]) -> None:
+        """`validate` without the value scan, for tensors whose values were already proven finite
+        (the wire decoder checks every payload it decodes)."""
+        self._check_open()
         if not 0 <= k < self.layout.num_submodels:
             raise UpdateError(f"submodel index {k} out of range 0..{self.layout.num_submodels - 1}")
         problem = tensor_mismatch(delta, self.layout.upload_shapes(k), f"submodel {k + 1}")
@@ -55,30 +66,40 @@ class NeFedAvg:
         for n, t in delta.items():
             if not t.is_floating_point():
                 raise UpdateError(f"{n}: dtype {t.dtype} is not floating point")
-            if not all_finite(t):
-                raise UpdateError(f"{n}: non-finite values")
 
-    def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1) -> None:
+    def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, owned: bool = False) -> None:
         self.validate(k, delta)
-        self.add_validated(k, delta, num_samples)
+        self.add_validated(k, delta, num_samples, owned=owned)
 
-    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1) -> None:
+    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *,
+                      owned: bool = False) -> None:
         """`add` for a caller that ran `validate` itself (the server validates before bounding the
-        norm, and a clipped delta is the validated one scaled): the finite checks are not repeated."""
+        norm, and a clipped delta is the validated one scaled): the finite checks are not repeated.
+        owned=True hands the tensors over (an update just decoded off the wire, dropped after this
+        call): the first update of a submodel becomes its group sum in place instead of a copy, and
+        later ones may be summed into; the caller must not use them afterwards."""
+        self._check_open()
         w = float(num_samples) if self.weighting == "samples" else 1.0
         if w <= 0:
             raise UpdateError(f"sample count must be positive, got {num_samples}")
         group = self.groups[k]
-        for n, t in delta.items():
-            if n in group:
-                group[n].add_(t, alpha=w)
+        if group:
+            names = list(group)
+            torch._foreach_add_([group[n] for n in names], [delta[n].to(torch.float32) for n in names], alpha=w)
+        else:
+            if owned and all(t.dtype == torch.float32 for t in delta.values()):
+                group.update(delta)
             else:
-                group[n] = t.to(torch.float32, copy=True).mul_(w)
+                group.update((n, t.to(torch.float32, copy=True)) for n, t in delta.items())
+            if w != 1.0:
+                torch._foreach_mul_(list(group.values()), w)
         self.weights[k] += w
         self.updates[k] += 1
 
     def merge(self, other: "NeFedAvg") -> None:
         """Fold another partial aggregate (same layout) into this one."""
+        self._check_open()
+        other._check_open()
         if other.layout.global_shapes != self.layout.global_shapes or other.weighting != self.weighting:
             raise ValueError("cannot merge aggregates of different profiles or weightings")
         for group, theirs in zip(self.groups, other.groups):
@@ -122,27 +143,61 @@ class NeFedAvg:
 
     def _consistent_update(self, name: str, old: torch.Tensor) -> torch.Tensor:
         """`old` plus the average delta where covered; an uncovered element is `old`'s element bit
-        for bit (old + 0 would turn -0.0 into +0.0, so the digest of untouched weights would change)."""
-        held = [g[name] for g in self.groups if name in g]
+        for bit (old + 0 would turn -0.0 into +0.0, so the digest of untouched weights would change).
+
+        Nested corners (every ladder the kit derives) take the fast path: the largest group sum
+        becomes the output buffer, the smaller ones are added into its corners, and each ring between
+        two consecutive corners is divided by its own coverage, a scalar. No global-size scratch
+        tensors, no coverage tensor, no select."""
+        held = sorted(((self.groups[k][name], float(self.weights[k])) for k in range(self.layout.num_submodels)
+                       if name in self.groups[k]), key=lambda gw: gw[0].numel(), reverse=True)
         if not held:
             return old.clone()
+        shapes = [g.shape for g, _ in held]
+        if not all(all(i <= o for i, o in zip(inner, outer)) for outer, inner in zip(shapes, shapes[1:])):
+            return self._general_update(name, old)
+        acc = held[0][0]
+        for g, _ in held[1:]:
+            acc[corner(g.shape)] += g
+        covered = 0.0
+        for i, (_, w) in enumerate(held):
+            covered += w
+            inner = shapes[i + 1] if i + 1 < len(held) else None
+            for region in ring(shapes[i], inner):
+                acc[region] /= covered
+        acc += old[corner(acc.shape)]
+        if acc.shape == old.shape:
+            return acc.to(old.dtype)
+        new = old.clone()
+        new[corner(acc.shape)] = acc
+        return new
+
+    def _general_update(self, name: str, old: torch.Tensor) -> torch.Tensor:
+        """Any set of corners (a hand-written ladder whose widths are not monotone in its depth)."""
         total = torch.zeros(self.layout.global_shapes[name], dtype=torch.float32)
-        for g in held:
-            total[corner(g.shape)] += g
+        for g in self.groups:
+            if name in g:
+                total[corner(g[name].shape)] += g[name]
         cover = self.coverage(name)
         new = total.div_(cover.clamp_min(1e-12)).add_(old)
         return torch.where(cover > 0, new.to(old.dtype), old)
 
     def finalize(self, state: GlobalState) -> GlobalState:
-        """New global state; `state` (the one the deltas were computed from) is not modified."""
-        consistent = {}
-        for n, old in state.consistent.items():
-            consistent[n] = self._consistent_update(n, old)
+        """New global state; `state` (the one the deltas were computed from) is not modified. The group
+        sums become the new tensors in place, so an aggregate is finalized once; a new round takes a
+        new NeFedAvg."""
+        self._check_open()
+        consistent = {n: self._consistent_update(n, old) for n, old in state.consistent.items()}
         inconsistent = []
         for k, old_k in enumerate(state.inconsistent):
             w, group = float(self.weights[k]), self.groups[k]
             inconsistent.append({
-                n: (old.to(torch.float32) + group[n] / w).to(old.dtype) if w > 0 and n in group else old.clone()
+                n: group[n].div_(w).add_(old).to(old.dtype) if w > 0 and n in group else old.clone()
                 for n, old in old_k.items()
             })
+        self._finalized = True
         return GlobalState(consistent, inconsistent)
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise RuntimeError("this NeFedAvg was finalized (its sums became the new state): start a new one")

@@ -4,10 +4,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nefl.aggregate import NeFedAvg, UpdateError
 from nefl.methods import get_method
 from nefl.state import GlobalState, Layout
+from nefl.tensors import ring
 from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, random_ladder, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
@@ -203,3 +206,59 @@ def test_uncovered_negative_zero_keeps_its_sign_bit() -> None:
     assert torch.signbit(new.consistent[sliced][4:]).all()
     assert torch.equal(new.consistent[sliced][4:].view(torch.int32), state.consistent[sliced][4:].view(torch.int32))
     assert torch.allclose(new.consistent[sliced][:4, :2], state.consistent[sliced][:4, :2] + 1)
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4).flatmap(
+    lambda outer: st.tuples(st.just(outer), st.tuples(*(st.integers(0, d) for d in outer)))))
+def test_rings_partition_the_difference_of_two_corners(shapes) -> None:
+    outer, inner = torch.Size(shapes[0]), torch.Size(shapes[1])
+    hits = torch.zeros(outer, dtype=torch.int32)
+    for region in ring(outer, inner):
+        hits[region] += 1
+    want = torch.ones(outer, dtype=torch.int32)
+    want[tuple(slice(0, d) for d in inner)] = 0
+    assert torch.equal(hits, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nested_fast_path_equals_the_general_one(seed: int) -> None:
+    """The ring-by-ring division of nested corners against the coverage-tensor formula it replaced."""
+    rng = random.Random(seed)
+    layout = Layout.build(tiny_profile([(0.25, 0.25, FULL), (0.5, 0.5, ((1.0, 0.0), (1.0, 1.0))),
+                                        (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=seed)
+    agg = NeFedAvg(layout, "samples" if seed % 2 else "uniform")
+    for k, d, ns in random_updates(layout, [rng.randint(0, 3) for _ in range(4)], torch.Generator().manual_seed(seed)):
+        agg.add(k, d, ns)
+    for n, old in state.consistent.items():
+        general = agg._general_update(n, old)
+        torch.testing.assert_close(agg._consistent_update(n, old), general, atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_owned_updates_are_adopted_and_others_never_written() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=2)
+    gen = torch.Generator().manual_seed(2)
+    mine = {n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(1).items()}
+    theirs = [{n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(k).items()} for k in (0, 1)]
+    kept = [{n: t.clone() for n, t in d.items()} for d in theirs]
+    agg = NeFedAvg(layout, "samples")
+    agg.add(1, mine, 3, owned=True)
+    assert all(agg.groups[1][n] is t for n, t in mine.items())  # no copy of a handed-over update
+    agg.add(0, theirs[0], 2)
+    agg.add(1, theirs[1], 5)
+    agg.finalize(state)
+    for d, k in zip(theirs, kept):  # a caller's tensors are never summed into
+        assert all(torch.equal(d[n], k[n]) for n in d)
+
+
+def test_a_finalized_aggregate_refuses_more_work() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    agg = NeFedAvg(layout)
+    agg.add(0, {n: torch.ones(s) for n, s in layout.upload_shapes(0).items()})
+    agg.finalize(state)
+    for again in (lambda: agg.finalize(state), lambda: agg.merge(NeFedAvg(layout)),
+                  lambda: agg.add(0, {n: torch.ones(s) for n, s in layout.upload_shapes(0).items()})):
+        with pytest.raises(RuntimeError, match="finalized"):
+            again()

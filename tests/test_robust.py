@@ -54,6 +54,16 @@ def test_update_norm_matches_float64_brute_force(arrays: list[np.ndarray]) -> No
     assert update_norm(as_delta(arrays)) == pytest.approx(expected, rel=1e-9, abs=1e-300)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(4096, 40_000), st.sampled_from([1e-30, 1e-3, 1.0, 1e18, 1e30]), st.integers(0, 2**31 - 1))
+def test_update_norm_of_large_tensors_matches_float64(numel: int, scale: float, seed: int) -> None:
+    """Tensors past one 4096-element row take the fast row-wise path: float64 accuracy still holds at
+    magnitudes whose squares under- or overflow float32."""
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+    expected = float(torch.linalg.vector_norm(t.double()))
+    assert update_norm({"big": t, "small": torch.ones(3)}) == pytest.approx(math.hypot(expected, math.sqrt(3)), rel=1e-6)
+
+
 def test_update_norm_does_not_overflow_at_fp32_max() -> None:
     """An fp32 sum of squares of 3e38 entries is inf; the float64 accumulation measures it."""
     big = float(torch.tensor(3e38))  # the fp32 value nearest 3e38
