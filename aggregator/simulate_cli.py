@@ -16,6 +16,7 @@ from aggregator.simulate import SimConfig, Simulator
 from nefl.aggregate import Weighting
 from nefl.data import DatasetUnavailable
 from nefl.profile import ProfileError
+from nefl.state import GlobalState
 from nefl.train import TrainConfig
 
 console = Console(stderr=True)
@@ -44,6 +45,9 @@ def simulate_command(
     device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
     assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
                                           "(every submodel trained each round when the pool allows) or largest."),
+    init_from: Optional[str] = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, "
+                                            "loaded with weights_only=True, or .safetensors) of the profile's "
+                                            "architecture (docs/architectures.md)."),
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
     if per_round > clients:
@@ -55,6 +59,8 @@ def simulate_command(
                     data_root=data_root, out=out, device=device, assignment=assignment)
     try:
         sim = Simulator(cfg)
+        if init_from:  # before the first round, so round 1 trains from the pretrained weights
+            sim.fed.state = GlobalState.pretrained(sim.layout, init_from, seed)
     except (ProfileError, DatasetUnavailable, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None

@@ -13,6 +13,13 @@ so the 32 runs fit in about an hour on 2 cores with 2 jobs: a 5-round probe took
 with 2 jobs (about 9.5 s per round + 22 s final evaluation), so about 215 s per 20-round run, 240 s with
 static BN (HeteroFL, nefl-sharedbn: statistics recomputed before evaluating), 16 x ~220 s = ~59 min.
 
+--families runs the architecture-families sweep instead (its own section `families` of docs/results.md):
+ViT-tiny and MobileNetV2 x0.35 on Fashion-MNIST, each as NeFL-W / NeFL-D / NeFL-WD and against a
+width-only (FjORD-style) and a depth-only (DepthFL-style) ladder of the same targets, with ResNet-20
+NeFL-WD beside them at a similar parameter count, IID and Dirichlet(0.5), 2 seeds; a smaller budget
+(FAMILY_BUDGET) so the 44 runs fit in about 40 minutes on 2 cores. The seed-0 IID NeFL-WD run of each
+family keeps its checkpoint (<out>/checkpoints/) for benchmarks/bench_inference.py --checkpoint.
+
 Resumable: every finished run is saved as <out>/<setting>/<method>-seed<S>.json and skipped when present.
 --quick is a smoke run of the whole pipeline (2 rounds, 100 images per client, 1 seed, 2 methods, IID)
 that writes to runs/bench-accuracy-quick/ (results.md and img/ there), never to docs/.
@@ -80,6 +87,22 @@ VARIANTS = {v.name: v for v in (
     Variant("nefl-nl", WD, "nefl-nl", "ablation: NeFL-WD with fixed steps"),
     Variant("nefl-sharedbn", WD, "nefl", "ablation: NeFL-WD with shared static BN", shared_bn=True),
 )}
+# The architecture-families sweep (--families): every family's NeFL ladders against width-only and
+# depth-only ladders derived from its -wd profile's targets; ResNet-20 beside them.
+FAMILY_VARIANTS = {v.name: v for v in (
+    Variant("vit-nefl-w", "vit-tiny-fmnist-w", "nefl", "ViT-tiny NeFL-W: whole heads of D, learnable steps"),
+    Variant("vit-nefl-d", "vit-tiny-fmnist-d", "nefl", "ViT-tiny NeFL-D: encoder blocks skipped, learnable steps"),
+    Variant("vit-nefl-wd", "vit-tiny-fmnist-wd", "nefl", "ViT-tiny NeFL-WD: width and depth, learnable steps"),
+    Variant("vit-width", "vit-tiny-fmnist-wd", "fjord", "ViT-tiny width only (FjORD/HeteroFL-style ladder, fixed steps)"),
+    Variant("vit-depth", "vit-tiny-fmnist-wd", "depthfl", "ViT-tiny depth only (DepthFL-style contiguous prefix, fixed steps)"),
+    Variant("mbv2-nefl-w", "mobilenetv2-fmnist-w", "nefl", "MobileNetV2 NeFL-W: channel multiplier, learnable steps"),
+    Variant("mbv2-nefl-d", "mobilenetv2-fmnist-d", "nefl", "MobileNetV2 NeFL-D: residual blocks skipped, learnable steps"),
+    Variant("mbv2-nefl-wd", "mobilenetv2-fmnist-wd", "nefl", "MobileNetV2 NeFL-WD: width and depth, learnable steps"),
+    Variant("mbv2-width", "mobilenetv2-fmnist-wd", "fjord", "MobileNetV2 width only (FjORD-style, per-width BN)"),
+    Variant("mbv2-depth", "mobilenetv2-fmnist-wd", "depthfl", "MobileNetV2 depth only (DepthFL-style prefix, fixed steps)"),
+    Variant("resnet20-nefl-wd", WD, "nefl", "ResNet-20 NeFL-WD (beside them, similar parameter count)"),
+)}
+ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS}
 # The paper's Table (CIFAR-10, ResNet18, IID, 100 clients, 500 rounds; worst / avg top-1), labelled as such.
 PAPER = {"nefl-wd": (86.86, 87.88), "fjord": (85.12, 87.32), "heterofl": (80.62, 84.26), "depthfl": (64.80, 82.44)}
 
@@ -100,6 +123,7 @@ class Job:
     seed: int
     budget: Budget
     path: str
+    checkpoint: str | None = None  # where the simulator leaves its final checkpoint (None: nowhere)
 
     @property
     def label(self) -> str:
@@ -108,6 +132,11 @@ class Job:
 
 DEFAULT_BUDGET = Budget(rounds=20, samples_per_client=300, eval_samples=2000)
 QUICK_BUDGET = Budget(rounds=2, samples_per_client=100, eval_samples=500)
+# 44 runs at ~95-110 s each (ViT-tiny and MobileNetV2 x0.35 train at ResNet-20's step time) with 2 jobs: ~40 min.
+# Batch 16 rather than 32: twice the local steps for the same images (MobileNetV2 stayed at chance after
+# 10 rounds at batch 32 in a probe, its BN statistics barely past their initial values).
+FAMILY_BUDGET = Budget(rounds=10, samples_per_client=160, eval_samples=1000)
+FAMILY_BATCH = 16
 
 
 def markers(section: str) -> tuple[str, str]:
@@ -119,10 +148,11 @@ def markers(section: str) -> tuple[str, str]:
 def run_job(job: Job, progress_queue) -> dict:
     """Worker: one simulation with one torch thread; the result lands atomically in job.path."""
     torch.set_num_threads(1)
-    v, b = VARIANTS[job.variant], job.budget
+    v, b = ALL_VARIANTS[job.variant], job.budget
     cfg = SimConfig(profile=v.profile, method=v.resolve(), dataset="fashion-mnist", clients=b.clients,
                     per_round=b.per_round, rounds=b.rounds, non_iid=SETTINGS[job.setting], seed=job.seed,
-                    eval_every=0, final_eval_samples=b.eval_samples, max_samples_per_client=b.samples_per_client)
+                    eval_every=0, final_eval_samples=b.eval_samples, max_samples_per_client=b.samples_per_client,
+                    out=job.checkpoint, batch_size=FAMILY_BATCH if job.variant in FAMILY_VARIANTS else 32)
     sim = Simulator(cfg)
     res = sim.run(lambda row: progress_queue.put((job.label, row["round"] + 1)))
     out = {
@@ -143,8 +173,8 @@ def learned_steps(sim: Simulator) -> list[list[float]] | None:
     evidence that NeFL's learnable steps do move away from their initial 1."""
     if not sim.layout.method.learnable_steps:
         return None
-    return [[round(float(t), 4) for n, t in sorted(own.items()) if n.endswith(".step") and float(t) != 0.0]
-            for own in sim.state.inconsistent]
+    return [[round(float(v), 4) for n, t in sorted(own.items()) if n.endswith(".step") for v in t.flatten() if float(v) != 0.0]
+            for own in sim.state.inconsistent]  # a ViT block has two steps (attention, MLP)
 
 
 def steps_table(groups: dict, setting: str, budget: Budget) -> list[str]:
@@ -157,7 +187,7 @@ def steps_table(groups: dict, setting: str, budget: Budget) -> list[str]:
              "| method | seed | " + " | ".join(f"sub {k + 1}" for k in range(len(rows[0][1]["steps"]))) + " |",
              "|---|---|" + "---|" * len(rows[0][1]["steps"])]
     for name, r in rows:
-        cells = [f"{min(v):.2f} / {sum(v) / len(v):.2f} / {max(v):.2f}" for v in r["steps"]]
+        cells = [f"{min(v):.2f} / {sum(v) / len(v):.2f} / {max(v):.2f}" if v else "-" for v in r["steps"]]
         lines.append(f"| {name} | {r['seed']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -244,7 +274,7 @@ def setting_title(setting: str, budget: Budget) -> str:
 def realised_sizes(name: str) -> tuple[list[float], list[float]]:
     """Each submodel's parameters and MACs as fractions of the full model, as the method's ladder has them:
     block-granular depth ladders only approximate the target gammas, so accuracy is read against these."""
-    v = VARIANTS[name]
+    v = ALL_VARIANTS[name]
     ladder = apply_method(load_profile(v.profile), v.resolve())
     full = full_cost(ladder)
     costs = [submodel_cost(ladder, sub) for sub in ladder.submodels]
@@ -381,6 +411,87 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
     return "\n".join(lines)
 
 
+def family_of_variant(name: str) -> str:
+    arch = load_profile(ALL_VARIANTS[name].profile).arch
+    return {"vit": "ViT-tiny", "mobilenetv2": "MobileNetV2 x0.35", "resnet": "ResNet-20"}[arch.family]
+
+
+def family_ladders_table(names: list[str]) -> list[str]:
+    """Absolute parameters and MACs of every submodel each variant trains (its realised ladder)."""
+    lines = ["", "Parameters / MACs (per 1x28x28 sample) of each submodel as each method's ladder has it "
+             "(`nefl profile show PROFILE --method M` prints the blocks):", "",
+             "| family | method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " |", "|---|---|" + "---|" * 5]
+    for name in names:
+        v = ALL_VARIANTS[name]
+        ladder = apply_method(load_profile(v.profile), v.resolve())
+        cells = []
+        for sub in ladder.submodels:
+            c = submodel_cost(ladder, sub)
+            cells.append(f"{c.params / 1e3:.0f}k / {c.macs / 1e6:.1f}M")
+        lines.append(f"| {family_of_variant(name)} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def families_report(results: list[dict], budget: Budget, command: str, wall: float, ran: int) -> str:
+    groups = grouped(results)
+    names = [n for n in FAMILY_VARIANTS if any(k[1] == n for k in groups)]
+    seeds = sorted({r["seed"] for r in results})
+    lines = [
+        "## Generated sweep `families`: ViT-tiny and MobileNetV2 beside ResNet-20 "
+        "(`benchmarks/bench_accuracy.py --families`)",
+        "",
+        f"{provenance_verb(ran)} {datetime.datetime.now().astimezone().isoformat(timespec='minutes')} "
+        f"at commit {commit_label()} by",
+        "",
+        f"    {command}",
+        "",
+        f"- machine{'' if ran else ' of this re-render'}: {machine()}",
+        f"- budget: 5 submodels per ladder, {budget.clients} clients, {budget.per_round} per round, {budget.rounds} rounds, "
+        f"1 local epoch, batch {FAMILY_BATCH}, SGD lr 0.1 (x0.1 at 1/2 and 3/4 of the rounds), the paper's tiers; "
+        f"{budget.samples_per_client} training images per client; top-1 on the first {budget.eval_samples:,} "
+        f"Fashion-MNIST test images after the last round; seeds {', '.join(map(str, seeds))}. Far from convergence "
+        "(every model here trains from scratch, and transformers are slow starters): read the ordering within a "
+        "family and the IID -> non-IID drop, not the absolute numbers.",
+        (f"- wall time of this invocation: {wall / 60:.1f} min for {ran} run(s), {len(results) - ran} more read from disk; "
+         if ran else f"- this invocation only rewrote the report: all {len(results)} runs were read from disk; ")
+        + f"sum of per-run times {sum(r['seconds'] for r in results) / 60:.1f} min",
+        "",
+        "Worst / average submodel top-1 (%), mean ± half the min-max range over seeds; the last column is the drop "
+        "of the average from IID to Dirichlet(0.5) (the paper's claim: transformers degrade less under non-IID data).",
+        "",
+        "| family | method | full params | IID worst | IID avg | Dir(0.5) worst | Dir(0.5) avg | avg drop |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        v = ALL_VARIANTS[name]
+        ladder = apply_method(load_profile(v.profile), v.resolve())
+        cells, avgs = [], []
+        for s in SETTINGS:
+            runs = groups.get((s, name), [])
+            cells += [spread([r["worst"] for r in runs]), spread([r["avg"] for r in runs])] if runs else ["-", "-"]
+            avgs.append(100 * sum(r["avg"] for r in runs) / len(runs) if runs else None)
+        drop = f"{avgs[0] - avgs[1]:+.2f}" if None not in avgs else "-"
+        lines.append(f"| {family_of_variant(name)} | {name} | {full_cost(ladder).params / 1e3:.0f}k | "
+                     + " | ".join(cells) + f" | {drop} |")
+    lines += ["", "Methods: " + "; ".join(f"`{n}` {ALL_VARIANTS[n].description} (`{ALL_VARIANTS[n].profile}`)"
+                                          for n in names) + "."]
+    lines += family_ladders_table(names)
+    for s in SETTINGS:
+        if not any(k[0] == s for k in groups):
+            continue
+        lines += ["", f"### Families, {setting_title(s, budget)}: per-submodel top-1 (%), mean ± half-range over seeds", "",
+                  "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
+                  "|---|" + "---|" * 8]
+        for name in names:
+            runs = groups.get((s, name))
+            if runs:
+                subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
+                lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
+                             f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
+        lines += steps_table(groups, s, budget)
+    return "\n".join(lines)
+
+
 def write_section(doc: Path, text: str, section: str = "") -> None:
     """Replace what lies between the markers, leaving the hand-written rest of the doc alone."""
     start, end = markers(section)
@@ -404,37 +515,52 @@ def main() -> None:
     ap.add_argument("--settings", help=f"comma-separated subset of {','.join(SETTINGS)}")
     ap.add_argument("--out", type=Path, help="run results directory (default runs/bench-accuracy; --quick: "
                                              "runs/bench-accuracy-quick, whose results.md and img/ then hold the report)")
+    ap.add_argument("--families", action="store_true", help="the architecture-families sweep (ViT-tiny, MobileNetV2, "
+                                                            "ResNet-20) instead of the ResNet-20 methods sweep")
     ap.add_argument("--section", default="", help="name of an extra sweep (e.g. another budget): its own marked section "
                                                   "of the doc and its own plots, leaving the main sweep's alone")
     args = ap.parse_args()
     q = args.quick
     if not re.fullmatch(r"[a-z0-9-]*", args.section):
         ap.error("--section takes lower-case letters, digits and dashes")
-    base = QUICK_BUDGET if q else DEFAULT_BUDGET
+    base = QUICK_BUDGET if q else FAMILY_BUDGET if args.families else DEFAULT_BUDGET
     budget = Budget(rounds=args.rounds or base.rounds, samples_per_client=args.samples or base.samples_per_client,
                     eval_samples=args.eval_samples or base.eval_samples)
-    methods = args.methods.split(",") if args.methods else (["nefl-wd", "heterofl"] if q else list(VARIANTS))
+    variants = FAMILY_VARIANTS if args.families else VARIANTS
+    quick_methods = ["vit-nefl-wd", "mbv2-nefl-wd"] if args.families else ["nefl-wd", "heterofl"]
+    methods = args.methods.split(",") if args.methods else (quick_methods if q else list(variants))
     settings = args.settings.split(",") if args.settings else (["iid"] if q else list(SETTINGS))
     for name in methods:
-        if name not in VARIANTS:
-            ap.error(f"unknown method {name!r}: choose from {', '.join(VARIANTS)}")
+        if name not in variants:
+            ap.error(f"unknown method {name!r}: choose from {', '.join(variants)}")
     for s in settings:
         if s not in SETTINGS:
             ap.error(f"unknown setting {s!r}: choose from {', '.join(SETTINGS)}")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
-    out = args.out or ROOT / "runs" / ("bench-accuracy-quick" if q else "bench-accuracy")
+    default_out = "bench-accuracy-families" if args.families else "bench-accuracy"
+    out = args.out or ROOT / "runs" / (default_out + ("-quick" if q else ""))
     doc, img_dir = (out / "results.md", out / "img") if q else (ROOT / "docs" / "results.md", ROOT / "docs" / "img")
-    for v in {VARIANTS[m].profile for m in methods}:
+    for v in {variants[m].profile for m in methods}:
         load_profile(v)  # fail before starting workers if a profile is missing
-    jobs = [Job(m, s, seed, budget, str(out / s / f"{m}-seed{seed}.json"))
+
+    def checkpoint(m: str, s: str, seed: int) -> str | None:
+        keep = args.families and m.endswith("-nefl-wd") and s == "iid" and seed == 0
+        return str(out / "checkpoints" / m) if keep else None
+
+    jobs = [Job(m, s, seed, budget, str(out / s / f"{m}-seed{seed}.json"), checkpoint(m, s, seed))
             for s in settings for m in methods for seed in range(args.seeds or (1 if q else 2))]
+    if args.families:  # seed by seed: a sweep cut short still has every method in both settings
+        jobs.sort(key=lambda j: j.seed)
     ran = sum(not Path(j.path).exists() for j in jobs)
     started = datetime.datetime.now()
     results = run_sweep(jobs, args.jobs, budget)
     wall = (datetime.datetime.now() - started).total_seconds()
     command = "PYTHONPATH=. python benchmarks/bench_accuracy.py " + shlex.join(sys.argv[1:])
-    write_section(doc, report(results, budget, command.strip(), wall, ran, doc, img_dir, q, args.section), args.section)
+    if args.families:
+        write_section(doc, families_report(results, budget, command.strip(), wall, ran), args.section or "families")
+    else:
+        write_section(doc, report(results, budget, command.strip(), wall, ran, doc, img_dir, q, args.section), args.section)
     console.print(f"[green]wrote {doc} and plots in {img_dir}")
 
 

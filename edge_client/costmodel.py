@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from edge_client.probe import DeviceSnapshot, is_hot, is_throttled
-from nefl.cost import submodel_cost
+from nefl.cost import submodel_cost, training_peak_bytes
 from nefl.fsio import atomic_write_text
 from nefl.methods import get_method
 from nefl.models import build_submodel
@@ -51,11 +51,6 @@ from nefl.state import Layout
 from nefl.train import TrainConfig
 
 CACHE_DIR = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser() / "calibration"
-BYTES = 4  # float32
-# Fitted to calibrations of the resnet20-fmnist ladders (x86-64, torch 2.14, batch 8 and 32; see
-# docs/device-selection.md): peak growth = weights + grads + 1.15 x counted activations + ~173 MiB.
-ACTIVATION_FACTOR = 1.2  # saved activations and backward buffers per counted conv/BN output element
-FRAMEWORK_OVERHEAD = 170 * 2**20  # a fresh process's first step: lazy kernel pages, thread pools
 THROTTLED_SLOWDOWN = 2.0
 HOT_LIMIT_C = 80.0
 TIMED_STEPS = 3
@@ -92,9 +87,7 @@ class CostTable:
 
 def estimate_peak(layout: Layout, index: int, batch_size: int, momentum: float = TrainConfig.momentum) -> int:
     cost = submodel_cost(layout.profile, layout.profile.submodels[index])
-    state_copies = 2 + (momentum != 0)  # weights, gradients, momentum buffer
-    sample = math.prod(layout.profile.input_shape) + cost.activations * ACTIVATION_FACTOR
-    return int(cost.params * state_copies * BYTES + batch_size * sample * BYTES + FRAMEWORK_OVERHEAD)
+    return training_peak_bytes(cost.params, cost.activations, math.prod(layout.profile.input_shape), batch_size, momentum)
 
 
 def estimate_costs(layout: Layout, batch_size: int, device: str = "cpu", threads: int = 1) -> CostTable:

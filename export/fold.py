@@ -1,10 +1,12 @@
-"""Inference-only rewrite of a NestedResNet: BatchNorm and step sizes folded into the convolutions.
+"""Inference-only rewrite of a submodel: BatchNorm and step sizes folded into the layers before them.
 
 At inference a BN is an affine map per channel, and relu(shortcut + s * BN(conv(x))) equals
 relu(shortcut + conv'(x)) with conv' = conv scaled by s * gamma / sqrt(var + eps) plus a bias. The
 folded graph has only Conv/Relu/Add/Pool/Gemm nodes: fewer ops for onnxruntime and for the int8
 quantizer. Folding is done in float64 and rounded once, so the result matches the original to
-float32 noise (checked by `fold_error`).
+float32 noise (checked by `fold_error`). A MobileNetV2 folds the same way (its depthwise convs
+included); a ViT has no BN: its step sizes fold into the attention output and second MLP
+projections, and its attention is written in plain MatMul/Softmax ops for the exporter.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nefl.families.mobilenet import ConvBN, InvertedResidual, NestedMobileNetV2
+from nefl.families.vit import Attention, EncoderBlock, NestedViT
 from nefl.models import Block, NestedResNet, Shortcut, Stem
 
 
@@ -21,7 +25,8 @@ def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, scale: float = 1.0) -> nn.
     gamma, beta = bn.weight.detach().double(), bn.bias.detach().double()
     mean, var = bn.running_mean.double(), bn.running_var.double()
     factor = scale * gamma / torch.sqrt(var + bn.eps)
-    out = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, bias=True)
+    out = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                    groups=conv.groups, bias=True)
     with torch.no_grad():
         out.weight.copy_((w * factor.view(-1, 1, 1, 1)).float())
         out.bias.copy_((scale * beta - factor * mean).float())
@@ -77,15 +82,134 @@ class FoldedResNet(nn.Module):
         return self.fc(x)
 
 
-def fold(model: NestedResNet) -> FoldedResNet:
+def scaled_linear(lin: nn.Linear, scale: float) -> nn.Linear:
+    """`lin` times a step size, as one linear layer (computed in float64, rounded once)."""
+    out = nn.Linear(lin.in_features, lin.out_features)
+    with torch.no_grad():
+        out.weight.copy_((lin.weight.detach().double() * scale).float())
+        out.bias.copy_((lin.bias.detach().double() * scale).float())
+    return out
+
+
+class FoldedConv(nn.Module):
+    """A ConvBN folded into one biased conv, then ReLU6 when the original had it."""
+
+    def __init__(self, layer: ConvBN, scale: float = 1.0) -> None:
+        super().__init__()
+        self.conv, self.act = fold_conv_bn(layer.conv, layer.bn, scale), layer.act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        return torch.clamp(x, 0.0, 6.0) if self.act else x
+
+
+class FoldedInvertedResidual(nn.Module):
+    """x + branch(x) with the step size inside the projection conv; the identity when skipped."""
+
+    def __init__(self, block: InvertedResidual) -> None:
+        super().__init__()
+        self.present, self.residual = block.present, block.residual
+        if not self.present:
+            return
+        step = float(block.step.detach()) if block.residual else 1.0
+        parts = ([block.expand] if hasattr(block, "expand") else []) + [block.dw]
+        self.convs = nn.Sequential(*(FoldedConv(p) for p in parts), FoldedConv(block.project, step))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.present:
+            return x
+        return x + self.convs(x) if self.residual else self.convs(x)
+
+
+class FoldedMobileNetV2(nn.Module):
+    """The same function as the NestedMobileNetV2 it was built from, in eval mode, with no BN nodes."""
+
+    def __init__(self, model: NestedMobileNetV2) -> None:
+        super().__init__()
+        self.stem = FoldedConv(model.stem)
+        self.blocks = nn.Sequential(*(FoldedInvertedResidual(b) for stage in model.stages for b in stage))
+        self.head = FoldedConv(model.head)
+        self.fc = scaled_linear(model.fc, 1.0)
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(self.blocks(self.stem(x)))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class PlainAttention(nn.Module):
+    """Multi-head attention in MatMul/Softmax ops, the output projection pre-scaled by the step."""
+
+    def __init__(self, attn: Attention, step: float) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (scaled_linear(lin, 1.0) for lin in (attn.q, attn.k, attn.v))
+        self.out = scaled_linear(attn.out, step)
+        self.heads = attn.heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, s, d = x.shape
+        hd = d // self.heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(n, s, self.heads, hd).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        weights = torch.softmax(q @ k.transpose(-2, -1) * hd ** -0.5, dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(n, s, d))
+
+
+class FoldedEncoderBlock(nn.Module):
+    def __init__(self, block: EncoderBlock) -> None:
+        super().__init__()
+        s_attn, s_mlp = (float(v) for v in block.step.detach())
+        self.ln_1, self.ln_2 = block.ln_1, block.ln_2
+        self.attn = PlainAttention(block.attn, s_attn)
+        self.fc1, self.fc2 = scaled_linear(block.mlp.fc1, 1.0), scaled_linear(block.mlp.fc2, s_mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln_2(x))))
+
+
+class FoldedViT(nn.Module):
+    """The same function as the NestedViT it was built from: skipped blocks gone, steps folded."""
+
+    def __init__(self, model: NestedViT) -> None:
+        super().__init__()
+        self.resize = model.resize
+        self.conv_proj, self.ln, self.head = model.conv_proj, model.ln, model.head
+        self.class_token = nn.Parameter(model.class_token.detach().clone())
+        self.pos_embedding = nn.Parameter(model.pos_embedding.detach().clone())
+        self.blocks = nn.Sequential(*(FoldedEncoderBlock(b) for b in model.stages[0] if b.present))
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.resize is not None:
+            x = nn.functional.interpolate(x, size=self.resize, mode="bilinear", align_corners=False)
+        x = self.conv_proj(x)
+        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
+        token = self.class_token.view(1, 1, -1).expand(x.shape[0], -1, -1)
+        x = self.blocks(torch.cat([token, x], dim=1) + self.pos_embedding)
+        return self.head(self.ln(x)[:, 0])
+
+
+_FOLDS: dict[type[nn.Module], type[nn.Module]] = {
+    NestedResNet: FoldedResNet, NestedMobileNetV2: FoldedMobileNetV2, NestedViT: FoldedViT,
+}
+
+
+def fold(model: nn.Module) -> nn.Module:
     """A new folded module; `model` itself is left untouched (its BN stays trainable)."""
     if model.training:
         raise ValueError("fold needs an eval-mode model: BN folding uses the running statistics")
-    return FoldedResNet(model)
+    try:
+        return _FOLDS[type(model)](model)
+    except KeyError:
+        raise ValueError(f"no inference rewrite for {type(model).__name__}; add one to export/fold.py") from None
 
 
 @torch.no_grad()
-def fold_error(model: NestedResNet, folded: FoldedResNet, inputs: torch.Tensor) -> float:
+def fold_error(model: nn.Module, folded: nn.Module, inputs: torch.Tensor) -> float:
     """Max abs difference of the logits, relative to the largest logit (at least 1).
 
     Folding reorders float32 arithmetic, so its error grows with the activations' scale; an

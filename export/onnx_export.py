@@ -29,7 +29,6 @@ from nefl.cost import submodel_cost
 from nefl.manifest import (
     InputSpec, Int8File, Manifest, OutputSpec, ParitySpec, SubmodelEntry, sha256_file, untrained_reason, write_manifest,
 )
-from nefl.models import NestedResNet
 from nefl.state import load_module_state
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ CALIBRATION_IMAGES = 256  # taken after the held-out ones: never the images the 
 PARITY_IMAGES = 8
 
 
-def submodel_module(ckpt: Checkpoint, k: int) -> NestedResNet:
+def submodel_module(ckpt: Checkpoint, k: int) -> torch.nn.Module:
     """Submodel k as the physically smaller module with its own weights, in eval mode."""
     model = ckpt.layout.module(k)
     load_module_state(model, ckpt.state.extract(ckpt.layout, k))

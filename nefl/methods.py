@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from nefl.arch import AnyArch
 from nefl.choices import check_choice
 from nefl.cost import full_cost, submodel_cost
 from nefl.profile import METHOD_NAMES, Profile, SubmodelSpec
@@ -67,10 +68,12 @@ def _width_ladder(profile: Profile) -> list[SubmodelSpec]:
     ]
 
 
-def _prefix_steps(depths: tuple[int, ...], n: int) -> tuple[tuple[float, ...], ...]:
+def _prefix_steps(arch: AnyArch, n: int) -> tuple[tuple[float, ...], ...]:
+    """The first n blocks; a block the architecture cannot skip (a MobileNetV2 block without a
+    residual) stays present beyond the prefix."""
     out, seen = [], 0
-    for d in depths:
-        out.append(tuple(1.0 if seen + i < n else 0.0 for i in range(d)))
+    for si, d in enumerate(arch.depths):
+        out.append(tuple(1.0 if seen + i < n or not arch.skippable(si, i) else 0.0 for i in range(d)))
         seen += d
     return tuple(out)
 
@@ -81,14 +84,14 @@ def _depth_prefix_ladder(profile: Profile) -> list[SubmodelSpec]:
     total = full_cost(profile).params
     ratios = []
     for n in range(1, sum(depths) + 1):
-        spec = SubmodelSpec(-1, 1.0, 1.0, _prefix_steps(depths, n))
+        spec = SubmodelSpec(-1, 1.0, 1.0, _prefix_steps(profile.arch, n))
         ratios.append((submodel_cost(profile, spec).params / total, n))
     ladder = []
     for s in profile.submodels:
         # a submodel smaller than the global model never becomes the whole network
         candidates = ratios if s.gamma >= 1 else ratios[:-1]
         _, n = min(candidates, key=lambda r: (abs(r[0] - s.gamma), r[1]))
-        ladder.append(SubmodelSpec(s.index, s.gamma, 1.0, _prefix_steps(depths, n)))
+        ladder.append(SubmodelSpec(s.index, s.gamma, 1.0, _prefix_steps(profile.arch, n)))
     return ladder
 
 

@@ -1,178 +1,79 @@
-"""Nested ResNets built as physically smaller modules.
+"""Building any family's submodels and supernet from a profile, and loading torchvision weights.
 
-A submodel is not the global model under a mask: hidden widths are ceil(C * gamma_W) and skipped
-blocks have no residual branch at all, so memory and compute on the device shrink with the
-submodel. Parameter names are the same in every submodel and in the global model, which is what
-lets slicing and NeFedAvg work by name with prefix slices.
+The architecture code lives in nefl/families/ (one module per family); this module is the one
+entry point the rest of the kit uses, so no caller needs to know which family a profile names.
+The ResNet classes are re-exported for the callers (export folding, tests) that work on them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
-from nefl.arch import Arch
-from nefl.profile import Profile, SubmodelSpec, scaled
+from nefl.arch import AnyArch
+from nefl.families.base import load_torchvision_state as _load_torchvision_state
+from nefl.families.costs import full_steps as _full_steps
+from nefl.families.registry import family_of
+from nefl.families.resnet import Block, NestedResNet, Shortcut, Stem, torchvision_key  # noqa: F401 (re-exported)
+from nefl.profile import Profile, SubmodelSpec
 
 
-def _conv(cin: int, cout: int, k: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False)
+def full_steps(arch: AnyArch) -> tuple[tuple[float, ...], ...]:
+    return _full_steps(arch.depths)
 
 
-class Shortcut(nn.Module):
-    """1x1 projection + BN; kept even when its block is skipped so shapes still line up."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv = _conv(cin, cout, 1, stride)
-        self.bn = nn.BatchNorm2d(cout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.conv(x))
+def build_submodel(profile: Profile, sub: SubmodelSpec, learnable_steps: bool = True) -> nn.Module:
+    return family_of(profile.arch).build(profile, sub, learnable_steps)
 
 
-class Block(nn.Module):
-    """Residual block computing relu(shortcut(x) + step * F(x)); F is absent when skipped."""
-
-    def __init__(
-        self, kind: str, cin: int, mid: int, cout: int, stride: int,
-        projection: bool, step: float, learnable_step: bool,
-    ) -> None:
-        super().__init__()
-        self.shortcut = Shortcut(cin, cout, stride) if projection else None
-        self.present = step != 0
-        if not self.present:
-            return
-        if kind == "basic":
-            convs = [(cin, mid, 3, stride), (mid, cout, 3, 1)]
-        else:
-            convs = [(cin, mid, 1, 1), (mid, mid, 3, stride), (mid, cout, 1, 1)]
-        for i, (a, b, k, s) in enumerate(convs, start=1):
-            self.add_module(f"conv{i}", _conv(a, b, k, s))
-            self.add_module(f"bn{i}", nn.BatchNorm2d(b))
-        self.num_convs = len(convs)
-        self.step = nn.Parameter(torch.tensor(float(step)), requires_grad=learnable_step)
-
-    def branch(self, x: torch.Tensor) -> torch.Tensor:
-        for i in range(1, self.num_convs + 1):
-            x = getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(x))
-            if i < self.num_convs:
-                x = torch.relu(x)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.shortcut is None else self.shortcut(x)
-        if not self.present:
-            return identity if self.shortcut is None else torch.relu(identity)
-        return torch.relu(identity + self.step * self.branch(x))
+def full_spec(profile: Profile) -> SubmodelSpec:
+    """Full width, every block present."""
+    return SubmodelSpec(-1, 1.0, 1.0, full_steps(profile.arch))
 
 
-class Stem(nn.Module):
-    def __init__(self, kind: str, cin: int, cout: int) -> None:
-        super().__init__()
-        k, s = (3, 1) if kind == "cifar" else (7, 2)
-        self.conv = nn.Conv2d(cin, cout, k, stride=s, padding=k // 2, bias=False)
-        self.bn = nn.BatchNorm2d(cout)
-        self.pool = nn.MaxPool2d(3, stride=2, padding=1) if kind == "imagenet" else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(torch.relu(self.bn(self.conv(x))))
-
-
-class NestedResNet(nn.Module):
-    def __init__(
-        self, arch: Arch, stem: str, in_channels: int, num_classes: int,
-        gamma_w: float, steps: tuple[tuple[float, ...], ...], learnable_steps: bool = True,
-    ) -> None:
-        super().__init__()
-        self.arch = arch
-        c = scaled(arch.stem_width, gamma_w)
-        self.stem = Stem(stem, in_channels, c)
-        stages = []
-        global_in = arch.stem_width
-        for si, depth in enumerate(arch.depths):
-            blocks = []
-            for bi in range(depth):
-                stride = arch.stage_stride(si) if bi == 0 else 1
-                global_out = arch.out_channels(si)
-                projection = stride != 1 or global_in != global_out
-                cout = scaled(global_out, gamma_w)
-                mid = scaled(arch.inner_channels(si), gamma_w)
-                blocks.append(Block(arch.block, c, mid, cout, stride, projection, steps[si][bi], learnable_steps))
-                c, global_in = cout, global_out
-            stages.append(nn.ModuleList(blocks))
-        self.stages = nn.ModuleList(stages)
-        self.fc = nn.Linear(c, num_classes)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for stage in self.stages:
-            for block in stage:
-                x = block(x)
-        x = torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1)
-        return self.fc(x)
-
-
-def full_steps(arch: Arch) -> tuple[tuple[float, ...], ...]:
-    return tuple((1.0,) * d for d in arch.depths)
-
-
-def build_submodel(profile: Profile, sub: SubmodelSpec, learnable_steps: bool = True) -> NestedResNet:
-    return NestedResNet(
-        profile.arch, profile.stem, profile.input_shape[0], profile.num_classes,
-        sub.gamma_w, sub.steps, learnable_steps,
-    )
-
-
-def build_supernet(profile: Profile) -> NestedResNet:
+def build_supernet(profile: Profile) -> nn.Module:
     """Full width, every block present: holds every consistent tensor at full size."""
-    return NestedResNet(
-        profile.arch, profile.stem, profile.input_shape[0], profile.num_classes, 1.0, full_steps(profile.arch),
-    )
+    return build_submodel(profile, full_spec(profile))
 
 
-_TV_STEM = {"conv1.": "stem.conv.", "bn1.": "stem.bn."}
+def load_torchvision_state(model: nn.Module, tv_state: dict[str, torch.Tensor]) -> None:
+    """Load a torchvision state dict (resnet18/34/50, wide_resnet101_2, vit_*, mobilenet_v2) into a
+    full model of ours; a classifier or first layer that does not fit stays fresh, anything else
+    that does not match raises a ValueError naming the first offending key."""
+    _load_torchvision_state(family_of(model.arch), model, tv_state)
 
 
-def torchvision_key(name: str) -> str | None:
-    """Map a torchvision ResNet state-dict key to ours (None for keys we don't have)."""
-    for tv, ours in _TV_STEM.items():
-        if name.startswith(tv):
-            return ours + name[len(tv):]
-    if name.startswith("layer"):
-        stage_s, block, rest = name[len("layer"):].split(".", 2)
-        rest = rest.replace("downsample.0.", "shortcut.conv.").replace("downsample.1.", "shortcut.bn.")
-        return f"stages.{int(stage_s) - 1}.{block}.{rest}"
-    if name.startswith("fc."):
-        return name
-    return None
+def read_state_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """A torchvision state dict from a .pth/.pt file (loaded with weights_only=True: no pickled code
+    runs) or a .safetensors file; a clear ValueError for anything else."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--init-from {p}: no such file")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(p))
+        except Exception as e:  # safetensors raises its own error types for a malformed header
+            raise ValueError(f"--init-from {p}: not a readable safetensors file ({e})") from None
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle/zip errors: say what the file should be
+        raise ValueError(f"--init-from {p}: not a torch state dict loadable with weights_only=True ({e})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"--init-from {p}: expected a state dict (name -> tensor), e.g. torchvision's "
+                         "model.state_dict() saved with torch.save")
+    return state
 
 
-def load_torchvision_state(model: NestedResNet, tv_state: dict[str, torch.Tensor]) -> None:
-    """Load a torchvision ResNet-18/34/50 (or WRN) state dict into a full model of ours.
-
-    A classifier with another number of classes, or a stem with other input channels, is left
-    at its fresh initialisation (the usual fine-tuning setup); everything else must match.
-    """
-    own = model.state_dict()
-    mapped: dict[str, torch.Tensor] = {}
-    for k, v in tv_state.items():
-        ours = torchvision_key(k)
-        if ours is None or ours not in own:
-            raise ValueError(f"torchvision key {k!r} has no counterpart in {model.arch.name}")
-        if own[ours].shape != v.shape:
-            if ours.startswith("fc.") or ours == "stem.conv.weight":
-                continue
-            raise ValueError(f"shape mismatch for {k!r}: torchvision {tuple(v.shape)} vs ours {tuple(own[ours].shape)}")
-        mapped[ours] = v
-    missing = [k for k in own if k not in mapped and not k.endswith(".step")
-               and not k.startswith("fc.") and k != "stem.conv.weight"]
-    if missing:
-        raise ValueError(f"torchvision state lacks {missing[:3]}... for {model.arch.name}")
-    model.load_state_dict(mapped, strict=False)
+def pretrained_supernet_state(profile: Profile, tv_state: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The profile's supernet with torchvision weights loaded onto it; what stays fresh (a classifier
+    for other classes) is initialised from `seed`, as a fresh federation would be."""
+    torch.manual_seed(seed)
+    model = build_supernet(profile)
+    load_torchvision_state(model, tv_state)
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}

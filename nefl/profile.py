@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from nefl.arch import ARCHS, Arch
+from nefl.arch import ARCHS, AnyArch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,7 +31,8 @@ def _shipped_profiles_dir() -> Path:
 
 PROFILES_DIR = _shipped_profiles_dir()
 METHOD_NAMES = ("nefl", "nefl-nl", "fjord", "heterofl", "depthfl")
-STEMS = ("cifar", "imagenet")
+# ViT LayerNorm: consistent (sliced and averaged like any weight, as the paper found best) or per submodel
+LAYERNORM_MODES = ("consistent", "per_submodel")
 
 
 class ProfileError(ValueError):
@@ -63,7 +64,7 @@ class SubmodelSpec:
 class Profile:
     name: str
     description: str
-    arch: Arch
+    arch: AnyArch
     stem: str
     num_classes: int
     input_shape: tuple[int, int, int]
@@ -71,12 +72,15 @@ class Profile:
     method: str
     submodels: tuple[SubmodelSpec, ...]
     source: str = "<memory>"
+    layernorm: str = "consistent"  # ViT only (LAYERNORM_MODES)
 
     @property
     def num_submodels(self) -> int:
         return len(self.submodels)
 
     def to_dict(self) -> dict[str, Any]:
+        # the layernorm key exists for ViTs only, so the other families' hashes stay what they were
+        extra = {"layernorm": self.layernorm} if self.arch.family == "vit" else {}
         return {
             "name": self.name,
             "description": self.description,
@@ -90,6 +94,7 @@ class Profile:
                 {"gamma": s.gamma, "gamma_w": s.gamma_w, "steps": [list(st) for st in s.steps]}
                 for s in self.submodels
             ],
+            **extra,
         }
 
     @property
@@ -110,7 +115,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _parse_submodel(raw: Any, i: int, arch: Arch, source: str) -> SubmodelSpec:
+def _parse_submodel(raw: Any, i: int, arch: AnyArch, source: str) -> SubmodelSpec:
     where = f"submodel {i + 1}"
     if not isinstance(raw, dict):
         raise _fail(source, where, "must be a table with gamma, gamma_w and steps")
@@ -138,6 +143,10 @@ def _parse_submodel(raw: Any, i: int, arch: Arch, source: str) -> SubmodelSpec:
             )
         if any(not _number(v) or v < 0 or not math.isfinite(v) for v in stage):
             raise _fail(source, f"{where}: field 'steps', stage {s + 1}", f"steps must be finite numbers >= 0, got {stage!r}")
+        fixed = [b + 1 for b, v in enumerate(stage) if v != 1 and not arch.skippable(s, b)]
+        if fixed:
+            raise _fail(source, f"{where}: field 'steps', stage {s + 1}",
+                        f"block(s) {fixed} of {arch.name} have no residual connection: their step must be 1")
     return SubmodelSpec(i, float(raw["gamma"]), float(raw["gamma_w"]), tuple(tuple(float(v) for v in st) for st in steps))
 
 
@@ -151,8 +160,13 @@ def parse_profile(data: dict[str, Any], source: str = "<memory>") -> Profile:
         raise _fail(source, "field 'arch'", f"unknown architecture {arch_name!r}; known: {', '.join(ARCHS)}")
     arch = ARCHS[arch_name]
     stem = data.get("stem", arch.default_stem)
-    if stem not in STEMS:
-        raise _fail(source, "field 'stem'", f"must be one of {STEMS}, got {stem!r}")
+    if stem not in arch.stems:
+        raise _fail(source, "field 'stem'", f"must be one of {arch.stems} for {arch.name}, got {stem!r}")
+    layernorm = data.get("layernorm", "consistent")
+    if "layernorm" in data and arch.family != "vit":
+        raise _fail(source, "field 'layernorm'", f"only ViT architectures have LayerNorm; remove it for {arch.name}")
+    if layernorm not in LAYERNORM_MODES:
+        raise _fail(source, "field 'layernorm'", f"must be one of {LAYERNORM_MODES}, got {layernorm!r}")
     method = data.get("method", "nefl")
     if method not in METHOD_NAMES:
         raise _fail(source, "field 'method'", f"must be one of {METHOD_NAMES}, got {method!r}")
@@ -169,7 +183,8 @@ def parse_profile(data: dict[str, Any], source: str = "<memory>") -> Profile:
     for a, b in zip(subs, subs[1:]):
         if b.gamma < a.gamma:
             raise _fail(source, f"submodel {b.index + 1}: field 'gamma'", "submodels must be ordered by increasing gamma")
-    known = {"name", "description", "arch", "stem", "num_classes", "input_shape", "dataset", "method", "submodels"}
+    known = {"name", "description", "arch", "stem", "num_classes", "input_shape", "dataset", "method", "submodels",
+             "layernorm"}
     unknown = set(data) - known
     if unknown:
         raise _fail(source, "top level", f"unknown field(s) {sorted(unknown)}; allowed: {sorted(known)}")
@@ -184,6 +199,7 @@ def parse_profile(data: dict[str, Any], source: str = "<memory>") -> Profile:
         method=method,
         submodels=tuple(subs),
         source=source,
+        layernorm=layernorm,
     )
 
 

@@ -1,7 +1,8 @@
 """Global federation state and the slicing between it and submodels.
 
 Global state = consistent tensors at full size (shared by every submodel as prefix slices) plus
-inconsistent tensors kept per submodel (step sizes, and BatchNorm unless the method shares BN).
+inconsistent tensors kept per submodel (step sizes, and BatchNorm unless the method shares BN; a ViT's
+LayerNorm only when its profile asks for per-submodel LayerNorm).
 Every submodel tensor is the leading corner [:d0, :d1, ...] of its global tensor: widths are
 prefixes and depth only removes whole tensors, so one shape per name says everything.
 """
@@ -9,12 +10,14 @@ prefixes and depth only removes whole tensors, so one shape per name says everyt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from nefl.families.registry import family_of
 from nefl.methods import Method, apply_method, get_method
-from nefl.models import NestedResNet, build_submodel, build_supernet
+from nefl.models import build_submodel, build_supernet, pretrained_supernet_state, read_state_file
 from nefl.profile import Profile
 from nefl.tensors import all_finite, corner, tensor_mismatch  # noqa: F401 (re-exported)
 
@@ -31,14 +34,6 @@ def load_module_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     missing = [k for k in result.missing_keys if not k.endswith("num_batches_tracked")]
     if missing or result.unexpected_keys:
         raise ValueError(f"state does not fit the module: missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
-
-
-def _bn_names(model: nn.Module) -> set[str]:
-    names = set()
-    for prefix, m in model.named_modules():
-        if isinstance(m, nn.BatchNorm2d):
-            names.update(f"{prefix}.{t}" for t in ("weight", "bias", *BN_STATS))
-    return names
 
 
 @dataclass
@@ -60,7 +55,7 @@ class Layout:
         with torch.device("meta"):
             supernet = build_supernet(ladder)
             subs = [build_submodel(ladder, s, method.learnable_steps) for s in ladder.submodels]
-        bn = _bn_names(supernet)
+        bn = family_of(ladder.arch).norm_tensors(supernet, ladder)
         steps = {k for k in module_state(supernet) if k.endswith(".step")}
         stats = {k for k in bn if k.rsplit(".", 1)[1] in BN_STATS}
         inconsistent = steps | (stats if method.static_bn else bn)
@@ -80,7 +75,7 @@ class Layout:
         """Tensors a client training submodel k sends back: everything it trained."""
         return {n: s for n, s in self.sub_shapes[k].items() if n not in self.local}
 
-    def module(self, k: int) -> NestedResNet:
+    def module(self, k: int) -> nn.Module:
         """A fresh, physically sliced module for submodel k."""
         return build_submodel(self.profile, self.profile.submodels[k], self.method.learnable_steps)
 
@@ -106,11 +101,21 @@ class GlobalState:
                     continue
                 if n.endswith(".step"):
                     si, bi = (int(x) for x in n.split(".")[1:3])
-                    own[n] = torch.tensor(spec.steps[si][bi])
+                    own[n] = torch.full(shape, spec.steps[si][bi])  # a scalar, or one per residual of the block
                 else:
                     own[n] = supernet_state[n][corner(shape)].clone()
             inconsistent.append(own)
         return cls(consistent, inconsistent)
+
+    @classmethod
+    def pretrained(cls, layout: Layout, path: str | Path, seed: int = 0) -> "GlobalState":
+        """The global state initialised from a torchvision state dict file (`--init-from`): mapped onto
+        the supernet and checked; a ValueError names the first key that does not fit."""
+        try:
+            supernet = pretrained_supernet_state(layout.profile, read_state_file(path), seed)
+        except ValueError as e:
+            raise ValueError(f"--init-from {path}: {e}" if not str(e).startswith("--init-from") else str(e)) from None
+        return cls.init(layout, seed, supernet_state=supernet)
 
     def extract(self, layout: Layout, k: int) -> dict[str, torch.Tensor]:
         """Submodel k's complete weights (copies): consistent slices plus its own tensors."""
