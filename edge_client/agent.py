@@ -209,7 +209,7 @@ class Agent:
             # the task is still open after a reconnect: the broker may have lost our upload in a restart;
             # resending is safe, the server drops chunks it already has
             self._publish_update(self.last_upload[1])
-            log.info(f"round {r}: task redelivered, resent the update")
+            log.info(f"round {r}: task redelivered, resent the update", extra={"round": r, "submodel": k + 1})
             return
         if key == self.last_task or (key[0] == self.last_task[0] and r < self.last_task[1]):
             return  # a retained task seen again after a reconnect
@@ -221,7 +221,8 @@ class Agent:
         announced = self.plan(task.deadline_s)
         if not 0 <= k < self.can_train():
             why = f"--max-submodel {self.cfg.max_submodel}" if self.selection is None else self.selection.reason
-            log.info(f"refusing round {r}: submodel {k + 1} does not fit now ({why})")
+            log.info(f"refusing round {r}: submodel {k + 1} does not fit now ({why})",
+                     extra={"round": r, "submodel": k + 1, "reason": why[:300]})
             self.last_task = key
             if not announced:  # the server stops waiting for this client once it hears
                 self._announce()
@@ -274,7 +275,8 @@ class Agent:
                        key="" if key is None else key.public_text)
         payload = msg.to_json() if key is None else key.sign(msg.to_json())
         self.transport.publish(self.topics.announce(self.cfg.client_id), payload, qos=1, retain=True)
-        log.info(f"announced {self.device.samples} samples, submodel <= {can}" + ("" if sel is None else f": {sel.reason}"))
+        log.info(f"announced {self.device.samples} samples, submodel <= {can}" + ("" if sel is None else f": {sel.reason}"),
+                 extra={"submodel": can, **({} if sel is None else {"reason": sel.reason[:300]})})
 
     def tick(self) -> None:
         """Called by the shell between messages: give up a task past its deadline, train when ready."""
@@ -283,7 +285,8 @@ class Agent:
             return
         elapsed = self.clock() - self.task_since
         if elapsed > task.deadline_s:
-            log.warning(f"round {task.round}: weights did not arrive before the deadline; skipping")
+            log.warning(f"round {task.round}: weights did not arrive before the deadline; skipping",
+                        extra={"round": task.round, "submodel": task.submodel + 1, "reason": "deadline"})
             self.task, self.last_task = None, (task.run, task.round)
             return
         if self.weights is None:
@@ -297,7 +300,7 @@ class Agent:
         try:
             res = self.device.train(self.layout, task, start, budget_s)
         except ValueError as e:  # weights that do not fit the submodel: a server/profile mismatch
-            log.error(f"round {r}: cannot train submodel {k + 1}: {e}")
+            log.error(f"round {r}: cannot train submodel {k + 1}: {e}", extra={"round": r, "submodel": k + 1})
             return
         why = {"selection": self.selection.reason[:300]} if self.selection else {}
         msgs = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k,

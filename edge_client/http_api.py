@@ -1,4 +1,5 @@
-"""HTTP front of the adaptive runtime: POST an image, get the class and which submodel answered.
+"""HTTP front of the adaptive runtime: POST an image, get the class and which submodel answered;
+GET /metrics gives Prometheus the request counts and latencies per submodel (edge_client/metrics.py).
 
 stdlib http.server (no extra dependency on a device), with the limits a listening port needs:
 
@@ -35,6 +36,9 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from edge_client.metrics import InferenceMetrics
 from edge_client.runtime import MAX_IMAGE_PIXELS, AdaptiveRuntime, ImageError, ImageTooLarge
 
 MAX_BODY_BYTES = 4 << 20
@@ -103,7 +107,7 @@ class _DeadlineReader(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-def make_handler(runtime: AdaptiveRuntime, limits: Limits) -> type[BaseHTTPRequestHandler]:
+def make_handler(runtime: AdaptiveRuntime, limits: Limits, metrics: InferenceMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "nefl-edge"
         protocol_version = "HTTP/1.0"  # one request per connection: an idle kept-alive one would hold a worker
@@ -119,10 +123,14 @@ def make_handler(runtime: AdaptiveRuntime, limits: Limits) -> type[BaseHTTPReque
             log.info("%s %s", self.address_string(), fmt % args)
 
         def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
+            self._send_bytes(status, json.dumps(body).encode(), "application/json")
+
+        def _send_bytes(self, status: HTTPStatus, data: bytes, content_type: str) -> None:
+            if status >= 400:
+                metrics.failed.labels(str(int(status))).inc()
             self.connection.settimeout(limits.timeout_s)
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
@@ -183,6 +191,7 @@ def make_handler(runtime: AdaptiveRuntime, limits: Limits) -> type[BaseHTTPReque
                                f"body of {size} bytes exceeds the {limits.max_body}-byte limit; send a smaller image")
             if size == 0:
                 raise ApiError(HTTPStatus.BAD_REQUEST, "empty body; POST PNG or JPEG bytes to /predict")
+            started = time.perf_counter()
             self._unread = 0  # read now, whatever happens: after a timeout there is nothing left to wait for
             try:
                 body = self.rfile.read(size)
@@ -192,9 +201,16 @@ def make_handler(runtime: AdaptiveRuntime, limits: Limits) -> type[BaseHTTPReque
             if len(body) < size:
                 raise ApiError(HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {size} bytes; "
                                "send the whole image")
-            return result_json(runtime, body, limits.max_pixels)
+            answer = result_json(runtime, body, limits.max_pixels)
+            metrics.answered(answer["submodel"], time.perf_counter() - started)
+            return answer
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self._path() == "/metrics":  # Prometheus text, not JSON
+                self._unread = self._body_size()
+                self._send_bytes(HTTPStatus.OK, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+                self._discard_unread()
+                return
             self._handle(self._get)
 
         def do_POST(self) -> None:  # noqa: N802
@@ -209,7 +225,8 @@ def make_handler(runtime: AdaptiveRuntime, limits: Limits) -> type[BaseHTTPReque
 
 
 def _unknown(method: str, path: str) -> ApiError:
-    return ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}; use POST /predict, GET /health or GET /models")
+    return ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}; use POST /predict, GET /health, GET /models "
+                    "or GET /metrics")
 
 
 def _raise(error: Exception) -> dict[str, Any]:
@@ -370,8 +387,9 @@ class _Lingerer:
 def make_server(
     runtime: AdaptiveRuntime, host: str = "127.0.0.1", port: int = 8080, max_body: int = MAX_BODY_BYTES, *,
     max_pixels: int = MAX_IMAGE_PIXELS, workers: int = WORKERS, queue_size: int = QUEUE_SIZE,
-    timeout_s: float = REQUEST_TIMEOUT_S,
+    timeout_s: float = REQUEST_TIMEOUT_S, metrics: InferenceMetrics | None = None,
 ) -> EdgeHTTPServer:
-    """Bound but not yet serving; port 0 picks a free port (see server.server_address)."""
+    """Bound but not yet serving; port 0 picks a free port (see server.server_address). GET /metrics
+    serves `metrics` (a fresh registry when not given)."""
     limits = Limits(max_body, max_pixels, workers, queue_size, timeout_s)
-    return EdgeHTTPServer((host, port), make_handler(runtime, limits), limits)
+    return EdgeHTTPServer((host, port), make_handler(runtime, limits, metrics or InferenceMetrics()), limits)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -78,14 +78,32 @@ class _StderrHandler(logging.StreamHandler):
         return sys.stderr
 
 
-def setup_logging(level: str, fmt: LogFormat = "plain") -> None:
+class _Context(logging.Filter):
+    """Fields every json line of this process carries unless the event names its own (e.g. client)."""
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.fields = dict(fields)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in self.fields.items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+def setup_logging(level: str, fmt: LogFormat = "plain", context: Mapping[str, Any] | None = None) -> None:
     """Route this kit's loggers to stderr at `level` in `fmt`; calling it again replaces the earlier
-    setup (one process may run several commands), and other libraries stay at warnings."""
+    setup (one process may run several commands), and other libraries stay at warnings. `context`
+    (json only: a shipper merging many devices' lines needs it, a person reading one stream does not)
+    adds fields such as the client id to every line."""
     check_choice(LogLevel, level.lower(), "--log-level")
     check_choice(LogFormat, fmt, "--log-format")
     handler = _StderrHandler()
     handler.set_name(HANDLER_NAME)
     handler.setFormatter(FORMATTERS[fmt]())
+    if context and fmt == "json":
+        handler.addFilter(_Context(context))
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == HANDLER_NAME]:
         root.removeHandler(old)
