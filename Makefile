@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env wheel system-deps test test-fast demo bench-systems bench-accuracy lint clean
+.PHONY: env wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,7 +16,7 @@ env: $(VENV)/.installed  ## virtual environment with the full kit (torch 2.14.1 
 wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (small), or with [full] to train
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
-system-deps:  ## Fashion-MNIST and mosquitto from Debian (apt-get, as root)
+system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
 test: env system-deps  ## the whole test suite (about 7 minutes on 2 cores)
@@ -32,9 +32,21 @@ demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashi
 bench-systems: env system-deps  ## aggregation, client, wire, trust-check and inference costs against their baselines -> docs/benchmarks.md
 	$(PY) benchmarks/bench_systems.py
 
-bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST, about an hour, resumable -> docs/results.md
+bench-scale: env system-deps  ## fleet load test: mosquitto + aggregator workers/relay + simulated devices -> docs/benchmarks.md, docs/img/scale.png
+	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
+	$(PY) benchmarks/bench_scale.py
+
+bench-observability: env system-deps  ## round time with and without --http, metrics/dashboard costs, dashboard screenshot -> docs/operations.md
+	$(PY) benchmarks/bench_observability.py
+
+bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST (about an hour), then ViT-tiny/MobileNetV2/ResNet-20 ladders (about 45 min); resumable -> docs/results.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_accuracy.py
+	$(PY) benchmarks/bench_accuracy.py --families
+
+bench-fedjigsaw: env system-deps  ## FedJigsaw vs HeteroFL/FedRolex and its ablations on Fashion-MNIST, about an hour, resumable -> docs/fedjigsaw.md
+	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
+	$(PY) benchmarks/bench_fedjigsaw.py
 
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks

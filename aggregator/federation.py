@@ -220,6 +220,16 @@ class Federation:
         self._reference = {}
         return self.round
 
+    def adopt_round(self, index: int, assignments: dict[str, int], references: Sequence[float],
+                    now: float | None = None) -> RoundState:
+        """An aggregator worker's round: the coordinator's plan (who trains what, the weight norm each
+        submodel's relative bound compares against) instead of its own draw, so the checks match."""
+        now = time.monotonic() if now is None else now
+        self.round = RoundState(index, dict(assignments), now + self.round_timeout, now)
+        self.agg = NeFedAvg(self.layout, self.weighting)
+        self._reference = {k: float(v) for k, v in enumerate(references) if v > 0}
+        return self.round
+
     def check_header(self, topic_client: str, header: dict[str, Any]) -> int:
         """Identity and round checks before the payload is even hashed; returns the submodel."""
         r = self.round
@@ -245,11 +255,12 @@ class Federation:
         if header["samples"] < 1:
             raise Rejected("bad_samples", f"sample count {header['samples']}")
         try:
-            self.agg.validate(k, delta)
+            # the wire decoder proved every value finite; the norm bound would refuse NaN/inf anyway
+            self.agg.check_shapes(k, delta)
             if k not in self._reference:
                 self._reference[k] = reference_norm(self.state, self.layout, k)
             delta, norm, clipped = self.guard.check(k, delta, self._reference[k])
-            self.agg.add_validated(k, delta, header["samples"])
+            self.agg.add_validated(k, delta, header["samples"], owned=True)
         except UpdateError as e:
             raise Rejected("tensor_mismatch", str(e)) from None
         except UpdateRejected as e:

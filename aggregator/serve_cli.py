@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 
 import typer
 
@@ -17,9 +18,12 @@ from aggregator.assignment import Assignment
 from aggregator.broker import EmbeddedBroker
 from aggregator.federation import ClientLimits, Robustness
 from aggregator.server import ServeConfig, Server, load_start
+from aggregator.worker import start_local_workers, stop_local_workers
+from aggregator.web import DashboardServer, TokenRequired, start_http
 from nefl.checkpoint import CheckpointError
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
+from nefl.listen import is_loopback, parse_listen
 from nefl.logs import setup_logging
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
@@ -82,11 +86,25 @@ def serve_command(
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
                                           "announced: coverage (every submodel each round when the pool allows), "
                                           "largest (the bound), or paper (tier t picks among t-2..t+2)."),
+    init_from: str = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, loaded "
+                                  "with weights_only=True, or .safetensors) of the profile's architecture "
+                                  "(docs/architectures.md). Ignored with --resume."),
+    http: str = typer.Option(None, help="Serve the dashboard (/), /api/state and Prometheus /metrics on HOST:PORT "
+                             "(a bare PORT is 127.0.0.1:PORT); off by default. docs/operations.md"),
+    http_token: str = typer.Option(None, envvar="NEFL_HTTP_TOKEN", help="Token the --http data needs (Bearer header "
+                                   "or ?token=); required when --http is not a loopback address."),
+    http_linger: float = typer.Option(0.0, min=0, help="Seconds --http stays up after the last round, so a scraper "
+                                      "sees the final values (e.g. your scrape interval)."),
     log_level: LogLevelOption = "info",
+    workers: int = typer.Option(0, min=0, help="Aggregator worker processes on this host that share the update stream "
+                                "(MQTT shared subscriptions, --broker of mosquitto 2.x / EMQX / HiveMQ); docs/scale.md."),
+    remote_workers: bool = typer.Option(False, help="Updates are taken by `aggregator worker` processes started "
+                                        "elsewhere; this process only merges their partials."),
+    worker_timeout: float = typer.Option(30.0, min=1, help="Seconds a round close waits for the workers' partials."),
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."""
-    setup_logging(log_level, log_format)
+    setup_logging(log_level, log_format, context={"federation": federation})
     signal.signal(signal.SIGTERM, _stop)
     try:
         bound = NormBound(max_norm=max_update_norm or None, relative=update_norm_relative or None,
@@ -94,6 +112,13 @@ def serve_command(
         robust = Robustness(bound, max_weight_abs, dp_noise_multiplier)
         if dp_noise_multiplier > 0:
             DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
+        listen = parse_listen(http) if http else None
+        if workers > 1 and broker is None:
+            raise ValueError("--workers > 1 needs MQTT shared subscriptions, which the embedded broker (amqtt) lacks: "
+                             "give --broker mqtt://HOST:PORT of mosquitto 2.x, EMQX, HiveMQ or VerneMQ")
+        if listen and not is_loopback(listen[0]) and not http_token:
+            raise TokenRequired(f"--http {http} would show the fleet to anyone who can reach it: give --http-token "
+                                "(or $NEFL_HTTP_TOKEN), or bind 127.0.0.1")
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -102,8 +127,9 @@ def serve_command(
                       checkpoint_dir=checkpoint_dir or f"runs/{federation}", resume=resume, eval_dataset=eval_dataset,
                       eval_samples=eval_samples, data_root=data_root, local_epochs=local_epochs, lr=lr,
                       batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
-                      dp_delta=dp_delta, assignment=assignment,
-                      limits=ClientLimits(require_device_keys=require_device_keys))
+                      dp_delta=dp_delta, assignment=assignment, init_from=init_from,
+                      limits=ClientLimits(require_device_keys=require_device_keys), workers=workers,
+                      remote_workers=remote_workers, worker_timeout=worker_timeout)
     try:
         Topics(federation)
         start = load_start(cfg)
@@ -126,7 +152,18 @@ def serve_command(
     log.info(f"server key {signer.public_text} (devices: --server-key; `aggregator key` prints it)")
     server = Server(cfg, settings, start, signer)
     try:
+        web = start_http(server.observer, *listen, http_token) if listen else None
+    except OSError as e:
+        if embedded is not None:
+            embedded.stop()
+        print(f"error: --http {http}: {e.strerror or e} (is another process on that port? pick another)", file=sys.stderr)
+        raise typer.Exit(2) from None
+    if web is not None:
+        log.info(f"dashboard on {web.url}, Prometheus metrics on {web.url}metrics")
+    local = start_local_workers(workers, settings, federation, signer.public_text, log_level) if workers else []
+    try:
         server.run()
+        _linger(web, http_linger)
     except (KeyboardInterrupt, Stop) as e:
         done = server.next_round - 1
         log.info(f"stopping ({e or 'interrupted'}); "
@@ -134,8 +171,22 @@ def serve_command(
                     else "no round completed yet, so there is nothing to resume"))
         server.conn.stop()
     finally:
+        stop_local_workers(local)
+        if web is not None:
+            web.close()
         if embedded is not None:
             embedded.stop()
+
+
+def _linger(web: DashboardServer | None, seconds: float) -> None:
+    """After the last round: keep --http up so the final round's values get scraped (Ctrl-C ends it)."""
+    if web is None or seconds <= 0:
+        return
+    log.info(f"federation finished; {web.url} stays up {seconds:g} s more (--http-linger)")
+    try:
+        time.sleep(seconds)
+    except (KeyboardInterrupt, Stop):
+        log.info("stopping the HTTP server")
 
 
 def key_command(

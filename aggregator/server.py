@@ -20,13 +20,15 @@ from typing import Any
 
 import msgspec
 import paho.mqtt.client as mqtt
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
 from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, state_digest
+from aggregator.metrics import Observer
+from aggregator.intake import DeviceKeys, take_update
+from aggregator.partials import WorkerPool
 from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
-                             load_checkpoint, replay_metrics, save_checkpoint)
+                             load_checkpoint, read_metrics, replay_metrics, save_checkpoint)
 from nefl.fsio import atomic_write_text
 from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, ServerStatus, Task,
                            TrainingSettings)
@@ -34,10 +36,10 @@ from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
 from nefl.robust import DPAccountant
 from nefl.state import GlobalState, Layout
-from nefl.signing import Signer, parse_public_key, split_signed, verify, verify_self_signed
+from nefl.signing import Signer, split_signed, verify_self_signed
 from nefl.topics import Topics
 from nefl.train import TrainConfig
-from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk, split_chunk
+from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
 
 STATUS_FILE = "status.json"
 
@@ -66,6 +68,10 @@ class ServeConfig:
     limits: ClientLimits = ClientLimits()
     dp_delta: float = 1e-5
     assignment: Assignment = "coverage"
+    init_from: str | None = None  # torchvision state dict (.pth / .safetensors) for the fresh global model
+    workers: int = 0  # > 0: updates go to aggregator workers (docs/scale.md), not to this process
+    remote_workers: bool = False  # workers started elsewhere (`aggregator worker`) take the updates
+    worker_timeout: float = 30.0  # seconds a round close waits for the online workers' partials
 
 
 @dataclass
@@ -98,6 +104,10 @@ class Server:
         self.evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root,
                                                seed=cfg.seed) if cfg.eval_dataset else None
         self.out = Path(cfg.checkpoint_dir)
+        # what --http shows (aggregator/metrics.py); a resumed run's charts start with its earlier rounds
+        self.observer = Observer(cfg.federation, self.profile.name, layout.num_submodels, cfg.rounds, cfg.round_timeout,
+                                 read_metrics(self.out) if next_round > 1 else [])
+        self.aggregate_s = 0.0  # this round's NeFedAvg time: folding updates in, then finalising
         self.bytes_out = 0
         self.round_rejects: Counter[str] = Counter()
         self.late = 0
@@ -105,13 +115,15 @@ class Server:
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
         self.signer = signer
-        self._keys: dict[str, Ed25519PublicKey] = {}  # parsed device keys, by their text
+        self._keys = DeviceKeys(lambda c: self.fed.keys.get(c))
         pins = start.meta.get("client_keys")  # pins survive a restart
         if isinstance(pins, dict):
             self.fed.keys.update({c: k for c, k in pins.items() if isinstance(c, str) and isinstance(k, str)})
         self.conn = Connection(settings, f"nefl-aggregator-{cfg.federation}", self.topics.server_status,
                                ServerStatus(state="offline", federation=cfg.federation).to_json(), log)
         self.client = self.conn.client
+        self.pool = WorkerPool(self.fed, self.profile, self.topics, signer, self.publish, self._reject,
+                               cfg.chunk_bytes, cfg.max_update_bytes, cfg.worker_timeout)
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self.client.publish(topic, payload, qos=QOS, retain=retain)
@@ -134,7 +146,9 @@ class Server:
 
     def publish_status(self, state: str) -> mqtt.MQTTMessageInfo:
         """Signed and retained on the broker, and mirrored (unsigned, readable) in status.json."""
-        body = self.status(state).to_json()
+        status = self.status(state)
+        self.observer.status(status)
+        body = status.to_json()
         info = self.client.publish(self.topics.server_status, self.signer.sign(body), qos=QOS, retain=True)
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.out / STATUS_FILE, msgspec.json.format(body, indent=1).decode())
@@ -145,7 +159,7 @@ class Server:
         """Handle inbound messages until `until` (monotonic) or until the round can close."""
         while time.monotonic() < until:
             if self.conn.just_connected():
-                self.client.subscribe([(t, QOS) for t in self.topics.server_subscriptions()])
+                self.client.subscribe([(t, QOS) for t in self._subscriptions()])
                 self._republish()
             try:
                 self.handle(*self.conn.inbox.get(timeout=0.1))
@@ -165,13 +179,24 @@ class Server:
             elif (client := t.client_of(topic, "announce")) is not None:
                 if payload:  # an empty retained message clears the announce
                     self._handle_announce(client, self._open_announce(client, payload))
+            elif (w := t.worker_of(topic)) is not None:
+                client = w[0]
+                self.pool.handle(*w, payload)
             elif (client := t.client_of(topic, "status")) is not None:
                 online = bool(payload) and ClientStatus.from_json(payload).state == "online"
                 self.fed.set_online(client, online)
+                self.observer.client_changed(self.fed.clients.get(client))
         except (MessageError, Rejected, WireError) as e:
             self._reject(e.reason, client or "?", str(e))
         except Exception:  # a bug must not let one message end the federation: count it, keep the trace
             self._reject("internal_error", client or "?", traceback.format_exc(limit=3).strip().replace("\n", " | "))
+
+    def _subscriptions(self) -> list[str]:
+        """Updates come in here unless workers take them; partials from workers and relays always may."""
+        ingest = self.topics.server_subscriptions()
+        if self.cfg.workers or self.cfg.remote_workers:
+            ingest.remove(self.topics.update("+"))
+        return ingest + self.topics.coordinator_subscriptions()
 
     def _open_announce(self, client: str, payload: bytes) -> Announce:
         """A device signs its announce with the key it names: check that, then the key pinned for its id."""
@@ -183,50 +208,37 @@ class Server:
         self.fed.check_key(client, key)
         return Announce.from_json(body)
 
-    def _verify_chunk(self, client: str, payload: bytes) -> None:
-        """A device whose key is pinned signs every chunk header (round, submodel, payload sha256 ...):
-        a replayed or re-wrapped update under its id fails here, on any broker."""
-        key = self.fed.keys.get(client)
-        if key is not None:
-            verify(split_chunk(payload)[0], self._device_key(key))
-
-    def _device_key(self, text: str) -> Ed25519PublicKey:
-        if text not in self._keys:
-            self._keys[text] = parse_public_key(text)
-        return self._keys[text]
-
     def _handle_announce(self, client: str, msg: Announce) -> None:
         info = self.fed.announce(client, msg)
+        self.observer.client_changed(info)
         why = f" ({info.selection})" if info.selection else ""
-        log.info(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}")
+        log.info(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}",
+                 extra={"client": client, "submodel": info.max_submodel + 1})
         r = self.fed.round
         if r is not None and client in r.declined and client not in r.assignments:
             log.info(f"round {r.index}: {client} declined its task; the round no longer waits for it")
 
     def _handle_update(self, client: str, payload: bytes) -> None:
-        if len(payload) > self.cfg.chunk_bytes * 4:  # peers use our chunk size; allow slack, refuse floods
-            raise WireError("oversized", f"{len(payload)}-byte message, chunks are <= {self.cfg.chunk_bytes}")
-        header, _ = parse_chunk(payload)
-        self._verify_chunk(client, payload)
-        if self.reasm.is_duplicate(header):
-            return
+        """The path workers share (aggregator/intake.py); a device's signed chunk under a pinned key
+        makes a replayed or re-wrapped update under its id fail there, on any broker."""
+        t0 = time.perf_counter()
         try:
-            self.fed.check_header(client, header)
+            done = take_update(self.fed, self.reasm, self._keys, client, payload, self.cfg.chunk_bytes * 4)
         except Rejected as e:
-            if header["index"] == 0:  # one count per update, not per chunk
-                self.late += e.reason == "stale_round" and header["round"] < self.next_round
-                self._reject(e.reason, client, str(e))
-            return
-        done = self.reasm.feed(payload)
-        if done is not None:
-            self.fed.accept(client, done.header, done.tensors, done.nbytes)
-            log.info(f"round {header['round']}: update from {client} (submodel {header['submodel'] + 1}, "
-                f"{done.nbytes} bytes, {done.header['dtype']})")
+            self.late += e.reason == "stale_round" and parse_chunk(payload)[0]["round"] < self.next_round
+            raise
+        if done is not None:  # the call that completed an update also validated, bounded and folded it
+            self.aggregate_s += time.perf_counter() - t0
+            self.observer.update_accepted(client)
+            log.info(f"round {done.header['round']}: update from {client} (submodel {done.header['submodel'] + 1}, "
+                f"{done.nbytes} bytes, {done.header['dtype']})",
+                extra={"round": done.header["round"], "client": client, "submodel": done.header["submodel"] + 1})
 
     def _reject(self, reason: str, client: str, msg: str) -> None:
         self.fed.reject(reason)
         self.round_rejects[reason] += 1
-        log.info(f"rejected {reason} from {client}: {msg}")
+        self.observer.rejected(reason)
+        log.info(f"rejected {reason} from {client}: {msg}", extra={"client": client, "reason": reason})
 
     # -- rounds ---------------------------------------------------------------------------------
     def wait_for_clients(self) -> None:
@@ -239,7 +251,9 @@ class Server:
             n = len(self.fed.available())
             if n and first_ready is None:
                 first_ready = time.monotonic()
-            if n >= self.cfg.clients_per_round or (
+            if self.pool.workers_seen() < max(self.cfg.workers, self.cfg.remote_workers):  # no first round before they listen
+                pass
+            elif n >= self.cfg.clients_per_round or (
                     n >= self.cfg.min_clients and time.monotonic() - first_ready >= self.cfg.join_wait):
                 return
             said = self._say_why_waiting(n, said)
@@ -281,6 +295,7 @@ class Server:
     def run_round(self, index: int) -> dict[str, Any]:
         t0 = time.monotonic()
         self.late = 0
+        self.aggregate_s = 0.0
         out0, in0 = self.bytes_out, self.fed.bytes_in
         start_digest = state_digest(self.fed.state)
         r = self.fed.open_round(index)
@@ -292,9 +307,12 @@ class Server:
             self._published[k] = msgs
             for i, m in enumerate(msgs):
                 self.publish(self.topics.model_chunk(k, i), m, retain=True)
+        self.pool.open(self.run_id, self.layout)  # before the tasks: a worker knows the round before its updates come
         for c, k in r.assignments.items():
             self.publish(self.topics.task(c), self._task(index, k), retain=True)
-        log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())))
+        self.observer.round_opened(index, r.assignments, self.cfg.round_timeout)
+        log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())),
+                 extra={"round": index})
         self.publish_status("training")
         while not self.fed.complete():
             self.pump(r.deadline)
@@ -304,13 +322,19 @@ class Server:
             log.info(f"round {index} closed {why}: {len(r.received)}/{len(r.assignments)} updates")
         for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
             self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
+        worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
+        self.late += self.pool.late
+        t_agg = time.perf_counter()
         facts = self.fed.close_round()
+        facts.update(worker_facts)
+        self.aggregate_s += time.perf_counter() - t_agg
         self.next_round = index + 1
         rejected, self.round_rejects = dict(self.round_rejects), Counter()  # rejections since the last round closed
         facts.update({
             "start_sha256": start_digest, "bytes_out": self.bytes_out - out0, "bytes_in": self.fed.bytes_in - in0,
             "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
             "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - t0, 3),
+            "aggregate_s": round(self.aggregate_s, 4),
         })
         if not facts["committed"] and facts["quorum"]:
             log.info(f"round {index} NOT committed, the previous weights stay: {facts['not_committed']}")
@@ -323,19 +347,22 @@ class Server:
             self.accuracy = self.evaluator.accuracy(self.fed.state)
             facts["accuracy"] = self.accuracy
         facts["wall_s"] = round(time.monotonic() - t0, 3)  # up to the commit: the saved line and the appended one agree
+        t_ckpt = time.perf_counter()
         save_checkpoint(self.out, self.fed.state, self.layout,
                         {"round": index, "rounds": self.cfg.rounds, "federation": self.cfg.federation,
                          "accuracy": self.accuracy, "state_sha256": state_digest(self.fed.state),
                          "update_guard": self.fed.guard.state_dict(), "client_keys": self.fed.keys,
                          UPDATES_TOTAL_KEY: self.fed.trained_updates},
                         metrics=facts)
+        self.observer.checkpoint_saved(time.perf_counter() - t_ckpt)
         self.write_metrics(facts)
         log.info(f"round {index} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
-            + (f", accuracy {self.accuracy}" if self.accuracy else ""))
+            + (f", accuracy {self.accuracy}" if self.accuracy else ""), extra={"round": index})
         return facts
 
     def write_metrics(self, facts: dict[str, Any]) -> None:
         append_metrics(self.out, facts)
+        self.observer.metrics_line(facts)
 
     def run(self) -> None:
         self.conn.start()
@@ -381,4 +408,6 @@ def load_start(cfg: ServeConfig) -> Start:
         return Start(profile, ckpt.layout, ckpt.state, ckpt.meta["round"] + 1, ckpt.meta)
     if has_checkpoint(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir} already holds a checkpoint: pass --resume, or another --checkpoint-dir")
+    if cfg.init_from:
+        return Start(profile, layout, GlobalState.pretrained(layout, cfg.init_from, cfg.seed), 1)
     return Start(profile, layout, GlobalState.init(layout, cfg.seed), 1)

@@ -24,9 +24,11 @@ import typer
 from edge_client.agent import DEVICE_KEY_DIR, PIN_DIR, Agent, AgentConfig, pin_file_for
 from edge_client.costmodel import CACHE_DIR
 from edge_client.device import DataConfig, DeviceConfig, LocalDevice
+from edge_client.metrics import instrument
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.data import DatasetUnavailable, parse_partition
+from nefl.listen import parse_listen
 from nefl.logs import setup_logging
 from nefl.messages import ClientStatus
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
@@ -107,17 +109,20 @@ def join_command(
                                         "without it the first key seen is trusted and remembered, with a warning."),
     device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
                                     "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator pins it."),
+    http: str = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe "
+                             "readings, the selection and its binding limit, step time, upload bytes."),
     log_level: LogLevelOption = "info",
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
-    setup_logging(log_level, log_format)
     cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
+    setup_logging(log_level, log_format, context={"client": cid})
     signal.signal(signal.SIGTERM, _stop)
     try:
         check_name("client id", cid)
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
         parse_partition(partition)
+        listen = parse_listen(http) if http else None
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: torch sees no CUDA device here (on a Jetson, install NVIDIA's torch "
                              "wheel; see docs/deploy.md)")
@@ -132,11 +137,14 @@ def join_command(
                           pin_file_for(PIN_DIR, federation, settings.host, settings.port),
                           Signer.load_or_create(key_path.parent, key_path.name))
         conn = Connection(settings, cid, Topics(federation).status(cid), ClientStatus(state="offline").to_json(), log)
-        agent = Agent(cfg, conn.client, local)
+        transport, dev = (conn.client, local) if listen is None else \
+            instrument(conn.client, local, Topics(federation).update(cid), *listen)
+        agent = Agent(cfg, transport, dev)
     except (ValueError, DatasetUnavailable, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     except (KeyboardInterrupt, Stop):
         raise typer.Exit(0) from None
-    log.info(f"client {cid}: {local.samples} training samples; joining federation {federation!r} on {settings.url}")
+    log.info(f"client {cid}: {local.samples} training samples; joining federation {federation!r} on {settings.url}"
+             + (f"; Prometheus metrics on http://{listen[0]}:{listen[1]}/metrics" if listen else ""))
     raise typer.Exit(run(agent, conn, settings))

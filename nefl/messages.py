@@ -197,3 +197,85 @@ def _short(e: Exception) -> str:
 def finite_or_none(x: float | None) -> float | None:
     """Device readings that JSON cannot carry (NaN from a failed sensor) travel as null."""
     return x if x is None or math.isfinite(x) else None
+
+
+# -- scale-out: coordinator <-> aggregator workers and site relays (docs/scale.md) --------------------
+MAX_PLAN_BYTES = 16 << 20  # a round plan lists every participant (and its key): 100k fit
+MAX_ROUND_CLIENTS = 100_000
+MAX_RECEIPT_BYTES = 8 * 1024
+NormValue = Annotated[float, msgspec.Meta(ge=0, le=1e300)]
+Bound = Annotated[float, msgspec.Meta(gt=0, le=1e300)]
+
+
+class BoundSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """The coordinator's update-norm bound (nefl/robust.py NormBound), so every worker applies the same."""
+
+    max_norm: Bound | None = None
+    relative: Bound | None = None
+    adaptive_k: Bound | None = None
+    mode: Literal["reject", "clip"] = "reject"
+    window: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 20
+    warmup: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 5
+
+
+class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_field="type"):
+    """Coordinator -> workers, retained, signed: everything a worker needs to check and sum round
+    `round`'s updates as the coordinator would (who trains what, pinned device keys, the norm bound
+    with its reference norms and adaptive history), and which workers own multi-chunk updates."""
+
+    federation: Name
+    run: Name
+    round: Round
+    profile: dict[str, Any]
+    profile_hash: Short
+    assignments: Annotated[dict[Name, Submodel], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)]
+    keys: Annotated[dict[Name, KeyText], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}
+    references: Annotated[list[NormValue], msgspec.Meta(max_length=256)]  # weight norm per submodel
+    norms: Annotated[list[Annotated[list[NormValue], msgspec.Meta(max_length=10_000)]], msgspec.Meta(max_length=256)]
+    bound: BoundSettings = BoundSettings()
+    deadline_s: Seconds
+    max_update_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 34)]
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=8192, le=1 << 28)]
+    owners: Annotated[list[Name], msgspec.Meta(max_length=1024)] = []  # workers of the shared group, sorted
+
+
+class RoundClose(Message, frozen=True, tag="round_close", tag_field="type"):
+    """Coordinator -> workers, signed: round `round` is over, publish your partial."""
+
+    federation: Name
+    run: Name
+    round: Round
+
+
+class WorkerStatus(Message, frozen=True, tag="worker_status", tag_field="type"):
+    """Worker/relay -> coordinator, retained; the broker publishes the "offline" one as its last will."""
+
+    state: Literal["online", "offline"]
+    role: Literal["worker", "relay"] = "worker"
+
+
+class Receipt(Message, frozen=True, kw_only=True, tag="receipt", tag_field="type"):
+    """Worker -> coordinator: one update accepted into the worker's partial (outcome "accepted", with
+    the client's round metrics) or refused (outcome = the reason code the server would have counted)."""
+
+    round: Round
+    client: Name | None = None  # None: the message named no usable client
+    outcome: Short
+    detail: Reason = ""
+    late: bool = False  # a stale update of an earlier round (the server's late_updates)
+    nbytes: Count = 0
+    metrics: Annotated[dict[Short, float | int | bool | Reason], msgspec.Meta(max_length=64)] = {}
+
+
+class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", tag_field="type"):
+    """Worker -> coordinator: what its partial NeFedAvg of round `round` holds; the group sums
+    travel as chunked safetensors (kind "partial") whose payload hashes to `sha256`."""
+
+    run: Name
+    round: Round
+    weights: Annotated[list[NormValue], msgspec.Meta(max_length=256)]
+    updates: Annotated[list[Count], msgspec.Meta(max_length=256)]
+    clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
+    norms: Annotated[list[Annotated[list[NormValue], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)]],
+                     msgspec.Meta(max_length=256)] = []
+    sha256: Hex64 | None = None  # None when it holds no update (no tensors follow)

@@ -10,6 +10,17 @@ ACL can confine a client to `.../{client}` leaves (docs/security.md). MQTT 3.1.1
     update/{client}       client -> server            chunked delta of the assigned submodel
     control               server -> all     retained  {"event": "end"} when the federation is over
     server/status         server -> all     retained  live state; last will "offline"
+
+Scale-out (docs/scale.md): aggregator workers and site relays talk to the coordinator under
+`workers/` and `worker/{id}/`; a broker ACL should let only server-side accounts use them.
+
+    workers/round         coordinator -> workers  retained  signed round plan (assignments, bounds)
+    workers/close         coordinator -> workers            signed "send your partial for round r"
+    worker/{id}/status    worker -> coordinator   retained  "online"; last will "offline"
+    worker/{id}/receipt   worker -> coordinator             one per accepted or rejected update
+    worker/{id}/partial   worker -> coordinator             chunked safetensors of its partial sums
+    worker/{id}/summary   worker -> coordinator             weights, counts, clients of that partial
+    worker/{id}/forward   worker -> worker                  a chunk of a multi-chunk update, to its owner
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import re
 
 PREFIX = "nefl"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+WORKER_KINDS = ("status", "receipt", "partial", "summary", "forward")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -60,6 +72,48 @@ class Topics:
 
     def server_subscriptions(self) -> list[str]:
         return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "update")]
+
+    def update_shared(self, group: str) -> str:
+        """The MQTT 3.1.1 shared subscription that spreads updates over a group of workers: the broker
+        hands each message to one member (mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."""
+        return f"$share/{check_name('worker group', group)}/{self.root}/update/+"
+
+    @property
+    def workers_round(self) -> str:
+        return f"{self.root}/workers/round"
+
+    @property
+    def workers_close(self) -> str:
+        return f"{self.root}/workers/close"
+
+    def worker(self, worker: str, kind: str) -> str:
+        """`worker/{id}/{kind}`, kind one of WORKER_KINDS."""
+        if kind not in WORKER_KINDS:
+            raise ValueError(f"unknown worker topic kind {kind!r}")
+        return f"{self.root}/worker/{worker}/{kind}"
+
+    def coordinator_subscriptions(self) -> list[str]:
+        """What a coordinator hears from its workers and relays (the forward topic is theirs alone)."""
+        return [f"{self.root}/worker/+/{kind}" for kind in WORKER_KINDS if kind != "forward"]
+
+    def worker_of(self, topic: str) -> tuple[str, str] | None:
+        """(worker id, kind) of a `worker/{id}/{kind}` topic, or None when the topic is not one."""
+        head = f"{self.root}/worker/"
+        if not topic.startswith(head):
+            return None
+        worker, _, kind = topic[len(head):].partition("/")
+        return (worker, kind) if _NAME.fullmatch(worker) and kind in WORKER_KINDS else None
+
+    def relay_down(self) -> list[str]:
+        """What a site relay copies from the coordinator's broker to its site (tasks: per site client)."""
+        return [f"{self.root}/model/#", self.control, self.server_status]
+
+    def relay_up(self) -> list[str]:
+        """What a site relay copies from its site to the coordinator's broker (updates it sums itself)."""
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "status")]
+
+    def is_model(self, topic: str) -> bool:
+        return topic.startswith(f"{self.root}/model/")
 
     def client_of(self, topic: str, kind: str) -> str | None:
         """The client id of an `{kind}/{client}` topic, or None when the topic is not one."""

@@ -33,14 +33,14 @@ MAGIC = b"NEFL"
 DEFAULT_CHUNK_BYTES = 256 * 1024
 MAX_HEADER_BYTES = 4096
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-KINDS = ("model", "update")
+KINDS = ("model", "update", "partial")
 _PREFIX = struct.Struct(">4sI")
 
 
 class ChunkHeader(Message, frozen=True):
     """The JSON header every chunk repeats; parsed by the same strict loader as control messages."""
 
-    kind: Literal["model", "update"]
+    kind: Literal["model", "update", "partial"]  # partial: a worker's sums (aggregator/partials.py)
     federation: Name
     round: Round
     submodel: Submodel

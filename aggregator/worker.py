@@ -1,0 +1,335 @@
+"""`aggregator worker`: one of several processes that share a federation's update stream.
+
+Workers subscribe to `$share/{group}/nefl/{federation}/update/+`, so the broker hands each update
+message to one of them. Each checks it exactly as the server would (aggregator/intake.py: size,
+signature, identity, round, shapes, finite values, the norm bound of the coordinator's plan), folds
+it into its own partial NeFedAvg, tells the coordinator (a receipt), and at round close publishes
+the partial (aggregator/partials.py) for the coordinator to merge.
+
+Chunks of one update reach one worker (docs/scale.md): an update sent in one message trivially
+does; for a multi-chunk update the round plan names an owner per client (a stable hash over the
+plan's sorted worker list), and a worker handed a chunk it does not own forwards it, once, to the
+owner's forward topic. Threads as in the server: paho only enqueues, the main thread owns the state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import typer
+
+from aggregator.federation import Federation, Rejected, Robustness
+from aggregator.intake import DeviceKeys, take_update
+from aggregator.partials import partial_tensors
+from nefl.cli_options import (ENV_PASSWORD, ENV_USERNAME, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+                              UsernameOption)
+from nefl.logs import setup_logging
+from nefl.messages import MAX_PLAN_BYTES, MessageError, PartialSummary, Receipt, RoundClose, WorkerRound, WorkerStatus
+from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
+from nefl.profile import parse_profile
+from nefl.robust import NormBound
+from nefl.signing import parse_public_key, verify
+from nefl.state import GlobalState, Layout
+from nefl.topics import Topics, check_name
+from nefl.wire import Reassembler, WireError, encode, parse_chunk
+
+log = logging.getLogger("aggregator.worker")
+EARLY_MESSAGES = 10_000  # update chunks held while their round's plan is on its way
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    federation: str = "default"
+    worker_id: str = "worker-1"
+    group: str = "nefl-workers"
+    shared: bool = True  # False: a lone worker (or a relay) takes update/+ itself
+    server_key: str | None = None  # verify the coordinator's round plans and close requests
+
+
+def owner_of(client: str, owners: list[str]) -> str | None:
+    """The worker that assembles `client`'s multi-chunk updates this round (None: no owner list)."""
+    if not owners:
+        return None
+    h = int.from_bytes(hashlib.sha256(client.encode()).digest()[:8], "big")
+    return owners[h % len(owners)]
+
+
+class Worker:
+    """Checks and sums the updates it is handed; the coordinator's plan says what is valid."""
+
+    role = "worker"
+
+    def __init__(self, cfg: WorkerConfig, upstream: BrokerSettings) -> None:
+        self.cfg = cfg
+        self.topics = Topics(cfg.federation)
+        self.me = check_name("worker id", cfg.worker_id)
+        self.server_key = parse_public_key(cfg.server_key) if cfg.server_key else None
+        offline = WorkerStatus(state="offline", role=self.role).to_json()
+        self.up = Connection(upstream, f"nefl-{self.role}-{cfg.federation}-{self.me}",
+                             self.topics.worker(self.me, "status"), offline, log)
+        self.sources: list[Connection] = [self.up]  # where updates come from
+        self.plan: WorkerRound | None = None
+        self.layout: Layout | None = None
+        self.fed: Federation | None = None
+        self.reasm: Reassembler | None = None
+        self.keys = DeviceKeys(lambda c: self.fed.keys.get(c) if self.fed else None)
+        self.sent: set[tuple[str, int]] = set()  # (run, round) partials already published
+        self.early: list[tuple[str, bytes, bool]] = []  # updates of a round whose plan has not arrived yet
+        self.bytes_up = 0  # what this process published to the coordinator's broker
+        self._up_mark = 0  # bytes_up at the last partial
+        self.stopping = False
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def publish_up(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.up.client.publish(topic, payload, qos=QOS, retain=retain)
+        self.bytes_up += len(payload)
+
+    def subscriptions(self, conn: Connection) -> list[str]:
+        t = self.topics
+        subs = [t.workers_round, t.workers_close, t.worker(self.me, "forward")]
+        return subs + [t.update_shared(self.cfg.group) if self.cfg.shared else t.update("+")]
+
+    def run(self) -> None:
+        for conn in dict.fromkeys(self.sources + [self.up]):
+            conn.start()
+        while not self.stopping:
+            self.step(0.01)
+
+    def step(self, wait_s: float) -> None:
+        """Subscribe after (re)connects, then handle what arrived (waiting up to `wait_s` when idle)."""
+        busy = False
+        for conn in dict.fromkeys([self.up, *self.sources]):
+            if conn.just_connected():
+                conn.client.subscribe([(t, QOS) for t in self.subscriptions(conn)])
+                if conn is self.up:
+                    self.publish_up(self.topics.worker(self.me, "status"),
+                                    WorkerStatus(state="online", role=self.role).to_json(), retain=True)
+            for _ in range(200):
+                try:
+                    topic, payload = conn.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                busy = True
+                self.route(conn, topic, payload)
+        for key in self.reasm.expire() if self.reasm is not None else []:
+            self.receipt(key[2], "timeout", f"chunk set of round {key[1]} incomplete after {self.reasm.timeout_s}s")
+        if not busy:
+            time.sleep(wait_s)
+
+    def route(self, conn: Connection, topic: str, payload: bytes) -> None:
+        """The trust boundary: whatever arrives is judged, counted and answered; nothing raises past it."""
+        t = self.topics
+        if conn in self.sources and (client := t.client_of(topic, "update")) is not None:
+            self.judged(client, lambda: self.on_update(client, payload, forwarded=False))
+        elif conn is self.up and topic == t.workers_round:
+            self.judged(None, lambda: self.on_plan(payload))
+        elif conn is self.up and topic == t.workers_close:
+            self.judged(None, lambda: self.on_close(payload))
+        elif conn is self.up and topic == t.worker(self.me, "forward"):
+            # the forwarding worker checked the header's client against the update topic
+            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0]["client"], payload, forwarded=True))
+
+    def judged(self, client: str | None, handle: Callable[[], None]) -> None:
+        """Run a handler; a refusal (or a bug) becomes a receipt with its reason, never an exception."""
+        try:
+            handle()
+        except (MessageError, Rejected, WireError) as e:
+            self.receipt(client, e.reason, str(e))
+        except Exception:  # a bug must not let one message end the worker: count it, keep the trace
+            self.receipt(client, "internal_error", traceback.format_exc(limit=3).strip().replace("\n", " | "))
+
+    def _signed(self, payload: bytes) -> bytes:
+        return verify(payload, self.server_key) if self.server_key is not None else payload
+
+    # -- the coordinator's plan and close ---------------------------------------------------------
+    def on_plan(self, payload: bytes) -> None:
+        if not payload:
+            return
+        plan = WorkerRound.from_json(self._signed(payload), MAX_PLAN_BYTES)
+        if plan.federation != self.cfg.federation:
+            raise Rejected("wrong_federation", f"plan of federation {plan.federation!r}")
+        if self.plan is not None and (plan.run, plan.round) == (self.plan.run, self.plan.round):
+            self.plan = plan  # the open round re-planned (an owner left) or redelivered: keep the partial
+            return
+        if self.layout is None or self.layout.profile.hash != plan.profile_hash:
+            self.layout = Layout.build(parse_profile(plan.profile, "the coordinator's round plan"))
+            if self.layout.profile.hash != plan.profile_hash:
+                raise Rejected("profile_mismatch", "the plan's profile does not hash to its profile_hash")
+            self.fed = None
+        b = plan.bound
+        robust = Robustness(NormBound(max_norm=b.max_norm, relative=b.relative, adaptive_k=b.adaptive_k, mode=b.mode,
+                                      window=b.window, warmup=b.warmup))
+        if self.fed is None or self.fed.robustness != robust:
+            # a worker holds no weights: the plan's reference norms stand in for them
+            empty = GlobalState({}, [{} for _ in range(self.layout.num_submodels)])
+            self.fed = Federation(self.layout, empty, plan.federation, max(1, len(plan.assignments)), 1,
+                                  plan.deadline_s, robustness=robust)
+        self.fed.round_timeout = plan.deadline_s
+        self.fed.adopt_round(plan.round, plan.assignments, plan.references)
+        self.fed.guard.load_state_dict({"norms": plan.norms})
+        self.fed.keys = dict(plan.keys)
+        if self.reasm is None or self.reasm.max_bytes != plan.max_update_bytes:
+            self.reasm = Reassembler(max_bytes=plan.max_update_bytes, timeout_s=plan.deadline_s)
+        self.reasm.discard_rounds_before(plan.round)
+        self.plan = plan
+        early, self.early = self.early, []
+        for client, payload, forwarded in early:
+            self.judged(client, partial(self.on_update, client, payload, forwarded))
+        log.info(f"round {plan.round}: plan of run {plan.run} with {len(plan.assignments)} participants, "
+                 f"owners {plan.owners}")
+
+    def on_close(self, payload: bytes) -> None:
+        msg = RoundClose.from_json(self._signed(payload))
+        if msg.federation != self.cfg.federation or (msg.run, msg.round) in self.sent:
+            return
+        self.sent.add((msg.run, msg.round))
+        p, fed = self.plan, self.fed
+        mine = p is not None and fed is not None and fed.round is not None and (p.run, p.round) == (msg.run, msg.round)
+        self.publish_partial(msg.run, msg.round, fed if mine else None)
+        if mine:
+            fed.round = None  # anything arriving now is late for this round
+
+    def publish_partial(self, run: str, index: int, fed: Federation | None) -> None:
+        """The partial (possibly empty) for (run, round): tensors first, then the summary naming them."""
+        num = self.layout.num_submodels if self.layout else 0
+        summary = PartialSummary(run=run, round=index, weights=[0.0] * num, updates=[0] * num)
+        if fed is not None and fed.agg.total_updates:
+            agg, r = fed.agg, fed.round
+            msgs = encode(partial_tensors(agg), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
+                          client=self.me, chunk_bytes=self.plan.chunk_bytes)
+            for m in msgs:
+                self.publish_up(self.topics.worker(self.me, "partial"), m)
+            norms = [[] for _ in range(num)]
+            for c in sorted(r.received):
+                norms[r.assignments[c]].append(r.client_metrics[c]["norm"])
+            summary = PartialSummary(run=run, round=index, weights=[float(w) for w in agg.weights], updates=list(agg.updates),
+                                     clients=sorted(r.received), norms=norms, sha256=parse_chunk(msgs[0])[0]["sha256"])
+        self.publish_up(self.topics.worker(self.me, "summary"), summary.to_json())
+        log.info(f"{self.me}: round {index}: partial of {len(summary.clients)} update(s) sent "
+                 f"({self.bytes_up - self._up_mark} bytes up since the last one)")
+        self._up_mark = self.bytes_up
+
+    # -- updates ----------------------------------------------------------------------------------
+    def on_update(self, client: str, payload: bytes, forwarded: bool) -> None:
+        if self.fed is None or self.plan is None:
+            raise Rejected("stale_round", "no round plan from the coordinator yet")
+        header, _ = parse_chunk(payload)
+        if header["round"] > self.plan.round and len(self.early) < EARLY_MESSAGES:
+            self.early.append((client, payload, forwarded))  # its plan is on the way: the coordinator sent it first
+            return
+        if not forwarded and header["count"] > 1 and self.cfg.shared:
+            owner = owner_of(client, self.plan.owners)
+            if owner is not None and owner != self.me:
+                if header["client"] != client:
+                    raise Rejected("client_mismatch", f"payload says client {header['client']!r}, topic says {client!r}")
+                self.publish_up(self.topics.worker(owner, "forward"), payload)
+                return
+        try:
+            done = take_update(self.fed, self.reasm, self.keys, client, payload, self.plan.chunk_bytes * 4)
+        except Rejected as e:
+            self.receipt(client, e.reason, str(e), late=e.reason == "stale_round" and header["round"] < self.plan.round)
+            return
+        if done is not None:
+            self.receipt(client, "accepted", "", nbytes=done.nbytes, metrics=self.fed.round.client_metrics[client])
+            log.info(f"{self.me}: round {done.header['round']}: update from {client} accepted "
+                     f"(submodel {done.header['submodel'] + 1}, {done.nbytes} bytes)")
+
+    def receipt(self, client: str | None, outcome: str, detail: str, nbytes: int = 0, metrics: dict | None = None,
+                late: bool = False) -> None:
+        """Tell the coordinator what became of an update: it counts rejections and waits for acceptances."""
+        r = self.fed.round if self.fed else None
+        index = r.index if r else (self.plan.round if self.plan else 0)
+        if outcome != "accepted":
+            log.info(f"rejected {outcome} from {client or '?'}: {detail}")
+        rc = Receipt(round=index, client=client, outcome=outcome[:64], detail=detail[:300], late=late, nbytes=nbytes,
+                     metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))})
+        self.publish_up(self.topics.worker(self.me, "receipt"), rc.to_json())
+
+    def stop(self) -> None:
+        self.stopping = True
+        for conn in dict.fromkeys([*self.sources, self.up]):
+            last = (self.topics.worker(self.me, "status"), WorkerStatus(state="offline", role=self.role).to_json())
+            conn.stop(last if conn is self.up else None)
+
+
+def worker_command(
+    broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
+                                         "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
+    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
+    group: str = typer.Option("nefl-workers", help="Shared-subscription group: the broker spreads updates over its members."),
+    shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
+                                "broker without shared subscriptions)."),
+    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
+                                   "round plans not signed by it are refused."),
+    username: UsernameOption = None,
+    password: PasswordOption = None,
+    ca_cert: CaCertOption = None,
+    certfile: CertfileOption = None,
+    keyfile: KeyfileOption = None,
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
+) -> None:
+    """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
+    setup_logging(log_level, log_format)
+    try:
+        wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
+        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
+        w = Worker(WorkerConfig(federation, wid, group, shared, server_key), settings)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    run_until_signalled(w)
+
+
+def run_until_signalled(w: Worker) -> None:
+    """Run until SIGTERM / Ctrl-C, then say offline and leave cleanly (exit code 0)."""
+    def _term(signum: int, frame: object) -> None:
+        w.stopping = True
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        w.run()
+    except KeyboardInterrupt:
+        pass
+    w.stop()
+    log.info(f"{w.role} {w.me} stopped")
+
+
+def start_local_workers(n: int, settings: BrokerSettings, federation: str, server_key: str,
+                        log_level: str = "info") -> list[subprocess.Popen]:
+    """`aggregator serve --workers N`: N worker processes on this host, sharing the update stream
+    (a lone worker takes it unshared, which also works on brokers without shared subscriptions)."""
+    env = {**os.environ, "NEFL_SERVER_KEY": server_key}
+    if settings.username:
+        env.update({ENV_USERNAME: settings.username, ENV_PASSWORD: settings.password or ""})
+    tls = [f"--{flag}={value}" for flag, value in (("ca-cert", settings.ca_cert), ("certfile", settings.certfile),
+                                                 ("keyfile", settings.keyfile)) if value]
+    return [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "worker",
+                              "--broker", settings.url, "--federation", federation, "--worker-id", f"{federation}-w{i + 1}",
+                              "--shared" if n > 1 else "--no-shared", "--log-level", log_level, *tls], env=env)
+            for i in range(n)]
+
+
+def stop_local_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
