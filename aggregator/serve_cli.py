@@ -22,7 +22,7 @@ from aggregator.worker import start_local_workers, stop_local_workers
 from aggregator.web import DashboardServer, TokenRequired, start_http
 from nefl.checkpoint import CheckpointError
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+                              UsernameOption, ScheduleOption, WarmupOption)
 from nefl.listen import is_loopback, parse_listen
 from nefl.logs import setup_logging
 from nefl.mqtt import parse_broker
@@ -65,7 +65,9 @@ def serve_command(
     eval_samples: int = typer.Option(None, min=1, help="Evaluate on the first N test images only (faster)."),
     data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
     local_epochs: int = typer.Option(TrainConfig.local_epochs, min=1, help="Local epochs per task."),
-    lr: float = typer.Option(TrainConfig.lr, help="Base learning rate (x0.1 at 1/2 and 3/4 of the rounds)."),
+    lr: float = typer.Option(TrainConfig.lr, help="Base learning rate (its schedule: --lr-schedule)."),
+    lr_schedule: ScheduleOption = TrainConfig.schedule,
+    warmup_rounds: WarmupOption = TrainConfig.warmup_rounds,
     batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size clients train with."),
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
     embedded_port: int = typer.Option(1883, help="Port of the embedded broker (127.0.0.1)."),
@@ -110,6 +112,7 @@ def serve_command(
         bound = NormBound(max_norm=max_update_norm or None, relative=update_norm_relative or None,
                           adaptive_k=update_norm_k or None, mode="clip" if clip else "reject")
         robust = Robustness(bound, max_weight_abs, dp_noise_multiplier)
+        TrainConfig(schedule=lr_schedule, warmup_rounds=warmup_rounds)  # a bad schedule fails here, in one line
         if dp_noise_multiplier > 0:
             DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
         listen = parse_listen(http) if http else None
@@ -126,6 +129,7 @@ def serve_command(
                       min_clients=min_clients, round_timeout=round_timeout, join_wait=join_wait,
                       checkpoint_dir=checkpoint_dir or f"runs/{federation}", resume=resume, eval_dataset=eval_dataset,
                       eval_samples=eval_samples, data_root=data_root, local_epochs=local_epochs, lr=lr,
+                      lr_schedule=lr_schedule, warmup_rounds=warmup_rounds,
                       batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
                       dp_delta=dp_delta, assignment=assignment, init_from=init_from,
                       limits=ClientLimits(require_device_keys=require_device_keys), workers=workers,

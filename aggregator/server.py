@@ -60,6 +60,8 @@ class ServeConfig:
     data_root: str | None = None
     local_epochs: int = TrainConfig.local_epochs
     lr: float = TrainConfig.lr
+    lr_schedule: str = TrainConfig.schedule
+    warmup_rounds: int = TrainConfig.warmup_rounds
     batch_size: int = TrainConfig.batch_size
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_update_bytes: int = 64 << 20
@@ -99,7 +101,8 @@ class Server:
         if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
             self.fed.guard.load_state_dict(start.meta["update_guard"])
         self.next_round = next_round
-        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout)
         self.evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root,
                                                seed=cfg.seed) if cfg.eval_dataset else None

@@ -54,6 +54,8 @@ class SimConfig:
     out: str | None = None  # directory for metrics.jsonl and the final checkpoint
     device: str = "cpu"  # torch device for training and evaluation, e.g. "cuda" for the paper's protocol
     assignment: Assignment = "paper"  # the paper's tiers; "coverage" / "largest" as the server can
+    lr_schedule: str = "step"  # nefl.train.Schedule
+    warmup_rounds: int = 0
 
 
 @dataclass
@@ -136,7 +138,8 @@ class Simulator:
                 f"{profile.input_shape}; pick a profile made for this dataset"
             )
         self.parts = _partitions(self.train, cfg)
-        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
         self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
         self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts])

@@ -14,6 +14,7 @@ from rich.table import Table
 from aggregator.assignment import Assignment
 from aggregator.simulate import SimConfig, Simulator
 from nefl.aggregate import Weighting
+from nefl.cli_options import ScheduleOption, WarmupOption
 from nefl.data import DatasetUnavailable
 from nefl.profile import ProfileError
 from nefl.state import GlobalState
@@ -33,7 +34,9 @@ def simulate_command(
     non_iid: Optional[float] = typer.Option(None, help="Dirichlet alpha for label skew (omit for IID)."),
     seed: int = typer.Option(0, help="Seed for init, partitions, sampling and augmentation."),
     batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size."),
-    lr: float = typer.Option(TrainConfig.lr, help="SGD learning rate (x0.1 at 1/2 and 3/4 of the rounds)."),
+    lr: float = typer.Option(TrainConfig.lr, help="SGD learning rate (its schedule: --lr-schedule)."),
+    lr_schedule: ScheduleOption = TrainConfig.schedule,
+    warmup_rounds: WarmupOption = TrainConfig.warmup_rounds,
     weighting: Weighting = typer.Option("uniform", help="uniform (as the paper) or samples."),
     eval_every: int = typer.Option(5, min=0, help="Evaluate every N rounds (always after the last)."),
     eval_samples: int = typer.Option(2000, min=1, help="Test images for intermediate evaluations."),
@@ -56,7 +59,8 @@ def simulate_command(
         torch.set_num_threads(threads)
     cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
                     lr, weighting, eval_every, eval_samples, final_eval_samples, max_samples_per_client=max_samples_per_client,
-                    data_root=data_root, out=out, device=device, assignment=assignment)
+                    data_root=data_root, out=out, device=device, assignment=assignment, lr_schedule=lr_schedule,
+                    warmup_rounds=warmup_rounds)
     try:
         sim = Simulator(cfg)
         if init_from:  # before the first round, so round 1 trains from the pretrained weights

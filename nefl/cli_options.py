@@ -22,6 +22,12 @@ CaCertOption = Annotated[Optional[str], typer.Option("--ca-cert", help="CA certi
 CertfileOption = Annotated[Optional[str], typer.Option("--certfile", help="Client certificate (PEM) for mutual TLS.")]
 KeyfileOption = Annotated[Optional[str], typer.Option("--keyfile", help="Key of --certfile.")]
 
+# the learning-rate schedule of a federation (nefl.train.TrainConfig.lr_at); plain strings, so this module needs no torch
+ScheduleOption = Annotated[str, typer.Option(
+    "--lr-schedule", help="step: lr x0.1 at 1/2 and 3/4 of the rounds (the paper's ResNet protocol); cosine: "
+                          "cosine decay to 0 over the rounds (its pretrained-ViT protocol).")]
+WarmupOption = Annotated[int, typer.Option("--warmup-rounds", min=0, help="Rounds of linear lr warmup before the schedule.")]
+
 LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Least severe events logged.")]
 LogFormatOption = Annotated[LogFormat, typer.Option(
     "--log-format", help="plain: a readable line per event; json: one object per line (time, level, logger, msg, "

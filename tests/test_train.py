@@ -1,5 +1,7 @@
+import math
 from dataclasses import replace
 
+import pytest
 import torch
 
 from nefl.data import ArrayDataset, BatchLoader, get_dataset_info
@@ -61,3 +63,20 @@ def test_static_bn_uses_exact_data_statistics() -> None:
         stem = model.stem.conv(x)
     torch.testing.assert_close(model.stem.bn.running_mean, stem.mean((0, 2, 3)), atol=1e-4, rtol=1e-4)
     assert model.stem.bn.momentum == 0.1 and not model.training
+
+
+def test_cosine_schedule_with_warmup() -> None:
+    """The paper's pretrained-ViT protocol: linear warmup, then cosine decay to 0 at the last round."""
+    cfg = TrainConfig(lr=0.03, schedule="cosine", warmup_rounds=3)
+    lrs = [cfg.lr_at(r, 103) for r in range(103)]
+    assert lrs[:3] == pytest.approx([0.01, 0.02, 0.03])
+    assert lrs[3] == pytest.approx(0.03)
+    assert lrs[53] == pytest.approx(0.015)  # halfway through the decay
+    assert lrs[-1] == pytest.approx(0.03 * 0.5 * (1 + math.cos(math.pi * 99 / 100)))
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert TrainConfig(warmup_rounds=2).lr_at(0, 10) == pytest.approx(0.05)  # warmup before the step schedule too
+
+
+def test_unknown_schedule_is_refused() -> None:
+    with pytest.raises(ValueError, match="learning-rate schedule"):
+        TrainConfig(schedule="linear")
