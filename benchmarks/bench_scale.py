@@ -245,6 +245,21 @@ def cpu_per_update(r: dict, role: str, idle: dict[str, float]) -> float:
     return max(0.0, spent) * 1000 / max(1, r["all_updates"])
 
 
+def zero_vs_one(by: dict[int, dict], cost: dict[str, float], alone: float) -> str:
+    """Whether moving the checks out of the coordinator paid on this host, and why, from the measured rates."""
+    if 0 not in by or 1 not in by:
+        return ""
+    r0, r1 = by[0]["updates_per_s"], by[1]["updates_per_s"]
+    if r1 > r0:
+        return ("From 0 to 1 worker the rate rises because checking and summing leave the coordinator's single main "
+                f"thread for a process of their own (the coordinator's CPU per update falls from {alone:.1f} to "
+                f"{cost['coordinator']:.1f} ms), so two cores work at once.")
+    return (f"The coordinator alone is fastest here ({r0:.0f} against {r1:.0f} updates/s with one worker): a worker "
+            f"process costs {cost['workers']:.1f} ms per update plus the coordinator's remaining {cost['coordinator']:.1f} ms "
+            f"(receipts), more CPU in all than the {alone:.1f} ms of checking in the coordinator, and on cores the fleet "
+            "and mosquitto already fill nothing runs beside it; workers pay off where they get cores of their own.")
+
+
 def analysis(results: list[dict], idle: dict[str, float]) -> list[str]:
     """Where the curve flattens and what the per-update costs predict for larger hosts, from this run's numbers."""
     by = {r["workers"]: r for r in results}
@@ -256,20 +271,18 @@ def analysis(results: list[dict], idle: dict[str, float]) -> list[str]:
     alone = cpu_per_update(by[0], "coordinator", idle) if 0 in by else float("nan")
     return [
         f"The curve peaks at {best['workers']} worker(s), {best['updates_per_s']:.0f} updates/s "
-        f"({best['mib_per_s']:.0f} MiB/s), and falls beyond. On 2 cores the simulated fleet itself needs "
+        f"({best['mib_per_s']:.0f} MiB/s), and " + ("has not flattened by then. " if best is results[-1] else "falls beyond. ")
+        + f"On {os.cpu_count()} cores the simulated fleet itself needs "
         f"{cost['loadtest']:.1f} ms of CPU per update and a worker {cost['workers']:.1f} ms, so one worker already fills "
         "what the fleet, the coordinator and mosquitto leave of the two cores; more workers add processes, not cores, "
         f"and time-sharing raises each update's worker CPU ({worker_ms} ms at {', '.join(str(r['workers']) for r in results if r['workers'])} "
-        "workers: context switches, every worker's per-round plan and partial, idle polling). From 0 to 1 worker the rate "
-        "rises because checking and summing leave the coordinator's single main thread for a process of their own (the "
-        f"coordinator's CPU per update falls from {alone:.1f} to {cost['coordinator']:.1f} ms), so two cores work at once.",
+        "workers: context switches, every worker's per-round plan and partial, idle polling). " + zero_vs_one(by, cost, alone),
         f"On a larger host the aggregation side scales with workers until the cores run out: a worker spends about "
         f"{cost['workers'] / mib:.1f} ms of CPU per MiB of update (sha256, safetensors decode, finite and norm checks, "
         f"the sum), about {1000 / (cost['workers'] / mib):.0f} MiB/s per core; mosquitto {cost['mosquitto'] / mib:.2f} ms "
         f"per MiB, about {1000 / (cost['mosquitto'] / mib) / 1024:.1f} GiB/s on its one thread, beyond which the broker "
         f"must be several (an EMQX cluster, or a broker per site behind relays); the coordinator {cost['coordinator']:.1f} "
-        "ms per update (receipts, plus per-round publishing and the checkpoint spread over the round's updates). The "
-        "machine was shared with three other sessions during the run, so every figure is a conservative one.",
+        "ms per update (receipts, plus per-round publishing and the checkpoint spread over the round's updates).",
     ]
 
 
@@ -278,8 +291,7 @@ def report(s: Setting, results: list[dict], big: dict, relay: dict, idle: dict[s
     roles = ["mosquitto", "coordinator", "workers", "loadtest"]
     lines = [SECTION, "", "Every number in this section comes from one run of", "", f"    {command}", "",
              "(`make bench-scale`) on this machine:", "",
-             f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores; shared with other work during the run "
-             "(three other sessions were building and testing in the same checkout)",
+             f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores" + (f"; {prov['note']}" if prov.get("note") else ""),
              f"- {prov['date']}, commit {prov['commit']}",
              f"- load average at the end of the run: {prov['load']}; wall time {wall_s:.0f} s", "",
              f"Profile {s.profile}; every device takes part in every round and sends as fast as it can (deltas from a "
@@ -325,6 +337,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, few devices; report to runs/")
     ap.add_argument("--from-json", type=Path, help="re-render the report from an earlier run's raw results")
+    ap.add_argument("--note", default="", help="a line added to the machine description (e.g. concurrent load)")
     args = ap.parse_args()
     s = QUICK if args.quick else FULL
     out = ROOT / ("runs/bench-scale-quick.md" if args.quick else "docs/benchmarks.md")
@@ -339,7 +352,8 @@ def main() -> None:
         data = measure(s)
         data["wall_s"] = time.monotonic() - t0
         data["idle"] = idle_process()
-        data["provenance"] = {"date": time.strftime("%Y-%m-%dT%H:%M%z"), "commit": commit_label(), "load": load_average()}
+        data["provenance"] = {"date": time.strftime("%Y-%m-%dT%H:%M%z"), "commit": commit_label(), "load": load_average(),
+                              "note": args.note}
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(data, indent=1))
     plot(data["scaling"], data["idle"], img)
