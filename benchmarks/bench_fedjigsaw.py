@@ -46,7 +46,7 @@ SETTING_TITLES = {"dir-1.0": "Low non-IID, Dir(1.0)", "dir-0.1": "High non-IID, 
 
 @dataclass(frozen=True)
 class Budget:
-    rounds: int = 16
+    rounds: int = 40
     samples_per_client: int = 300
     test_per_client: int = 300
     clients: int = 10
@@ -322,7 +322,9 @@ def main() -> None:
         out, doc, img = ROOT / (args.out or "runs/bench-fedjigsaw-quick"), None, None
     else:
         budget, seeds, settings = Budget(rounds=args.rounds, samples_per_client=args.samples), args.seeds, list(SETTINGS)
-        out, doc, img = ROOT / (args.out or "runs/bench-fedjigsaw"), DOC, ROOT / "docs" / "img" / "fedjigsaw-curves.png"
+        # one directory per budget: a finished run is reused only by a sweep of the same budget
+        out = ROOT / (args.out or f"runs/bench-fedjigsaw-r{budget.rounds}-n{budget.samples_per_client}")
+        doc, img = DOC, ROOT / "docs" / "img" / "fedjigsaw-curves.png"
     jobs = [Job(s, m, seed, str(out / s / f"{m}-seed{seed}.json"), budget) for seed in range(seeds) for s in settings for m in METHODS]
     t0 = time.perf_counter()
     results = run_sweep(jobs, args.jobs, budget)
