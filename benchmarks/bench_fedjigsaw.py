@@ -1,14 +1,14 @@
 """FedJigsaw against HeteroFL and FedRolex (and its two ablations) on Fashion-MNIST; writes docs/fedjigsaw.md's
 generated section and docs/img/fedjigsaw-curves.png.
 
-    PYTHONPATH=. python benchmarks/bench_fedjigsaw.py [--quick] [--jobs 2] [--seeds 2] [--rounds 16] [--out DIR]
+    PYTHONPATH=. python benchmarks/bench_fedjigsaw.py [--quick] [--jobs 2] [--seeds 2] [--rounds 40] [--out DIR]
 
 The sweep: Dirichlet(1.0) ("low non-IID") and Dirichlet(0.1) ("high non-IID") x five methods x the seeds; 10
-clients with CNN-2/3/4/6 round-robin, all active every round, as the paper's protocol, scaled to 2 cores: 16
-rounds (the first 8 are FedJigsaw's CoRe-Tune phase), 300 images per client (10% of them the reward's validation
+clients with CNN-2/3/4/6 round-robin, all active every round, as the paper's protocol, scaled to 2 cores: 40
+rounds (the first 20 are FedJigsaw's CoRe-Tune phase), 300 images per client (10% of them the reward's validation
 split), 300 local test images per client drawn with its own label distribution, evaluation every 4 rounds. With 2
-jobs on a machine that other work loaded to 12-15, a round took about 20 s, so a run takes about 6 min and the 20
-runs about an hour (about half that on an idle machine). Resumable: every finished run is <out>/<setting>/<method>-seed<S>.json
+jobs on the 2-core machine a run takes about 2 minutes and the 20 runs about 21 minutes (--rounds 16 with other
+work loading the machine to 6-15: 22 minutes). Resumable: every finished run is <out>/<setting>/<method>-seed<S>.json
 and is skipped when present. Also measures the decision overhead (the paper's Table 2) in fresh processes:
 `_overhead client` (one client's policy: assemble + REINFORCE update) and `_overhead server` (the critic).
 --quick: 2 rounds, 60 images per client, one seed, IID-ish Dir(1.0) only, into runs/bench-fedjigsaw-quick.
