@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-screenshot", action="store_true", help="leave docs/img/dashboard.png alone")
+    ap.add_argument("--note", default="", help="a remark on the machine's state added to the report (e.g. concurrent load)")
     args = ap.parse_args()
     started = time.time()
     walls: dict[bool, list[float]] = {False: [], True: []}
@@ -186,7 +187,7 @@ def main() -> None:
         BEGIN,
         f"Measured by `python benchmarks/bench_observability.py --rounds {args.rounds} --repeats {args.repeats}` on "
         f"{time.strftime('%Y-%m-%d', time.gmtime(started))}: {cpu_name()}, {os.cpu_count()} cores, commit {commit_label()}, "
-        f"load {load_average()} at the end (the machine was shared with other work).",
+        f"load {load_average()} at the end" + (f" ({args.note})." if args.note else "."),
         "",
         f"Federation: embedded broker, {len(CLIENTS)} edge clients (resnet20-fmnist-w, 320 samples each, submodel caps "
         f"{', '.join(str(c[1]) for c in CLIENTS)}), evaluation on 300 test images; with `--http`, /metrics and "
@@ -199,8 +200,8 @@ def main() -> None:
         f"| with `--http`, polled every second | {len(walls[True])} | {on:.3f} | {medians[1]:.3f} | {spread[1]:.3f} |",
         f"| difference | | {on - off:+.3f} ({(on - off) / off * 100:+.1f}%) | {medians[1] - medians[0]:+.3f} | |",
         "",
-        "On a shared 2-core machine the difference is noise whenever it is smaller than the spread: the rounds are "
-        "dominated by the clients' training and the load of other work. The bookkeeping below bounds what the "
+        "The difference is noise whenever it is smaller than the spread: the rounds are dominated by the clients' "
+        "training, which runs on the same cores. The bookkeeping below bounds what the "
         f"metrics can add: the server's events of one round plus answering one scrape and one dashboard poll per "
         f"second of the round come to {bound * 100:.2f}% of a {off:.1f} s round (the HTTP threads run beside the "
         "round, so even that is CPU time, not round time, on a machine with a core to spare).",
