@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 
 import typer
 
@@ -86,11 +85,7 @@ def relay_command(
 ) -> None:
     """Serve a site's devices on its own broker; send the coordinator one partial per round (docs/scale.md)."""
     setup_logging(log_level, log_format)
-    try:
-        rid = relay_id or f"relay-{socket.gethostname()}"[:64]
-        up = parse_broker(upstream, username, password, ca_cert, certfile, keyfile)
-        relay = Relay(WorkerConfig(federation, rid, shared=False, server_key=server_key), up, parse_broker(site_broker))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    run_until_signalled(relay)
+    rid = relay_id or f"relay-{socket.gethostname()}"[:64]
+    run_until_signalled(lambda: Relay(WorkerConfig(federation, rid, shared=False, server_key=server_key),
+                                      parse_broker(upstream, username, password, ca_cert, certfile, keyfile),
+                                      parse_broker(site_broker)))

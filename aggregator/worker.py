@@ -284,18 +284,20 @@ def worker_command(
 ) -> None:
     """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
     setup_logging(log_level, log_format)
+    wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
+    run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
+                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile)))
+
+
+def run_until_signalled(build: Callable[[], Worker]) -> None:
+    """Build a worker or relay (a bad option or broker URL: one line, exit code 2), run it until SIGTERM /
+    Ctrl-C, then say offline and leave cleanly (exit code 0)."""
     try:
-        wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-        w = Worker(WorkerConfig(federation, wid, group, shared, server_key), settings)
+        w = build()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    run_until_signalled(w)
 
-
-def run_until_signalled(w: Worker) -> None:
-    """Run until SIGTERM / Ctrl-C, then say offline and leave cleanly (exit code 0)."""
     def _term(signum: int, frame: object) -> None:
         w.stopping = True
 

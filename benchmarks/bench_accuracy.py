@@ -177,6 +177,20 @@ def learned_steps(sim: Simulator) -> list[list[float]] | None:
             for own in sim.state.inconsistent]  # a ViT block has two steps (attention, MLP)
 
 
+def per_submodel_table(groups: dict, s: str, names: list[str], budget: Budget, title: str) -> list[str]:
+    """One setting's per-submodel top-1 table (mean ± half-range over seeds) and its step-size table."""
+    lines = ["", f"### {title}: per-submodel top-1 (%), mean ± half-range over seeds", "",
+             "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
+             "|---|" + "---|" * 8]
+    for name in names:
+        runs = groups.get((s, name))
+        if runs:
+            subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
+            lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
+                         f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
+    return lines + steps_table(groups, s, budget)
+
+
 def steps_table(groups: dict, setting: str, budget: Budget) -> list[str]:
     """min / mean / max of the learned steps per submodel, for the runs that recorded them."""
     rows = [(name, r) for (s, name), runs in groups.items() if s == setting for r in runs if r.get("steps")]
@@ -394,16 +408,7 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
     for s in settings:
         img = img_dir / f"accuracy-{section + '-' if section else ''}{s}.png"
         plot_setting(s, groups, budget, len(seeds), img)
-        lines += ["", f"### {setting_title(s, budget)}: per-submodel top-1 (%), mean ± half-range over seeds", "",
-                  "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
-                  "|---|" + "---|" * 8]
-        for name in names:
-            runs = groups.get((s, name))
-            if runs:
-                subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
-                lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
-                             f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
-        lines += steps_table(groups, s, budget)
+        lines += per_submodel_table(groups, s, names, budget, setting_title(s, budget))
         rel = os.path.relpath(img, doc.parent)
         lines += ["", f"![per-submodel accuracy, {setting_title(s, budget)}]({rel})", "",
                   "The plot puts each submodel at its realised parameter ratio (the table of realised sizes above), "
@@ -479,16 +484,7 @@ def families_report(results: list[dict], budget: Budget, command: str, wall: flo
     for s in SETTINGS:
         if not any(k[0] == s for k in groups):
             continue
-        lines += ["", f"### Families, {setting_title(s, budget)}: per-submodel top-1 (%), mean ± half-range over seeds", "",
-                  "| method | " + " | ".join(f"sub {k + 1}" for k in range(5)) + " | worst | avg | s/run |",
-                  "|---|" + "---|" * 8]
-        for name in names:
-            runs = groups.get((s, name))
-            if runs:
-                subs = [spread([r["accuracy"][k] for r in runs]) for k in range(len(runs[0]["accuracy"]))]
-                lines.append(f"| {name} | " + " | ".join(subs) + f" | {spread([r['worst'] for r in runs])} "
-                             f"| {spread([r['avg'] for r in runs])} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
-        lines += steps_table(groups, s, budget)
+        lines += per_submodel_table(groups, s, names, budget, f"Families, {setting_title(s, budget)}")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nefl.families.mobilenet import ConvBN, InvertedResidual, NestedMobileNetV2
-from nefl.families.vit import Attention, EncoderBlock, NestedViT
+from nefl.families.vit import Attention, EncoderBlock, NestedViT, patch_tokens
 from nefl.models import Block, NestedResNet, Shortcut, Stem
 
 
@@ -184,13 +184,7 @@ class FoldedViT(nn.Module):
         self.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.resize is not None:
-            x = nn.functional.interpolate(x, size=self.resize, mode="bilinear", align_corners=False)
-        x = self.conv_proj(x)
-        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
-        token = self.class_token.view(1, 1, -1).expand(x.shape[0], -1, -1)
-        x = self.blocks(torch.cat([token, x], dim=1) + self.pos_embedding)
-        return self.head(self.ln(x)[:, 0])
+        return self.head(self.ln(self.blocks(patch_tokens(self, x)))[:, 0])
 
 
 _FOLDS: dict[type[nn.Module], type[nn.Module]] = {

@@ -126,15 +126,21 @@ class NestedViT(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.resize is not None:
-            x = nn.functional.interpolate(x, size=self.resize, mode="bilinear", align_corners=False)
-        x = self.conv_proj(x)
-        x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
-        token = self.class_token.view(1, 1, -1).expand(x.shape[0], -1, -1)
-        x = torch.cat([token, x], dim=1) + self.pos_embedding
+        x = patch_tokens(self, x)
         for block in self.stages[0]:
             x = block(x)
         return self.head(self.ln(x)[:, 0])
+
+
+def patch_tokens(vit: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The encoder's input from images: (resize,) patchify, class token first, plus position embeddings.
+    One definition for the supernet and its folded export (export/fold.py), which hold the same attributes."""
+    if vit.resize is not None:
+        x = nn.functional.interpolate(x, size=vit.resize, mode="bilinear", align_corners=False)
+    x = vit.conv_proj(x)
+    x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
+    token = vit.class_token.view(1, 1, -1).expand(x.shape[0], -1, -1)
+    return torch.cat([token, x], dim=1) + vit.pos_embedding
 
 
 _TV_BLOCK = {"ln_1.": "ln_1.", "ln_2.": "ln_2.", "self_attention.out_proj.": "attn.out.", "mlp.0.": "mlp.fc1.",
