@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from aggregator.federation import Federation, Rejected
+from aggregator.federation import Federation, Rejected, Update
 from nefl.signing import parse_public_key, verify
 from nefl.wire import Assembled, Reassembler, WireError, parse_chunk, split_chunk
 
@@ -49,10 +49,10 @@ def take_update(fed: Federation, reasm: Reassembler, keys: DeviceKeys, client: s
     try:
         fed.check_header(client, header)
     except Rejected:
-        if header["index"] == 0:
+        if header.index == 0:
             raise
         return None
     done = reasm.feed(payload)
     if done is not None:
-        fed.accept(client, done.header, done.tensors, done.nbytes)
+        fed.accept(Update.from_wire(client, done))
     return done

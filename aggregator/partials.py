@@ -21,11 +21,12 @@ import msgspec
 import torch
 
 from aggregator.federation import Federation, Rejected
-from nefl.aggregate import NeFedAvg
+from nefl.aggregate import NeFedAvg, UpdateError
 from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BYTES, BoundSettings, PartialSummary, Receipt, RoundClose,
-                           WorkerRound, WorkerStatus)
+                           ScreenSettings, WorkerRound, WorkerStatus)
 from nefl.profile import Profile
 from nefl.robust import NormBound, reference_norm
+from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer
 from nefl.state import Layout
 from nefl.topics import Topics
@@ -33,38 +34,20 @@ from nefl.wire import Assembled, Reassembler, WireError, parse_chunk
 
 log = logging.getLogger("aggregator.server")
 MAX_WORKERS = 1024  # workers and relays of one federation (a hostile id flood stops here)
-SEP = "/"  # partial tensor names: "{submodel}/{tensor name}"
-
-
-def partial_tensors(agg: NeFedAvg) -> dict[str, torch.Tensor]:
-    """Every group sum of `agg`, keyed "{k}/{name}"."""
-    return {f"{k}{SEP}{n}": t for k, group in enumerate(agg.groups) for n, t in group.items()}
 
 
 def partial_from(layout: Layout, summary: PartialSummary, tensors: dict[str, torch.Tensor]) -> NeFedAvg:
-    """A worker's partial back as a NeFedAvg, refusing anything that is not exactly what a
-    NeFedAvg of `layout` could hold (group names and shapes, counts that agree with the weights)."""
-    num = layout.num_submodels
-    if len(summary.weights) != num or len(summary.updates) != num or len(summary.norms) not in (0, num):
-        raise WireError("bad_partial", f"summary lists {len(summary.weights)} weights, {len(summary.updates)} counts "
-                                       f"and {len(summary.norms)} norm lists for {num} submodels")
-    if sum(summary.updates) != len(summary.clients):
-        raise WireError("bad_partial", f"{sum(summary.updates)} updates but {len(summary.clients)} clients")
-    agg = NeFedAvg(layout)
-    for name, t in tensors.items():
-        k, _, n = name.partition(SEP)
-        if not k.isdigit() or int(k) >= num:
-            raise WireError("bad_partial", f"tensor {name!r} names no submodel")
-        agg.groups[int(k)][n] = t
-    for k in range(num):
-        have, want = agg.groups[k], layout.upload_shapes(k) if summary.updates[k] else {}
-        if set(have) != set(want) or any(have[n].shape != want[n] for n in want):
-            raise WireError("bad_partial", f"submodel {k + 1}: partial tensors do not match its upload shapes")
-        if (summary.updates[k] > 0) != (summary.weights[k] > 0):
-            raise WireError("bad_partial", f"submodel {k + 1}: {summary.updates[k]} updates of weight {summary.weights[k]}")
-    agg.weights = torch.tensor(summary.weights, dtype=torch.float64)
-    agg.updates = list(summary.updates)
-    return agg
+    """A worker's partial back as a NeFedAvg, refusing anything that is not exactly what a NeFedAvg of
+    `layout` could hold, or whose counts disagree with the clients it names."""
+    if not set(summary.dropped) <= set(summary.clients):
+        raise WireError("bad_partial", "the summary drops clients it does not name")
+    if sum(summary.updates) + len(summary.dropped) != len(summary.clients):
+        raise WireError("bad_partial", f"{sum(summary.updates)} updates kept and {len(summary.dropped)} dropped, "
+                                       f"but {len(summary.clients)} clients")
+    try:
+        return NeFedAvg.from_partial(layout, list(summary.weights), list(summary.updates), tensors)
+    except UpdateError as e:
+        raise WireError("bad_partial", str(e)) from None
 
 
 def partial_bytes_limit(layout: Layout) -> int:
@@ -76,6 +59,11 @@ def partial_bytes_limit(layout: Layout) -> int:
 def plan_bound(bound: NormBound) -> BoundSettings:
     return BoundSettings(max_norm=bound.max_norm, relative=bound.relative, adaptive_k=bound.adaptive_k,
                          mode=bound.mode, window=bound.window, warmup=bound.warmup)
+
+
+def plan_screen(cfg: AggregationConfig) -> ScreenSettings:
+    return ScreenSettings(centre_check=cfg.centre_check, min_cos=cfg.min_cos, max_norm_ratio=cfg.max_norm_ratio,
+                          min_cover=cfg.min_cover, hold=cfg.hold, sketch=cfg.sketch)
 
 
 @dataclass
@@ -129,6 +117,8 @@ class WorkerPool:
                 # a dead owner would swallow the multi-chunk updates forwarded to it: re-plan without it
                 self._plan = msgspec.structs.replace(self._plan, owners=self._owners())
                 self.publish(self.topics.workers_round, self.signer.sign(self._plan.to_json()), True)
+        elif not self.fed.aggregator.mergeable:
+            raise Rejected("not_mergeable", f"{kind} from {worker}: the {self.fed.aggregator.name} aggregator merges no partials")
         elif kind == "receipt":
             self._receipt(worker, Receipt.from_json(payload, MAX_RECEIPT_BYTES))
         elif kind == "summary":
@@ -151,6 +141,9 @@ class WorkerPool:
             raise Rejected("duplicate_update", f"{rc.client} reported twice (worker {worker} and "
                                                f"{self.held.get(rc.client, 'the coordinator')})")
         self.held[rc.client] = worker
+        norm = rc.metrics.get("norm")
+        if isinstance(norm, (int, float)) and not isinstance(norm, bool) and math.isfinite(norm) and norm >= 0:
+            r.norms[rc.client] = float(norm)
         log.info(f"round {r.index}: update from {rc.client} accepted by {worker}",
                  extra={"round": r.index, "client": rc.client, "worker": worker})
         r.received.add(rc.client)
@@ -161,9 +154,9 @@ class WorkerPool:
         if len(payload) > self.chunk_bytes * 4:
             raise WireError("oversized", f"{len(payload)}-byte partial chunk from {worker}")
         header, _ = parse_chunk(payload)
-        if header["kind"] != "partial" or header["client"] != worker or header["federation"] != self.topics.federation:
-            raise Rejected("bad_partial", f"a {header['kind']} message of {header['client']} on {worker}'s partial topic")
-        if header["round"] != self._round:
+        if header.kind != "partial" or header.client != worker or header.federation != self.topics.federation:
+            raise Rejected("bad_partial", f"a {header.kind} message of {header.client} on {worker}'s partial topic")
+        if header.round != self._round:
             return  # a partial of a round already closed without it
         done = self.reasm.feed(payload)
         if done is not None:
@@ -177,7 +170,7 @@ class WorkerPool:
             return
         if s.sha256 is None:
             d.agg = partial_from(self.fed.layout, s, {})
-        elif d.assembled is not None and d.assembled.header["sha256"] == s.sha256:
+        elif d.assembled is not None and d.assembled.header.sha256 == s.sha256:
             d.agg = partial_from(self.fed.layout, s, d.assembled.tensors)
 
     def workers_seen(self) -> int:
@@ -197,7 +190,8 @@ class WorkerPool:
             keys={c: fed.keys[c] for c in r.assignments if c in fed.keys},
             references=[reference_norm(fed.state, layout, k) if k in r.assignments.values() else 0.0
                         for k in range(layout.num_submodels)],
-            norms=fed.guard.state_dict()["norms"], bound=plan_bound(fed.robustness.bound),
+            norms=[fed.guard.recent(k) for k in range(layout.num_submodels)], bound=plan_bound(fed.robustness.bound),
+            screen=plan_screen(fed.robustness.aggregation),
             deadline_s=fed.round_timeout, max_update_bytes=self.max_update_bytes, chunk_bytes=self.chunk_bytes,
             owners=self._owners())
         self.publish(self.topics.workers_round, self.signer.sign(plan.to_json()), True)
@@ -224,9 +218,7 @@ class WorkerPool:
         for w, d in sorted(self._deliveries.items()):
             if d.agg is not None:
                 self.fed.agg.merge(d.agg)
-                for k, norms in enumerate(d.summary.norms):
-                    for n in norms:
-                        self.fed.guard.record(k, n)
+                self.fed.agg.dropped.update(d.summary.dropped)
                 clients.update(d.summary.clients)
                 merged.append(w)
         lost = sorted(c for c, w in self.held.items() if c not in clients)

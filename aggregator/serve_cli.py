@@ -16,7 +16,8 @@ import typer
 
 from aggregator.assignment import Assignment
 from aggregator.broker import EmbeddedBroker
-from aggregator.federation import ClientLimits, Robustness
+from aggregator import robust_options as ro
+from aggregator.federation import ClientLimits
 from aggregator.server import ServeConfig, Server, load_start
 from aggregator.worker import start_local_workers, stop_local_workers
 from aggregator.web import DashboardServer, TokenRequired, start_http
@@ -27,7 +28,7 @@ from nefl.listen import is_loopback, parse_listen
 from nefl.logs import setup_logging
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
-from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_RELATIVE, DPAccountant, NormBound
+from nefl.robust import DPAccountant
 from nefl.signing import KeyFileError, Signer
 from nefl.topics import Topics
 from nefl.train import TrainConfig
@@ -72,16 +73,19 @@ def serve_command(
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
     embedded_port: int = typer.Option(1883, help="Port of the embedded broker (127.0.0.1)."),
     seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
-    max_update_norm: float = typer.Option(None, min=0, help="Fixed bound on an update's L2 norm (docs/security.md)."),
-    update_norm_relative: float = typer.Option(DEFAULT_RELATIVE, min=0, help="Bound an update's norm by this multiple "
-                                               "of its submodel's weight norm; 0 turns it off."),
-    update_norm_k: float = typer.Option(DEFAULT_ADAPTIVE_K, min=0, help="Bound an update's norm by K x the median of the "
-                                        "submodel's recent accepted norms; 0 turns it off."),
-    clip: bool = typer.Option(False, "--clip/--reject", help="Scale oversized updates down to the bound, or refuse them."),
-    max_weight_abs: float = typer.Option(1e6, min=0, help="A round whose new weights exceed this magnitude (or are not "
-                                         "finite) is not committed."),
-    dp_noise_multiplier: float = typer.Option(0.0, min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm "
-                                              "(needs --clip); the spent epsilon is logged per round."),
+    max_update_norm: ro.MaxUpdateNorm = None,
+    update_norm_relative: ro.UpdateNormRelative = ro.D.relative,
+    update_norm_k: ro.UpdateNormK = ro.D.adaptive_k,
+    clip: ro.Clip = False,
+    max_weight_abs: ro.MaxWeightAbs = ro.D.max_weight_abs,
+    dp_noise_multiplier: ro.DPNoise = 0.0,
+    aggregator: ro.Rule = ro.D.rule,
+    trim: ro.Trim = ro.D.trim,
+    centre_check: ro.CentreCheck = None,
+    min_cos: ro.MinCos = ro.D.min_cos,
+    max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
+    root_data: ro.RootData = None,
+    root_samples: ro.RootSamples = ro.D.root_samples,
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
     require_device_keys: bool = typer.Option(False, help="Refuse devices that do not sign their announces and "
                                              "updates (every edge-client signs; keys are pinned per client id)."),
@@ -109,9 +113,13 @@ def serve_command(
     setup_logging(log_level, log_format, context={"federation": federation})
     signal.signal(signal.SIGTERM, _stop)
     try:
-        bound = NormBound(max_norm=max_update_norm or None, relative=update_norm_relative or None,
-                          adaptive_k=update_norm_k or None, mode="clip" if clip else "reject")
-        robust = Robustness(bound, max_weight_abs, dp_noise_multiplier)
+        robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
+                               dp_noise_multiplier, aggregator, trim, centre_check, min_cos, max_norm_ratio)
+        if (workers or remote_workers) and not robust.aggregation.mergeable:
+            raise ValueError(f"--aggregator {aggregator} needs every update of a round in this process, and workers "
+                             "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")
+        if aggregator == "fltrust" and not (root_data or eval_dataset):
+            raise ValueError("--aggregator fltrust needs the server's root set: give --root-data DATASET or --eval-dataset")
         TrainConfig(schedule=lr_schedule, warmup_rounds=warmup_rounds)  # a bad schedule fails here, in one line
         if dp_noise_multiplier > 0:
             DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
@@ -133,7 +141,8 @@ def serve_command(
                       batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
                       dp_delta=dp_delta, assignment=assignment, init_from=init_from,
                       limits=ClientLimits(require_device_keys=require_device_keys), workers=workers,
-                      remote_workers=remote_workers, worker_timeout=worker_timeout)
+                      remote_workers=remote_workers, worker_timeout=worker_timeout, root_data=root_data,
+                      root_samples=root_samples)
     try:
         Topics(federation)
         start = load_start(cfg)

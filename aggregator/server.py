@@ -27,14 +27,17 @@ from aggregator.federation import ClientLimits, Federation, Rejected, Robustness
 from aggregator.metrics import Observer
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.partials import WorkerPool
-from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
-                             load_checkpoint, read_metrics, replay_metrics, save_checkpoint)
+from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
+from aggregator.rounds import RoundDriver, RunPlan, Transport
+from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, has_checkpoint,
+                             load_checkpoint, read_metrics, replay_metrics)
 from nefl.fsio import atomic_write_text
 from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, ServerStatus, Task,
                            TrainingSettings)
 from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
-from nefl.robust import DPAccountant
+from nefl.data import load_dataset
+from nefl.robust_aggregate import AggregationRule
 from nefl.state import GlobalState, Layout
 from nefl.signing import Signer, split_signed, verify_self_signed
 from nefl.topics import Topics
@@ -74,6 +77,8 @@ class ServeConfig:
     workers: int = 0  # > 0: updates go to aggregator workers (docs/scale.md), not to this process
     remote_workers: bool = False  # workers started elsewhere (`aggregator worker`) take the updates
     worker_timeout: float = 30.0  # seconds a round close waits for the online workers' partials
+    root_data: str | None = None  # FLTrust's root set: this dataset's test split (default: eval_dataset)
+    root_samples: int = DEFAULT_ROOT_SAMPLES
 
 
 @dataclass
@@ -90,22 +95,22 @@ class Start:
 log = logging.getLogger(__name__)
 
 
-class Server:
+class Server(Transport):
     def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer) -> None:
         layout, next_round = start.layout, start.next_round
         self.cfg, self.settings, self.profile, self.layout = cfg, settings, start.profile, layout
         self.topics = Topics(cfg.federation)
+        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
+        self.evaluator, root = self._evaluation(cfg, layout)
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
-                              assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY))
+                              assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY),
+                              aggregator=AggregationRule(layout, cfg.robustness.aggregation, reference=root, seed=cfg.seed))
         if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
             self.fed.guard.load_state_dict(start.meta["update_guard"])
         self.next_round = next_round
-        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
-                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout)
-        self.evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root,
-                                               seed=cfg.seed) if cfg.eval_dataset else None
         self.out = Path(cfg.checkpoint_dir)
         # what --http shows (aggregator/metrics.py); a resumed run's charts start with its earlier rounds
         self.observer = Observer(cfg.federation, self.profile.name, layout.num_submodels, cfg.rounds, cfg.round_timeout,
@@ -127,6 +132,23 @@ class Server:
         self.client = self.conn.client
         self.pool = WorkerPool(self.fed, self.profile, self.topics, signer, self.publish, self._reject,
                                cfg.chunk_bytes, cfg.max_update_bytes, cfg.worker_timeout)
+        self._worker_facts: dict[str, Any] = {}
+        self.driver = RoundDriver(self.fed, self, RunPlan(cfg.rounds, dp_delta=cfg.dp_delta), self.evaluator, self.out)
+
+    def _evaluation(self, cfg: ServeConfig, layout: Layout) -> tuple[Evaluator | None, RootUpdates | None]:
+        """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset);
+        when both use one test split, the root images are left out of what evaluation scores."""
+        root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.rule == "fltrust" else None
+        test = load_dataset(cfg.eval_dataset, cfg.data_root, train=False) if cfg.eval_dataset else None
+        root = None
+        if root_name:
+            held, root_set = split_root(test if root_name == cfg.eval_dataset else
+                                        load_dataset(root_name, cfg.data_root, train=False), cfg.root_samples)
+            test = held if root_name == cfg.eval_dataset else test
+            root = RootUpdates(layout, root_set, self.train_cfg, cfg.rounds, cfg.root_samples, cfg.seed)
+        evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,
+                                          test=test) if test is not None else None
+        return evaluator, root
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self.client.publish(topic, payload, qos=QOS, retain=retain)
@@ -228,14 +250,14 @@ class Server:
         try:
             done = take_update(self.fed, self.reasm, self._keys, client, payload, self.cfg.chunk_bytes * 4)
         except Rejected as e:
-            self.late += e.reason == "stale_round" and parse_chunk(payload)[0]["round"] < self.next_round
+            self.late += e.reason == "stale_round" and parse_chunk(payload)[0].round < self.next_round
             raise
         if done is not None:  # the call that completed an update also validated, bounded and folded it
             self.aggregate_s += time.perf_counter() - t0
             self.observer.update_accepted(client)
-            log.info(f"round {done.header['round']}: update from {client} (submodel {done.header['submodel'] + 1}, "
-                f"{done.nbytes} bytes, {done.header['dtype']})",
-                extra={"round": done.header["round"], "client": client, "submodel": done.header["submodel"] + 1})
+            log.info(f"round {done.header.round}: update from {client} (submodel {done.header.submodel + 1}, "
+                f"{done.nbytes} bytes, {done.header.dtype})",
+                extra={"round": done.header.round, "client": client, "submodel": done.header.submodel + 1})
 
     def _reject(self, reason: str, client: str, msg: str) -> None:
         self.fed.reject(reason)
@@ -292,20 +314,22 @@ class Server:
             federation=self.cfg.federation, run=self.run_id, round=index, submodel=k,
             lr=self.train_cfg.lr_at(index - 1, self.cfg.rounds), epochs=self.cfg.local_epochs,
             batch_size=self.cfg.batch_size, profile_hash=self.layout.profile.hash, deadline_s=self.cfg.round_timeout,
-            chunks=len(self._published[k]), model_sha256=model["sha256"], model_bytes=model["size"],
+            chunks=len(self._published[k]), model_sha256=model.sha256, model_bytes=model.size,
         ).to_json())
 
-    def run_round(self, index: int) -> dict[str, Any]:
-        t0 = time.monotonic()
+    # -- rounds: the Transport of the shared round driver (aggregator/rounds.py) ---------------------
+    def collect(self, fed: Federation, index: int) -> None:
+        """Publish the round's weights and tasks, take updates until the round can close, then merge
+        the workers' and relays' partials into its aggregate."""
+        self._t0 = time.monotonic()
         self.late = 0
         self.aggregate_s = 0.0
-        out0, in0 = self.bytes_out, self.fed.bytes_in
-        start_digest = state_digest(self.fed.state)
-        r = self.fed.open_round(index)
+        self._out0, self._in0 = self.bytes_out, fed.bytes_in
+        r = fed.round
         self.reasm.discard_rounds_before(index)
         self._published = {}
         for k in sorted(set(r.assignments.values())):
-            msgs = encode(self.fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
+            msgs = encode(fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
                           round=index, submodel=k, client="server", chunk_bytes=self.cfg.chunk_bytes)
             self._published[k] = msgs
             for i, m in enumerate(msgs):
@@ -317,66 +341,46 @@ class Server:
         log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())),
                  extra={"round": index})
         self.publish_status("training")
-        while not self.fed.complete():
+        while not fed.complete():
             self.pump(r.deadline)
         if len(r.received) < len(r.assignments):
-            gone = self.fed.gone_offline()
+            gone = fed.gone_offline()
             why = f"without waiting for {', '.join(gone)} (went offline)" if gone else "at its deadline"
             log.info(f"round {index} closed {why}: {len(r.received)}/{len(r.assignments)} updates")
         for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
             self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
-        worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
+        self._worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
         self.late += self.pool.late
-        t_agg = time.perf_counter()
-        facts = self.fed.close_round()
-        facts.update(worker_facts)
-        self.aggregate_s += time.perf_counter() - t_agg
-        self.next_round = index + 1
-        rejected, self.round_rejects = dict(self.round_rejects), Counter()  # rejections since the last round closed
-        facts.update({
-            "start_sha256": start_digest, "bytes_out": self.bytes_out - out0, "bytes_in": self.fed.bytes_in - in0,
-            "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
-            "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - t0, 3),
-            "aggregate_s": round(self.aggregate_s, 4),
-        })
-        if not facts["committed"] and facts["quorum"]:
-            log.info(f"round {index} NOT committed, the previous weights stay: {facts['not_committed']}")
-        rb = self.cfg.robustness
-        if rb.dp_noise_multiplier > 0:
-            q = min(1.0, self.cfg.clients_per_round / max(1, len(self.fed.clients)))
-            facts["dp_epsilon"] = DPAccountant(rb.dp_noise_multiplier, q, self.cfg.dp_delta).epsilon(index)
-        if self.evaluator is not None:
-            self.publish_status("evaluating")
-            self.accuracy = self.evaluator.accuracy(self.fed.state)
-            facts["accuracy"] = self.accuracy
-        facts["wall_s"] = round(time.monotonic() - t0, 3)  # up to the commit: the saved line and the appended one agree
-        t_ckpt = time.perf_counter()
-        save_checkpoint(self.out, self.fed.state, self.layout,
-                        {"round": index, "rounds": self.cfg.rounds, "federation": self.cfg.federation,
-                         "accuracy": self.accuracy, "state_sha256": state_digest(self.fed.state),
-                         "update_guard": self.fed.guard.state_dict(), "client_keys": self.fed.keys,
-                         UPDATES_TOTAL_KEY: self.fed.trained_updates},
-                        metrics=facts)
-        self.observer.checkpoint_saved(time.perf_counter() - t_ckpt)
-        self.write_metrics(facts)
-        log.info(f"round {index} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
-            + (f", accuracy {self.accuracy}" if self.accuracy else ""), extra={"round": index})
-        return facts
 
-    def write_metrics(self, facts: dict[str, Any]) -> None:
-        append_metrics(self.out, facts)
+    def round_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
+        self.next_round = facts["round"] + 1
+        rejected, self.round_rejects = dict(self.round_rejects), Counter()  # rejections since the last round closed
+        return {
+            **self._worker_facts, "bytes_out": self.bytes_out - self._out0, "bytes_in": self.fed.bytes_in - self._in0,
+            "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
+            "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - self._t0, 3),
+            "aggregate_s": round(self.aggregate_s + facts["close_s"], 4),
+        }
+
+    def evaluating(self) -> None:
+        self.publish_status("evaluating")
+
+    def recorded(self, facts: dict[str, Any], checkpoint_s: float) -> None:
+        self.accuracy = self.driver.accuracy
+        self.observer.checkpoint_saved(checkpoint_s)
         self.observer.metrics_line(facts)
+        log.info(f"round {facts['round']} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
+                 + (f", accuracy {self.accuracy}" if "accuracy" in facts else ""), extra={"round": facts["round"]})
 
     def run(self) -> None:
         self.conn.start()
-        if self.evaluator is not None and self.next_round == 1:
-            self.accuracy = self.evaluator.accuracy(self.fed.state)
-            self.write_metrics({"round": 0, "accuracy": self.accuracy, "start_sha256": state_digest(self.fed.state)})
-            log.info(f"round 0 accuracy {self.accuracy}")
+        if self.next_round == 1 and (start := self.driver.evaluate_start()) is not None:
+            self.accuracy = self.driver.accuracy
+            self.observer.metrics_line(start)
         self.client.publish(self.topics.control, b"", qos=QOS, retain=True)  # forget an earlier run's "end"
         for index in range(self.next_round, self.cfg.rounds + 1):
             self.wait_for_clients()
-            self.run_round(index)
+            self.driver.run_round(index)
         self.finish()
 
     def finish(self) -> None:

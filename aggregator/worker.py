@@ -32,7 +32,6 @@ import typer
 
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
-from aggregator.partials import partial_tensors
 from nefl.cli_options import (ENV_PASSWORD, ENV_USERNAME, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.logs import setup_logging
@@ -40,6 +39,7 @@ from nefl.messages import MAX_PLAN_BYTES, MessageError, PartialSummary, Receipt,
 from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
 from nefl.profile import parse_profile
 from nefl.robust import NormBound
+from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import parse_public_key, verify
 from nefl.state import GlobalState, Layout
 from nefl.topics import Topics, check_name
@@ -139,7 +139,7 @@ class Worker:
             self.judged(None, lambda: self.on_close(payload))
         elif conn is self.up and topic == t.worker(self.me, "forward"):
             # the forwarding worker checked the header's client against the update topic
-            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0]["client"], payload, forwarded=True))
+            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0].client, payload, forwarded=True))
 
     def judged(self, client: str | None, handle: Callable[[], None]) -> None:
         """Run a handler; a refusal (or a bug) becomes a receipt with its reason, never an exception."""
@@ -168,9 +168,12 @@ class Worker:
             if self.layout.profile.hash != plan.profile_hash:
                 raise Rejected("profile_mismatch", "the plan's profile does not hash to its profile_hash")
             self.fed = None
-        b = plan.bound
+        b, sc = plan.bound, plan.screen
         robust = Robustness(NormBound(max_norm=b.max_norm, relative=b.relative, adaptive_k=b.adaptive_k, mode=b.mode,
-                                      window=b.window, warmup=b.warmup))
+                                      window=b.window, warmup=b.warmup),
+                            aggregation=AggregationConfig(centre_check=sc.centre_check, min_cos=sc.min_cos,
+                                                          max_norm_ratio=sc.max_norm_ratio, min_cover=sc.min_cover,
+                                                          hold=sc.hold, sketch=sc.sketch))
         if self.fed is None or self.fed.robustness != robust:
             # a worker holds no weights: the plan's reference norms stand in for them
             empty = GlobalState({}, [{} for _ in range(self.layout.num_submodels)])
@@ -206,16 +209,15 @@ class Worker:
         num = self.layout.num_submodels if self.layout else 0
         summary = PartialSummary(run=run, round=index, weights=[0.0] * num, updates=[0] * num)
         if fed is not None and fed.agg.total_updates:
-            agg, r = fed.agg, fed.round
-            msgs = encode(partial_tensors(agg), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
+            agg, r = fed.agg.partial(), fed.round
+            msgs = encode(agg.partial_tensors(), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
                           client=self.me, chunk_bytes=self.plan.chunk_bytes)
             for m in msgs:
                 self.publish_up(self.topics.worker(self.me, "partial"), m)
-            norms = [[] for _ in range(num)]
-            for c in sorted(r.received):
-                norms[r.assignments[c]].append(r.client_metrics[c]["norm"])
+            dropped = fed.agg.dropped
             summary = PartialSummary(run=run, round=index, weights=[float(w) for w in agg.weights], updates=list(agg.updates),
-                                     clients=sorted(r.received), norms=norms, sha256=parse_chunk(msgs[0])[0]["sha256"])
+                                     clients=sorted(r.received), dropped=dict(sorted(dropped.items())),
+                                     sha256=parse_chunk(msgs[0])[0].sha256)
         self.publish_up(self.topics.worker(self.me, "summary"), summary.to_json())
         log.info(f"{self.me}: round {index}: partial of {len(summary.clients)} update(s) sent "
                  f"({self.bytes_up - self._up_mark} bytes up since the last one)")
@@ -226,25 +228,25 @@ class Worker:
         if self.fed is None or self.plan is None:
             raise Rejected("stale_round", "no round plan from the coordinator yet")
         header, _ = parse_chunk(payload)
-        if header["round"] > self.plan.round and len(self.early) < EARLY_MESSAGES:
+        if header.round > self.plan.round and len(self.early) < EARLY_MESSAGES:
             self.early.append((client, payload, forwarded))  # its plan is on the way: the coordinator sent it first
             return
-        if not forwarded and header["count"] > 1 and self.cfg.shared:
+        if not forwarded and header.count > 1 and self.cfg.shared:
             owner = owner_of(client, self.plan.owners)
             if owner is not None and owner != self.me:
-                if header["client"] != client:
-                    raise Rejected("client_mismatch", f"payload says client {header['client']!r}, topic says {client!r}")
+                if header.client != client:
+                    raise Rejected("client_mismatch", f"payload says client {header.client!r}, topic says {client!r}")
                 self.publish_up(self.topics.worker(owner, "forward"), payload)
                 return
         try:
             done = take_update(self.fed, self.reasm, self.keys, client, payload, self.plan.chunk_bytes * 4)
         except Rejected as e:
-            self.receipt(client, e.reason, str(e), late=e.reason == "stale_round" and header["round"] < self.plan.round)
+            self.receipt(client, e.reason, str(e), late=e.reason == "stale_round" and header.round < self.plan.round)
             return
         if done is not None:
             self.receipt(client, "accepted", "", nbytes=done.nbytes, metrics=self.fed.round.client_metrics[client])
-            log.info(f"{self.me}: round {done.header['round']}: update from {client} accepted "
-                     f"(submodel {done.header['submodel'] + 1}, {done.nbytes} bytes)")
+            log.info(f"{self.me}: round {done.header.round}: update from {client} accepted "
+                     f"(submodel {done.header.submodel + 1}, {done.nbytes} bytes)")
 
     def receipt(self, client: str | None, outcome: str, detail: str, nbytes: int = 0, metrics: dict | None = None,
                 late: bool = False) -> None:

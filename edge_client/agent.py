@@ -242,8 +242,8 @@ class Agent:
         if task is None or self.weights is not None:
             return
         h, _ = parse_chunk(payload)  # checked before a byte is buffered: forged chunks cost nothing
-        if h["kind"] != "model" or (h["round"], h["submodel"], h["sha256"]) != (task.round, task.submodel, task.model_sha256):
-            raise MessageError("model_mismatch", f"weights for round {h['round']} submodel {h['submodel'] + 1} "
+        if h.kind != "model" or (h.round, h.submodel, h.sha256) != (task.round, task.submodel, task.model_sha256):
+            raise MessageError("model_mismatch", f"weights for round {h.round} submodel {h.submodel + 1} "
                                                  f"do not match the signed task")
         done = self.models_in.feed(payload)
         if done is not None:

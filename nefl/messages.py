@@ -214,8 +214,20 @@ class BoundSettings(msgspec.Struct, kw_only=True, frozen=True):
     relative: Bound | None = None
     adaptive_k: Bound | None = None
     mode: Literal["reject", "clip"] = "reject"
-    window: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 20
-    warmup: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 5
+    window: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
+    warmup: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
+
+
+class ScreenSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """The coordinator's centre check (nefl/robust_aggregate.py AggregationConfig), so every worker screens
+    its share of the updates the same way."""
+
+    centre_check: bool
+    min_cos: Annotated[float, msgspec.Meta(ge=-1, lt=1)]
+    max_norm_ratio: Annotated[float, msgspec.Meta(ge=1, le=1e6)]
+    min_cover: Annotated[int, msgspec.Meta(ge=3, le=1_000_000)]
+    hold: Annotated[int, msgspec.Meta(ge=1, le=MAX_ROUND_CLIENTS)]
+    sketch: Annotated[int, msgspec.Meta(ge=16, le=1 << 24)]
 
 
 class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_field="type"):
@@ -232,7 +244,8 @@ class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_fi
     keys: Annotated[dict[Name, KeyText], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}
     references: Annotated[list[NormValue], msgspec.Meta(max_length=256)]  # weight norm per submodel
     norms: Annotated[list[Annotated[list[NormValue], msgspec.Meta(max_length=10_000)]], msgspec.Meta(max_length=256)]
-    bound: BoundSettings = BoundSettings()
+    bound: BoundSettings
+    screen: ScreenSettings
     deadline_s: Seconds
     max_update_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 34)]
     chunk_bytes: Annotated[int, msgspec.Meta(ge=8192, le=1 << 28)]
@@ -268,7 +281,8 @@ class Receipt(Message, frozen=True, kw_only=True, tag="receipt", tag_field="type
 
 
 class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", tag_field="type"):
-    """Worker -> coordinator: what its partial NeFedAvg of round `round` holds; the group sums
+    """Worker -> coordinator: what its partial NeFedAvg of round `round` holds (and which of its clients'
+    updates its centre check left out); the group sums
     travel as chunked safetensors (kind "partial") whose payload hashes to `sha256`."""
 
     run: Name
@@ -276,6 +290,5 @@ class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", 
     weights: Annotated[list[NormValue], msgspec.Meta(max_length=256)]
     updates: Annotated[list[Count], msgspec.Meta(max_length=256)]
     clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
-    norms: Annotated[list[Annotated[list[NormValue], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)]],
-                     msgspec.Meta(max_length=256)] = []
+    dropped: Annotated[dict[Name, Short], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}  # by the worker's centre check
     sha256: Hex64 | None = None  # None when it holds no update (no tensors follow)

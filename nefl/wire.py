@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import torch
@@ -67,7 +67,7 @@ class WireError(ValueError):
 class Assembled:
     """A complete, verified tensor message."""
 
-    header: dict[str, Any]
+    header: ChunkHeader  # of the set (index 0)
     tensors: dict[str, torch.Tensor]  # float32, whatever dtype travelled
     nbytes: int  # payload bytes received (what the wire carried, headers excluded)
 
@@ -115,7 +115,7 @@ def split_chunk(message: bytes) -> tuple[bytes, bytes]:
     return message[_PREFIX.size:_PREFIX.size + hlen], message[_PREFIX.size + hlen:]
 
 
-def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
+def parse_chunk(message: bytes) -> tuple[ChunkHeader, bytes]:
     """Header and data slice of one message, with every header field type-checked."""
     head, data = split_chunk(message)
     try:
@@ -124,22 +124,22 @@ def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
         raise WireError("bad_version" if e.reason == "bad_version" else "malformed_header", e.detail) from None
     if parsed.index >= parsed.count:
         raise WireError("malformed_header", f"chunk {parsed.index} of {parsed.count}")
-    return msgspec.structs.asdict(parsed), data
+    return parsed, data
 
 
-def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Tensor]:
+def decode_payload(header: ChunkHeader, payload: bytes) -> dict[str, torch.Tensor]:
     """Verified payload -> float32 tensors; never unpickles, refuses other dtypes and non-finite values."""
-    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+    if hashlib.sha256(payload).hexdigest() != header.sha256:
         raise WireError("sha256_mismatch", "payload does not match the sha256 in its header")
     try:
         tensors = st_load(payload)
     except Exception as e:  # the safetensors parser's error types vary by version; all mean "bad bytes"
         raise WireError("malformed_payload", f"not a safetensors payload ({type(e).__name__})") from None
-    want = DTYPES[header["dtype"]]
+    want = DTYPES[header.dtype]
     out = {}
     for n, t in tensors.items():
         if t.dtype != want:
-            raise WireError("bad_dtype", f"{n}: {t.dtype}, header says {header['dtype']}")
+            raise WireError("bad_dtype", f"{n}: {t.dtype}, header says {header.dtype}")
         if not all_finite(t):
             raise WireError("non_finite", f"{n}: non-finite values")
         out[n] = t.to(torch.float32)
@@ -148,7 +148,7 @@ def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Te
 
 @dataclass
 class _Pending:
-    header: dict[str, Any]
+    header: ChunkHeader  # chunk 0's: every chunk of the set must carry the same header but for its index
     started: float
     parts: dict[int, bytes] = field(default_factory=dict)
     received: int = 0
@@ -170,15 +170,15 @@ class Reassembler:
         self.duplicates = 0
 
     @staticmethod
-    def key(header: dict[str, Any]) -> tuple:
+    def key(header: ChunkHeader) -> tuple:
         """Redeliveries share it; a different payload under the same identity is a different set."""
-        return header["kind"], header["round"], header["client"], header["submodel"], header["sha256"]
+        return header.kind, header.round, header.client, header.submodel, header.sha256
 
-    def is_duplicate(self, header: dict[str, Any]) -> bool:
+    def is_duplicate(self, header: ChunkHeader) -> bool:
         """A QoS 1 redelivery of a chunk already held, or of a set already completed."""
         key = self.key(header)
         pending = self._pending.get(key)
-        if key in self._done or (pending is not None and header["index"] in pending.parts):
+        if key in self._done or (pending is not None and header.index in pending.parts):
             self.duplicates += 1
             return True
         return False
@@ -189,38 +189,39 @@ class Reassembler:
         if len(message) > self.max_bytes:
             raise WireError("oversized", f"message of {len(message)} bytes exceeds {self.max_bytes}")
         header, data = parse_chunk(message)
-        if header["size"] > self.max_bytes or header["count"] > self.max_chunks:
-            raise WireError("oversized", f"{header['size']} bytes in {header['count']} chunks exceeds the caps "
+        if header.size > self.max_bytes or header.count > self.max_chunks:
+            raise WireError("oversized", f"{header.size} bytes in {header.count} chunks exceeds the caps "
                                          f"({self.max_bytes} bytes, {self.max_chunks} chunks)")
         key = self.key(header)
         if key in self._done:
             self.duplicates += 1
             return None
         pending = self._pending.get(key)
-        sender = header["client"]
+        sender = header.client
+        first = msgspec.structs.replace(header, index=0)
         if pending is None:
             if self._count(sender) >= self.max_pending:
                 raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
-            pending = self._pending[key] = _Pending({k: v for k, v in header.items() if k != "index"}, now)
-        elif {k: v for k, v in header.items() if k != "index"} != pending.header:
+            pending = self._pending[key] = _Pending(first, now)
+        elif first != pending.header:
             self._pending.pop(key)
-            raise WireError("inconsistent_chunks", f"chunk {header['index']} header differs from earlier chunks")
-        if header["index"] in pending.parts:
+            raise WireError("inconsistent_chunks", f"chunk {header.index} header differs from earlier chunks")
+        if header.index in pending.parts:
             self.duplicates += 1
             return None
         if self._buffered(sender) + len(data) > self.max_buffered:
             raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across {sender}'s incomplete chunk sets")
-        pending.parts[header["index"]] = data
+        pending.parts[header.index] = data
         pending.received += len(data)
-        if pending.received > header["size"]:
+        if pending.received > header.size:
             self._pending.pop(key)
-            raise WireError("oversized", f"chunks carry more than the {header['size']} bytes announced")
-        if len(pending.parts) < header["count"]:
+            raise WireError("oversized", f"chunks carry more than the {header.size} bytes announced")
+        if len(pending.parts) < header.count:
             return None
         self._pending.pop(key)
-        payload = b"".join(pending.parts[i] for i in range(header["count"]))
-        if len(payload) != header["size"]:
-            raise WireError("size_mismatch", f"{len(payload)} bytes received, header says {header['size']}")
+        payload = b"".join(pending.parts[i] for i in range(header.count))
+        if len(payload) != header.size:
+            raise WireError("size_mismatch", f"{len(payload)} bytes received, header says {header.size}")
         tensors = decode_payload(header, payload)
         self._remember_done(key)  # only verified sets: a corrupted copy must not shadow the real one
         return Assembled(pending.header, tensors, len(payload))

@@ -60,8 +60,8 @@ def test_task_weights_train_upload(tmp_path):
     r = Reassembler()
     for m in updates:
         done = r.feed(m) or done
-    assert done.header["client"] == "c1" and done.header["round"] == 1 and done.header["submodel"] == 1
-    assert done.header["metrics"]["steps"] == 4 and set(done.tensors) == set(server.layout.upload_shapes(1))
+    assert done.header.client == "c1" and done.header.round == 1 and done.header.submodel == 1
+    assert done.header.metrics["steps"] == 4 and set(done.tensors) == set(server.layout.upload_shapes(1))
     device_key = parse_public_key(announces(transport)[0].key)
     for m in updates:  # every chunk header carries the device's signature
         verify(split_chunk(m)[0], device_key)

@@ -22,13 +22,15 @@ from hypothesis import strategies as st
 
 from aggregator.federation import state_digest
 from aggregator.loadtest import device_delta
-from aggregator.partials import partial_from, partial_tensors
+from aggregator.partials import partial_from, plan_bound, plan_screen
 from aggregator.worker import Worker, WorkerConfig, owner_of
 from nefl.aggregate import NeFedAvg
 from nefl.checkpoint import load_checkpoint
 from nefl.messages import MessageError, PartialSummary, Receipt, RoundClose, WorkerRound
 from nefl.mqtt import BrokerSettings
 from nefl.profile import load_profile
+from nefl.robust import NormBound
+from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer
 from nefl.state import GlobalState, Layout
 from nefl.topics import Topics
@@ -49,12 +51,12 @@ def dyadic_delta(layout: Layout, k: int, rng: random.Random) -> dict[str, torch.
 
 def through_the_wire(layout: Layout, part: NeFedAvg, clients: list[str], worker: str) -> NeFedAvg:
     """A partial as a worker publishes it and the coordinator reads it back (chunked safetensors + summary)."""
-    msgs = encode(partial_tensors(part), kind="partial", federation="t", round=1, submodel=0, client=worker,
+    msgs = encode(part.partial_tensors(), kind="partial", federation="t", round=1, submodel=0, client=worker,
                   chunk_bytes=64 * 1024)
     reasm = Reassembler(max_bytes=64 << 20)
     done = [d for m in msgs if (d := reasm.feed(m)) is not None][0]
     summary = PartialSummary(run="r", round=1, weights=[float(w) for w in part.weights], updates=list(part.updates),
-                             clients=clients, sha256=done.header["sha256"])
+                             clients=clients, sha256=done.header.sha256)
     return partial_from(layout, PartialSummary.from_json(summary.to_json()), done.tensors)
 
 
@@ -89,7 +91,7 @@ def test_a_partial_that_does_not_fit_the_profile_is_refused():
     layout = Layout.build(load_profile(PROFILE))
     agg = NeFedAvg(layout)
     agg.add(1, device_delta(layout, 1, "c", 1))
-    tensors = partial_tensors(agg)
+    tensors = agg.partial_tensors()
     good = dict(weights=[0.0, 1.0, 0.0, 0.0, 0.0], updates=[0, 1, 0, 0, 0], clients=["c"], run="r", round=1)
     assert partial_from(layout, PartialSummary(**good), tensors).updates == [0, 1, 0, 0, 0]
     name = next(iter(tensors))
@@ -123,7 +125,7 @@ def test_worker_topics_and_messages_are_strict():
         t.update_shared("a/b")
     plan = WorkerRound(federation="fed", run="r1", round=3, profile={}, profile_hash="h", assignments={"c1": 2},
                        references=[1.0, 2.0], norms=[[], [0.5]], deadline_s=10, max_update_bytes=1 << 20,
-                       chunk_bytes=1 << 16)
+                       chunk_bytes=1 << 16, bound=plan_bound(NormBound()), screen=plan_screen(AggregationConfig()))
     assert WorkerRound.from_json(plan.to_json(), 1 << 20) == plan
     for bad in (plan.to_json().replace(b'"c1":2', b'"c1":-2'), plan.to_json().replace(b'"references":[1.0', b'"references":[-1.0')):
         with pytest.raises(MessageError):
@@ -143,7 +145,8 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
     t = Topics("t")
     plan = WorkerRound(federation="t", run="r1", round=1, profile=profile.to_dict(), profile_hash=layout.profile.hash,
                        assignments={"a": 0, "b": 1}, references=[10.0] * 5, norms=[[]] * 5, deadline_s=30,
-                       max_update_bytes=1 << 24, chunk_bytes=1 << 20)
+                       max_update_bytes=1 << 24, chunk_bytes=1 << 20, bound=plan_bound(NormBound()),
+                       screen=plan_screen(AggregationConfig()))
 
     def update(client: str, k: int, topic_client: str | None = None) -> tuple[str, bytes]:
         msg = encode(device_delta(layout, k, client, 1), kind="update", federation="t", round=1, submodel=k, client=client,
