@@ -284,20 +284,22 @@ class Operator:
 
 
 def choose_canaries(online: list[str], fraction: float | None, named: list[str], version: int) -> list[str]:
-    """The named devices, or ceil(fraction x online) of them, picked by a hash of (version, id) so that
-    successive versions spread over the fleet rather than always landing on the same device."""
+    """The named devices, or floor(fraction x online) of them but at least one (0.34 of 3 is one device),
+    picked by a hash of (version, id) so that successive versions spread over the fleet rather than always
+    landing on the same device."""
     if named:
         return sorted(set(named))
     if fraction is None:
         return []
     ranked = sorted(online, key=lambda c: hashlib.sha256(f"{version}:{c}".encode()).hexdigest())
-    return sorted(ranked[:max(1, math.ceil(fraction * len(online)))])
+    return sorted(ranked[:max(1, math.floor(fraction * len(online) + 1e-9))])
 
 
-def _open(checkpoint_dir: str, federation: str, broker: str, credentials: tuple[str | None, ...],
-          create_key: bool = True) -> Operator:
+def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
+                     create_key: bool = True) -> Operator:
     """The operator's world, or exit 2 with the fix (bad URL, key, state, broker unreachable). Only the
     commands that sign create the server key when it is missing (as `aggregator key` does)."""
+    checkpoint_dir = checkpoint_dir or f"runs/{federation}"
     try:
         if not create_key and not (Path(checkpoint_dir) / KEY_FILE).is_file():
             raise DeployError(f"no {KEY_FILE} in {checkpoint_dir}: run this where `aggregator serve` keeps the "
@@ -326,7 +328,7 @@ def publish_command(
     export: Path = typer.Option(..., "--export", help="Export directory (`nefl-export onnx --out DIR`)."),
     broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR,
     canary: float = typer.Option(None, "--canary", min=0.0, max=1.0, help="Give the new version first to this fraction "
-                                 "of the devices that follow (at least one), then judge it."),
+                                 "of the devices that follow (rounded down, at least one), then judge it."),
     canary_devices: str = typer.Option(None, "--canary-devices", help="Or these devices (comma-separated client ids)."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="With a canary: watch it and promote or roll back by the "
                               "rule (else decide later with `aggregator rollout promote|rollback`)."),
@@ -346,7 +348,7 @@ def publish_command(
     """Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, retained."""
     setup_logging(log_level, log_format, context={"federation": federation})
     named = [d.strip() for d in (canary_devices or "").split(",") if d.strip()]
-    op = _open(checkpoint_dir or f"runs/{federation}", federation, broker, (username, password, ca_cert, certfile, keyfile))
+    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile))
     try:
         raise typer.Exit(_publish(op, export, canary, named, wait, chunk_kib * 1024, log_format,
                                   CanaryRule(min_requests, max_p95_ratio, max_error_increase, watch_s)))
@@ -405,7 +407,7 @@ def status_command(
 ) -> None:
     """Which device runs which version, its health and latency against the version before."""
     setup_logging(log_level, log_format)
-    op = _open(checkpoint_dir or f"runs/{federation}", federation, broker, (username, password, ca_cert, certfile, keyfile),
+    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile),
                create_key=False)
     op.fleet.close()
     view = fleet_view(op.fleet.rollout or op.state.rollout(federation), op.fleet.book.reports)
@@ -456,7 +458,7 @@ def promote_command(
 ) -> None:
     """Make the canary version stable: every device takes it."""
     setup_logging(log_level, log_format)
-    op = _open(checkpoint_dir or f"runs/{federation}", federation, broker, (username, password, ca_cert, certfile, keyfile))
+    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile))
     try:
         if op.state.canary is None:
             raise DeployError("no canary to promote (`aggregator rollout status` shows the rollout)")
@@ -480,7 +482,7 @@ def rollback_command(
 ) -> None:
     """Revoke the canary, or the stable version in favour of an earlier one: a signed rollback devices obey."""
     setup_logging(log_level, log_format)
-    op = _open(checkpoint_dir or f"runs/{federation}", federation, broker, (username, password, ca_cert, certfile, keyfile))
+    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile))
     try:
         if op.state.canary is not None and to is None:
             op.revoke_canary(op.state.canary, reason)

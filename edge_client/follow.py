@@ -165,6 +165,12 @@ class Follower:
     def on_connected(self) -> None:
         """(Re)connected with a clean session: subscribe again to what is still needed, say where we are."""
         self._subscribed.clear()
+        if self.staging is not None:
+            staging = self.staging
+            total = sum(len(f.chunks) for f in staging.files.values())
+            missing = sum(len(staging.missing(name)) for name in staging.files)
+            log.info(f"resuming v{staging.version}: {total - missing} of {total} chunks already staged, asking for the "
+                     f"{missing} missing")
         self._subscribe([self.topics.deploy_rollout, *self._fetch_topics()])
         self._report(force=True)
 
@@ -270,8 +276,8 @@ class Follower:
                 raise Refused("downgrade", f"refused v{target}: older than v{current}, which this device runs, and "
                                            f"the rollout does not revoke v{current}: no downgrade unless the operator "
                                            "signs a rollback (`aggregator rollout rollback`)")
-            if self._swap_back(target, f"operator rolled back v{current} to v{target}"
-                                       + (f": {self.rollout.reason}" if self.rollout and self.rollout.reason else "")):
+            if self._swap_back(target, "the operator's signed rollback"
+                                       + (f" ({self.rollout.reason})" if self.rollout and self.rollout.reason else "")):
                 return
         if self.store.has(target):
             self._install_stored(target)

@@ -10,8 +10,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,15 +121,13 @@ class LoadLoop:
                 status, version = 0, None
             self.answers.append(Answer(sent, time.perf_counter() - sent, status, version))
 
-    @contextmanager
-    def running(self) -> Iterator[LoadLoop]:
-        thread = threading.Thread(target=self._run, daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            thread.join(60)
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
 
     @property
     def failed(self) -> list[Answer]:
