@@ -17,12 +17,12 @@ from rich.console import Console
 from edge_client.follow import FollowConfig, Follower, RuntimeFactory, offline_report, run
 from edge_client.identity import CACHE, PIN_DIR, device_signer, pin_file_for
 from edge_client.runtime import ExternalLoadProbe, Probe
-from edge_client.select import parse_size
 from edge_client.serving import Serving
 from edge_client.store import Store, StoreError
 from nefl.mqtt import Connection, parse_broker
 from nefl.signing import KeyFileError, public_key_arg
 from nefl.topics import Topics, check_name
+from nefl.units import parse_size
 
 log = logging.getLogger("edge_client.follow")
 console = Console(stderr=True)

@@ -15,11 +15,12 @@ import typer
 from rich.console import Console
 
 from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, REQUEST_TIMEOUT_S, WORKERS, make_server
-from edge_client.runtime import AdaptiveRuntime, ImageError, ModelsError, Probe
+from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ModelsError, Probe
 from edge_client.serving import Active, Serving
 from edge_client.store import followed_current
 from nefl.cli_options import CaCertOption, CertfileOption, KeyfileOption, PasswordOption, UsernameOption
 from nefl.logs import setup_logging
+from nefl.units import parse_size
 
 console = Console()
 
@@ -151,9 +152,6 @@ def _budgeted_probe(memory_budget: str | None) -> Probe | None:
     """The runtime's load probe with available memory capped at --memory-budget (None: the default probe)."""
     if memory_budget is None:
         return None
-    from edge_client.runtime import ExternalLoadProbe
-    from edge_client.select import parse_size
-
     cap, probe = parse_size(memory_budget), ExternalLoadProbe()
 
     def budgeted() -> tuple[float | None, int | None]:
