@@ -365,10 +365,7 @@ class Follower:
         try:
             staging.write(name, index, data)
         except StoreError as e:
-            self._drop_staging()
-            self._retry_at = self.clock() + self.cfg.retry_s
-            raise Refused(e.reason, f"cannot stage v{release.version}: {e}; staging discarded, retrying in "
-                                    f"{self.cfg.retry_s:g} s") from None
+            raise self._abandon_staging(e) from None
         self._last_progress = self.clock()
         if staging.file_done(name):
             prefix = self.topics.deploy_file_chunks(release.version, release.file(name)[0])[:-1]
@@ -408,11 +405,9 @@ class Follower:
             directory = staging.finish(manifest, raw)
         except StoreError as e:
             if e.reason == "disk_full":
-                self._drop_staging()
-                self._retry_at = self.clock() + self.cfg.retry_s
-            else:  # a file that failed its final hash is fetched again
-                self._unsubscribe_fetch()
-                self._subscribe(self._fetch_topics())
+                raise self._abandon_staging(e) from None
+            self._unsubscribe_fetch()  # a file that failed its final hash is fetched again
+            self._subscribe(self._fetch_topics())
             raise Refused(e.reason, f"cannot stage v{release.version}: {e}") from None
         fetched, self.staging, self.release = staging.fetched_bytes, None, None
         self._unsubscribe_fetch()
@@ -479,6 +474,14 @@ class Follower:
         log.warning(self.event)
         self._report(force=True)
         return True
+
+    def _abandon_staging(self, error: StoreError) -> Refused:
+        """The disk failed while staging: free what was staged, try again in retry_s."""
+        version = self.staging.version if self.staging is not None else None
+        self._drop_staging()
+        self._retry_at = self.clock() + self.cfg.retry_s
+        return Refused(error.reason, f"cannot stage v{version}: {error}; staging discarded, retrying in "
+                                     f"{self.cfg.retry_s:g} s")
 
     def _drop_staging(self) -> None:
         if self.staging is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -28,6 +29,7 @@ from nefl.manifest import MANIFEST_FILE, Manifest, sha256_file, write_manifest
 from nefl.messages import Release, ReleaseFile
 
 CURRENT, PREVIOUS, VERSIONS, STAGING = "current", "previous", "versions", "staging"
+log = logging.getLogger(__name__)
 STATE_FILE, RELEASE_FILE = "follow.json", "release.json"
 
 
@@ -70,7 +72,12 @@ class Store:
                              "(the device then takes the rollout's current version)") from None
 
     def save_state(self, state: FollowState) -> None:
-        atomic_write_bytes(self.root / STATE_FILE, msgspec.json.encode(state))
+        """Written through; a full disk only delays it (the state stays in memory and the next save retries)."""
+        try:
+            atomic_write_bytes(self.root / STATE_FILE, msgspec.json.encode(state))
+        except OSError as e:
+            log.warning(f"cannot write {self.root / STATE_FILE} ({e.strerror or e}); the rollout state is kept in "
+                        "memory until it can be")
 
     # -- versions ---------------------------------------------------------------------------------------
     def version_dir(self, version: int) -> Path:

@@ -4,8 +4,10 @@ real mosquitto, answering HTTP requests in a loop while versions are swapped, ca
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from typer.testing import CliRunner, Result
 from aggregator.cli import app
 from aggregator.rollout import connect_operator
 from nefl.manifest import read_manifest, write_manifest
+from nefl.messages import Release
 from nefl.signing import Signer
 from nefl.topics import Topics
 from nefl.wire import split_chunk
@@ -51,13 +54,13 @@ def aggregator(*args: str) -> Result:
     return CliRunner().invoke(app, list(args))
 
 
-def follow(procs, name: str, broker_port: int, *extra: str) -> int:
+def follow(procs, name: str, broker_port: int, *extra: str, models: Path | None = None) -> int:
     """Start a following device; returns its HTTP port (call `listening` before using it)."""
     port = free_port()
     key = Signer.load_or_create(procs.tmp / "run").public_text
     procs.start(name, [sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--follow",
                        f"mqtt://127.0.0.1:{broker_port}", "--federation", "t", "--server-key", key, "--client-id", name,
-                       "--models", str(procs.tmp / name), "--port", str(port), "--threads", "1", *extra])
+                       "--models", str(models or procs.tmp / name), "--port", str(port), "--threads", "1", *extra])
     return port
 
 
@@ -202,3 +205,34 @@ def test_bad_input_is_refused_a_broken_transfer_resumes_and_a_signed_rollback_is
     _publish_raw(broker, [(T.deploy_rollout, rollout(server, 5, 1, revoked=[2], reason="forced"))])
     wait_for(lambda: serving(port) == 1, 60, "the signed rollback to v1")
     assert "rolled back v2 -> v1: the operator's signed rollback (forced)" in procs.log("d1")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a small tmpfs needs root")
+def test_a_disk_that_fills_while_staging_leaves_the_old_version_serving(procs, exports: dict[str, Path]) -> None:
+    """A real ENOSPC: the device's directory is a tmpfs whose free space passes the check before staging
+    (--keep-free 0) but not the page-rounded files of the second version."""
+    disk = procs.tmp / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    try:
+        broker = free_port()
+        procs.mosquitto(broker)
+        server = Signer.load_or_create(procs.tmp / "run")
+        port = follow(procs, "d1", broker, "--keep-free", "0", models=disk / "d1")
+        listening({"d1": port})
+        release1, chunks1 = release_messages(server, exports["v1"], 1)
+        _publish_raw(broker, [*chunks1, (T.deploy_release(1), release1), (T.deploy_rollout, rollout(server, 1, 1))])
+        wait_for(lambda: serving(port) == 1, 120, "v1")
+        release2, chunks2 = release_messages(server, exports["v2"], 2)
+        files = Release.from_json(release2[:release2.rindex(b',"sig"')] + b"}", 1 << 20).files
+        pages = sum(-(-f.size // 4096) * 4096 for f in files)  # tmpfs hands out 4 KiB pages
+        # room for every chunk and one page more (a state file rewrite), not for the manifest and release
+        # written beside them at the end: the disk fills while staging, after the check before it passed
+        (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - pages - 4096))
+        _publish_raw(broker, [*chunks2, (T.deploy_release(2), release2), (T.deploy_rollout, rollout(server, 2, 2))])
+        wait_for(lambda: "No space left on device" in procs.log("d1"), 60, "the disk to fill")
+        assert serving(port) == 1 and "staging discarded, retrying in 30 s" in procs.log("d1")
+        assert not (disk / "d1" / "staging" / "v2").exists()
+    finally:
+        procs.stop_all()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
