@@ -45,6 +45,7 @@ import numpy as np
 import onnxruntime as ort
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from edge_client.probe import format_bytes
 from edge_client.runtime import (MEMORY_RESERVE_BYTES, AdaptiveRuntime, ModelsError, Submodel, memory_headroom,
                                  session_options, usable_entries)
 from edge_client.serving import Active, Serving
@@ -128,7 +129,7 @@ class Follower:
         self.staging: Staging | None = None
         self.fallback: Active | None = None  # the version before the last swap, until the new one is healthy
         self.serving_release: Release | None = None
-        self.fetched_bytes = 0
+        self.fetched: dict[int, int] = {}  # bytes downloaded per version kept (0: loaded from disk)
         self.swap_ms: float | None = None
         self.event = ""
         self.health = "unknown"
@@ -328,7 +329,7 @@ class Follower:
 
     def _plan(self, release: Release) -> Manifest:
         """The release's manifest cut to the usable submodels that fit this device's memory now; Refused
-        when none does or the files would exceed --max-release-bytes."""
+        when none does or the files would exceed `max_release_bytes`."""
         try:
             usable = usable_entries(release.manifest, self.cfg.include_untrained)
         except ModelsError as e:
@@ -338,12 +339,12 @@ class Follower:
         if not fits:
             smallest = min(Submodel.from_entry(e, e.file).memory_bytes(1) for e in usable)
             raise Refused("memory", f"refused v{release.version}: no submodel fits this device's memory (the smallest "
-                                    f"needs {smallest} bytes, {headroom} usable now)")
+                                    f"needs {format_bytes(smallest)}, {format_bytes(headroom)} usable now)")
         names = [e.file for e in fits] + [release.manifest.parity.file]
         size = sum(release.file(name)[1].size for name in names if name is not None)
         if size > self.cfg.max_release_bytes:
-            raise Refused("oversized", f"refused v{release.version}: its files for this device take {size} bytes, "
-                                       f"over --max-release-bytes {self.cfg.max_release_bytes}")
+            raise Refused("oversized", f"refused v{release.version}: its files for this device take {format_bytes(size)}, "
+                                       f"over the {format_bytes(self.cfg.max_release_bytes)} it accepts")
         return msgspec.structs.replace(release.manifest, submodels=fits)
 
     def _on_chunk(self, payload: bytes) -> None:
@@ -437,7 +438,8 @@ class Follower:
         self.swap_ms = self.serving.swap(Active(runtime, version)) * 1000
         forward = before is None or before.version is None or version > before.version
         self.store.activate(version, keep_previous=forward)  # a version left by a rollback is not worth keeping
-        self.fallback, self.serving_release, self.fetched_bytes = before, release, fetched
+        self.fallback, self.serving_release = before, release
+        self.fetched = {v: n for v, n in self.fetched.items() if v in (self.store.previous, version)} | {version: fetched}
         self.health = "unknown"
         self.event = (f"swapped v{before.version} -> v{version}" if before is not None else f"serving v{version}") + \
             f" ({fetched} bytes fetched, {sum(f.size for f in release.files)} in the release; swap held requests " \
@@ -469,7 +471,7 @@ class Follower:
         self.swap_ms = self.serving.swap(active) * 1000
         self.store.activate(target, keep_previous=False)
         self.serving_release = self._stored_release(target)
-        self.fallback, self.fetched_bytes, self.health = None, 0, "ok"
+        self.fallback, self.health = None, "ok"
         self.event = f"rolled back v{bad} -> v{target}: {why}"
         log.warning(self.event)
         self._report(force=True)
@@ -545,7 +547,8 @@ class Follower:
             client=self.cfg.client_id, federation=self.cfg.federation, key=self.cfg.device_key.public_text, state=state,
             version=version, previous=self.store.previous, target=self.target, health=self.health,
             current=self.serving.stats(version), before=self.serving.stats(self.store.previous), event=self.event[:300],
-            refused=[Refusal(version=v, reason=r[:300]) for v, r in refused], fetched_bytes=self.fetched_bytes,
+            refused=[Refusal(version=v, reason=r[:300]) for v, r in refused],
+            fetched_bytes=self.fetched.get(version, 0) if version is not None else 0,
             release_bytes=sum(f.size for f in release.files) if release else 0,
             submodels=sorted(s.index for s in active.runtime.submodels) if active is not None else [],
             swap_ms=None if self.swap_ms is None else round(self.swap_ms, 3), time=self.wall(),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from edge_client.probe import format_bytes
 from nefl.fsio import atomic_write_bytes, fsync_dir, fsync_file
 from nefl.manifest import MANIFEST_FILE, Manifest, sha256_file, write_manifest
 from nefl.messages import Release, ReleaseFile
@@ -200,8 +201,9 @@ class Staging:
         need = self.wanted_bytes - self.staged_bytes
         free = shutil.disk_usage(self.dir).free
         if free - need < keep_free_bytes:
-            raise StoreError("disk_full", f"v{self.version} needs {_mb(need)} more in {self.dir}, {_mb(free)} are free "
-                             f"and {_mb(keep_free_bytes)} must stay free: free some space (or lower --keep-free)")
+            raise StoreError("disk_full", f"v{self.version} needs {format_bytes(need)} more in {self.dir}, "
+                             f"{format_bytes(free)} are free and {format_bytes(keep_free_bytes)} must stay free: free "
+                             "some space (or lower --keep-free)")
 
     def write(self, name: str, index: int, data: bytes) -> None:
         """Store chunk `index` of `name` (already checked against its hash by the caller)."""
@@ -249,5 +251,3 @@ class Staging:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"

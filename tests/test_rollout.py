@@ -208,7 +208,7 @@ def test_a_release_too_large_for_the_device_is_refused(export: Path, tmp_path: P
     f = make(tmp_path, max_release_bytes=1000)
     deliver(f, export, 1)
     assert f.version is None and f.dropped["oversized"] == 1
-    assert "over --max-release-bytes 1000" in f.event
+    assert "over the 1000 B it accepts" in f.event
 
 
 def test_a_disk_without_room_is_refused_before_writing(export: Path, tmp_path: Path) -> None:
