@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import msgspec
 import typer
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.table import Table
 
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
@@ -101,23 +102,38 @@ def judge(reports: dict[str, DeployReport], devices: list[str], version: int, ru
     return Verdict("promote", "; ".join(v.why for v in verdicts))
 
 
-class ReportBook:
-    """The newest signed report of each device; a device's key is pinned on its first report."""
+class FleetBook:
+    """What the broker says about the fleet: the retained rollout (checked against the server key) and the
+    newest signed report of each device, whose key is pinned on its first report. Bytes from the broker
+    are hostile: anything that does not check out is counted in `rejected`, never raised."""
 
-    def __init__(self, topics: Topics, pins: dict[str, str]) -> None:
-        self.topics, self.pins = topics, pins
+    def __init__(self, topics: Topics, server_key: Ed25519PublicKey, pins: dict[str, str]) -> None:
+        self.topics, self.server_key, self.pins = topics, server_key, pins
+        self.rollout: Rollout | None = None
         self.reports: dict[str, DeployReport] = {}
         self.rejected: Counter[str] = Counter()
 
     def feed(self, topic: str, payload: bytes) -> None:
-        client = self.topics.client_of(topic, "deploy/status")
-        if client is None or not payload:
-            return
+        if not payload:
+            return  # a retained message cleared
         try:
-            self.reports[client] = self._check(client, payload)
+            if topic == self.topics.deploy_rollout:
+                self.rollout = self._check_rollout(payload)
+                return
+            client = self.topics.client_of(topic, "deploy/status")
+            if client is not None:
+                self.reports[client] = self._check(client, payload)
         except MessageError as e:
             self.rejected[e.reason] += 1
-            log.debug(f"report of {client} refused: {e}")
+            log.debug(f"{topic}: refused ({e})")
+
+    def _check_rollout(self, payload: bytes) -> Rollout:
+        rollout = Rollout.from_json(verify(payload, self.server_key))
+        if rollout.federation != self.topics.federation:
+            raise MessageError("wrong_federation", f"a rollout of federation {rollout.federation!r}")
+        if self.rollout is not None and rollout.seq < self.rollout.seq:
+            raise MessageError("replayed", f"rollout #{rollout.seq} is older than #{self.rollout.seq}")
+        return rollout
 
     def _check(self, client: str, payload: bytes) -> DeployReport:
         try:
@@ -142,10 +158,9 @@ class ReportBook:
 class Fleet:
     """A broker connection for the operator's commands: publishes (waited for), retained rollout and reports."""
 
-    def __init__(self, settings: BrokerSettings, topics: Topics, server_key: Any, pins: dict[str, str]) -> None:
-        self.topics, self.server_key = topics, server_key
-        self.book = ReportBook(topics, pins)
-        self.rollout: Rollout | None = None  # the retained one on the broker, signature checked
+    def __init__(self, settings: BrokerSettings, topics: Topics, server_key: Ed25519PublicKey, pins: dict[str, str]) -> None:
+        self.topics = topics
+        self.book = FleetBook(topics, server_key, pins)
         self.conn = Connection(settings, f"nefl-rollout-{secrets.token_hex(4)}", None, b"", log)
         self.lock = threading.Lock()  # held while a message is taken in: a reader in another thread sees whole updates
 
@@ -169,16 +184,7 @@ class Fleet:
             except queue.Empty:
                 continue
             with self.lock:
-                if topic == self.topics.deploy_rollout:
-                    self._take_rollout(payload)
-                else:
-                    self.book.feed(topic, payload)
-
-    def _take_rollout(self, payload: bytes) -> None:
-        try:
-            self.rollout = Rollout.from_json(verify(payload, self.server_key))
-        except MessageError as e:
-            log.warning(f"the retained rollout on {self.topics.deploy_rollout} is not this server's ({e})")
+                self.book.feed(topic, payload)
 
     def publish(self, topic: str, payload: bytes, retain: bool = True) -> None:
         self.conn.client.publish(topic, payload, qos=QOS, retain=retain).wait_for_publish(30)
@@ -410,7 +416,7 @@ def status_command(
     op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile),
                create_key=False)
     op.fleet.close()
-    view = fleet_view(op.fleet.rollout or op.state.rollout(federation), op.fleet.book.reports)
+    view = fleet_view(op.fleet.book.rollout or op.state.rollout(federation), op.fleet.book.reports)
     if as_json:
         print(msgspec.json.format(msgspec.json.encode(view), indent=1).decode())
         return
@@ -526,7 +532,7 @@ class RolloutWatcher:
 
     def snapshot(self) -> dict[str, Any]:
         with self.fleet.lock:
-            rollout = self.fleet.rollout
+            rollout = self.fleet.book.rollout
             return {"rollout": None, "devices": []} if rollout is None else fleet_view(rollout, self.fleet.book.reports)
 
     def close(self) -> None:

@@ -284,6 +284,7 @@ class Follower:
             self._install_stored(target)
             return
         if self.staging is None:
+            self._unsubscribe_fetch()  # a release asked for by an earlier rollout is not wanted any more
             self._subscribe([self.topics.deploy_release(target)])
         self._report(force=True)
 
@@ -380,7 +381,6 @@ class Follower:
         """(file name, index) of a chunk that is exactly what the signed release says; Refused otherwise."""
         position, index = header["submodel"], header["index"]
         if position >= len(release.files) or release.files[position].name not in self.staging.files:
-            self.dropped["unwanted"] += 1
             raise Refused("unwanted", f"dropped a chunk of v{release.version}: file {position} is not one this device fetches")
         f = release.files[position]
         where = f"chunk {index} of {f.name} (v{release.version})"

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aggregator.deploy import DeployError, build_release
-from aggregator.rollout import CanaryRule, ReportBook, choose_canaries, judge, judge_device
+from aggregator.rollout import CanaryRule, FleetBook, choose_canaries, judge, judge_device
 from edge_client.follow import FollowConfig, Follower
 from edge_client.runtime import AdaptiveRuntime
 from edge_client.serving import Active, Serving
@@ -323,7 +323,7 @@ def test_a_restart_serves_the_version_on_disk(export: Path, tmp_path: Path) -> N
 def test_reports_are_signed_by_the_device_key(export: Path, tmp_path: Path) -> None:
     f = make(tmp_path)
     deliver(f, export, 1)
-    book = ReportBook(T, {})
+    book = FleetBook(T, parse_public_key(SERVER.public_text), {})
     book.feed(T.deploy_status("d1"), f.transport.on(T.deploy_status("d1"))[-1])
     assert book.reports["d1"].version == 1 and book.pins["d1"] == f.cfg.device_key.public_text
     other = Signer(Ed25519PrivateKey.generate())
@@ -439,3 +439,49 @@ def test_serving_swaps_between_requests() -> None:
     serving.observe(serving.current(), False, 0.020)
     assert serving.stats(1).requests == 1 and serving.stats(2).errors == 1
     assert held is a and serving.current() is b
+
+
+def test_infer_on_a_followed_directory_uses_its_current_version(export: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from edge_client.cli import app
+    from tests.rollout_helpers import png
+
+    f = make(tmp_path)
+    deliver(f, export, 1)
+    deliver(f, export, 2)
+    (tmp_path / "img.png").write_bytes(png(0))
+    out = CliRunner().invoke(app, ["infer", "--models", str(tmp_path / "models"), "--threads", "1", str(tmp_path / "img.png")])
+    assert out.exit_code == 0 and "submodel" in out.output, out.output
+    assert followed_current(tmp_path / "models").name == "v2"
+
+
+@settings(max_examples=300, deadline=None)
+@given(client=st.sampled_from(["d1", "d2"]), payload=st.one_of(
+    st.binary(max_size=400),
+    st.builds(lambda s: s.encode(), st.sampled_from(['{"v":1,"type":"deploy_report","client":"d1","state":"offline"}',
+                                                    '{"v":1,"type":"deploy_report","client":"d2","state":"serving"}',
+                                                    '{"v":1,"type":"rollout","federation":"t","seq":1}', "{}", "[]"])),
+    st.sampled_from([rollout(SERVER, 3, 1), rollout(SERVER, 3, 1, federation="x"), rollout(SERVER, 3, 1)[:-20]]),
+    st.builds(lambda key, version, state: key.sign(DeployReport(client="d1", federation="t", key=key.public_text,
+                                                                 state=state, version=version, time=1.0).to_json()),
+              st.sampled_from([SERVER, Signer(Ed25519PrivateKey.generate())]), st.integers(1, 5),
+              st.sampled_from(["serving", "offline", "staging"]))))
+def test_fuzzed_reports_and_rollouts_never_raise_on_the_operators_side(client: str, payload: bytes) -> None:
+    book = FleetBook(T, parse_public_key(SERVER.public_text), {"d1": SERVER.public_text})
+    book.feed(T.deploy_status(client), payload)
+    book.feed(T.deploy_rollout, payload)
+    assert set(book.reports) <= {"d1", "d2"}
+    assert book.rollout is None or book.rollout.federation == "t"
+
+
+def test_rollout_status_table_names_every_device_and_its_versions(capsys: pytest.CaptureFixture) -> None:
+    from aggregator.rollout import fleet_view, show
+    from nefl.messages import Rollout
+
+    reports = {"d1": _report(2, 120, 1, 4.0, event="swapped v1 -> v2"),
+               "d2": msgspec.structs.replace(_report(2, 80, 0, 3.0), state="offline")}
+    show(fleet_view(Rollout(federation="t", seq=4, stable=2, revoked=[3], reason="v3 rolled back"), reports))
+    out = capsys.readouterr().out
+    assert "rollout #4: stable v2, revoked [3]" in out and "last change: v3 rolled back" in out
+    assert "swapped v1 -> v2" in out and "offline" in out and "v1 (2.0)" in out
