@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -288,6 +290,19 @@ class Operator:
         return self.apply(f"v{version} rolled back on the canary: {why}", canary=None, canary_devices=[],
                           revoked=sorted({*self.state.revoked, version}))
 
+    def rollback(self, to: int | None, why: str, chunk_bytes: int, fmt: str) -> Rollout:
+        """Revoke the stable version for `to` (default: the stable one before it), its files published again
+        if the broker no longer holds them."""
+        bad = self.state.stable
+        earlier = [v for v in self.state.history if v != bad and v not in self.state.revoked]
+        target = to or (earlier[-1] if earlier else None)
+        if bad is None or target is None or target == bad:
+            raise DeployError(f"nothing to roll back to (stable v{bad}, earlier stable versions {earlier or 'none'}); "
+                              "give --to VERSION")
+        self.ensure_files(target, chunk_bytes, fmt)
+        return self.apply(f"v{bad} rolled back to v{target}: {why}", stable=target, canary=None, canary_devices=[],
+                          revoked=sorted({*self.state.revoked, bad}), history=[*self.state.history, target])
+
 
 def choose_canaries(online: list[str], fraction: float | None, named: list[str], version: int) -> list[str]:
     """The named devices, or floor(fraction x online) of them but at least one (0.34 of 3 is one device),
@@ -323,10 +338,25 @@ def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, c
     return Operator(Path(checkpoint_dir), federation, signer, state, fleet)
 
 
+@contextmanager
+def operating(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
+              create_key: bool = True) -> Iterator[Operator]:
+    """One operator command: connected, a DeployError turned into its one line and exit 2, disconnected after."""
+    op = connect_operator(checkpoint_dir, federation, broker, credentials, create_key)
+    try:
+        yield op
+    except DeployError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    finally:
+        op.fleet.close()
+
+
 BROKER = typer.Option(..., "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")
 FEDERATION = typer.Option("default", "--federation", help="Federation name: the MQTT topic prefix nefl/NAME/.")
 CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="The run directory holding server.key; the rollout's "
                               "state is kept in its deploy/ (default: runs/FEDERATION).")
+CHUNK_KIB = typer.Option(DEFAULT_CHUNK_BYTES // 1024, "--chunk-kib", min=8, help="Largest MQTT message, KiB.")
 RULE = CanaryRule()
 
 
@@ -346,7 +376,7 @@ def publish_command(
     max_error_increase: float = typer.Option(RULE.max_error_increase, "--max-error-increase", min=0.0, max=1.0,
                                              help="Roll back when a canary's error rate exceeds its previous "
                                                   "version's by more than this (0.02: two points)."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, "--chunk-kib", min=8, help="Largest MQTT message, KiB."),
+    chunk_kib: int = CHUNK_KIB,
     username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
     certfile: CertfileOption = None, keyfile: KeyfileOption = None,
     log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain",
@@ -354,15 +384,10 @@ def publish_command(
     """Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, retained."""
     setup_logging(log_level, log_format, context={"federation": federation})
     named = [d.strip() for d in (canary_devices or "").split(",") if d.strip()]
-    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile))
-    try:
-        raise typer.Exit(_publish(op, export, canary, named, wait, chunk_kib * 1024, log_format,
-                                  CanaryRule(min_requests, max_p95_ratio, max_error_increase, watch_s)))
-    except DeployError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    finally:
-        op.fleet.close()
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile)) as op:
+        code = _publish(op, export, canary, named, wait, chunk_kib * 1024, log_format,
+                        CanaryRule(min_requests, max_p95_ratio, max_error_increase, watch_s))
+    raise typer.Exit(code)
 
 
 def _publish(op: Operator, export: Path, fraction: float | None, named: list[str], wait: bool, chunk_bytes: int,
@@ -413,10 +438,8 @@ def status_command(
 ) -> None:
     """Which device runs which version, its health and latency against the version before."""
     setup_logging(log_level, log_format)
-    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile),
-               create_key=False)
-    op.fleet.close()
-    view = fleet_view(op.fleet.book.rollout or op.state.rollout(federation), op.fleet.book.reports)
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), False) as op:
+        view = fleet_view(op.fleet.book.rollout or op.state.rollout(federation), op.fleet.book.reports)
     if as_json:
         print(msgspec.json.format(msgspec.json.encode(view), indent=1).decode())
         return
@@ -431,7 +454,7 @@ def fleet_view(rollout: Rollout, reports: dict[str, DeployReport]) -> dict[str, 
 
 def show(view: dict[str, Any]) -> None:
     out, r = console(), view["rollout"]
-    out.print(f"rollout #{r['seq']}: stable v{r.get('stable')}"
+    out.print(f"rollout #{r['seq']}: stable {_v(r.get('stable'))}"
               + (f", canary v{r['canary']} on {', '.join(r['canary_devices'])}" if r.get("canary") else "")
               + (f", revoked {r['revoked']}" if r.get("revoked") else ""), soft_wrap=True)
     if r.get("reason"):
@@ -464,16 +487,10 @@ def promote_command(
 ) -> None:
     """Make the canary version stable: every device takes it."""
     setup_logging(log_level, log_format)
-    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile))
-    try:
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile)) as op:
         if op.state.canary is None:
             raise DeployError("no canary to promote (`aggregator rollout status` shows the rollout)")
         op.promote(op.state.canary, "by the operator")
-    except DeployError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    finally:
-        op.fleet.close()
 
 
 @rollout_app.command("rollback")
@@ -481,32 +498,18 @@ def rollback_command(
     to: int = typer.Option(None, "--to", min=1, help="The version to go back to (default: the stable one before)."),
     reason: str = typer.Option("by the operator", "--reason", help="Why, for the devices' logs and the status."),
     broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR,
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, "--chunk-kib", min=8, help="Largest MQTT message, KiB."),
+    chunk_kib: int = CHUNK_KIB,
     username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
     certfile: CertfileOption = None, keyfile: KeyfileOption = None,
     log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain",
 ) -> None:
     """Revoke the canary, or the stable version in favour of an earlier one: a signed rollback devices obey."""
     setup_logging(log_level, log_format)
-    op = connect_operator(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile))
-    try:
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile)) as op:
         if op.state.canary is not None and to is None:
             op.revoke_canary(op.state.canary, reason)
-            return
-        bad = op.state.stable
-        earlier = [v for v in op.state.history if v != bad and v not in op.state.revoked]
-        target = to or (earlier[-1] if earlier else None)
-        if bad is None or target is None or target == bad:
-            raise DeployError(f"nothing to roll back to (stable v{bad}, earlier stable versions {earlier or 'none'}); "
-                              "give --to VERSION")
-        op.ensure_files(target, chunk_kib * 1024, log_format)
-        op.apply(f"v{bad} rolled back to v{target}: {reason}", stable=target, canary=None, canary_devices=[],
-                 revoked=sorted({*op.state.revoked, bad}), history=[*op.state.history, target])
-    except DeployError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    finally:
-        op.fleet.close()
+        else:
+            op.rollback(to, reason, chunk_kib * 1024, log_format)
 
 
 class RolloutWatcher:
