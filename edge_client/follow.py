@@ -128,8 +128,7 @@ class Follower:
         self.release: tuple[Release, bytes, Manifest] | None = None  # being fetched: release, signed bytes, our subset
         self.staging: Staging | None = None
         self.fallback: Active | None = None  # the version before the last swap, until the new one is healthy
-        self.serving_release: Release | None = None
-        self.fetched: dict[int, int] = {}  # bytes downloaded per version kept (0: loaded from disk)
+        self.sizes: dict[int, tuple[int, int]] = {}  # per version kept: (bytes downloaded, bytes in its release)
         self.swap_ms: float | None = None
         self.event = ""
         self.health = "unknown"
@@ -152,7 +151,7 @@ class Follower:
         if version is None:
             return
         try:
-            self.serving_release = self._stored_release(version)
+            self.sizes[version] = (0, release_size(self._stored_release(version)))
             self.serving.swap(Active(self.build(self.store.version_dir(version)), version))
             self.health = "ok"
             log.info(f"serving v{version} from {self.store.version_dir(version)}")
@@ -308,7 +307,7 @@ class Follower:
         staged = self.staging.resumed_bytes
         log.info(f"fetching v{version}: submodels {[e.index + 1 for e in manifest.submodels]} of "
                  f"{[e.index + 1 for e in release.manifest.submodels]}, {self.staging.wanted_bytes} of "
-                 f"{sum(f.size for f in release.files)} bytes" + (f" ({staged} already staged: resuming)" if staged else ""))
+                 f"{release_size(release)} bytes" + (f" ({staged} already staged: resuming)" if staged else ""))
         self._unsubscribe_fetch()
         self._subscribe(self._fetch_topics())
         self._report(force=True)
@@ -438,11 +437,12 @@ class Follower:
         self.swap_ms = self.serving.swap(Active(runtime, version)) * 1000
         forward = before is None or before.version is None or version > before.version
         self.store.activate(version, keep_previous=forward)  # a version left by a rollback is not worth keeping
-        self.fallback, self.serving_release = before, release
-        self.fetched = {v: n for v, n in self.fetched.items() if v in (self.store.previous, version)} | {version: fetched}
+        self.fallback = before
+        kept = {v: s for v, s in self.sizes.items() if v == self.store.previous}
+        self.sizes = kept | {version: (fetched, release_size(release))}
         self.health = "unknown"
         self.event = (f"swapped v{before.version} -> v{version}" if before is not None else f"serving v{version}") + \
-            f" ({fetched} bytes fetched, {sum(f.size for f in release.files)} in the release; swap held requests " \
+            f" ({fetched} bytes fetched, {release_size(release)} in the release; swap held requests " \
             f"{self.swap_ms:.3f} ms)"
         log.info(self.event)
         self._report(force=True)
@@ -462,15 +462,16 @@ class Follower:
             active = self.fallback
         elif self.store.has(target):
             try:
+                size = release_size(self._stored_release(target))
                 active = Active(self.build(self.store.version_dir(target)), target)
-            except (ModelsError, OSError) as e:
+            except (Refused, ModelsError, OSError) as e:
                 self._note("load", f"cannot go back to v{target} from disk ({e}); fetching it", target)
                 return False
+            self.sizes.setdefault(target, (0, size))
         else:
             return False
         self.swap_ms = self.serving.swap(active) * 1000
         self.store.activate(target, keep_previous=False)
-        self.serving_release = self._stored_release(target)
         self.fallback, self.health = None, "ok"
         self.event = f"rolled back v{bad} -> v{target}: {why}"
         log.warning(self.event)
@@ -541,15 +542,14 @@ class Follower:
         active = self.serving.current()
         version = None if active is None else active.version
         refused = sorted(self.state.refused.items())[-MAX_REFUSALS_REPORTED:]
-        release = self.serving_release
+        fetched, size = self.sizes.get(version, (0, 0)) if version is not None else (0, 0)
         state = "staging" if self.staging is not None else "serving" if version is not None else "waiting"
         return DeployReport(
             client=self.cfg.client_id, federation=self.cfg.federation, key=self.cfg.device_key.public_text, state=state,
             version=version, previous=self.store.previous, target=self.target, health=self.health,
             current=self.serving.stats(version), before=self.serving.stats(self.store.previous), event=self.event[:300],
             refused=[Refusal(version=v, reason=r[:300]) for v, r in refused],
-            fetched_bytes=self.fetched.get(version, 0) if version is not None else 0,
-            release_bytes=sum(f.size for f in release.files) if release else 0,
+            fetched_bytes=fetched, release_bytes=size,
             submodels=sorted(s.index for s in active.runtime.submodels) if active is not None else [],
             swap_ms=None if self.swap_ms is None else round(self.swap_ms, 3), time=self.wall(),
         )
@@ -561,6 +561,10 @@ class Follower:
         self._last_report = now
         payload = self.cfg.device_key.sign(self.report().to_json())
         self.transport.publish(self.topics.deploy_status(self.cfg.client_id), payload, qos=QOS, retain=True)
+
+
+def release_size(release: Release) -> int:
+    return sum(f.size for f in release.files)
 
 
 def offline_report(client_id: str) -> bytes:
