@@ -21,6 +21,7 @@ with full_install_required("aggregator"):
     from aggregator.loadtest import loadtest_command
     from aggregator.relay import relay_command
     from aggregator.worker import worker_command
+    from aggregator.rollout import publish_command, rollout_app
 
 app.command("serve")(serve_command)
 app.command("key")(key_command)
@@ -30,3 +31,5 @@ app.command("worker")(worker_command)
 app.command("relay")(relay_command)
 app.command("loadtest")(loadtest_command)
 app.command("jigsaw")(jigsaw_command)
+app.command("publish")(publish_command)
+app.add_typer(rollout_app, name="rollout")

@@ -18,6 +18,7 @@ from aggregator.assignment import Assignment
 from aggregator.broker import EmbeddedBroker
 from aggregator import robust_options as ro
 from aggregator.federation import ClientLimits
+from aggregator.rollout import RolloutWatcher
 from aggregator.server import ServeConfig, Server, load_start
 from aggregator.worker import start_local_workers, stop_local_workers
 from aggregator.web import DashboardServer, TokenRequired, start_http
@@ -164,9 +165,11 @@ def serve_command(
         log.info(f"resuming federation {federation!r} at round {start.next_round} from {cfg.checkpoint_dir}")
     log.info(f"server key {signer.public_text} (devices: --server-key; `aggregator key` prints it)")
     server = Server(cfg, settings, start, signer)
+    watcher = RolloutWatcher(settings, federation, signer.public_text).start() if listen else None
     try:
-        web = start_http(server.observer, *listen, http_token) if listen else None
+        web = start_http(server.observer, *listen, http_token, watcher.snapshot) if watcher is not None else None
     except OSError as e:
+        watcher.close()  # only --http fails to bind, and then there is a watcher
         if embedded is not None:
             embedded.stop()
         print(f"error: --http {http}: {e.strerror or e} (is another process on that port? pick another)", file=sys.stderr)
@@ -187,6 +190,8 @@ def serve_command(
         stop_local_workers(local)
         if web is not None:
             web.close()
+        if watcher is not None:
+            watcher.close()
         if embedded is not None:
             embedded.stop()
 

@@ -13,14 +13,12 @@ that fails is dropped with a counted reason; nothing inbound can end the agent.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -28,15 +26,13 @@ from edge_client.device import Device
 from edge_client.select import Selection
 from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Message, MessageError, ServerStatus, Task,
                            TrainingSettings)
+from nefl.mqtt import Transport
 from nefl.profile import ProfileError, parse_profile
 from nefl.signing import KeyPin, Signer, public_key_arg, split_signed, verify, verify_self_signed
 from nefl.state import Layout
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
-CACHE = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser()
-PIN_DIR = CACHE / "servers"  # aggregator keys trusted on first use
-DEVICE_KEY_DIR = CACHE / "device-keys"  # this machine's device keys, one per client id
 UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
 log = logging.getLogger(__name__)
 
@@ -51,20 +47,6 @@ class AgentConfig:
     server_key: str | None = None  # pinned aggregator public key (base64 or file); None: trust on first use
     pin_file: Path | None = None  # where a first-use key is remembered
     device_key: Signer | None = None  # this device's key: signs its announces and update headers
-
-
-class Transport(Protocol):
-    """What the agent needs of MQTT (paho's client satisfies it; tests record the calls)."""
-
-    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> object: ...
-
-    def subscribe(self, topic: str, qos: int = 0) -> object: ...
-
-    def unsubscribe(self, topic: str) -> object: ...
-
-
-def pin_file_for(pin_dir: Path, federation: str, host: str, port: int) -> Path:
-    return pin_dir / f"{federation}@{host}_{port}.pub"
 
 
 def model_bytes_bound(layout: Layout, k: int) -> int:

@@ -21,9 +21,10 @@ from types import FrameType
 import torch
 import typer
 
-from edge_client.agent import DEVICE_KEY_DIR, PIN_DIR, Agent, AgentConfig, pin_file_for
+from edge_client.agent import Agent, AgentConfig
 from edge_client.costmodel import CACHE_DIR
 from edge_client.device import DataConfig, DeviceConfig, LocalDevice
+from edge_client.identity import PIN_DIR, device_signer, pin_file_for
 from edge_client.metrics import instrument
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
@@ -32,7 +33,6 @@ from nefl.listen import parse_listen
 from nefl.logs import setup_logging
 from nefl.messages import ClientStatus
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
-from nefl.signing import Signer
 from nefl.topics import Topics, check_name
 from nefl.wire import DEFAULT_CHUNK_BYTES
 
@@ -132,10 +132,8 @@ def join_command(
         local = LocalDevice(DataConfig(dataset, partition, data_root, data_dir, max_samples),
                             DeviceConfig(max_submodel, memory_budget, cpu_budget, calibrate_costs, seed, device, recalibrate,
                                          cache_dir))
-        key_path = device_key or DEVICE_KEY_DIR / f"{cid}.key"
         cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key,
-                          pin_file_for(PIN_DIR, federation, settings.host, settings.port),
-                          Signer.load_or_create(key_path.parent, key_path.name))
+                          pin_file_for(PIN_DIR, federation, settings.host, settings.port), device_signer(cid, device_key))
         conn = Connection(settings, cid, Topics(federation).status(cid), ClientStatus(state="offline").to_json(), log)
         transport, dev = (conn.client, local) if listen is None else \
             instrument(conn.client, local, Topics(federation).update(cid), *listen)

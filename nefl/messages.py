@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from nefl.manifest import Manifest
+
 VERSION = 1
 MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
@@ -292,3 +294,117 @@ class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", 
     clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
     dropped: Annotated[dict[Name, Short], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}  # by the worker's centre check
     sha256: Hex64 | None = None  # None when it holds no update (no tensors follow)
+
+
+# -- model rollout: aggregator -> devices that follow it (docs/deploy.md) --------------------------------
+MAX_RELEASE_BYTES = 4 << 20  # a release lists every chunk's sha256: 60k chunks (15 GB at 256 KiB) fit
+MAX_FILES = 256  # a file's position in its release is the `submodel` field of its wire chunks
+Version = Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]  # never a path
+Millis = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+
+
+class ReleaseFile(msgspec.Struct, kw_only=True, frozen=True):
+    """One file of a release: the device checks every chunk against `chunks` as it arrives, so a forged
+    or corrupted chunk is dropped on its own and a transfer resumes from the chunks already staged."""
+
+    name: FileName
+    sha256: Hex64
+    size: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
+    chunks: Annotated[list[Hex64], msgspec.Meta(min_length=1, max_length=1 << 16)]
+
+
+class Release(Message, frozen=True, kw_only=True, tag="release", tag_field="type"):
+    """Server -> devices, retained on deploy/release/{version}, signed: one exported ladder, where it
+    came from (checkpoint, round, weights), its manifest (per submodel: sha256, sizes, accuracy; the
+    parity reference) and how its files travel (chunk i of a file is bytes [i*chunk_bytes, (i+1)*chunk_bytes))."""
+
+    federation: Name
+    version: Version
+    created: Short
+    source_checkpoint: Reason = ""
+    source_round: Round | None = None
+    source_state_sha256: Hex64 | None = None
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 28)]
+    manifest: Manifest
+    files: Annotated[list[ReleaseFile], msgspec.Meta(min_length=1, max_length=MAX_FILES)]
+
+    def __post_init__(self) -> None:
+        by_name = {f.name: f for f in self.files}
+        if len(by_name) != len(self.files):
+            raise ValueError("file names repeat")
+        for f in self.files:
+            if len(f.chunks) != math.ceil(f.size / self.chunk_bytes):
+                raise ValueError(f"{f.name}: {len(f.chunks)} chunk hashes for {f.size} bytes in chunks of {self.chunk_bytes}")
+        parity = self.manifest.parity
+        named = [(e.file, e.sha256) for e in self.manifest.submodels] + [(parity.file, parity.sha256)]
+        for name, sha in named:
+            if name is None or name not in by_name or by_name[name].sha256 != sha:
+                raise ValueError(f"the manifest names {name or 'no parity file'}, which the release does not carry with that sha256")
+
+    def file(self, name: str) -> tuple[int, ReleaseFile]:
+        """(position, file): the position is what the file's wire chunks carry as `submodel`."""
+        return next((i, f) for i, f in enumerate(self.files) if f.name == name)
+
+
+class Rollout(Message, frozen=True, kw_only=True, tag="rollout", tag_field="type"):
+    """Server -> devices, retained on deploy/rollout, signed: which version each device should run.
+    `seq` only grows, so an older rollout replayed is refused; a device goes back to an older version
+    only when the version it runs is in `revoked` (the operator's signed rollback)."""
+
+    federation: Name
+    seq: Annotated[int, msgspec.Meta(ge=1, le=2**53)]
+    stable: Version | None = None
+    canary: Version | None = None
+    canary_devices: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
+    revoked: Annotated[list[Version], msgspec.Meta(max_length=4096)] = []
+    reason: Reason = ""  # why the last change: published, promoted, rolled back because ...
+    time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.canary is None) != (not self.canary_devices):
+            raise ValueError("a canary version and its devices go together")
+        if {self.stable, self.canary} & set(self.revoked):
+            raise ValueError("a revoked version cannot be stable or canary")
+
+    def target(self, client: str) -> int | None:
+        """The version `client` should run."""
+        return self.canary if self.canary is not None and client in self.canary_devices else self.stable
+
+
+class VersionStats(msgspec.Struct, kw_only=True, frozen=True):
+    """Requests one version answered on a device: since the swap to it, or its last window before the next."""
+
+    version: Version
+    requests: Count = 0
+    errors: Count = 0  # answered 5xx
+    p50_ms: Millis | None = None
+    p95_ms: Millis | None = None
+
+
+class Refusal(msgspec.Struct, kw_only=True, frozen=True):
+    version: Version | None = None
+    reason: Reason
+
+
+class DeployReport(Message, frozen=True, kw_only=True, tag="deploy_report", tag_field="type"):
+    """Device -> server, retained on deploy/status/{client}, signed by the device key it names in `key`
+    (the broker-published last will, unsigned, only says "offline")."""
+
+    client: Name
+    state: Literal["waiting", "staging", "serving", "offline"]
+    federation: Name | None = None
+    key: KeyText = ""
+    version: Version | None = None  # serving now
+    previous: Version | None = None  # kept on disk for a rollback
+    target: Version | None = None  # what the newest rollout asks of this device
+    health: Literal["ok", "failing", "unknown"] = "unknown"
+    current: VersionStats | None = None  # the serving version, since the swap
+    before: VersionStats | None = None  # the version before, over its last requests
+    event: Reason = ""  # the last swap, refusal or rollback, in words
+    refused: Annotated[list[Refusal], msgspec.Meta(max_length=32)] = []  # versions this device will not run, and why
+    fetched_bytes: Count = 0  # downloaded for the serving version
+    release_bytes: Count = 0  # that release's files together
+    submodels: Annotated[list[Submodel], msgspec.Meta(max_length=256)] = []  # 0-based, of the serving version
+    swap_ms: Millis | None = None  # requests waited this long for the last swap
+    time: float = 0.0  # the device's clock: a report older than the newest seen is a replay

@@ -11,6 +11,7 @@ import queue
 import ssl
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -18,6 +19,16 @@ import paho.mqtt.client as mqtt
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 
 QOS = 1
+
+
+class Transport(Protocol):
+    """What a device's logic needs of MQTT (paho's client satisfies it; tests record the calls)."""
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> object: ...
+
+    def subscribe(self, topic: str, qos: int = 0) -> object: ...
+
+    def unsubscribe(self, topic: str) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -54,9 +65,10 @@ def parse_broker(url: str, username: str | None = None, password: str | None = N
                           password or parsed.password or os.environ.get(ENV_PASSWORD), ca_cert, certfile, keyfile)
 
 
-def make_client(settings: BrokerSettings, client_id: str, will_topic: str, will_payload: bytes,
+def make_client(settings: BrokerSettings, client_id: str, will_topic: str | None, will_payload: bytes,
                 keepalive_backoff: tuple[int, int] = (1, 30)) -> mqtt.Client:
-    """A paho client with retained last will, QoS 1 queueing while offline and reconnect backoff.
+    """A paho client with retained last will (none for a one-shot command: will_topic None), QoS 1
+    queueing while offline and reconnect backoff.
 
     clean_session=True: subscriptions are redone in on_connect, which also covers brokers that
     lost their sessions in a restart.
@@ -68,7 +80,8 @@ def make_client(settings: BrokerSettings, client_id: str, will_topic: str, will_
     if settings.tls:
         client.tls_set(ca_certs=settings.ca_cert, certfile=settings.certfile, keyfile=settings.keyfile,
                        cert_reqs=ssl.CERT_REQUIRED)
-    client.will_set(will_topic, will_payload, qos=QOS, retain=True)
+    if will_topic is not None:
+        client.will_set(will_topic, will_payload, qos=QOS, retain=True)
     client.reconnect_delay_set(*keepalive_backoff)
     client.max_queued_messages_set(0)  # unbounded: QoS 1 publishes wait out a broker restart
     client.max_inflight_messages_set(20)
@@ -81,7 +94,7 @@ class Connection:
     bounded queue the main thread drains, and a (re)connect is a flag it polls (`just_connected`):
     the network thread never touches the application's state."""
 
-    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str, will_payload: bytes,
+    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str | None, will_payload: bytes,
                  log: logging.Logger, backoff: tuple[int, int] = (1, 30), inbox_messages: int = 10_000) -> None:
         self.settings, self.log, self.backoff = settings, log, backoff
         self.client = make_client(settings, client_id, will_topic, will_payload, backoff)

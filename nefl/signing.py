@@ -30,6 +30,7 @@ KEY_FILE = "server.key"
 _SIG_OPEN = b',"sig":"'
 _SIG_B64 = 88  # base64 of a 64-byte Ed25519 signature
 _SIG_SUFFIX = len(_SIG_OPEN) + _SIG_B64 + 2  # + '"}'
+SIGNATURE_OVERHEAD = _SIG_SUFFIX - 1  # bytes signing adds to a message (its closing brace is reused)
 
 
 class KeyFileError(ValueError):

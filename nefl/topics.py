@@ -11,6 +11,15 @@ ACL can confine a client to `.../{client}` leaves (docs/security.md). MQTT 3.1.1
     control               server -> all     retained  {"event": "end"} when the federation is over
     server/status         server -> all     retained  live state; last will "offline"
 
+Model rollout (docs/deploy.md, "Rolling out a trained model"): the aggregator publishes exported
+models to devices that follow them with `edge-client serve --follow`.
+
+    deploy/rollout                  server -> devices  retained  signed: stable and canary version, canary devices, revoked
+    deploy/release/{version}        server -> devices  retained  signed: the export's manifest, files, sizes, chunk hashes
+    deploy/file/{version}/{f}/{i}   server -> devices  retained  chunk i of file f of that release (wire kind "file")
+    deploy/status/{client}          device -> server   retained  signed by the device key: version, health, latency;
+                                                                 last will "offline"
+
 Scale-out (docs/scale.md): aggregator workers and site relays talk to the coordinator under
 `workers/` and `worker/{id}/`; a broker ACL should let only server-side accounts use them.
 
@@ -111,6 +120,27 @@ class Topics:
     def relay_up(self) -> list[str]:
         """What a site relay copies from its site to the coordinator's broker (updates it sums itself)."""
         return [f"{self.root}/{kind}/+" for kind in ("announce", "status")]
+
+    @property
+    def deploy_rollout(self) -> str:
+        return f"{self.root}/deploy/rollout"
+
+    def deploy_release(self, version: int) -> str:
+        return f"{self.root}/deploy/release/{version}"
+
+    def deploy_file(self, version: int, file: int, index: int) -> str:
+        return f"{self.root}/deploy/file/{version}/{file}/{index}"
+
+    def deploy_file_chunks(self, version: int, file: int) -> str:
+        """Every chunk of one file of a release (a subscription)."""
+        return f"{self.root}/deploy/file/{version}/{file}/+"
+
+    def deploy_status(self, client: str) -> str:
+        return f"{self.root}/deploy/status/{client}"
+
+    @property
+    def deploy_statuses(self) -> str:
+        return f"{self.root}/deploy/status/+"
 
     def is_model(self, topic: str) -> bool:
         return topic.startswith(f"{self.root}/model/")
