@@ -1,9 +1,12 @@
 # One entry point for people and CI: `make test` builds everything it needs on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Flower's pins (typer<0.21) cannot share an environment with the broker's (amqtt): its own venv
+FLOWER_VENV ?= .venv-flower
+FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve lint clean
+.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,14 +16,23 @@ $(VENV)/.installed: pyproject.toml
 
 env: $(VENV)/.installed  ## virtual environment with the full kit (torch 2.14.1 / torchvision 0.29.1) and the test tools
 
+$(FLOWER_VENV)/.installed: pyproject.toml
+	test -x $(FLOWER_PY) || python3 -m venv $(FLOWER_VENV)
+	$(FLOWER_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(FLOWER_PY) -m pip install -q -e '.[flower,test]'
+	touch $@
+
+env-flower: $(FLOWER_VENV)/.installed  ## .venv-flower: the kit's training side with Flower 1.42 and its simulation engine (docs/flower.md)
+
 wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (small), or with [full] to train
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
 system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
-test: env system-deps  ## the whole test suite (about 7 minutes on 2 cores)
+test: env env-flower system-deps  ## the whole test suite (about 8 minutes on 2 cores); the Flower tests run in .venv-flower
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'
@@ -58,4 +70,4 @@ lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache build dist
+	rm -rf $(VENV) $(FLOWER_VENV) runs .pytest_cache build dist
