@@ -7,11 +7,6 @@ Flower pins typer<0.21, which the broker's amqtt cannot share: these tests run i
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +14,6 @@ import pytest
 flwr = pytest.importorskip("flwr", reason="Flower is not installed here: `make test` runs this file in .venv-flower")
 
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 import torch  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
@@ -34,9 +28,8 @@ from nefl.flower import read_arrays, read_message, read_state, records, state_ar
 from nefl.messages import FlowerResult, FlowerTask, MessageError  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
 from nefl.state import GlobalState, Layout  # noqa: E402
-from tests.test_federation import free_port  # noqa: E402
+from tests.flower_helpers import flwr_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "resnet8-fmnist-w"
 # a few rounds of the paper's tiers and assignment over 6 clients, 4 a round: seconds of training
 TINY = dict(clients=6, per_round=4, rounds=3, max_samples_per_client=64, eval_every=1, eval_samples=500)
@@ -232,47 +225,15 @@ def test_hostile_replies_are_counted_and_the_round_goes_on(tmp_path, layout):
 
 # -- Flower's own engine: `flwr run` on the example app ------------------------------------------
 
-def _kill_flower(home: Path) -> None:
-    """The local SuperLink `flwr run` starts stays up, detached: end every process of this test's
-    Flower home (SuperLink, SuperExec, the simulation and its Ray workers), by id."""
-    mine = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("FLWR_HOME") == str(home):
-                mine.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    for p in mine:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(mine, timeout=10)
-
-
 @pytest.mark.slow
 def test_flwr_run_of_the_example_is_aggregator_simulate(tmp_path, one_thread):
     """`flwr run examples/flower-nefl` on Flower's simulation engine (a local SuperLink, Ray workers in
     two processes) with the same profile, seeds, shards and method as `aggregator simulate`: the
     same accuracies every round."""
-    home = tmp_path / "flwr-home"
-    bin_dir = str(Path(sys.executable).parent)  # flwr starts flower-superlink from PATH
-    env = {**os.environ, "FLWR_HOME": str(home), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
     overrides = (f"rounds={TINY['rounds']} per-round={TINY['per_round']} assignment='paper' "
                  f"max-samples-per-client={TINY['max_samples_per_client']} eval-every=1 "
                  f"eval-samples={TINY['eval_samples']} fraction-evaluate=0.0 out='{tmp_path / 'flower'}'")
     federation = f"num-supernodes={TINY['clients']} client-resources-num-cpus=1 init-args-num-cpus=2"
-    flwr_cli = Path(bin_dir) / "flwr"
-    t0 = time.monotonic()
-    try:
-        run = subprocess.run([str(flwr_cli), "run", str(ROOT / "examples" / "flower-nefl"), "--stream",
-                              "-c", overrides, "--federation-config", federation],
-                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=420)
-    finally:
-        _kill_flower(home)
-    flower_s = time.monotonic() - t0
+    run, _ = flwr_run(tmp_path / "flwr-home", overrides, federation, timeout=420)
     assert run.returncode == 0 and (tmp_path / "flower" / "metrics.jsonl").exists(), run.stdout[-3000:] + run.stderr[-3000:]
     assert_same_run(simulate(tmp_path, assignment="paper"), rows(tmp_path / "flower"))
-    print(f"flwr run: {flower_s:.0f} s for {TINY['rounds']} rounds (SuperLink, Ray and 6 nodes included)")
