@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 from tests.flower_helpers import flwr_run  # noqa: E402
@@ -83,14 +83,10 @@ def main() -> None:
                      ("flwr run, 4 workers", lambda o: flower(o, args.rounds, 4))]:
         runs[name] = go(tmp / name.replace(", ", "-").replace(" ", "_"))
         print(f"{name}: {runs[name]['rounds_per_min']:.2f} rounds/min, final accuracy {runs[name]['accuracy']}", flush=True)
-    results = {"setting": {**SETTING, "rounds": args.rounds}, "runs": runs,
-               "provenance": {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "cpu": cpu_name(),
-                              "cores": os.cpu_count(), "commit": commit_label(), "load": load_average(), "note": args.note}}
+    results = {"setting": {**SETTING, "rounds": args.rounds}, "runs": runs, "provenance": provenance(started, args.note)}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     section = render(results)
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    DOC.write_text(head + section + rest.split(END, 1)[1])
+    write_section(DOC, BEGIN, END, section)
     print(section)
 
 

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from provenance import ROOT, commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 from aggregator.federation import ClientInfo  # noqa: E402
@@ -217,9 +217,7 @@ def main() -> None:
         f"| answering one /api/state poll ({costs['state_kib']:.0f} KiB) | {costs['state_ms']:.2f} ms |",
         END,
     ])
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    DOC.write_text(head + section + rest.split(END, 1)[1])
+    write_section(DOC, BEGIN, END, section)
     print(section)
 
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
@@ -154,13 +154,10 @@ def main() -> None:
         results = scenario(lab, args.v1.resolve(), args.v2.resolve())
     finally:
         lab.close()
-    results["provenance"] = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "cpu": cpu_name(),
-                             "cores": os.cpu_count(), "commit": commit_label(), "load": load_average(), "note": args.note}
+    results["provenance"] = provenance(started, args.note)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     section = render(results, args)
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    DOC.write_text(head + section + rest.split(END, 1)[1])
+    write_section(DOC, BEGIN, END, section)
     print(section)
 
 

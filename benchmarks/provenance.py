@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,3 +29,15 @@ def commit_label() -> str:
 def load_average() -> str:
     load = os.getloadavg()
     return f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+
+
+def provenance(started: float, note: str | None) -> dict:
+    """The machine, commit and load of a run that started at `started` (time.time()), as results JSON keeps them."""
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "cpu": cpu_name(), "cores": os.cpu_count(),
+            "commit": commit_label(), "load": load_average(), "note": note}
+
+
+def write_section(doc: Path, begin: str, end: str, section: str) -> None:
+    """Replace what lies between the `begin` and `end` markers of `doc` (both included) with `section`."""
+    head, rest = doc.read_text().split(begin, 1)
+    doc.write_text(head + section + rest.split(end, 1)[1])

@@ -23,7 +23,8 @@ from hypothesis import strategies as st  # noqa: E402
 from aggregator.federation import state_digest  # noqa: E402
 from aggregator.flower import FlowerSettings, NeFLStrategy, run_settings  # noqa: E402
 from aggregator.simulate import SimConfig, Simulator  # noqa: E402
-from edge_client.flower import client_app  # noqa: E402
+from edge_client.device import DeviceConfig  # noqa: E402
+from edge_client.flower import DeviceNode, SimulatedNode, client_app  # noqa: E402
 from nefl.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays  # noqa: E402
 from nefl.messages import FlowerResult, FlowerTask, MessageError  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
@@ -62,8 +63,8 @@ class LocalGrid:
     """The strategy's Grid, answered in this process by the client app's nodes (Flower's message
     handling, without its engine); `tamper` may rewrite a node's reply on the way back."""
 
-    def __init__(self, nodes: int, tamper=None) -> None:
-        self.app = client_app()
+    def __init__(self, nodes: int, tamper=None, factory=SimulatedNode) -> None:
+        self.app = client_app(factory)
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config={},
                                           node_config={"partition-id": i, "num-partitions": nodes}) for i in range(nodes)}
         self.tamper = tamper or (lambda reply: reply)
@@ -221,6 +222,20 @@ def test_hostile_replies_are_counted_and_the_round_goes_on(tmp_path, layout):
     facts = strategy.history[0]
     assert facts["committed"] and sorted(facts["reported"]) == ["c4", "c5"]
     assert facts["rejected"] == {"malformed_json": 1, "client_mismatch": 1, "non_finite": 1, "node_error": 1}
+
+
+def test_device_nodes_announce_what_their_probe_allows(tmp_path):
+    """DeviceNode: the node's bound comes from the device probe and cost model, its summary rides along."""
+    def device(join, layout, index, parts):
+        return DeviceNode(join, layout, index, parts, DeviceConfig(calibrate=False, cache_dir=tmp_path))
+
+    strategy = NeFLStrategy.for_run(SimConfig(PROFILE, **{**TINY, "per_round": 2, "rounds": 1, "eval_every": 0}))
+    strategy.start(LocalGrid(2, factory=device), strategy.initial_arrays(), 1)
+    facts = strategy.history[0]
+    assert facts["committed"] and len(facts["reported"]) == 2
+    for cid in facts["reported"]:
+        info = strategy.fed.clients[cid]
+        assert info.device.cpus and info.device.torch_threads and "submodel" in info.selection
 
 
 # -- Flower's own engine: `flwr run` on the example app ------------------------------------------
