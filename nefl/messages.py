@@ -37,6 +37,9 @@ Round = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Submodel = Annotated[int, msgspec.Meta(ge=0, le=255)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
 KeyText = Annotated[str, msgspec.Meta(max_length=64)]  # a base64 Ed25519 public key
+Lr = Annotated[float, msgspec.Meta(gt=0, le=100)]
+Epochs = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+BatchSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 
 T = TypeVar("T", bound="Message")
 
@@ -101,9 +104,9 @@ class Task(Message, frozen=True, tag="task", tag_field="type"):
     run: Name
     round: Round
     submodel: Submodel
-    lr: Annotated[float, msgspec.Meta(gt=0, le=100)]
-    epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)]
-    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)]
+    lr: Lr
+    epochs: Epochs
+    batch_size: BatchSize
     profile_hash: Short
     deadline_s: Seconds
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
@@ -120,8 +123,8 @@ class Control(Message, frozen=True, tag="control", tag_field="type"):
 
 
 class TrainingSettings(msgspec.Struct, kw_only=True, frozen=True):
-    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 32
-    local_epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    batch_size: BatchSize = 32
+    local_epochs: Epochs = 1
     round_timeout: Seconds = 120.0
 
 
@@ -444,9 +447,9 @@ class FlowerTask(Message, frozen=True, kw_only=True, tag="flower_task", tag_fiel
     kind: Literal["train", "evaluate"]
     round: Round
     submodel: Submodel
-    lr: Annotated[float, msgspec.Meta(gt=0, le=100)]
-    epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)]
-    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)]
+    lr: Lr
+    epochs: Epochs
+    batch_size: BatchSize
     profile_hash: Short
 
 
