@@ -51,13 +51,19 @@ class DeviceConfig:
 
 
 class TrainTask(Protocol):
-    """What training reads of a task: an MQTT `Task`, or a Flower one (nefl.messages.FlowerTask)."""
+    """What training reads of a task: an MQTT `Task`, or a Flower one (nefl.messages.FlowerTask); read-only,
+    as both are frozen messages."""
 
-    round: int
-    submodel: int
-    lr: float
-    epochs: int
-    batch_size: int
+    @property
+    def round(self) -> int: ...
+    @property
+    def submodel(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def epochs(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
 
 
 class Device(Protocol):

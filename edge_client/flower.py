@@ -47,8 +47,12 @@ CALIBRATION_SAMPLES = 2000  # static-BN statistics (HeteroFL) before a node scor
 class Node(Protocol):
     """What the ClientApp needs of a node."""
 
-    layout: Layout
-    client: str  # the client id it announces
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def client(self) -> str:
+        """The client id it announces."""
+        ...
 
     def hello(self) -> FlowerHello: ...
 
