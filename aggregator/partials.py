@@ -62,7 +62,7 @@ def plan_bound(bound: NormBound) -> BoundSettings:
 
 
 def plan_screen(cfg: AggregationConfig) -> ScreenSettings:
-    return ScreenSettings(centre_check=cfg.centre_check, min_cos=cfg.min_cos, max_norm_ratio=cfg.max_norm_ratio,
+    return ScreenSettings(centre_check=cfg.centre_check, min_agree=cfg.min_agree, max_norm_ratio=cfg.max_norm_ratio,
                           min_cover=cfg.min_cover, hold=cfg.hold, sketch=cfg.sketch)
 
 

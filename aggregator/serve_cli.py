@@ -83,7 +83,7 @@ def serve_command(
     aggregator: ro.Rule = ro.D.rule,
     trim: ro.Trim = ro.D.trim,
     centre_check: ro.CentreCheck = None,
-    min_cos: ro.MinCos = ro.D.min_cos,
+    min_agree: ro.MinAgree = ro.D.min_agree,
     max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
     root_data: ro.RootData = None,
     root_samples: ro.RootSamples = ro.D.root_samples,
@@ -115,7 +115,7 @@ def serve_command(
     signal.signal(signal.SIGTERM, _stop)
     try:
         robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
-                               dp_noise_multiplier, aggregator, trim, centre_check, min_cos, max_norm_ratio)
+                               dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
         if (workers or remote_workers) and not robust.aggregation.mergeable:
             raise ValueError(f"--aggregator {aggregator} needs every update of a round in this process, and workers "
                              "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")

@@ -171,7 +171,7 @@ class Worker:
         b, sc = plan.bound, plan.screen
         robust = Robustness(NormBound(max_norm=b.max_norm, relative=b.relative, adaptive_k=b.adaptive_k, mode=b.mode,
                                       window=b.window, warmup=b.warmup),
-                            aggregation=AggregationConfig(centre_check=sc.centre_check, min_cos=sc.min_cos,
+                            aggregation=AggregationConfig(centre_check=sc.centre_check, min_agree=sc.min_agree,
                                                           max_norm_ratio=sc.max_norm_ratio, min_cover=sc.min_cover,
                                                           hold=sc.hold, sketch=sc.sketch))
         if self.fed is None or self.fed.robustness != robust:

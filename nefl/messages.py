@@ -225,7 +225,7 @@ class ScreenSettings(msgspec.Struct, kw_only=True, frozen=True):
     its share of the updates the same way."""
 
     centre_check: bool
-    min_cos: Annotated[float, msgspec.Meta(ge=-1, lt=1)]
+    min_agree: Annotated[float, msgspec.Meta(ge=0, le=1)]
     max_norm_ratio: Annotated[float, msgspec.Meta(ge=1, le=1e6)]
     min_cover: Annotated[int, msgspec.Meta(ge=3, le=1_000_000)]
     hold: Annotated[int, msgspec.Meta(ge=1, le=MAX_ROUND_CLIENTS)]
