@@ -118,6 +118,7 @@ class Enrolment:
         self.pins: dict[str, Pin] = {}
         self.used: set[str] = set()  # verifiers of spent tokens
         self.tokens: dict[str, Grant] = {}  # verifier -> its grant
+        self.invited: set[str] = set()  # ids a token was issued for
         self.revoked: dict[str, float] = {}  # device id -> time of its latest revocation
         self.workers: dict[str, str] = {}  # worker / relay id -> its key, from the journal
         self.local_workers: dict[str, str] = {}  # started by `serve --workers` with keys of its own
@@ -164,6 +165,7 @@ class Enrolment:
                 self.device_grants = True
                 if e.verifier is not None:
                     self.tokens[e.verifier] = e
+                    self.invited.add(e.client)
                     continue
                 pin = self.pins.get(e.client)
                 if pin is None or pin.since < e.created:
@@ -171,6 +173,10 @@ class Enrolment:
         self.workers = {w: k for w, (k, _) in workers.items()}
 
     # -- devices ------------------------------------------------------------------------------------------
+    def expects(self, client: str) -> bool:
+        """Whether `client` may still enrol with a token (its status is worth keeping until it does)."""
+        return client in self.invited and client not in self.pins
+
     def key(self, client: str) -> str | None:
         pin = self.pins.get(client)
         return pin.key if pin is not None else None

@@ -162,6 +162,7 @@ def serve_command(
         signer = keys.server_signer(cfg.checkpoint_dir)
         enrolment = Enrolment(federation, cfg.enrolment, keys.journal)
         enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(workers, federation)}
+        incarnation = keys.next_incarnation()
         embedded = None
         if broker is None:
             embedded = EmbeddedBroker("127.0.0.1", embedded_port)
@@ -169,7 +170,7 @@ def serve_command(
             broker = embedded.url
             log.info(f"started embedded MQTT broker on {broker} (amqtt, MQTT 3.1.1); clients join with --broker {broker}")
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError) as e:
+    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     if start.next_round > rounds:
@@ -177,7 +178,6 @@ def serve_command(
         return
     if start.next_round > 1:
         log.info(f"resuming federation {federation!r} at round {start.next_round} from {cfg.checkpoint_dir}")
-    incarnation = keys.next_incarnation()
     log.info(f"server key {signer.public_text}, fingerprint {fingerprint(signer.public_text)} (devices: --server-key or a "
              f"join token; `aggregator key` prints it); keys in {keys.path}; run incarnation {incarnation}")
     server = Server(cfg, settings, start, signer, enrolment, incarnation)

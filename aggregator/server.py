@@ -52,7 +52,7 @@ from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
 
 STATUS_FILE = "status.json"
-PENDING_STATUSES = 1_000  # statuses of ids not enrolled yet, kept until their enrolling announce (oldest out)
+PENDING_STATUSES = 1_000  # statuses of ids invited to enrol, kept until their enrolling announce (oldest out)
 
 
 @dataclass
@@ -322,6 +322,10 @@ class Server(Transport):
         self.observer.client_changed(self.fed.clients.get(client))
 
     def _hold_status(self, client: str, payload: bytes) -> None:
+        """The status of an id invited to enrol (a token was issued for it), kept until its first announce; any
+        other id's is refused."""
+        if not self.enrol.expects(client):
+            raise Rejected("not_enrolled", f"status of {client}, which is not enrolled")
         self._pending[client] = payload
         self._pending.move_to_end(client)
         if len(self._pending) > PENDING_STATUSES:

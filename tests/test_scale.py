@@ -256,9 +256,17 @@ def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     procs.mosquitto(central)
     procs.mosquitto(site)
     up, down = f"mqtt://127.0.0.1:{central}", f"mqtt://127.0.0.1:{site}"
-    serve(procs, up, 1, 3)
-    procs.start("relay", [sys.executable, "-c", "from aggregator.cli import app; app()", "relay", "--site-broker", down,
-                          "--upstream", up, "--federation", "t", "--relay-id", "site-a"])
+    relay = [sys.executable, "-c", "from aggregator.cli import app; app()", "relay", "--site-broker", down,
+             "--upstream", up, "--federation", "t", "--relay-id", "site-a"]
+    # the operator authorises the relay's key on the coordinator (with its own key directory, as on another host)
+    relay_env = {**procs.env, "NEFL_KEY_DIR": str(tmp_path / "relay-keys")}
+    relay_key = subprocess.run([*relay, "--print-key"], env=relay_env, capture_output=True, text=True, timeout=60).stdout.strip()
+    subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "enroll", "site-a", "--worker", "--key",
+                    relay_key, "--federation", "t"], env=procs.env, check=True, capture_output=True, timeout=60)
+    serve(procs, up, 1, 3)  # authorising a worker leaves device enrolment open
+    procs.env, env = relay_env, procs.env
+    procs.start("relay", relay)
+    procs.env = env
     fleet(procs, "site", down, 2, "--prefix", "site")
     fleet(procs, "direct", up, 1, "--prefix", "dir")
     finish(procs, "agg", 120)
