@@ -150,7 +150,7 @@ class Attacker:
             self.kept["status"] = base64.b64encode(payload).decode()
         elif topic == self.t.control:
             self.kept["control"] = base64.b64encode(payload).decode()
-        if len(self.kept) == 2:
+        if len(self.kept) == 2 and not self.report.get("captured"):
             Path(self.args.file).write_text(json.dumps(self.kept))
             self.count("captured")
 
