@@ -223,7 +223,8 @@ def write_doc(rows: list[dict], rounds: int, note: str) -> None:
         if r["lost_to_unknown"]:
             counted += f"; lost_to_unknown {r['lost_to_unknown']} (each resent once)"
         lines.append(f"| {r['name']} | {r['before']} | {r['both_committed']} / {r['rounds']} | {r['drawn']} / {r['rounds']} | "
-                     f"{acc} ({ctl}) | {r['worst_gap']:+.3f} | {r['round_s']:.1f} ({r['control_s']:.1f}) | {counted} |")
+                     f"{acc} ({ctl}) | {r['worst_gap']:+.3f} | {r['round_s']:.1f}{' + resend' if r['lost_to_unknown'] else ''} "
+                     f"({r['control_s']:.1f}){'' if r['within_time'] else ' **longer**'} | {counted} |")
     lines += ["", END]
     text = DOC.read_text()
     head, rest = text.split(START, 1)
