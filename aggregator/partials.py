@@ -28,7 +28,7 @@ from aggregator.federation import Federation, Rejected
 from aggregator.intake import DeviceKeys
 from nefl.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
 from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BYTES, BoundSettings, PartialSummary, Receipt, RoundClose,
-                           ScreenSettings, WorkerRound, WorkerStatus, status_order)
+                           ScreenSettings, StatusBook, WorkerRound, WorkerStatus)
 from nefl.profile import Profile
 from nefl.robust import NormBound, reference_norm, update_norm
 from nefl.robust_aggregate import AggregationConfig
@@ -151,7 +151,7 @@ class WorkerPool:
     late: int = 0
     seen: set[str] = field(default_factory=set)  # workers ever online
     _deliveries: dict[str, _Delivery] = field(default_factory=dict)
-    _statuses: dict[str, tuple[int, str]] = field(default_factory=dict)  # worker -> newest (seq, state)
+    _statuses: StatusBook = field(default_factory=StatusBook)  # each worker's newest signed status
     _run: str = ""
     _round: int = 0
     _plan: WorkerRound | None = None
@@ -187,11 +187,7 @@ class WorkerPool:
                 self._try_assemble(worker, None)
 
     def _status(self, worker: str, status: WorkerStatus) -> None:
-        order = status_order(self._statuses.get(worker), status.seq, status.state)
-        if order == "replayed":
-            raise Rejected("replayed", f"{worker}: a {status.state} status of an earlier connection")
-        self._statuses[worker] = (status.seq, status.state)
-        if order == "same":
+        if not self._statuses.newer(worker, status.seq, status.state):
             return
         if status.state == "online":
             if worker not in self.roles and len(self.roles) >= MAX_WORKERS:

@@ -40,7 +40,7 @@ from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, h
                              load_checkpoint, read_metrics, replay_metrics)
 from nefl.fsio import atomic_write_text
 from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, Sent, ServerStatus, Task,
-                           TrainingSettings, status_order)
+                           StatusBook, TrainingSettings)
 from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
 from nefl.data import load_dataset
@@ -142,7 +142,7 @@ class Server(Transport):
         self.enrol.load_state_dict(start.meta.get("enrolment"), start.meta.get("client_keys"))  # pins survive a restart
         self.enrol.reload()
         self._keys = DeviceKeys(self.enrol.key)
-        self._statuses: dict[str, tuple[int, str]] = {}  # enrolled client -> its newest signed (seq, state)
+        self._statuses = StatusBook()  # each enrolled client's newest signed status
         self._pending: OrderedDict[str, bytes] = OrderedDict()  # statuses of ids not enrolled (yet)
         self.resends = Resends(cfg.resend_after)
         self.fed.defer_direct = bool(cfg.workers or cfg.remote_workers)  # what reaches this process then is a resend
@@ -262,11 +262,11 @@ class Server(Transport):
         r = self.fed.round
         for c in self.enrol.reload():
             self.fed.forget(c, "its device key was revoked or replaced")
-            self._statuses.pop(c, None)
+            self._statuses.forget(c)
         for c in self.enrol.expire(set(r.assignments) if r else set()):
             log.info(f"{c}: its first-use pin expired without it ever training", extra={"client": c})
             self.fed.forget(c, "pin expired")
-            self._statuses.pop(c, None)
+            self._statuses.forget(c)
         if self.enrol.has_workers() and not self._listening_to_workers and self.conn.connected:
             self.client.subscribe([(t, QOS) for t in self.topics.coordinator_subscriptions()])
             self._listening_to_workers = True
@@ -311,11 +311,7 @@ class Server(Transport):
             online = bool(body) and ClientStatus.from_json(body).state == "online"
         else:
             status = ClientStatus.from_json(verify(payload, key))
-            order = status_order(self._statuses.get(client), status.seq, status.state)
-            if order == "replayed":
-                raise Rejected("replayed", f"{client}: a {status.state} status of an earlier connection")
-            self._statuses[client] = (status.seq, status.state)
-            if order == "same":
+            if not self._statuses.newer(client, status.seq, status.state):
                 return
             online = status.state == "online"
         self.fed.set_online(client, online)

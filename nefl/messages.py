@@ -100,15 +100,26 @@ class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):
     seq: Count = 0
 
 
-def status_order(last: tuple[int, str] | None, seq: int, state: str) -> str:
-    """Where a signed status (of a client or a worker) falls after the newest one seen: "new", "same" (a
-    retained copy again) or "replayed". A connection says "online" and its last will says "offline" with the
-    same stamp; a later connection's stamp is larger."""
-    if last is None or seq > last[0]:
-        return "new"
-    if seq == last[0] and state == last[1]:
-        return "same"
-    return "new" if seq == last[0] and state == "offline" else "replayed"
+class StatusBook:
+    """The newest signed status (connection stamp, state) per sender, of clients or workers. A connection
+    says "online" and its last will says "offline" with the same stamp; a later connection's stamp is
+    larger, so a status replayed from an earlier connection is refused."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, str]] = {}
+
+    def newer(self, who: str, seq: int, state: str) -> bool:
+        """True: a status to act on; False: the newest one again (a retained copy); MessageError("replayed")."""
+        last = self.last.get(who)
+        if last is not None and (seq, state) == last:
+            return False
+        if last is not None and (seq < last[0] or (seq == last[0] and state == "online")):
+            raise MessageError("replayed", f"{who}: a {state} status of an earlier connection")
+        self.last[who] = (seq, state)
+        return True
+
+    def forget(self, who: str) -> None:
+        self.last.pop(who, None)
 
 
 class Sent(Message, frozen=True, kw_only=True, tag="sent", tag_field="type"):
