@@ -29,7 +29,7 @@ import paho.mqtt.client as mqtt
 from aggregator.assignment import Assignment
 from aggregator.enrolment import Enrolment, EnrolmentPolicy
 from aggregator.evaluation import Evaluator
-from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, state_digest
+from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, RoundState, state_digest
 from aggregator.metrics import Observer
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.partials import WorkerPool
@@ -275,7 +275,7 @@ class Server(Transport):
         if self._status_at and time.monotonic() - self._status_at >= self.cfg.status_every:
             self.publish_status("training" if r else "waiting")
 
-    def _ask_resends(self, r: Any) -> None:
+    def _ask_resends(self, r: RoundState) -> None:
         for c in self.resends.due(r.received | set(r.refused)):
             log.info(f"round {r.index}: {c} sent its update {self.cfg.resend_after:g}s ago and none arrived "
                      f"(lost_to_unknown): asking for a resend", extra={"round": r.index, "client": c})
@@ -467,7 +467,8 @@ class Server(Transport):
             self.enrol.trained([c for c in facts["reported"] if c not in facts.get("dropped", {})])
         return {
             **self._worker_facts, **self.resends.facts(),
-            "enrolment": {"open": self.enrol.open, "pinned": len(self.enrol.pins), "untrained_open_pins": self.enrol.unproven()}, "bytes_out": self.bytes_out - self._out0, "bytes_in": self.fed.bytes_in - self._in0,
+            "enrolment": {"open": self.enrol.open, "pinned": len(self.enrol.pins), "untrained_open_pins": self.enrol.unproven()},
+            "bytes_out": self.bytes_out - self._out0, "bytes_in": self.fed.bytes_in - self._in0,
             "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
             "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - self._t0, 3),
             "aggregate_s": round(self.aggregate_s + facts["close_s"], 4),

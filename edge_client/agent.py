@@ -30,14 +30,14 @@ import torch
 
 from edge_client.device import Device
 from edge_client.select import Selection
+from nefl.fsio import atomic_write_text
 from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, MessageError, Sent, ServerStatus, Stamped,
                            Task, TrainingSettings)
 from nefl.mqtt import Transport
 from nefl.profile import ProfileError, parse_profile
 from nefl.signing import KeyPin, Signer, parse_public_key, public_key_arg, split_signed, verify, verify_self_signed
-from nefl.tokens import fingerprint, parse_token, proof
-from nefl.fsio import atomic_write_text
 from nefl.state import Layout
+from nefl.tokens import fingerprint, parse_token, proof
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
@@ -81,8 +81,9 @@ class Agent:
         self.pin = KeyPin(public_key_arg(cfg.server_key) if cfg.server_key else None, cfg.pin_file)
         self.token = parse_token(cfg.join_token) if cfg.join_token else None  # (server key fingerprint, secret)
         if self.token and self.pin.text and fingerprint(self.pin.text) != self.token[0]:
-            raise ValueError(f"the join token names server key {self.token[0]}, --server-key (or the pin in "
-                             f"{cfg.pin_file}) is {fingerprint(self.pin.text)}: use the token of this federation")
+            raise ValueError(f"the join token names server key {self.token[0]}, but --server-key (or the key pinned in "
+                             f"{cfg.pin_file}) is {fingerprint(self.pin.text)}: use this federation's token, or delete "
+                             "that pin file if the key in it was trusted by mistake")
         self.candidates: dict[str, ServerStatus] = {}  # first use: key -> its newest live status
         self.incarnation = self._remembered_incarnation()  # refuse runs older than this
         self.stamp: tuple[int, int] = (self.incarnation, -1)  # (incarnation, seq) of the newest signed status
