@@ -12,12 +12,14 @@ import json
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
-from nefl.messages import Announce, ClientStatus, Control
+from aggregator.enrolment import Enrolment
+from nefl.messages import Announce, ClientStatus, Control, Receipt
 from nefl.mqtt import parse_broker
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
@@ -63,13 +65,21 @@ def layout() -> Layout:
 
 @pytest.fixture
 def server(tmp_path, layout) -> Server:
+    """A server with one (unsigned, open-enrolment) participant "raw" and one authorised worker, "w1"."""
     cfg = ServeConfig(profile=PROFILE, federation="t", checkpoint_dir=str(tmp_path), clients_per_round=3, round_timeout=60)
+    enrol = Enrolment("t")
+    enrol.local_workers = {"w1": WORKER.public_text}
     srv = Server(cfg, parse_broker("mqtt://127.0.0.1:1"), Start(layout.profile, layout, GlobalState.init(layout, 0), 1),
-                 Signer.load_or_create(tmp_path))
+                 Signer.load_or_create(tmp_path), enrol)
+    srv.publish = lambda topic, payload, retain=False: None
     srv.handle(T.status("raw"), ClientStatus(state="online").to_json())
     srv.handle(T.announce("raw"), Announce(client="raw", samples=10, max_submodel=1).to_json())
     srv.fed.open_round(1)
+    srv.pool.open(srv.run_id, layout)
     return srv
+
+
+WORKER = Signer(Ed25519PrivateKey.generate())
 
 
 def update(layout: Layout, scale: float = 0.0, **kw) -> bytes:
@@ -128,12 +138,20 @@ def test_updates_under_a_pinned_id_must_carry_its_signature(tmp_path, layout):
 @given(data=st.data())
 def test_server_handle_never_raises(server, data):
     topic = data.draw(st.sampled_from([T.announce("raw"), T.status("raw"), T.update("raw"), T.announce("other"),
-                                       T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y"]))
-    kind = data.draw(st.sampled_from(["bytes", "json", "announce", "status", "update"]))
+                                       T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y",
+                                       T.sent("raw"), T.resend("raw"), *(T.worker(w, k) for w in ("w1", "w2")
+                                                                        for k in ("status", "receipt", "summary", "partial"))]))
+    kind = data.draw(st.sampled_from(["bytes", "json", "worker-signed-json", "announce", "status", "update", "receipt"]))
     if kind == "bytes":
         payload = data.draw(st.binary(max_size=3000))
     elif kind == "json":
         payload = json.dumps(data.draw(json_values)).encode()
+    elif kind == "worker-signed-json":  # validly signed by the authorised worker, hostile body
+        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
+        payload = WORKER.sign(json.dumps({"v": 1, **value}).encode())
+    elif kind == "receipt":
+        payload = WORKER.sign(mutate(data, Receipt(run=server.run_id, round=1, client="raw", outcome="accepted",
+                                                   samples=10, norm=1.0).to_json()))
     elif kind == "announce":
         payload = mutate(data, Announce(client="raw", samples=10, max_submodel=2).to_json())
     elif kind == "status":
