@@ -20,7 +20,7 @@ from nefl.state import Layout
 from nefl.wire import WireError
 from tests.helpers import random_ladder
 
-checks = settings(max_examples=40, deadline=None)
+checks = settings(max_examples=25, deadline=None)
 
 
 def honest(seed: int, n: int, weighting: str) -> tuple[Layout, NeFedAvg, dict[str, Held], dict[str, dict], PartialSummary]:
