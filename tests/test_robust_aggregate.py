@@ -268,3 +268,23 @@ def test_a_big_flipped_update_among_three_is_outvoted_not_followed() -> None:
         assert not {"a", "b"} & set(agg.dropped)
         dropped += agg.dropped.get("evil") == "against_centre"
     assert dropped >= 19
+
+
+def test_when_no_update_has_a_majority_only_the_most_opposed_is_dropped() -> None:
+    """Honest updates can point apart (pairwise negative, non-IID shards): then nobody agrees with half of the
+    others, and the vote drops no more than the hostile minority it assumes, the most opposed first."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    e1, e2 = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(2))
+    # a and b point apart (cosine about -0.1); evil is -9 x their sum, which both of them agree with
+    a = e1
+    b = {n: e2[n] - 0.1 * e1[n] for n in e1}
+    shared = {n: a[n] + b[n] for n in e1}
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg.add(0, a, client="a")
+    agg.add(0, b, client="b")
+    agg.add(0, {n: -9 * t for n, t in shared.items()}, client="evil")
+    agg.finalize(state)
+    assert agg.facts()["agreement"] == {"a": 0.0, "b": 0.0, "evil": 0.0}
+    assert agg.dropped == {"evil": "against_centre"}
