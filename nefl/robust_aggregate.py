@@ -310,8 +310,8 @@ class Screened(RoundAggregate):
     of the round's other updates, or it is dropped: with fewer than half of the updates hostile, an
     honest update agrees with the honest majority and a flipped or foreign one does not, whatever its
     size (a median centre of three sketches, one of them 9x the others, follows the large one where the
-    two honest ones differ). Never more than that hostile minority is dropped: honest updates can point
-    apart (non-IID shards), and then only the most opposed go. One larger than `max_norm_ratio` x the round's median relative norm is
+    two honest ones differ). The vote acts only while at least half of the updates reach `min_agree`:
+    honest updates can point apart, and then no update is dropped for its direction. One larger than `max_norm_ratio` x the round's median relative norm is
     clipped to that. The first `hold` updates are judged together, later ones on arrival against the
     `compare` most recent (streaming: memory is `hold` updates plus one sketch per update). With fewer
     than `min_cover` updates in the round there is no majority and nothing is screened."""
@@ -331,6 +331,7 @@ class Screened(RoundAggregate):
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
+        self.judged = self.agreed = 0  # updates voted on, and those that reached `min_agree`
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:
@@ -345,29 +346,27 @@ class Screened(RoundAggregate):
         if len(self.sketches) >= self.hold:
             self._judge_pending()
 
-    def agrees(self, i: int) -> tuple[float, float]:
-        """The share of the other sketches (the `compare` most recent) pointing the same way as sketch i,
-        and its mean cosine to them (which of several updates without a majority is most opposed)."""
+    def agrees(self, i: int) -> float:
+        """The share of the other sketches (the `compare` most recent) with a positive dot product with sketch i."""
         lo = max(0, len(self.sketches) - self.compare - 1)
-        others = torch.stack([self.sketches[j] for j in range(lo, len(self.sketches)) if j != i][-self.compare:])
-        dots = others @ self.sketches[i]
-        norms = torch.linalg.vector_norm(others, dim=1) * torch.linalg.vector_norm(self.sketches[i])
-        return float((dots > 0).float().mean()), float((dots / norms.clamp_min(1e-30)).mean())
+        others = [self.sketches[j] for j in range(lo, len(self.sketches)) if j != i][-self.compare:]
+        return float(((torch.stack(others) @ self.sketches[i]) > 0).float().mean())
 
     def _outvoted(self, pending: list[tuple[Held, int, float]]) -> set[int]:
-        """Sketch indices to drop: those short of `min_agree`, most opposed first, never more than the
-        fewer-than-half hostile updates the vote assumes (when honest updates disagree among themselves,
-        nobody has a majority, and only the most opposed are dropped)."""
+        """Sketch indices to drop: those short of `min_agree`, but only while at least half of the round's
+        updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
+        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the
+        size bound alone applies."""
         if len(self.sketches) < self.cfg.min_cover or not self.sketch.size:
             return set()
-        votes = {}
+        short = set()
         for h, i, _ in pending:
-            share, cos = votes[i] = self.agrees(i)
-            self.agreement[h.client] = round(share, 4)
-        short = sorted((v, i) for i, v in votes.items() if v[0] < self.cfg.min_agree)
-        outvoted = sum(1 for reason in self.dropped.values() if reason == "against_centre")
-        budget = max(0, (len(self.sketches) - 1) // 2 - outvoted)
-        return {i for _, i in short[:budget]}
+            share = self.agreement[h.client] = round(self.agrees(i), 4)
+            if share < self.cfg.min_agree:
+                short.add(i)
+        self.judged += len(pending)
+        self.agreed += len(pending) - len(short)
+        return short if 2 * self.agreed >= self.judged else set()
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
