@@ -6,7 +6,7 @@ FLOWER_VENV ?= .venv-flower
 FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve lint clean
+.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,7 @@ system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) 
 
 test: env env-flower system-deps  ## the whole test suite (about 8 minutes on 2 cores); the Flower tests run in .venv-flower
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
@@ -65,6 +66,12 @@ bench-robust: env system-deps  ## every aggregation rule against 7 poisoning att
 
 bench-attacks-serve: env system-deps  ## the robustness issue's three attacks over `aggregator serve` with real processes on mosquitto -> docs/security.md
 	$(PY) benchmarks/bench_attacks_serve.py
+
+bench-control-plane: env system-deps  ## issue 21's control-plane attacks (forged workers, floods, replays) with real processes -> docs/security.md
+	$(PY) benchmarks/bench_control_plane.py
+
+bench-flower: env-flower system-deps  ## rounds per minute of 100 clients / 10 a round on `flwr run` (1, 2, 4 workers) against `aggregator simulate` -> docs/flower.md
+	$(FLOWER_PY) benchmarks/bench_flower.py
 
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks

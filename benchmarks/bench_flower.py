@@ -85,12 +85,13 @@ def main() -> None:
         print(f"{name}: {runs[name]['rounds_per_min']:.2f} rounds/min, final accuracy {runs[name]['accuracy']}", flush=True)
     results = {"setting": {**SETTING, "rounds": args.rounds}, "runs": runs, "provenance": provenance(started, args.note)}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    section = render(results)
-    write_section(DOC, BEGIN, END, section)
-    print(section)
+    lines = render(results)
+    write_section(DOC, BEGIN, END, lines)
+    print("\n".join(lines))
 
 
-def render(r: dict) -> str:
+def render(r: dict) -> list[str]:
+    """The lines between the markers of docs/flower.md."""
     p, s, runs = r["provenance"], r["setting"], r["runs"]
     base = runs["simulate, 1 thread"]
     same = {n: v["assigned"] == base["assigned"] for n, v in runs.items()}
@@ -98,8 +99,7 @@ def render(r: dict) -> str:
     rows = [f"| {n} | {v['mean_round_s']:.1f} | **{v['rounds_per_min']:.2f}** | {v['rounds_per_min'] / base['rounds_per_min']:.2f}x "
             f"| {v['outside_rounds_s']:.0f} | {v['total_s']:.0f} | {' / '.join(f'{a:.3f}' for a in v['accuracy'])} "
             f"| {'yes' if same[n] else 'NO'}, {diff[n]:.4f} |" for n, v in runs.items()]
-    return "\n".join([
-        BEGIN,
+    return [
         f"Measured by `.venv-flower/bin/python benchmarks/bench_flower.py` on {p['date']}: {p['cpu']}, {p['cores']} cores, "
         f"commit {p['commit']}, load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."),
         f"Setting: {s['profile']} (5 submodels), {s['clients']} clients with their full IID shards (600 images), "
@@ -115,8 +115,7 @@ def render(r: dict) -> str:
         "\"Outside rounds\" is everything else in the run's wall time: for `flwr run`, starting the SuperLink, the "
         "simulation process and its Ray workers, and the nodes' join queries; for the simulator, importing torch and "
         "loading the data.",
-        END,
-    ])
+    ]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from provenance import ROOT, provenance, write_section  # benchmarks/ is the scr
 sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
 
+from aggregator.keys import KeyDir  # noqa: E402
 from nefl.manifest import read_manifest  # noqa: E402
 from nefl.signing import Signer  # noqa: E402
 from nefl.topics import Topics  # noqa: E402
@@ -65,7 +66,7 @@ class Lab:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, {}
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "NEFL_CACHE_DIR": str(tmp / "cache")}
+                    "NEFL_CACHE_DIR": str(tmp / "cache"), "NEFL_KEY_DIR": str(tmp / "keys")}
         self.broker = free_port()
         conf = tmp / "mosquitto.conf"
         conf.write_text(f"listener {self.broker} 127.0.0.1\npersistence false\nallow_anonymous true\n"
@@ -73,7 +74,7 @@ class Lab:
         self.start("mosquitto", [MOSQUITTO, "-c", str(conf)])
         wait(lambda: socket.socket().connect_ex(("127.0.0.1", self.broker)) == 0, 10, "mosquitto")
         self.run_dir = tmp / "run"
-        self.key = Signer.load_or_create(self.run_dir)
+        self.key = KeyDir(FED, tmp / "keys").server_signer()  # what the operator commands below sign with
 
     def start(self, name: str, argv: list[str]) -> None:
         self.procs[name] = subprocess.Popen(argv, stdout=open(self.tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
@@ -156,9 +157,9 @@ def main() -> None:
         lab.close()
     results["provenance"] = provenance(started, args.note)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    section = render(results, args)
-    write_section(DOC, BEGIN, END, section)
-    print(section)
+    lines = render(results, args)
+    write_section(DOC, BEGIN, END, lines)
+    print("\n".join(lines))
 
 
 def scenario(lab: Lab, v1: Path, v2: Path) -> dict:
@@ -255,7 +256,7 @@ def disk_refusal(lab: Lab, v1: Path) -> str:
     return re.sub(r" in /[^\s,]+", " in DIR", line.split("edge_client.follow: ", 1)[1])
 
 
-def render(r: dict, args: argparse.Namespace) -> str:
+def render(r: dict, args: argparse.Namespace) -> list[str]:
     p, swap, devs = r["provenance"], r["swap"], r["devices"]
     full = devs["d1"]["release_bytes"]
     rows = [f"| {n} | {s['requests']} | {s['failed']} | {'yes' if s['one_swap'] else 'NO'} | {s['p50_before_ms']:.1f} / "
@@ -264,8 +265,7 @@ def render(r: dict, args: argparse.Namespace) -> str:
             f"{devs[n]['fetched_bytes']:,} of {full:,} ({devs[n]['fetched_bytes'] / full:.0%}) |"
             for n, s in swap.items()]
     refusals = [f"| {case} | `` {line} `` |" for case, line in r["refusals"].items()]
-    return "\n".join([
-        BEGIN,
+    return [
         f"Measured by `python benchmarks/bench_rollout.py --v1 ... --v2 ...` on {p['date']}: {p['cpu']}, {p['cores']} "
         f"cores, commit {p['commit']}, load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."),
         f"v1 and v2 are exports of the demo federation after rounds {r['export']['source_round']['v1']} and "
@@ -302,8 +302,7 @@ def render(r: dict, args: argparse.Namespace) -> str:
         "| bad input | the device's log line |",
         "|---|---|",
         *refusals,
-        END,
-    ])
+    ]
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def provenance(started: float, note: str | None) -> dict:
             "commit": commit_label(), "load": load_average(), "note": note}
 
 
-def write_section(doc: Path, begin: str, end: str, section: str) -> None:
-    """Replace what lies between the `begin` and `end` markers of `doc` (both included) with `section`."""
-    head, rest = doc.read_text().split(begin, 1)
-    doc.write_text(head + section + rest.split(end, 1)[1])
+def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:
+    """Replace what lies between the `start` and `end` markers of `doc` with `lines` (markers included)."""
+    text = doc.read_text()
+    head, rest = text.split(start, 1)
+    doc.write_text(head + "\n".join([start, *lines, end]) + rest.split(end, 1)[1])
+    print(f"wrote {doc}")
