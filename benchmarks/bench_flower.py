@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, provenance, write_section  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, measured_by, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 from tests.flower_helpers import flwr_run  # noqa: E402
@@ -100,8 +100,7 @@ def render(r: dict) -> list[str]:
             f"| {v['outside_rounds_s']:.0f} | {v['total_s']:.0f} | {' / '.join(f'{a:.3f}' for a in v['accuracy'])} "
             f"| {'yes' if same[n] else 'NO'}, {diff[n]:.4f} |" for n, v in runs.items()]
     return [
-        f"Measured by `.venv-flower/bin/python benchmarks/bench_flower.py` on {p['date']}: {p['cpu']}, {p['cores']} cores, "
-        f"commit {p['commit']}, load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."),
+        measured_by(".venv-flower/bin/python benchmarks/bench_flower.py", p),
         f"Setting: {s['profile']} (5 submodels), {s['clients']} clients with their full IID shards (600 images), "
         f"{s['per_round']} a round, E = {s['local_epochs']}, batch 32, the paper's tiers and assignment, {s['rounds']} "
         "rounds per run; rounds timed from opening to commit (training included), the last round (it also evaluates "

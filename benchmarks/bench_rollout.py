@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, provenance, write_section  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, measured_by, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
@@ -266,8 +266,7 @@ def render(r: dict, args: argparse.Namespace) -> list[str]:
             for n, s in swap.items()]
     refusals = [f"| {case} | `` {line} `` |" for case, line in r["refusals"].items()]
     return [
-        f"Measured by `python benchmarks/bench_rollout.py --v1 ... --v2 ...` on {p['date']}: {p['cpu']}, {p['cores']} "
-        f"cores, commit {p['commit']}, load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."),
+        measured_by("python benchmarks/bench_rollout.py --v1 ... --v2 ...", p),
         f"v1 and v2 are exports of the demo federation after rounds {r['export']['source_round']['v1']} and "
         f"{r['export']['source_round']['v2']} (resnet20-fmnist-w, five submodels); the bad version is v2 with an "
         "injected latency regression. Three devices answered POST /predict back to back for the whole run "

@@ -37,6 +37,12 @@ def provenance(started: float, note: str | None) -> dict:
             "commit": commit_label(), "load": load_average(), "note": note}
 
 
+def measured_by(command: str, p: dict) -> str:
+    """The first line of a published section: the command, machine, commit and load of `provenance()`'s dict `p`."""
+    return (f"Measured by `{command}` on {p['date']}: {p['cpu']}, {p['cores']} cores, commit {p['commit']}, "
+            f"load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."))
+
+
 def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:
     """Replace what lies between the `start` and `end` markers of `doc` with `lines` (markers included)."""
     text = doc.read_text()
