@@ -1,9 +1,12 @@
 # One entry point for people and CI: `make test` builds everything it needs on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Flower's pins (typer<0.21) cannot share an environment with the broker's (amqtt): its own venv
+FLOWER_VENV ?= .venv-flower
+FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane lint clean
+.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,14 +16,24 @@ $(VENV)/.installed: pyproject.toml
 
 env: $(VENV)/.installed  ## virtual environment with the full kit (torch 2.14.1 / torchvision 0.29.1) and the test tools
 
+$(FLOWER_VENV)/.installed: pyproject.toml
+	test -x $(FLOWER_PY) || python3 -m venv $(FLOWER_VENV)
+	$(FLOWER_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(FLOWER_PY) -m pip install -q -e '.[flower,test]'
+	touch $@
+
+env-flower: $(FLOWER_VENV)/.installed  ## .venv-flower: the kit's training side with Flower 1.42 and its simulation engine (docs/flower.md)
+
 wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (small), or with [full] to train
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
 system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
-test: env system-deps  ## the whole test suite (about 7 minutes on 2 cores)
+test: env env-flower system-deps  ## the whole test suite (about 13 minutes on 2 cores); the Flower tests run in .venv-flower (about 100 s)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
+	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'
@@ -57,8 +70,11 @@ bench-attacks-serve: env system-deps  ## the robustness issue's three attacks ov
 bench-control-plane: env system-deps  ## issue 21's control-plane attacks (forged workers, floods, replays) with real processes -> docs/security.md
 	$(PY) benchmarks/bench_control_plane.py
 
+bench-flower: env-flower system-deps  ## rounds per minute of 100 clients / 10 a round on `flwr run` (1, 2, 4 workers) against `aggregator simulate` -> docs/flower.md
+	$(FLOWER_PY) benchmarks/bench_flower.py
+
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache build dist
+	rm -rf $(VENV) $(FLOWER_VENV) runs .pytest_cache build dist

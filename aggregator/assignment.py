@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nefl.choices import check_choice
+from nefl.population import PAPER_WINDOW
 
 Assignment = Literal["coverage", "largest", "paper"]  # as `--assignment` takes them
-PAPER_WINDOW = 2  # the paper's tier t chooses among submodels t-2 .. t+2
 
 
 @dataclass(frozen=True)

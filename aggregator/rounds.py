@@ -26,13 +26,8 @@ from nefl.state import GlobalState
 log = logging.getLogger(__name__)
 
 
-class Transport(ABC):
-    """How a round's tasks reach clients and their updates reach the Federation. The hooks let a
-    transport tell its world what the driver is doing; the defaults do nothing."""
-
-    @abstractmethod
-    def collect(self, fed: Federation, index: int) -> None:
-        """Deliver the open round's tasks and feed every update to `fed.accept` until `fed.complete()`."""
+class RoundHooks:
+    """What the driver tells the world a round's tasks travel through; the defaults do nothing."""
 
     def round_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
         """The transport's own facts for the round's metrics line (the round is closed)."""
@@ -49,6 +44,23 @@ class Transport(ABC):
         """The round's checkpoint is committed and its metrics line written."""
 
 
+class Transport(RoundHooks, ABC):
+    """How a round's tasks reach clients and their updates reach the Federation, inside `run_round`."""
+
+    @abstractmethod
+    def collect(self, fed: Federation, index: int) -> None:
+        """Deliver the open round's tasks and feed every update to `fed.accept` until `fed.complete()`."""
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """A round the driver opened and has not closed yet."""
+
+    index: int
+    started: float  # time.monotonic() when it opened
+    start_digest: str  # the state the round started from
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """What the driver does around the rounds."""
@@ -63,9 +75,10 @@ class RunPlan:
 class RoundDriver:
     """Runs rounds of one Federation over one Transport; commits every round to `checkpoint_dir` and
     appends its metrics line to `metrics_dir`/metrics.jsonl (no files when `checkpoint_dir` is None:
-    a simulation that only reports)."""
+    a simulation that only reports). A round loop that is not the driver's (Flower's strategy loop,
+    aggregator/flower.py) calls `open_round` and `close_round` around its own delivery of the tasks."""
 
-    def __init__(self, fed: Federation, transport: Transport, plan: RunPlan, evaluator: Evaluator | None,
+    def __init__(self, fed: Federation, transport: RoundHooks, plan: RunPlan, evaluator: Evaluator | None,
                  checkpoint_dir: str | Path | None, metrics_dir: str | Path | None = None,
                  meta: Callable[[], dict[str, Any]] = dict) -> None:
         self.fed, self.transport, self.plan, self.evaluator = fed, transport, plan, evaluator
@@ -86,15 +99,23 @@ class RoundDriver:
         return facts
 
     def run_round(self, index: int) -> dict[str, Any]:
-        t0 = time.monotonic()
-        fed, plan = self.fed, self.plan
-        start_digest = state_digest(fed.state)
-        fed.open_round(index)
-        self.transport.collect(fed, index)
+        opened = self.open_round(index)
+        self.transport.collect(self.fed, index)
+        return self.close_round(opened)
+
+    def open_round(self, index: int) -> OpenRound:
+        """Participants and their submodels (`fed.round.assignments`) for round `index`."""
+        t0, start_digest = time.monotonic(), state_digest(self.fed.state)
+        self.fed.open_round(index)
+        return OpenRound(index, t0, start_digest)
+
+    def close_round(self, opened: OpenRound) -> dict[str, Any]:
+        """Aggregate what arrived, evaluate, checkpoint and record the round; its facts."""
+        fed, plan, index = self.fed, self.plan, opened.index
         t_close = time.perf_counter()
         facts = fed.close_round()
         facts["close_s"] = round(time.perf_counter() - t_close, 4)
-        facts["start_sha256"] = start_digest
+        facts["start_sha256"] = opened.start_digest
         facts.update(self.transport.round_facts(facts))
         if not facts["committed"] and facts["quorum"]:
             log.info(f"round {index} NOT committed, the previous weights stay: {facts['not_committed']}")
@@ -106,7 +127,7 @@ class RoundDriver:
         if self.evaluator is not None and (last or (plan.eval_every and index % plan.eval_every == 0)):
             self.transport.evaluating()
             facts.update(self._scores((plan.final_eval_samples or plan.eval_samples) if last else plan.eval_samples))
-        facts["wall_s"] = round(time.monotonic() - t0, 3)  # up to the commit: the saved line and the appended one agree
+        facts["wall_s"] = round(time.monotonic() - opened.started, 3)  # up to the commit: the saved line and the appended one agree
         t_ckpt = time.perf_counter()
         if self.checkpoint_dir is not None:
             save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,

@@ -22,15 +22,16 @@ from typing import Any
 
 import torch
 
-from aggregator.assignment import PAPER_WINDOW, Assignment
+from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
 from nefl.attacks import Attack, craft, poison_dataset, triggered_test
-from nefl.data import ArrayDataset, BatchLoader, load_dataset, partition_dirichlet, partition_iid
+from nefl.data import ArrayDataset, load_dataset
 from nefl.messages import Announce
 from nefl.methods import Method
+from nefl.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed
 from nefl.profile import load_profile
 from nefl.robust_aggregate import AggregationRule
 from nefl.state import GlobalState, Layout
@@ -80,29 +81,20 @@ class SimResult:
     backdoor: list[float] | None = None  # per submodel: triggered test images classified as the target
 
 
-def tier_of(client: int, num_clients: int, num_tiers: int) -> int:
-    """The paper's equal tiers by client index, tier 0 the most constrained."""
-    return client * num_tiers // num_clients
-
-
-def tier_bound(tier: int, num_submodels: int) -> int:
-    """The largest submodel (0-based) a client of `tier` can train: the top of its paper window."""
-    return min(tier + PAPER_WINDOW, num_submodels - 1)
-
-
-def client_ids(num_clients: int) -> list[str]:
-    """Zero-padded, so the ids sort in index order and the seeded sampling and the paper's draws
-    replay the simulator's runs from before it drove a Federation."""
-    width = len(str(num_clients - 1))
-    return [f"c{c:0{width}d}" for c in range(num_clients)]
-
-
 def attacker_ids(cfg: SimConfig) -> set[str]:
     """round(attackers x clients) clients, drawn with the run's seed (spread over the tiers)."""
     n = round(cfg.attackers * cfg.clients) if cfg.attack is not None else 0
     order = torch.randperm(cfg.clients, generator=torch.Generator().manual_seed(cfg.seed + 104729))
     ids = client_ids(cfg.clients)
     return {ids[int(c)] for c in order[:n]}
+
+
+def new_federation(layout: Layout, cfg: SimConfig, aggregator: AggregationRule | None = None,
+                   tiers: dict[str, int] | None = None) -> Federation:
+    """The server's round state of a simulated run, from the seeded initial weights, no client known yet."""
+    return Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
+                      cfg.weighting, cfg.seed, robustness=cfg.robustness, assignment=cfg.assignment, tiers=tiers,
+                      aggregator=aggregator)
 
 
 def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int],
@@ -112,23 +104,11 @@ def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int],
     k = layout.num_submodels
     ids = client_ids(cfg.clients)
     tiers = {cid: tier_of(c, cfg.clients, k) for c, cid in enumerate(ids)}
-    fed = Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
-                     cfg.weighting, cfg.seed, robustness=cfg.robustness, assignment=cfg.assignment, tiers=tiers,
-                     aggregator=aggregator)
+    fed = new_federation(layout, cfg, aggregator, tiers)
     for cid, n in zip(ids, samples):
         fed.set_online(cid, True, now=0.0)
         fed.announce(cid, Announce(client=cid, samples=max(1, n), max_submodel=tier_bound(tiers[cid], k) + 1), now=0.0)
     return fed
-
-
-def _partitions(train: ArrayDataset, cfg: SimConfig) -> list[torch.Tensor]:
-    if cfg.non_iid is None:
-        parts = partition_iid(len(train), cfg.clients, cfg.seed)
-    else:
-        parts = partition_dirichlet(train.labels, cfg.clients, cfg.non_iid, cfg.seed)
-    if cfg.max_samples_per_client:
-        parts = [p[: cfg.max_samples_per_client] for p in parts]
-    return parts
 
 
 def check_device(name: str) -> torch.device:
@@ -146,40 +126,63 @@ def check_device(name: str) -> torch.device:
     return device
 
 
-class Simulator(Transport):
-    def __init__(self, cfg: SimConfig) -> None:
-        self.cfg = cfg
-        self.device = str(check_device(cfg.device))
+@dataclass
+class ServerSide:
+    """What the server of a simulated run holds, from its SimConfig alone: the ladder, the training
+    settings, the data (the test images it evaluates on, FLTrust's root set held out of them) and the
+    aggregation rule. The simulator trains the clients beside it; the Flower strategy
+    (aggregator/flower.py) has nodes train them."""
+
+    layout: Layout
+    train_cfg: TrainConfig
+    train: ArrayDataset
+    test: ArrayDataset
+    rule: AggregationRule
+    cfg: SimConfig
+
+    @classmethod
+    def build(cls, cfg: SimConfig, device: str) -> ServerSide:
         profile = load_profile(cfg.profile)
-        self.layout = Layout.build(profile, cfg.method)
+        layout = Layout.build(profile, cfg.method)
         dataset = cfg.dataset or profile.dataset
-        self.train = load_dataset(dataset, cfg.data_root, train=True)
+        train = load_dataset(dataset, cfg.data_root, train=True)
         test = load_dataset(dataset, cfg.data_root, train=False)
-        if tuple(self.train.images.shape[1:]) != profile.input_shape:
+        if tuple(train.images.shape[1:]) != profile.input_shape:
             raise ValueError(
-                f"{dataset} images are {tuple(self.train.images.shape[1:])}, profile {profile.name} expects "
+                f"{dataset} images are {tuple(train.images.shape[1:])}, profile {profile.name} expects "
                 f"{profile.input_shape}; pick a profile made for this dataset"
             )
-        self.parts = _partitions(self.train, cfg)
-        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
-                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
-        self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
-        self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
-        self.attackers = attacker_ids(cfg)
+        train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                                schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         agg = cfg.robustness.aggregation
         root = None
         if agg.rule == "fltrust":  # the root set is held out of the evaluation, as on the server
             test, root_set = split_root(test, cfg.root_samples)
-            root = RootUpdates(self.layout, root_set, self.train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, self.device)
-        self.test = test
-        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts],
-                                        AggregationRule(self.layout, agg, cfg.weighting, root, cfg.seed))
-        self.evaluator = Evaluator(self.layout, self.test, self.train, calibration_samples=cfg.bn_calibration_samples,
-                                   seed=cfg.seed, device=self.device)
+            root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, device)
+        return cls(layout, train_cfg, train, test, AggregationRule(layout, agg, cfg.weighting, root, cfg.seed), cfg)
+
+    def evaluator(self, test: ArrayDataset, device: str) -> Evaluator:
+        """Every submodel scored on `test` (the test images, or a triggered copy of them)."""
+        return Evaluator(self.layout, test, self.train, calibration_samples=self.cfg.bn_calibration_samples,
+                         seed=self.cfg.seed, device=device)
+
+
+class Simulator(Transport):
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.device = str(check_device(cfg.device))
+        server = ServerSide.build(cfg, self.device)
+        self.layout, self.train, self.test = server.layout, server.train, server.test
+        self.train_cfg = server.train_cfg
+        self.parts = partitions(self.train, cfg.clients, cfg.non_iid, cfg.seed, cfg.max_samples_per_client)
+        self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
+        self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
+        self.attackers = attacker_ids(cfg)
+        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.rule)
+        self.evaluator = server.evaluator(self.test, self.device)
         self.backdoor = None
         if cfg.attack is not None and cfg.attack.kind == "backdoor":
-            self.backdoor = Evaluator(self.layout, triggered_test(self.test, cfg.attack.target), self.train,
-                                      calibration_samples=cfg.bn_calibration_samples, seed=cfg.seed, device=self.device)
+            self.backdoor = server.evaluator(triggered_test(self.test, cfg.attack.target), self.device)
         self._round: dict[str, Any] = {}
 
     @property
@@ -212,12 +215,12 @@ class Simulator(Transport):
     def _train(self, cid: str, k: int, index: int, train_cfg: TrainConfig):
         c = self.client_index[cid]
         attack = self.cfg.attack
-        seed = self.cfg.seed * 1_000_003 + (index - 1) * 1009 + c
+        seed = train_seed(self.cfg.seed, index, c)
         if cid in self.attackers and attack.on_data:
             data = poison_dataset(self.train, self.parts[c], attack, self.layout.profile.num_classes, seed)
-            loader = BatchLoader(data, None, self.cfg.batch_size, shuffle=True, augment=True, seed=seed)
+            loader = client_batches(data, None, self.cfg.batch_size, seed)
         else:
-            loader = BatchLoader(self.train, self.parts[c], self.cfg.batch_size, shuffle=True, augment=True, seed=seed)
+            loader = client_batches(self.train, self.parts[c], self.cfg.batch_size, seed)
         return local_train(self.modules[k], self.fed.state.extract(self.layout, k), loader, train_cfg,
                            upload=self.layout.upload_shapes(k), device=self.device)
 

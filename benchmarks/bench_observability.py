@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from provenance import ROOT, commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 from aggregator.federation import ClientInfo  # noqa: E402
@@ -183,8 +183,7 @@ def main() -> None:
     spread = statistics.stdev(walls[False]), statistics.stdev(walls[True])
     # what the metrics add for certain: the server's own work per round and one second of polling
     bound = (costs["round_us"] / 1e6 + 4 * costs["client_us"] / 1e6 + (costs["scrape_ms"] + costs["state_ms"]) / 1e3 * off) / off
-    section = "\n".join([
-        BEGIN,
+    lines = [
         f"Measured by `python benchmarks/bench_observability.py --rounds {args.rounds} --repeats {args.repeats}` on "
         f"{time.strftime('%Y-%m-%d', time.gmtime(started))}: {cpu_name()}, {os.cpu_count()} cores, commit {commit_label()}, "
         f"load {load_average()} at the end" + (f" ({args.note})." if args.note else "."),
@@ -215,12 +214,9 @@ def main() -> None:
         f"| one round's events (open, checkpoint, metrics line) | {costs['round_us']:.0f} µs |",
         f"| answering one /metrics scrape | {costs['scrape_ms']:.2f} ms |",
         f"| answering one /api/state poll ({costs['state_kib']:.0f} KiB) | {costs['state_ms']:.2f} ms |",
-        END,
-    ])
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    DOC.write_text(head + section + rest.split(END, 1)[1])
-    print(section)
+    ]
+    write_section(DOC, BEGIN, END, lines)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from provenance import ROOT, measured_by, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
@@ -155,14 +155,11 @@ def main() -> None:
         results = scenario(lab, args.v1.resolve(), args.v2.resolve())
     finally:
         lab.close()
-    results["provenance"] = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "cpu": cpu_name(),
-                             "cores": os.cpu_count(), "commit": commit_label(), "load": load_average(), "note": args.note}
+    results["provenance"] = provenance(started, args.note)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    section = render(results, args)
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    DOC.write_text(head + section + rest.split(END, 1)[1])
-    print(section)
+    lines = render(results, args)
+    write_section(DOC, BEGIN, END, lines)
+    print("\n".join(lines))
 
 
 def scenario(lab: Lab, v1: Path, v2: Path) -> dict:
@@ -259,7 +256,7 @@ def disk_refusal(lab: Lab, v1: Path) -> str:
     return re.sub(r" in /[^\s,]+", " in DIR", line.split("edge_client.follow: ", 1)[1])
 
 
-def render(r: dict, args: argparse.Namespace) -> str:
+def render(r: dict, args: argparse.Namespace) -> list[str]:
     p, swap, devs = r["provenance"], r["swap"], r["devices"]
     full = devs["d1"]["release_bytes"]
     rows = [f"| {n} | {s['requests']} | {s['failed']} | {'yes' if s['one_swap'] else 'NO'} | {s['p50_before_ms']:.1f} / "
@@ -268,10 +265,8 @@ def render(r: dict, args: argparse.Namespace) -> str:
             f"{devs[n]['fetched_bytes']:,} of {full:,} ({devs[n]['fetched_bytes'] / full:.0%}) |"
             for n, s in swap.items()]
     refusals = [f"| {case} | `` {line} `` |" for case, line in r["refusals"].items()]
-    return "\n".join([
-        BEGIN,
-        f"Measured by `python benchmarks/bench_rollout.py --v1 ... --v2 ...` on {p['date']}: {p['cpu']}, {p['cores']} "
-        f"cores, commit {p['commit']}, load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."),
+    return [
+        measured_by("python benchmarks/bench_rollout.py --v1 ... --v2 ...", p),
         f"v1 and v2 are exports of the demo federation after rounds {r['export']['source_round']['v1']} and "
         f"{r['export']['source_round']['v2']} (resnet20-fmnist-w, five submodels); the bad version is v2 with an "
         "injected latency regression. Three devices answered POST /predict back to back for the whole run "
@@ -306,8 +301,7 @@ def render(r: dict, args: argparse.Namespace) -> str:
         "| bad input | the device's log line |",
         "|---|---|",
         *refusals,
-        END,
-    ])
+    ]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,18 @@ def commit_label() -> str:
 def load_average() -> str:
     load = os.getloadavg()
     return f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+
+
+def provenance(started: float, note: str | None) -> dict:
+    """The machine, commit and load of a run that started at `started` (time.time()), as results JSON keeps them."""
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "cpu": cpu_name(), "cores": os.cpu_count(),
+            "commit": commit_label(), "load": load_average(), "note": note}
+
+
+def measured_by(command: str, p: dict) -> str:
+    """The first line of a published section: the command, machine, commit and load of `provenance()`'s dict `p`."""
+    return (f"Measured by `{command}` on {p['date']}: {p['cpu']}, {p['cores']} cores, commit {p['commit']}, "
+            f"load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."))
 
 
 def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:

@@ -50,6 +50,22 @@ class DeviceConfig:
     cache_dir: Path = CACHE_DIR
 
 
+class TrainTask(Protocol):
+    """What training reads of a task: an MQTT `Task`, or a Flower one (nefl.messages.FlowerTask); read-only,
+    as both are frozen messages."""
+
+    @property
+    def round(self) -> int: ...
+    @property
+    def submodel(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def epochs(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+
+
 class Device(Protocol):
     """The agent's view of the device (a fake in the agent's unit tests)."""
 
@@ -106,7 +122,7 @@ class LocalDevice:
         return select_submodel(self.costs(layout, training.batch_size), self.budget.apply(self.prober.snapshot()),
                                work, 1, deadline_s, cap, speed=self.budget.cpu_budget)
 
-    def train(self, layout: Layout, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult:
+    def train(self, layout: Layout, task: TrainTask, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult:
         torch.manual_seed(self.cfg.seed + task.round)
         loader = BatchLoader(self.train_set, self.indices, task.batch_size, True, True, self.cfg.seed * 100003 + task.round)
         config = TrainConfig(lr=task.lr, batch_size=task.batch_size, local_epochs=task.epochs)

@@ -40,6 +40,9 @@ Round = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Submodel = Annotated[int, msgspec.Meta(ge=0, le=255)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
 KeyText = Annotated[str, msgspec.Meta(max_length=64)]  # a base64 Ed25519 public key
+Lr = Annotated[float, msgspec.Meta(gt=0, le=100)]
+Epochs = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+BatchSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 
 T = TypeVar("T", bound="Message")
 
@@ -153,9 +156,9 @@ class Task(Stamped, frozen=True, tag="task", tag_field="type"):
     run: Name
     round: Round
     submodel: Submodel
-    lr: Annotated[float, msgspec.Meta(gt=0, le=100)]
-    epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)]
-    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)]
+    lr: Lr
+    epochs: Epochs
+    batch_size: BatchSize
     profile_hash: Short
     deadline_s: Seconds
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
@@ -173,8 +176,8 @@ class Control(Stamped, frozen=True, tag="control", tag_field="type"):
 
 
 class TrainingSettings(msgspec.Struct, kw_only=True, frozen=True):
-    batch_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 32
-    local_epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    batch_size: BatchSize = 32
+    local_epochs: Epochs = 1
     round_timeout: Seconds = 120.0
 
 
@@ -469,3 +472,57 @@ class DeployReport(Message, frozen=True, kw_only=True, tag="deploy_report", tag_
     submodels: Annotated[list[Submodel], msgspec.Meta(max_length=256)] = []  # 0-based, of the serving version
     swap_ms: Millis | None = None  # requests waited this long for the last swap
     time: float = 0.0  # the device's clock: a report older than the newest seen is a replay
+
+
+# -- Flower (aggregator/flower.py <-> edge_client/flower.py, docs/flower.md) ---------------------------
+# Each rides as JSON bytes under one key of a Flower message's ConfigRecord (nefl/flower.py); the tensors
+# ride in the message's ArrayRecord. Flower's transport is not the broker, but its bytes are no more trusted.
+
+
+class FlowerJoin(Message, frozen=True, kw_only=True, tag="flower_join", tag_field="type"):
+    """Strategy -> node (a query message): the run the node is asked to join, and how a simulated node
+    cuts its shard of the dataset as `aggregator simulate` does (a device's data is its own)."""
+
+    profile: Name
+    method: Name
+    profile_hash: Short
+    dataset: Short
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+    non_iid: Annotated[float, msgspec.Meta(gt=0, le=1e6)] | None = None  # Dirichlet alpha; None = IID
+    max_samples: Annotated[int, msgspec.Meta(ge=1, le=10**9)] | None = None
+    training: TrainingSettings = TrainingSettings()
+
+
+class FlowerHello(Message, frozen=True, kw_only=True, tag="flower_hello", tag_field="type"):
+    """Node -> strategy: what it can train now, as an MQTT device announces it, and the paper tier of a
+    simulated node (None: a device, whose tier is its bound)."""
+
+    announce: Announce
+    tier: Submodel | None = None
+
+
+class FlowerTask(Message, frozen=True, kw_only=True, tag="flower_task", tag_field="type"):
+    """Strategy -> node: train (or evaluate) `submodel` (0-based) of `round` from the arrays in the same
+    message."""
+
+    kind: Literal["train", "evaluate"]
+    round: Round
+    submodel: Submodel
+    lr: Lr
+    epochs: Epochs
+    batch_size: BatchSize
+    profile_hash: Short
+
+
+class FlowerResult(Message, frozen=True, kw_only=True, tag="flower_result", tag_field="type"):
+    """Node -> strategy: what a task came to. A train reply's delta rides in the message's ArrayRecord and
+    `hello` is the node's fresh announce (its load may have changed); an evaluation's is its score."""
+
+    client: Name
+    round: Round
+    submodel: Submodel
+    samples: Annotated[int, msgspec.Meta(ge=1, le=10**9)]  # trained on, or evaluated
+    loss: Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+    accuracy: Annotated[float, msgspec.Meta(ge=0, le=1)]
+    seconds: Annotated[float, msgspec.Meta(ge=0, le=7 * 86400)]
+    hello: FlowerHello | None = None

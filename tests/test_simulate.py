@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 from aggregator.assignment import paper_window
 from aggregator.cli import app
 from nefl.checkpoint import UPDATES_TOTAL_KEY
-from aggregator.simulate import SimConfig, check_device, client_ids, simulated_federation, tier_bound, tier_of
+from aggregator.simulate import SimConfig, check_device, simulated_federation
+from nefl.population import client_ids, tier_bound, tier_of
 from nefl.checkpoint import load_checkpoint
 from nefl.data import SYSTEM_FASHION_MNIST_DIR
 from nefl.profile import load_profile

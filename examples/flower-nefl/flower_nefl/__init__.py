@@ -1,0 +1,1 @@
+"""The example Flower app of nefl-edge: NeFL on Flower's simulation engine and deployment runtime."""
