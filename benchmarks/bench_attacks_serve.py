@@ -3,7 +3,11 @@ under the default configuration: two honest `edge-client join`s plus one real jo
 own device key (tests/attack_device.py), against the same two honest devices alone. Writes the
 `bench-attacks-serve` section of docs/security.md.
 
-    PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 10] [--late-rounds 24] [--note TEXT]
+    PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 10] [--late-rounds 24] [--aggregator RULE ...]
+        [--note TEXT]
+
+Every run uses `serve`'s defaults; `--aggregator default fltrust ...` measures other rules too, each against its
+own controls.
 
   scaled-flip   -9 x its honest delta from round 1 (inside the 10 x weight-norm bound)
   neg-weights   -9 x the weights it was sent (norm 9 x the weight norm) from round 1
@@ -30,8 +34,9 @@ PROFILE = "resnet8-fmnist-w"
 PY = sys.executable
 
 
-def federation(rounds: int, attack: tuple[str, int] | None, work: Path) -> list[dict]:
-    """One federation: mosquitto, serve, two honest joins and, if given, the (kind, first round) attacker."""
+def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: list[str]) -> list[dict]:
+    """One federation: mosquitto, serve (its defaults, plus `rule`: the options that choose another aggregation
+    rule), two honest joins and, if given, the (kind, first round) attacker."""
     run = Run(work)
     try:
         port = free_port()
@@ -40,7 +45,8 @@ def federation(rounds: int, attack: tuple[str, int] | None, work: Path) -> list[
         agg = run.start("agg", [PY, "-c", "from aggregator.cli import app; app()", "serve", "--profile", PROFILE,
                                 "--broker", broker, "--federation", "b", "--rounds", str(rounds), "--clients-per-round", "3",
                                 "--min-clients", "2", "--round-timeout", "90", "--join-wait", "15",
-                                "--eval-dataset", "fashion-mnist", "--eval-samples", "2000", "--checkpoint-dir", str(work / "run")])
+                                "--eval-dataset", "fashion-mnist", "--eval-samples", "2000", "--checkpoint-dir", str(work / "run"),
+                                *rule])
         join = ["join", "--broker", broker, "--federation", "b", "--threads", "1", "--max-samples", "300", "--no-calibrate"]
         for i in (1, 2):
             run.start(f"c{i}", [PY, "-c", "from edge_client.cli import app; app()", *join, "--client-id", f"c{i}",
@@ -95,19 +101,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--late-rounds", type=int, default=24)
+    ap.add_argument("--aggregator", nargs="+", default=["default"], help="the rules measured: default (serve's "
+                    "defaults) or an --aggregator name (without the centre check; fltrust: root data from the evaluation "
+                    "dataset)")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="nefl-attacks-"))
-    runs: dict[str, list[dict]] = {}
-    for name, rounds, attack in [("control", args.rounds, None), ("scaled-flip", args.rounds, ("scaled-flip", 1)),
-                                 ("neg-weights", args.rounds, ("neg-weights", 1)), ("control-long", args.late_rounds, None),
-                                 ("late-start", args.late_rounds, ("scaled-flip", args.late_rounds // 2))]:
-        work = out / name
-        work.mkdir()
-        print(f"{name}: {rounds} rounds in {work}", flush=True)
-        runs[name] = federation(rounds, attack, work)
-    rows = [summary(n, runs[n], runs["control-long" if n == "late-start" else "control"])
-            for n in ("scaled-flip", "neg-weights", "late-start")]
+    rows = []
+    for rule in args.aggregator:
+        options = [] if rule == "default" else ["--aggregator", rule, "--no-centre-check"]
+        runs: dict[str, list[dict]] = {}
+        for name, rounds, attack in [("control", args.rounds, None), ("scaled-flip", args.rounds, ("scaled-flip", 1)),
+                                     ("neg-weights", args.rounds, ("neg-weights", 1)),
+                                     ("control-long", args.late_rounds, None),
+                                     ("late-start", args.late_rounds, ("scaled-flip", args.late_rounds // 2))]:
+            work = out / rule / name
+            work.mkdir(parents=True)
+            print(f"{rule} {name}: {rounds} rounds in {work}", flush=True)
+            runs[name] = federation(rounds, attack, work, options)
+        rows += [summary(f"{n} ({rule})", runs[n], runs["control-long" if n == "late-start" else "control"])
+                 for n in ("scaled-flip", "neg-weights", "late-start")]
     for r in rows:
         print(json.dumps(r))
     write_doc(rows, args.note)
