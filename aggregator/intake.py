@@ -1,7 +1,8 @@
 """The one path from an update chunk on the broker to a federation's aggregate, shared by
 `aggregator serve` (aggregator/server.py) and its workers and relays (aggregator/worker.py).
 
-Size cap, header parse, the device's signature, QoS 1 redelivery, identity and round checks, then
+Size cap, header parse, the device's signature (once per update: every chunk repeats the signed header),
+QoS 1 redelivery, identity and round checks, each chunk's hash against the signed Merkle root, then
 reassembly and the Federation's shape / finite / norm checks: whoever runs it, an update is judged
 the same way. Raises WireError, MessageError or Rejected with the reason the caller counts.
 """
@@ -13,8 +14,8 @@ from collections.abc import Callable
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aggregator.federation import Federation, Rejected, Update
-from nefl.signing import parse_public_key, verify
-from nefl.wire import Assembled, Reassembler, WireError, parse_chunk, split_chunk
+from nefl.signing import parse_public_key
+from nefl.wire import Assembled, Reassembler, WireError
 
 
 class DeviceKeys:
@@ -40,19 +41,17 @@ def take_update(fed: Federation, reasm: Reassembler, keys: DeviceKeys, client: s
     is counted once, not once per chunk."""
     if len(payload) > max_message:  # peers use our chunk size; allow slack, refuse floods
         raise WireError("oversized", f"{len(payload)}-byte message, the limit is {max_message}")
-    header, _ = parse_chunk(payload)
-    key = keys(client)
-    if key is not None:  # a device whose key is pinned signs every chunk header (round, submodel, sha256)
-        verify(split_chunk(payload)[0], key)
-    if reasm.is_duplicate(header):
+    # a device whose key is pinned signs its update's header (round, submodel, the chunks' Merkle root)
+    chunk = reasm.parse(payload, keys(client))
+    if reasm.is_duplicate(chunk):
         return None
     try:
-        fed.check_header(client, header)
+        fed.check_header(client, chunk.header)
     except Rejected:
-        if header.index == 0:
+        if chunk.index == 0:
             raise
         return None
-    done = reasm.feed(payload)
+    done = reasm.feed(chunk)
     if done is not None:
         fed.accept(Update.from_wire(client, done))
     return done

@@ -69,7 +69,7 @@ def plan_screen(cfg: AggregationConfig) -> ScreenSettings:
 @dataclass
 class _Delivery:
     """What one worker sent for the closing round: its summary, its reassembled tensors, and the two
-    checked and joined into a NeFedAvg once the tensors' sha256 is the one the summary names."""
+    checked and joined into a NeFedAvg once the tensors' digest is the one the summary names."""
 
     summary: PartialSummary | None = None
     assembled: Assembled | None = None
@@ -153,7 +153,7 @@ class WorkerPool:
     def _partial_chunk(self, worker: str, payload: bytes) -> None:
         if len(payload) > self.chunk_bytes * 4:
             raise WireError("oversized", f"{len(payload)}-byte partial chunk from {worker}")
-        header, _ = parse_chunk(payload)
+        header = parse_chunk(payload).header
         if header.kind != "partial" or header.client != worker or header.federation != self.topics.federation:
             raise Rejected("bad_partial", f"a {header.kind} message of {header.client} on {worker}'s partial topic")
         if header.round != self._round:
@@ -168,9 +168,9 @@ class WorkerPool:
         s = d.summary
         if s is None or d.agg is not None:
             return
-        if s.sha256 is None:
+        if s.digest is None:
             d.agg = partial_from(self.fed.layout, s, {})
-        elif d.assembled is not None and d.assembled.header.sha256 == s.sha256:
+        elif d.assembled is not None and d.assembled.header.digest == s.digest:
             d.agg = partial_from(self.fed.layout, s, d.assembled.tensors)
 
     def workers_seen(self) -> int:

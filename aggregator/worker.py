@@ -139,7 +139,7 @@ class Worker:
             self.judged(None, lambda: self.on_close(payload))
         elif conn is self.up and topic == t.worker(self.me, "forward"):
             # the forwarding worker checked the header's client against the update topic
-            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0].client, payload, forwarded=True))
+            self.judged(None, lambda: self.on_update(parse_chunk(payload).header.client, payload, forwarded=True))
 
     def judged(self, client: str | None, handle: Callable[[], None]) -> None:
         """Run a handler; a refusal (or a bug) becomes a receipt with its reason, never an exception."""
@@ -217,7 +217,7 @@ class Worker:
             dropped = fed.agg.dropped
             summary = PartialSummary(run=run, round=index, weights=[float(w) for w in agg.weights], updates=list(agg.updates),
                                      clients=sorted(r.received), dropped=dict(sorted(dropped.items())),
-                                     sha256=parse_chunk(msgs[0])[0].sha256)
+                                     digest=parse_chunk(msgs[0]).header.digest)
         self.publish_up(self.topics.worker(self.me, "summary"), summary.to_json())
         log.info(f"{self.me}: round {index}: partial of {len(summary.clients)} update(s) sent "
                  f"({self.bytes_up - self._up_mark} bytes up since the last one)")
@@ -227,7 +227,7 @@ class Worker:
     def on_update(self, client: str, payload: bytes, forwarded: bool) -> None:
         if self.fed is None or self.plan is None:
             raise Rejected("stale_round", "no round plan from the coordinator yet")
-        header, _ = parse_chunk(payload)
+        header = self.reasm.parse(payload).header
         if header.round > self.plan.round and len(self.early) < EARLY_MESSAGES:
             self.early.append((client, payload, forwarded))  # its plan is on the way: the coordinator sent it first
             return

@@ -95,7 +95,7 @@ class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):
 
 class Task(Message, frozen=True, tag="task", tag_field="type"):
     """Server -> one client, retained, signed: train `submodel` (0-based) of `round` from the weights
-    whose safetensors payload hashes to `model_sha256`."""
+    whose chunks hash to `model_digest` (the Merkle root of nefl/wire.py)."""
 
     federation: Name
     run: Name
@@ -107,7 +107,7 @@ class Task(Message, frozen=True, tag="task", tag_field="type"):
     profile_hash: Short
     deadline_s: Seconds
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
-    model_sha256: Hex64
+    model_digest: Hex64
     model_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
 
 
@@ -285,7 +285,7 @@ class Receipt(Message, frozen=True, kw_only=True, tag="receipt", tag_field="type
 class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", tag_field="type"):
     """Worker -> coordinator: what its partial NeFedAvg of round `round` holds (and which of its clients'
     updates its centre check left out); the group sums
-    travel as chunked safetensors (kind "partial") whose payload hashes to `sha256`."""
+    travel as chunked safetensors (kind "partial") whose chunks hash to `digest`."""
 
     run: Name
     round: Round
@@ -293,7 +293,7 @@ class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", 
     updates: Annotated[list[Count], msgspec.Meta(max_length=256)]
     clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
     dropped: Annotated[dict[Name, Short], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}  # by the worker's centre check
-    sha256: Hex64 | None = None  # None when it holds no update (no tensors follow)
+    digest: Hex64 | None = None  # None when it holds no update (no tensors follow)
 
 
 # -- model rollout: aggregator -> devices that follow it (docs/deploy.md) --------------------------------

@@ -15,7 +15,7 @@ from nefl.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, Announce, ClientStatus,
 from nefl.signing import KeyPin, Signer, parse_public_key, split_signed, verify
 
 TASK = Task(federation="f", run="r1", round=3, submodel=1, lr=0.1, epochs=1, batch_size=32, profile_hash="abc",
-            deadline_s=60.0, chunks=2, model_sha256="0" * 64, model_bytes=1000)
+            deadline_s=60.0, chunks=2, model_digest="0" * 64, model_bytes=1000)
 MESSAGES = [
     Announce(client="c1", samples=10, max_submodel=3, selection="memory binds"),
     ClientStatus(state="online"),
@@ -61,7 +61,7 @@ def test_each_kind_of_bad_announce_has_its_reason(payload, reason):
 
 def test_task_ranges_are_checked():
     body = json.loads(TASK.to_json())
-    for field, bad in (("batch_size", 0), ("epochs", 10**6), ("lr", -1), ("deadline_s", 0), ("model_sha256", "xyz"),
+    for field, bad in (("batch_size", 0), ("epochs", 10**6), ("lr", -1), ("deadline_s", 0), ("model_digest", "xyz"),
                        ("round", -1), ("submodel", 1000), ("run", "../x")):
         with pytest.raises(MessageError) as e:
             Task.from_json(json.dumps({**body, field: bad}).encode())

@@ -56,7 +56,7 @@ def through_the_wire(layout: Layout, part: NeFedAvg, clients: list[str], worker:
     reasm = Reassembler(max_bytes=64 << 20)
     done = [d for m in msgs if (d := reasm.feed(m)) is not None][0]
     summary = PartialSummary(run="r", round=1, weights=[float(w) for w in part.weights], updates=list(part.updates),
-                             clients=clients, sha256=done.header.sha256)
+                             clients=clients, digest=done.header.digest)
     return partial_from(layout, PartialSummary.from_json(summary.to_json()), done.tensors)
 
 
@@ -156,7 +156,7 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
     w.route(w.up, t.workers_round, plan.to_json())  # not signed by the coordinator
     w.route(w.up, t.workers_round, signer.sign(plan.to_json()))
     for topic, payload in [update("a", 0), update("a", 0),  # the second is a QoS 1 redelivery: dropped
-                           (t.update("b"), b"NEFL\x00\x00\x00\x05{oops"), update("c", 0), update("a", 1, "b"),
+                           (t.update("b"), b"NEFL\x02\x00\x00\x05\x00\x00\x00\x00{oops"), update("c", 0), update("a", 1, "b"),
                            update("b", 0)]:
         w.route(w.up, topic, payload)
     w.route(w.up, t.workers_close, signer.sign(RoundClose(federation="t", run="r1", round=1).to_json()))

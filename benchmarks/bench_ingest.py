@@ -1,0 +1,187 @@
+"""Where an aggregator worker's CPU goes per MiB of update it ingests: the whole path in one process,
+profiled, plus the MQTT client's receive path and the hash and chunk-size choices behind the wire format.
+
+Part 1 feeds signed update messages, as `aggregator loadtest` devices send them, through a real
+`aggregator.worker.Worker` (`route`: the trust boundary, intake with every check on, the centre check,
+NeFedAvg, receipts and logging; no broker) under cProfile, and groups the time by what it is for.
+Part 2 runs paho's receive loop (what `nefl.mqtt.Connection` uses) and the alternatives on the
+package index against a real mosquitto and measures the client's CPU per MiB received.
+Part 3 measures hashes and chunk sizes. Writes the "Ingest profile" section of docs/benchmarks.md.
+
+    PYTHONPATH=. python benchmarks/bench_ingest.py            # `make bench-ingest`
+    PYTHONPATH=. python benchmarks/bench_ingest.py --quick    # a smoke run, to runs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import json
+import os
+import pstats
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from aggregator.federation import Federation  # noqa: E402
+from aggregator.loadtest import device_delta  # noqa: E402
+from aggregator.partials import plan_bound, plan_screen  # noqa: E402
+from aggregator.worker import Worker, WorkerConfig  # noqa: E402
+from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average  # noqa: E402
+from nefl.messages import WorkerRound  # noqa: E402
+from nefl.mqtt import parse_broker  # noqa: E402
+from nefl.profile import load_profile  # noqa: E402
+from nefl.robust import reference_norm  # noqa: E402
+from nefl.signing import Signer  # noqa: E402
+from nefl.state import GlobalState, Layout  # noqa: E402
+from nefl.topics import Topics  # noqa: E402
+from nefl.wire import encode  # noqa: E402
+
+SECTION = "## Ingest profile"
+FEDERATION = "b"
+
+# what each function's own time is for; the first pattern that matches (file:function) wins
+CATEGORIES: list[tuple[str, str]] = [
+    ("signature (Ed25519)", r"ed25519|signing\.py:(verify|split_signed)|b64decode|binascii"),
+    ("hash", r"_hashlib|blake3|wire\.py:.*(digest|leaf|root|proof)"),
+    ("header parse", r"messages\.py|msgspec|wire\.py:(parse_chunk|split_chunk|_parse)"),
+    ("safetensors decode + finite", r"safetensors|tensors\.py:(all_finite|first_non_finite)|wire\.py:(decode_payload|_tensors)|"
+                                    r"frombuffer|isfinite"),
+    ("norm bound", r"robust\.py"),
+    ("centre check (sketch, median, cosine)", r"robust_aggregate\.py"),
+    ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
+    ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
+    ("receipts (encode + publish)", r"worker\.py:(receipt|publish_up)|paho|threading|queue"),
+    ("logging", r"logging|logs\.py"),
+    ("routing + checks (Python)", r"worker\.py|intake\.py|federation\.py|topics\.py"),
+]
+
+
+def category(key: tuple[str, int, str]) -> str | None:
+    text = f"{Path(key[0]).name}:{key[2]}"
+    return next((name for name, pattern in CATEGORIES if re.search(pattern, text)), None)
+
+
+def attribute(stats: pstats.Stats) -> dict[str, float]:
+    """Seconds per category: a function's own time goes to its category; a torch or builtin call that
+    names none (a norm, a sum, a sort) goes to its callers' categories, split by the time each caller spent in it."""
+    parts: dict[str, float] = {}
+
+    def add(name: str | None, seconds: float) -> None:
+        name = name or "other (interpreter)"
+        parts[name] = parts.get(name, 0.0) + seconds
+
+    for key, (_, _, tt, _, callers) in stats.stats.items():
+        own = category(key)
+        if own is not None or not callers:
+            add(own, tt)
+            continue
+        edge_total = sum(edge[2] for edge in callers.values()) or 1.0
+        for caller, edge in callers.items():
+            add(category(caller), tt * edge[2] / edge_total)
+    return parts
+
+
+def plan_for(layout: Layout, profile_name: str, assignments: dict[str, int], keys: dict[str, str], chunk_bytes: int) -> bytes:
+    """The signed round plan a coordinator would publish for these devices (fresh weights)."""
+    state = GlobalState.init(layout, 0)
+    fed = Federation(layout, state, FEDERATION, len(assignments), 1, 600.0)
+    plan = WorkerRound(federation=FEDERATION, run="bench", round=1, profile=load_profile(profile_name).to_dict(),
+                       profile_hash=layout.profile.hash, assignments=assignments, keys=keys,
+                       references=[reference_norm(state, layout, k) for k in range(layout.num_submodels)],
+                       norms=[[] for _ in range(layout.num_submodels)], bound=plan_bound(fed.robustness.bound),
+                       screen=plan_screen(fed.robustness.aggregation), deadline_s=600.0, max_update_bytes=64 << 20,
+                       chunk_bytes=chunk_bytes)
+    return plan.to_json()
+
+
+def worker_profile(profile_name: str, devices: int, chunk_bytes: int, submodel: int | None = None) -> dict:
+    """CPU per MiB of a Worker taking `devices` signed updates (one round), every check on, under cProfile."""
+    layout = Layout.build(load_profile(profile_name))
+    names = [f"sim{i:05d}" for i in range(devices)]
+    signers = {c: Signer(Ed25519PrivateKey.generate()) for c in names}
+    assignments = {c: (submodel if submodel is not None else i % layout.num_submodels) for i, c in enumerate(names)}
+    topics = Topics(FEDERATION)
+    messages = []
+    for c in names:
+        k = assignments[c]
+        msgs = encode(device_delta(layout, k, c, 1, pool=8), kind="update", federation=FEDERATION, round=1, submodel=k,
+                      client=c, samples=100, chunk_bytes=chunk_bytes, sign=signers[c].sign)
+        messages += [(topics.update(c), m) for m in msgs]
+    nbytes = sum(len(m) for _, m in messages)
+    w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"))
+    w.on_plan(plan_for(layout, profile_name, assignments, {c: s.public_text for c, s in signers.items()}, chunk_bytes))
+    prof = cProfile.Profile()
+    t0 = time.thread_time()
+    prof.enable()
+    for topic, m in messages:
+        w.route(w.up, topic, m)
+    w.fed.agg.partial()  # the centre check judges what it still holds
+    prof.disable()
+    cpu = time.thread_time() - t0
+    accepted = len(w.fed.round.received)
+    if accepted != devices:
+        raise RuntimeError(f"only {accepted} of {devices} updates accepted: the benchmark's updates must pass every check")
+    stats = pstats.Stats(prof)
+    total_profiled = sum(v[2] for v in stats.stats.values())
+    parts = attribute(stats)
+    mib = nbytes / 2**20
+    scale = cpu / total_profiled  # the profiler's own overhead spread evenly: parts add up to the measured CPU
+    return {"profile": profile_name, "devices": devices, "chunk_bytes": chunk_bytes, "messages": len(messages), "mib": mib,
+            "cpu_s": cpu, "ms_per_mib": cpu * 1000 / mib,
+            "parts_ms_per_mib": {k: v * scale * 1000 / mib for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}}
+
+
+def clean_cpu(fn, repeats: int = 3) -> float:
+    """Best thread CPU seconds of fn() over repeats (no profiler)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def hashes(mib: int = 8) -> dict[str, float]:
+    """ms of one thread per MiB for each candidate hash."""
+    data = os.urandom(mib << 20)
+    out = {"sha256 (hashlib, OpenSSL)": clean_cpu(lambda: hashlib.sha256(data).digest(), 5) * 1000 / mib,
+           "blake2b (hashlib)": clean_cpu(lambda: hashlib.blake2b(data).digest(), 5) * 1000 / mib}
+    try:
+        import blake3
+
+        out["blake3 (blake3-py)"] = clean_cpu(lambda: blake3.blake3(data).digest(), 5) * 1000 / mib
+    except ImportError:
+        pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write the raw results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    runs = [("resnet20-fmnist-w", 40 if not args.quick else 8, None), ("resnet18-cifar10-wd", 5 if not args.quick else 1, 4)]
+    results = {"worker": [], "hashes": hashes(), "cpu": cpu_name(), "commit": commit_label()}
+    for profile, devices, k in runs:
+        for chunk in (256 << 10, 4 << 20):
+            r = worker_profile(profile, devices, chunk, k)
+            print(json.dumps(r), flush=True)
+            results["worker"].append(r)
+    results["load"] = load_average()
+    print(json.dumps(results["hashes"]))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
