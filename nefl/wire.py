@@ -102,7 +102,7 @@ class Assembled:
     """A complete, verified tensor message."""
 
     header: ChunkHeader
-    tensors: dict[str, torch.Tensor]  # float32 views of one flat buffer (a Tiled dict), whatever dtype travelled
+    tensors: dict[str, torch.Tensor]  # float32 views of one flat buffer (nefl.tensors.Tiled), whatever dtype travelled
     nbytes: int  # payload bytes received (what the wire carried, headers excluded)
 
 
@@ -166,13 +166,6 @@ class _StEntry(msgspec.Struct, forbid_unknown_fields=True):
     data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]]
 
 
-class Tiled(dict):
-    """Tensors that are views exactly tiling one flat float32 buffer, `flat` (as decoded off the wire):
-    a check over all of them (finite values, the update norm) is one pass over `flat`, not one per tensor."""
-
-    flat: torch.Tensor
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
@@ -210,23 +203,27 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> byt
     return out
 
 
-def decode_tensors(dtype: str, payload: np.ndarray) -> Tiled:
+def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
     """Verified safetensors bytes (a writable uint8 array) -> float32 views of one flat buffer, without a
     copy for fp32. Refuses holes, overlaps, other dtypes and non-finite values; never unpickles."""
     import torch
 
-    from nefl.tensors import all_finite
+    from nefl.tensors import Tiled, all_finite
 
     if len(payload) < 8:
         raise WireError("malformed_payload", "not a safetensors payload (too short)")
     hlen = int.from_bytes(payload[:8].tobytes(), "little")
     if hlen > min(len(payload) - 8, 16 << 20):
         raise WireError("malformed_payload", "not a safetensors payload (header length)")
+    head = payload[8:8 + hlen].tobytes()
     try:
-        raw = msgspec.json.decode(payload[8:8 + hlen].tobytes(), type=dict[str, msgspec.Raw])
-        raw.pop("__metadata__", None)
-        entries = sorted(((n, msgspec.json.decode(v, type=_StEntry)) for n, v in raw.items()),
-                         key=lambda e: e[1].data_offsets)
+        try:  # one typed decode; a header with "__metadata__" (strings) takes the entry-by-entry way
+            table = msgspec.json.decode(head, type=dict[str, _StEntry])
+        except msgspec.ValidationError:
+            raw = msgspec.json.decode(head, type=dict[str, msgspec.Raw])
+            raw.pop("__metadata__", None)
+            table = {n: msgspec.json.decode(v, type=_StEntry) for n, v in raw.items()}
+        entries = sorted(table.items(), key=lambda e: e[1].data_offsets)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise WireError("malformed_payload", f"not a safetensors payload ({str(e)[:100]})") from None
     st_dtype, item = _ST_DTYPES[dtype]

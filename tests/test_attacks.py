@@ -11,6 +11,7 @@ metrics. Run anonymous and under the password file + ACL of docs/security.md.
 from __future__ import annotations
 
 import json
+import struct
 import queue
 import subprocess
 
@@ -133,9 +134,10 @@ def test_one_device_cannot_stop_or_spoil_the_federation(procs, tmp_path, acl):
     # 5. without an ACL anyone is anyone: c1's own update, overheard and re-wrapped into the next round
     if not acl:
         wait_for(lambda: raw.overheard, 30, "c1's update to be overheard")
-        head, data = split_chunk(raw.overheard[0])
+        head, index, proof, data = split_chunk(raw.overheard[0])
         moved = head.replace(f'"round":{task["round"]}'.encode(), f'"round":{task["round"] + 1}'.encode())
-        raw.send(T.update("c1"), b"NEFL" + len(moved).to_bytes(4, "big") + moved + data)
+        raw.send(T.update("c1"), struct.pack(">4sBBHI", b"NEFL", 2, len(proof) // 32, len(moved), index) + moved
+                 + bytes(proof) + bytes(data))
     # ... and at the devices, where the broker lets it through (without an ACL anyone is anyone): a forged end,
     # nested JSON, a forged task, and forged weights retained where the server never overwrites them
     raw.send(T.control, b'{"v":1,"type":"control","federation":"t","run":"x","event":"end"}', retain=True)
