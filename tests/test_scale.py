@@ -175,9 +175,9 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
     assert all(torch.equal(got.groups[0][n], want.groups[0][n]) for n in want.groups[0])
 
 
-def test_workers_on_the_embedded_broker_are_refused_in_one_line(tmp_path):
+def test_workers_on_the_embedded_amqtt_broker_are_refused_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "serve", "--workers", "2",
-                          "--checkpoint-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
+                          "--embedded-broker", "amqtt", "--checkpoint-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)
     assert out.returncode == 2
     err = out.stderr.strip().splitlines()
