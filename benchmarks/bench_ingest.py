@@ -18,26 +18,32 @@ import argparse
 import cProfile
 import hashlib
 import json
+import logging
 import os
 import pstats
 import re
+import resource
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
+from aggregator.broker import MosquittoBroker  # noqa: E402
 from aggregator.federation import Federation  # noqa: E402
 from aggregator.loadtest import device_delta  # noqa: E402
 from aggregator.partials import plan_bound, plan_screen  # noqa: E402
 from aggregator.worker import Worker, WorkerConfig  # noqa: E402
-from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average  # noqa: E402
+from benchmarks.provenance import commit_label, cpu_name, load_average  # noqa: E402
 from nefl.messages import WorkerRound  # noqa: E402
-from nefl.mqtt import parse_broker  # noqa: E402
+from nefl.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
 from nefl.robust import reference_norm  # noqa: E402
 from nefl.signing import Signer  # noqa: E402
@@ -152,6 +158,128 @@ def worker_profile(profile_name: str, devices: int, chunk_bytes: int, submodel: 
     return {"profile": profile_name, "devices": devices, "chunk_bytes": chunk_bytes, "messages": len(messages), "mib": mib,
             "cpu_s": cpu, "ms_per_mib": cpu * 1000 / mib,
             "parts_ms_per_mib": {k: v * scale * 1000 / mib for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}}
+
+
+PUBLISHER = """
+import sys, paho.mqtt.client as mqtt
+port, n, size = (int(x) for x in sys.argv[1:4])
+c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-pub")
+c.max_inflight_messages_set(20)
+c.connect("127.0.0.1", port)
+c.loop_start()
+body = bytes(range(256)) * (size // 256)
+last = None
+for i in range(n):
+    last = c.publish("bench/x", body, qos=1)
+last.wait_for_publish(120)
+c.disconnect()
+c.loop_stop()
+"""
+
+
+def receive_paho(port: int, n: int, ready: Callable[[], None]) -> int:
+    """nefl.mqtt.Connection as the server and workers use it: paho's network thread, the inbox, the main thread."""
+    conn = Connection(BrokerSettings("127.0.0.1", port), "bench-sub", None, b"", logging.getLogger("bench"))
+    conn.start()
+    while not conn.just_connected():
+        time.sleep(0.01)
+    conn.client.subscribe("bench/x", qos=1)
+    time.sleep(0.3)
+    ready()
+    got = nbytes = 0
+    while got < n:
+        _, payload = conn.inbox.get(timeout=60)
+        got, nbytes = got + 1, nbytes + len(payload)
+    conn.stop()
+    return nbytes
+
+
+def receive_gmqtt(port: int, n: int, ready: Callable[[], None]) -> int:
+    import asyncio
+
+    import gmqtt
+
+    async def main() -> int:
+        done, seen = asyncio.Event(), [0, 0]
+
+        def on_message(client, topic, payload, qos, properties):
+            seen[0] += 1
+            seen[1] += len(payload)
+            if seen[0] >= n:
+                done.set()
+            return 0
+
+        c = gmqtt.Client("bench-sub")
+        c.on_message = on_message
+        await c.connect("127.0.0.1", port, version=gmqtt.constants.MQTTv311)
+        c.subscribe("bench/x", qos=1)
+        await asyncio.sleep(0.3)
+        ready()
+        await asyncio.wait_for(done.wait(), 120)
+        await c.disconnect()
+        return seen[1]
+
+    return asyncio.run(main())
+
+
+def receive_aiomqtt(port: int, n: int, ready: Callable[[], None]) -> int:
+    import asyncio
+
+    import aiomqtt
+
+    async def main() -> int:
+        got = nbytes = 0
+        async with aiomqtt.Client("127.0.0.1", port, identifier="bench-sub") as c:
+            await c.subscribe("bench/x", qos=1)
+            await asyncio.sleep(0.3)
+            ready()
+            async for m in c.messages:
+                got, nbytes = got + 1, nbytes + len(m.payload)
+                if got >= n:
+                    break
+        return nbytes
+
+    return asyncio.run(main())
+
+
+RECEIVERS = {"paho-mqtt 2.x (nefl.mqtt.Connection)": receive_paho, "gmqtt": receive_gmqtt, "aiomqtt": receive_aiomqtt}
+
+
+def receive_path(total_mib: int, sizes: list[int]) -> list[dict]:
+    """CPU per MiB of each MQTT client receiving `total_mib` MiB from mosquitto in messages of each size
+    (QoS 1, one publisher in another process), and of mosquitto forwarding it, from the same runs."""
+    out = []
+    broker = MosquittoBroker("127.0.0.1", 0)
+    broker.start()
+    try:
+        mosq = psutil.Process(broker.proc.pid)
+        for size in sizes:
+            n = max(4, (total_mib << 20) // size)
+            for name, receive in RECEIVERS.items():
+                marks: dict[str, float] = {}
+
+                def ready() -> None:
+                    marks["cpu"], marks["broker"] = process_cpu(), sum(mosq.cpu_times()[:2])
+                    marks["pub"] = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(broker.port), str(n), str(size)])
+
+                try:
+                    nbytes = receive(broker.port, n, ready)
+                except ImportError:
+                    continue
+                cpu, broker_cpu = process_cpu() - marks["cpu"], sum(mosq.cpu_times()[:2]) - marks["broker"]
+                marks["pub"].wait(60)
+                mib = nbytes / 2**20
+                out.append({"client": name, "message_kib": size // 1024, "mib": mib, "client_ms_per_mib": cpu * 1000 / mib,
+                            "mosquitto_ms_per_mib": broker_cpu * 1000 / mib})
+                print(json.dumps(out[-1]), flush=True)
+    finally:
+        broker.stop()
+    return out
+
+
+def process_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def clean_cpu(fn, repeats: int = 3) -> float:

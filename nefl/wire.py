@@ -364,6 +364,12 @@ def payload_of(messages: list[bytes]) -> bytes:
     return b"".join(c.data for c in chunks)
 
 
+def _assembled(header: ChunkHeader, payload: np.ndarray) -> Assembled:
+    if header.dtype not in DTYPES:
+        raise WireError("bad_dtype", f"a {header.kind} message of dtype {header.dtype} carries no tensors")
+    return Assembled(header, decode_tensors(header.dtype, payload), header.size)
+
+
 @dataclass
 class _Pending:
     header: ChunkHeader  # every chunk of the set carries the same header bytes
@@ -377,7 +383,8 @@ class Reassembler:
     """Collects chunks into verified tensor messages under caps on size, count, pending sets and time.
 
     Each chunk is checked against the header's Merkle root before a byte of it is kept, and copied once,
-    into its place in the payload. A header's parse (and, with a device key, its signature check) is done
+    into its place in the payload; a single-chunk payload in a writable buffer (nefl.mqtt.Client hands
+    bytearrays on) is decoded where it lies, and its tensors then share that buffer. A header's parse (and, with a device key, its signature check) is done
     once per set: later chunks present the same header bytes. The caps on pending sets and buffered bytes
     hold per sender (the header's client, which the server has already matched to the topic), so one
     client can only exhaust its own share."""
@@ -437,6 +444,9 @@ class Reassembler:
         check_chunk(chunk)
         pending = self._pending.get(key)
         sender = header.client
+        if header.count == 1 and not chunk.data.readonly:  # a whole payload in a buffer the receiver owns: no copy
+            self._remember_done(key)
+            return _assembled(header, np.frombuffer(chunk.data, dtype=np.uint8))
         if pending is None:
             if self._count(sender) >= self.max_pending:
                 raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
@@ -453,9 +463,7 @@ class Reassembler:
             return None
         del self._pending[key]
         self._remember_done(key)  # every chunk matched the root: this is the set its header names
-        if header.dtype not in DTYPES:
-            raise WireError("bad_dtype", f"a {header.kind} message of dtype {header.dtype} carries no tensors")
-        return Assembled(header, decode_tensors(header.dtype, pending.buffer), header.size)
+        return _assembled(header, pending.buffer)
 
     def _count(self, sender: str) -> int:
         return sum(1 for k in self._pending if k[2] == sender)

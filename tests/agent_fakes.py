@@ -3,7 +3,6 @@ a signed server that speaks to the agent like the aggregator does."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 

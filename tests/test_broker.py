@@ -13,6 +13,7 @@ import threading
 import time
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.exception import MalformedPacket
 import pytest
 
 from aggregator import broker as b
@@ -115,3 +116,28 @@ def test_the_choice_of_broker(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [b.AMQTT_NOTE]
     with pytest.raises(ValueError, match="no mosquitto binary"):
         b.embedded_broker("mosquitto", "127.0.0.1", 1883)
+
+
+@pytest.mark.parametrize("qos, topic, payload", [(0, b"a/b", b""), (1, b"nefl/f/update/c1", bytes(range(256)) * 300),
+                                                 (1, b"t", b"x")])
+def test_the_fast_publish_decoder_agrees_with_paho(qos, topic, payload):
+    """nefl.mqtt.Client decodes a PUBLISH as paho does (topic, id, flags, payload), with a bytearray payload."""
+    from paho.mqtt import _packet
+    from nefl.mqtt import Client
+
+    packet = bytearray(len(topic).to_bytes(2, "big") + topic + ((4242).to_bytes(2, "big") if qos else b"") + payload)
+    command = 0x30 | (qos << 1) | 0x01
+    want = _packet.decode_publish(command, bytes(packet), mqtt.MQTTv311)
+    c = Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    got, acked = [], []
+    c.on_message = lambda client, userdata, m: got.append(m)
+    c._send_puback = lambda mid: acked.append(mid) or mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    c._in_packet = {**c._in_packet, "command": command, "packet": packet}
+    c._handle_publish()
+    m = got[0]
+    assert (m.topic.encode(), m.mid, m.qos, m.retain, bytes(m.payload)) == (want.topic, want.mid, want.qos, want.retain,
+                                                                             want.payload)
+    assert isinstance(m.payload, bytearray) and acked == ([4242] if qos else [])
+    c._in_packet = {**c._in_packet, "packet": bytearray(b"\x00\x09abc")}
+    with pytest.raises(MalformedPacket):
+        c._handle_publish()

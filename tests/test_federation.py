@@ -199,7 +199,7 @@ def test_embedded_broker_federation_learns(procs, tmp_path):
     port = free_port()
     procs.aggregator("agg", serve_args(["--embedded-port", str(port)], 3, 60, evaluate=True))
     wait_for(lambda: port_open(port), 60, "the embedded broker")
-    assert "started embedded MQTT broker" in procs.log("agg")
+    wait_for(lambda: "started embedded MQTT broker" in procs.log("agg"), 30, "the embedded broker's log line")
     for i, sub in enumerate((1, 2), start=1):
         procs.client(f"c{i}", f"mqtt://127.0.0.1:{port}", client_args(i, 320, sub))
     # c3 may train anything, but emulates a device whose free memory fits submodel 2 and not 3

@@ -272,3 +272,12 @@ def test_total_buffered_bytes_are_capped():
     with pytest.raises(WireError) as e:
         r.feed(msgs(round=2)[0])
     assert e.value.reason == "oversized"
+
+
+def test_a_single_chunk_in_a_writable_buffer_is_decoded_in_place():
+    original = msgs(chunk_bytes=1 << 20)[0]
+    m = bytearray(original)
+    done = Reassembler().feed(m)
+    assert all(torch.equal(done.tensors[n], t) for n, t in tensors().items())
+    done.tensors["bn.bias"].mul_(0)  # the tensors are the message's own bytes
+    assert m != original and Reassembler().feed(original).tensors["bn.bias"].abs().sum() > 0
