@@ -41,7 +41,7 @@ from aggregator.federation import Federation  # noqa: E402
 from aggregator.loadtest import device_delta  # noqa: E402
 from aggregator.partials import plan_bound, plan_screen  # noqa: E402
 from aggregator.worker import Worker, WorkerConfig  # noqa: E402
-from benchmarks.provenance import commit_label, cpu_name, load_average  # noqa: E402
+from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, write_section  # noqa: E402
 from nefl.messages import WorkerRound  # noqa: E402
 from nefl.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
@@ -52,6 +52,7 @@ from nefl.topics import Topics  # noqa: E402
 from nefl.wire import encode  # noqa: E402
 
 SECTION = "## Ingest profile"
+BEFORE = "58229f7"  # the last commit of wire version 1
 FEDERATION = "b"
 
 # what each function's own time is for; the first pattern that matches (file:function) wins
@@ -306,23 +307,131 @@ def hashes(mib: int = 8) -> dict[str, float]:
     return out
 
 
+def stock_paho(port: int, n: int, ready: Callable[[], None]) -> int:
+    """The same Connection with paho's own PUBLISH decoder (the copies nefl.mqtt.Client saves)."""
+    import paho.mqtt.client as mqtt
+
+    from nefl import mqtt as nefl_mqtt
+
+    fast = nefl_mqtt.Client._handle_publish
+    nefl_mqtt.Client._handle_publish = mqtt.Client._handle_publish
+    try:
+        return receive_paho(port, n, ready)
+    finally:
+        nefl_mqtt.Client._handle_publish = fast
+
+
+RECEIVERS["paho-mqtt 2.x, its own PUBLISH decoder"] = stock_paho
+
+
+def old_wire():
+    """nefl/wire.py as it was before this change (wire version 1), loaded from git."""
+    import types
+
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:nefl/wire.py"], capture_output=True, text=True,
+                         check=True).stdout
+    module = sys.modules["wire_v1"] = types.ModuleType("wire_v1")
+    exec(compile(src, "wire_v1.py", "exec"), module.__dict__)
+    return module
+
+
+def device_upload(profile_name: str = "resnet18-cifar10-wd", k: int = 4) -> list[dict]:
+    """A device's CPU to encode, hash, sign and frame one update (256 KiB chunks), before and after."""
+    from nefl import wire
+
+    layout = Layout.build(load_profile(profile_name))
+    delta = device_delta(layout, k, "d", 1)
+    signer = Signer(Ed25519PrivateKey.generate())
+    out = []
+    for name, module in (("wire v1: sha256, a signature per chunk", old_wire()), ("wire v2: BLAKE3 tree, one signature", wire)):
+        calls = []
+
+        def sign(head: bytes) -> bytes:
+            calls.append(1)
+            return signer.sign(head)
+
+        msgs = module.encode(delta, kind="update", federation="f", round=1, submodel=k, client="d", chunk_bytes=256 << 10,
+                             sign=sign)
+        mib = sum(map(len, msgs)) / 2**20
+        cpu = clean_cpu(lambda: module.encode(delta, kind="update", federation="f", round=1, submodel=k, client="d",
+                                              chunk_bytes=256 << 10, sign=signer.sign))
+        out.append({"wire": name, "mib": mib, "messages": len(msgs), "signatures": len(calls), "ms_per_mib": cpu * 1000 / mib})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def report(data: dict, command: str) -> list[str]:
+    """The "Ingest profile" section."""
+    prov = data["provenance"]
+    lines = [SECTION, "", "Every number in this section comes from one run of", "", f"    {command}", "",
+             "(`make bench-ingest`) on this machine:", "", f"- CPU: {prov['cpu']}, {os.cpu_count()} logical cores, shared "
+             "with other work (CPU time is measured, not wall time, so the load shows only as noise)",
+             f"- {prov['date']}, commit {prov['commit']}", f"- load average at the end of the run: {prov['load']}", "",
+             "**The worker's whole path, in one process.** A real `aggregator.worker.Worker` takes one round of signed "
+             "updates as `aggregator loadtest` devices send them (`route`: the trust boundary, aggregator/intake.py with "
+             "every check on, the centre check, NeFedAvg, receipts and logging; the broker replaced by a list), best of 3 "
+             "in thread CPU time, then once under cProfile: each function's own time goes to what it is for (a torch or "
+             "builtin call to its callers' share), scaled to the clean total. ms of CPU per MiB of messages:", ""]
+    cats = sorted({c for r in data["worker"] for c in r["parts_ms_per_mib"]},
+                  key=lambda c: -max(r["parts_ms_per_mib"].get(c, 0) for r in data["worker"]))
+    cols = [f"{r['profile']}, {r['devices']} updates of {r['mib'] / r['devices']:.2f} MiB, {r['chunk_bytes'] >> 10} KiB chunks"
+            for r in data["worker"]]
+    lines += ["| ms per MiB | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for c in cats:
+        lines.append(f"| {c} | " + " | ".join(f"{r['parts_ms_per_mib'].get(c, 0):.2f}" for r in data["worker"]) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{r['ms_per_mib']:.2f}**" for r in data["worker"]) + " |")
+    before = data.get("before")
+    if before:
+        lines += ["", f"Before (wire v1, commit {BEFORE}, the same script; {before.get('note', '')}): "
+                  + "; ".join(f"{r['profile']} {r['chunk_bytes'] >> 10} KiB chunks {r['ms_per_mib']:.1f} ms/MiB"
+                              for r in before["worker"]) + "."]
+    lines += ["", "**The MQTT client's receive path.** Each client receives the same stream from mosquitto (QoS 1, one "
+              "publisher in another process); CPU of the receiving process (all threads) and of mosquitto over the "
+              "same transfer:", "", "| client | message KiB | client ms/MiB | mosquitto ms/MiB |", "|---|---:|---:|---:|"]
+    for r in data["receive"]:
+        lines.append(f"| {r['client']} | {r['message_kib']} | {r['client_ms_per_mib']:.2f} | {r['mosquitto_ms_per_mib']:.2f} |")
+    lines += ["", "**Hashes**, one thread, ms per MiB: " + ", ".join(f"{k} {v:.2f}" for k, v in data["hashes"].items()) + ".",
+              "", "**A device's upload** (" + data["upload"][0].get("profile", "resnet18-cifar10-wd submodel 5") + ", 256 KiB "
+              "chunks: encode, hash, sign, frame), ms of CPU per MiB here: "
+              + "; ".join(f"{r['wire']} {r['ms_per_mib']:.2f} ({r['signatures']} signature(s) for {r['messages']} messages)"
+                          for r in data["upload"]) + ".", ""]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smoke run: fewer updates; report to runs/")
     ap.add_argument("--json", type=Path, help="also write the raw results here")
+    ap.add_argument("--before", type=Path, help="raw results (--json) of this script at an earlier commit, shown beside")
+    ap.add_argument("--worker-only", action="store_true", help="measure the worker path only, print JSON, write nothing")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runs = [("resnet20-fmnist-w", 40 if not args.quick else 8, None), ("resnet18-cifar10-wd", 5 if not args.quick else 1, 4)]
-    results = {"worker": [], "hashes": hashes(), "cpu": cpu_name(), "commit": commit_label()}
-    for profile, devices, k in runs:
-        for chunk in (256 << 10, 4 << 20):
-            r = worker_profile(profile, devices, chunk, k)
-            print(json.dumps(r), flush=True)
-            results["worker"].append(r)
-    results["load"] = load_average()
-    print(json.dumps(results["hashes"]))
+    quick = args.quick
+    runs = [("resnet20-fmnist-w", 8 if quick else 40, None, 256 << 10), ("resnet20-fmnist-w", 8 if quick else 40, None, 4 << 20),
+            ("resnet18-cifar10-wd", 1 if quick else 3, 4, 256 << 10), ("resnet18-cifar10-wd", 1 if quick else 3, 4, 4 << 20)]
+    data: dict = {"worker": []}
+    for profile, devices, k, chunk in runs:
+        data["worker"].append(worker_profile(profile, devices, chunk, k))
+        print(json.dumps(data["worker"][-1]), flush=True)
+    if not args.worker_only:
+        data["receive"] = receive_path(32 if quick else 192, [256 << 10, 4 << 20])
+        data["hashes"] = hashes()
+        data["upload"] = device_upload()
+    data["provenance"] = {"cpu": cpu_name(), "commit": commit_label(), "load": load_average(),
+                          "date": time.strftime("%Y-%m-%dT%H:%M%z")}
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(data, indent=1))
+    if args.worker_only:
+        return
+    if args.before:
+        before = json.loads(args.before.read_text())
+        data["before"] = before if isinstance(before, dict) else {"worker": before}
+    out = ROOT / ("runs/bench-ingest-quick.md" if quick else "docs/benchmarks.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "PYTHONPATH=. python benchmarks/bench_ingest.py" + (" --quick" if quick else "") + \
+        (f" --before {args.before}" if args.before else "")
+    write_section(out, SECTION, report(data, command))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -28,3 +29,11 @@ def commit_label() -> str:
 def load_average() -> str:
     load = os.getloadavg()
     return f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+
+
+def write_section(out: Path, section: str, lines: list[str]) -> None:
+    """Replace a benchmark's `## ` section of a report (or append it), leaving the others alone."""
+    text = out.read_text() if out.exists() else "# System benchmarks\n"
+    parts = re.split(r"(?m)^(?=## )", text)
+    kept = [p for p in parts if not p.startswith(section)]
+    out.write_text("".join(kept).rstrip() + "\n\n" + "\n".join(lines).rstrip() + "\n")

@@ -46,7 +46,7 @@ KILLERS = [  # each one ended the aggregator (or, retained, every restart of it)
     b'{"v":1,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",
     b"[" * 2000 + b"]" * 2000,
 ]
-NESTED_HEADER = b"NEFL\x00\x00\x0f\xa0" + b"[" * 2000 + b"]" * 2000
+NESTED_HEADER = b"NEFL\x02\x00\x0f\xa0\x00\x00\x00\x00" + b"[" * 2000 + b"]" * 2000
 
 
 class Attacker:

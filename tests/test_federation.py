@@ -156,7 +156,7 @@ def bad_inputs(layout: Layout, round_: int, k: int) -> list[tuple[str, bytes, st
     g = torch.Generator().manual_seed(0)
     return [
         ("raw", bytes(2 << 20), "oversized"),
-        ("raw", b"NEFL\x00\x00\x00\x05{oops", "malformed_header"),
+        ("raw", b"NEFL\x02\x00\x00\x05\x00\x00\x00\x00{oops", "malformed_header"),
         ("raw", bytes(torch.randint(0, 256, (3000,), generator=g, dtype=torch.uint8).tolist()), "malformed_header"),
         ("raw", msg(federation="other"), "wrong_federation"),
         ("raw", msg(round=round_ + 5), "stale_round"),
@@ -164,7 +164,7 @@ def bad_inputs(layout: Layout, round_: int, k: int) -> list[tuple[str, bytes, st
         ("raw", msg({n: torch.zeros(s) for n, s in layout.upload_shapes(other).items()}), "tensor_mismatch"),
         ("raw", msg({n: torch.zeros(s) for n, s in layout.upload_shapes(other).items()}, submodel=other), "submodel_mismatch"),
         ("raw", msg(nan), "non_finite"),
-        ("raw", bytes(corrupt), "sha256_mismatch"),
+        ("raw", bytes(corrupt), "digest_mismatch"),
         ("intruder", msg(client="intruder"), "unassigned"),
         ("raw", msg(), "accepted"),  # finally a well-formed (zero) update: the round need not wait for its deadline
     ]
