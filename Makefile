@@ -33,7 +33,7 @@ bench-systems: env system-deps  ## aggregation, client, wire, trust-check and in
 	$(PY) benchmarks/bench_systems.py
 
 bench-ingest: env system-deps  ## where a worker's CPU goes per MiB ingested (profile), MQTT clients' receive paths, hashes, a device's upload -> docs/benchmarks.md
-	$(PY) -m pip install -q gmqtt aiomqtt
+	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_ingest.py
 
 bench-scale: env system-deps  ## fleet load test: mosquitto + aggregator workers/relay + simulated devices -> docs/benchmarks.md, docs/img/scale.png

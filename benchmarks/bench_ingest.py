@@ -360,6 +360,33 @@ def device_upload(profile_name: str = "resnet18-cifar10-wd", k: int = 4) -> list
     return out
 
 
+SPY_EXTRA = [("MQTT client thread (paho: receive, and sending partials and receipts)", r"paho/|nefl/mqtt\.py|socket\.py|selectors|ssl\.py"),
+             ("waiting for messages (inbox, sleep)", r"queue\.py|threading\.py:.*wait|time\.sleep|step \(aggregator/worker"),
+             ("checkpoint, model publish, evaluation (per round)", r"checkpoint\.py|save_checkpoint|state\.py|encode_tensors|"
+                                                                  r"extract|fsio")]
+
+
+def spy_summary(path: Path) -> dict[str, float]:
+    """Shares of a py-spy raw profile (`py-spy record --format raw`), by the deepest frame that names a
+    category: the same categories as the in-process profile, plus the receive thread and waiting."""
+    shares: dict[str, float] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = [f for f in stack.split(";") if f]
+        name = next((c for f in reversed(frames) for c, pattern in [*SPY_EXTRA, *CATEGORIES] if re.search(pattern, spy_key(f))),
+                    "other (interpreter, imports)")
+        shares[name] = shares.get(name, 0) + int(n)
+        total += int(n)
+    return {k: v / max(1, total) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
+
+
+def spy_key(frame: str) -> str:
+    """'func (path/file.py:line)' as 'file.py:func' (and the path), for the category patterns."""
+    m = re.match(r"(.*) \((.*):\d+\)$", frame)
+    return f"{Path(m.group(2)).name}:{m.group(1)} {m.group(2)}" if m else frame
+
+
 def report(data: dict, command: str) -> list[str]:
     """The "Ingest profile" section."""
     prov = data["provenance"]
@@ -391,7 +418,12 @@ def report(data: dict, command: str) -> list[str]:
     for r in data["receive"]:
         lines.append(f"| {r['client']} | {r['message_kib']} | {r['client_ms_per_mib']:.2f} | {r['mosquitto_ms_per_mib']:.2f} |")
     lines += ["", "**Hashes**, one thread, ms per MiB: " + ", ".join(f"{k} {v:.2f}" for k, v in data["hashes"].items()) + ".",
-              "", "**A device's upload** (" + data["upload"][0].get("profile", "resnet18-cifar10-wd submodel 5") + ", 256 KiB "
+              ""]
+    for label, shares in data.get("spy", {}).items():
+        lines += [f"**{label}**, sampled with py-spy (`py-spy record --nonblocking --format raw`, 50 Hz) while `make "
+                  "bench-scale` ran it: share of its samples by what the deepest recognised frame does: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in shares.items() if v >= 0.01) + ".", ""]
+    lines += ["**A device's upload** (" + data["upload"][0].get("profile", "resnet18-cifar10-wd submodel 5") + ", 256 KiB "
               "chunks: encode, hash, sign, frame), ms of CPU per MiB here: "
               + "; ".join(f"{r['wire']} {r['ms_per_mib']:.2f} ({r['signatures']} signature(s) for {r['messages']} messages)"
                           for r in data["upload"]) + ".", ""]
@@ -404,6 +436,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the raw results here")
     ap.add_argument("--before", type=Path, help="raw results (--json) of this script at an earlier commit, shown beside")
     ap.add_argument("--worker-only", action="store_true", help="measure the worker path only, print JSON, write nothing")
+    ap.add_argument("--py-spy", action="append", default=[], metavar="LABEL=RAW",
+                    help="summarise a py-spy raw profile of a process in the report (repeatable)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     quick = args.quick
@@ -417,6 +451,7 @@ def main() -> None:
         data["receive"] = receive_path(32 if quick else 192, [256 << 10, 4 << 20])
         data["hashes"] = hashes()
         data["upload"] = device_upload()
+    data["spy"] = {label: spy_summary(Path(raw)) for label, raw in (a.split("=", 1) for a in args.py_spy)}
     data["provenance"] = {"cpu": cpu_name(), "commit": commit_label(), "load": load_average(),
                           "date": time.strftime("%Y-%m-%dT%H:%M%z")}
     if args.json:
