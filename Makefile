@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env wheel system-deps test test-fast demo bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve lint clean
+.PHONY: env wheel system-deps test test-fast demo bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-robust: env system-deps  ## every aggregation rule against 7 poisoning att
 
 bench-attacks-serve: env system-deps  ## the robustness issue's three attacks over `aggregator serve` with real processes on mosquitto -> docs/security.md
 	$(PY) benchmarks/bench_attacks_serve.py
+
+bench-control-plane: env system-deps  ## issue 21's control-plane attacks (forged workers, floods, replays) with real processes -> docs/security.md
+	$(PY) benchmarks/bench_control_plane.py
 
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks

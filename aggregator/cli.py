@@ -15,6 +15,7 @@ from nefl.extras import full_install_required  # noqa: E402
 # command registrations (one import per module that adds commands):
 with full_install_required("aggregator"):
     from aggregator.jigsaw_cli import jigsaw_command
+    from aggregator.enrol_cli import enroll_command, revoke_command
     from aggregator.serve_cli import key_command, serve_command
     from aggregator.simulate_cli import simulate_command
     from aggregator.status import status_command
@@ -25,6 +26,8 @@ with full_install_required("aggregator"):
 
 app.command("serve")(serve_command)
 app.command("key")(key_command)
+app.command("enroll")(enroll_command)
+app.command("revoke")(revoke_command)
 app.command("status")(status_command)
 app.command("simulate")(simulate_command)
 app.command("worker")(worker_command)

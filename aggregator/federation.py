@@ -58,8 +58,6 @@ class ClientLimits:
     max_clients: int = 10_000  # client table size; offline clients are evicted first
     forget_after_s: float = 3600.0  # an offline client is forgotten after this long
     announces_per_minute: int = 30  # honest devices announce on changes, a few times per round
-    require_device_keys: bool = False  # refuse devices that do not sign (every edge-client signs)
-    max_pinned_keys: int = 100_000  # device keys remembered (kept past the client table: a pin outlives absence)
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,10 @@ class RoundState:
     received: set[str] = field(default_factory=set)
     client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     declined: dict[str, str] = field(default_factory=dict)  # client -> its reason
+    refused: dict[str, str] = field(default_factory=dict)  # participant -> why its own (signed) update was refused
     norms: dict[str, float] = field(default_factory=dict)  # client -> its accepted update's norm
+    # accepted here while workers take the round's updates (a resend): folded at close unless a worker had it
+    deferred: dict[str, tuple[int, dict[str, torch.Tensor], int]] = field(default_factory=dict)
 
 
 def state_digest(state: GlobalState) -> str:
@@ -153,7 +154,7 @@ class Federation:
         # last status per client id, announced or not (retained statuses and announces arrive in any
         # order); bounded like the client table, oldest entries first out
         self.presence: OrderedDict[str, bool] = OrderedDict()
-        self.keys: dict[str, str] = {}  # client id -> its device public key, pinned on first signed announce
+        self.defer_direct = False  # workers take the round's updates: hold what arrives here until their partials
         self.round: RoundState | None = None
         self.agg: RoundAggregate | None = None
         self.rejected: Counter[str] = Counter()
@@ -187,19 +188,6 @@ class Federation:
             r.declined[client_id] = info.selection or f"can train submodel <= {info.max_submodel + 1} now"
         return info
 
-    def check_key(self, client_id: str, key: str) -> None:
-        """The key a (verified) announce names must be the one pinned for this id; the first one is pinned."""
-        pinned = self.keys.get(client_id)
-        if pinned is None:
-            if not key and self.limits.require_device_keys:
-                raise Rejected("unsigned", f"{client_id} does not sign its messages and --require-device-keys is on")
-            if key and len(self.keys) < self.limits.max_pinned_keys:
-                self.keys[client_id] = key
-        elif key != pinned:
-            raise Rejected("key_mismatch" if key else "unsigned",
-                           f"{client_id} is pinned to device key {pinned[:12]}..., this message "
-                           + (f"is signed by {key[:12]}..." if key else "is not signed"))
-
     def _admit(self, client_id: str, now: float) -> ClientInfo:
         """A table slot for a new client: forget long-offline clients, then the longest-offline one."""
         self.forget_offline(now)
@@ -222,12 +210,24 @@ class Federation:
             del self.clients[c]
         return gone
 
+    def forget(self, client_id: str, why: str) -> None:
+        """Drop a client (its enrolment was revoked or expired): not drawn again, not waited for this round."""
+        self.clients.pop(client_id, None)
+        self.presence.pop(client_id, None)
+        r = self.round
+        if r is not None and client_id in r.assignments and client_id not in r.received:
+            del r.assignments[client_id]
+            r.declined[client_id] = why
+
     def set_online(self, client_id: str, online: bool, now: float | None = None) -> None:
-        """A client's status message: only a device that said "online" (and has not gone) is picked."""
+        """A client's status message: only a device that said "online" (and has not gone) is picked. The
+        presence table is bounded; ids that never announced go first, so a flood of statuses under made-up
+        ids cannot push the known clients out."""
         self.presence[client_id] = online
         self.presence.move_to_end(client_id)
-        while len(self.presence) > self.limits.max_clients:
-            self.presence.popitem(last=False)
+        if len(self.presence) > self.limits.max_clients:
+            stranger = next((c for c in self.presence if c not in self.clients), None)
+            self.presence.pop(stranger if stranger is not None else next(iter(self.presence)))
         if client_id in self.clients:
             info = self.clients[client_id]
             info.online, info.last_seen = online, time.monotonic() if now is None else now
@@ -289,8 +289,16 @@ class Federation:
             raise Rejected("duplicate_update", f"{client} already reported round {r.index}")
         return k
 
+    def refused(self, client: str, index: int, reason: str) -> None:
+        """A participant's own (signed) update for this round was refused: the round stops waiting for it.
+        A later valid update from it still counts."""
+        r = self.round
+        if r is not None and r.index == index and client in r.assignments and client not in r.received:
+            r.refused.setdefault(client, reason)
+
     def accept(self, u: Update) -> None:
-        """Shapes, norm bound, then into the round's aggregate; raises Rejected with the reason."""
+        """Shapes, norm bound, then into the round's aggregate (or held back, see `defer_direct`); raises
+        Rejected with the reason."""
         k = self._check_task(u.client, u.round, u.submodel)
         if u.samples < 1:
             raise Rejected("bad_samples", f"sample count {u.samples}")
@@ -298,7 +306,10 @@ class Federation:
             # the wire decoder proved every value finite; the norm bound would refuse NaN/inf anyway
             self.agg.check_shapes(k, u.delta)
             delta, norm, clipped = self.guard.check(k, u.delta, self.weight_norm(k))
-            self.agg.add_validated(k, delta, u.samples, client=u.client, owned=True)
+            if self.defer_direct:
+                self.round.deferred[u.client] = (k, delta, u.samples)
+            else:
+                self.agg.add_validated(k, delta, u.samples, client=u.client, owned=True)
         except UpdateError as e:
             raise Rejected("tensor_mismatch", str(e)) from None
         except UpdateRejected as e:
@@ -314,6 +325,17 @@ class Federation:
         }
         self.bytes_in += u.nbytes
 
+    def fold_deferred(self, merged: set[str]) -> list[str]:
+        """Fold the updates held back this round into the aggregate, except those a worker's merged partial
+        holds already (a resend whose first copy reached a worker after all); returns the ones folded."""
+        r, folded = self.round, []
+        for c, (k, delta, samples) in sorted(r.deferred.items()):
+            if c not in merged:
+                self.agg.add_validated(k, delta, samples, client=c, owned=True)
+                folded.append(c)
+        r.deferred.clear()
+        return folded
+
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
 
@@ -328,7 +350,7 @@ class Federation:
         r = self.round
         now = time.monotonic() if now is None else now
         gone = set(self.gone_offline())
-        return [c for c in r.assignments if c not in r.received
+        return [c for c in r.assignments if c not in r.received and c not in r.refused
                 and (c not in gone or (c in self.clients and now - self.clients[c].last_seen < self.offline_grace_s))]
 
     def complete(self, now: float | None = None) -> bool:
@@ -355,6 +377,7 @@ class Federation:
             "participants": sorted(r.assignments),
             "assigned": {c: k + 1 for c, k in sorted(r.assignments.items())},
             "reported": sorted(r.received), "declined": r.declined,
+            **({"refused": dict(sorted(r.refused.items()))} if r.refused else {}),
             "went_offline": self.gone_offline(), "updates_per_submodel": self._per_submodel(r.received),
             UPDATES_TOTAL_KEY: list(self.trained_updates), "clients": r.client_metrics,
             "aggregator": agg.name, "aggregate_held_bytes": held, **agg.facts(),

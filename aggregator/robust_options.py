@@ -36,10 +36,13 @@ Rule = Annotated[str, typer.Option(
                          "server); each over exactly the updates that cover an element (docs/security.md).")]
 Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-mean: the fraction cut at each end.")]
 CentreCheck = Annotated[Optional[bool], typer.Option(
-    "--centre-check/--no-centre-check", help="Drop updates that point away from the round's robust centre (cosine "
-                                             "below --min-cos) and clip ones far larger than the median; default on, "
+    "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a positive "
+                                             "cosine with fewer than --min-agreement of the others) and clip ones far "
+                                             "larger than the median; default on, "
                                              "off under DP.", show_default=False)]
-MinCos = Annotated[float, typer.Option("--min-cos", min=-1, max=0.99, help="Centre check: the least cosine an update keeps.")]
+MinAgree = Annotated[float, typer.Option(
+    "--min-agreement", min=0, max=1, help="Centre check: the least share of the round's other updates an update must "
+                                          "point the same way as.")]
 MaxNormRatio = Annotated[float, typer.Option(
     "--max-norm-ratio", min=1, help="Centre check (and thin coverage): clip an update above this x the round's median "
                                     "relative norm.")]
@@ -58,7 +61,7 @@ class RobustDefaults:
     max_weight_abs: float = DEFAULT_MAX_ABS
     rule: str = _A.rule
     trim: float = _A.trim
-    min_cos: float = _A.min_cos
+    min_agree: float = _A.min_agree
     max_norm_ratio: float = _A.max_norm_ratio
     root_samples: int = DEFAULT_ROOT_SAMPLES
 
@@ -67,7 +70,7 @@ D = RobustDefaults()
 
 
 def robustness(max_update_norm: float | None, relative: float, adaptive_k: float, clip: bool, max_weight_abs: float,
-               dp_noise_multiplier: float, rule: str, trim: float, centre_check: bool | None, min_cos: float,
+               dp_noise_multiplier: float, rule: str, trim: float, centre_check: bool | None, min_agree: float,
                max_norm_ratio: float) -> Robustness:
     """The options as a Robustness; raises ValueError with a one-line reason for a combination that
     cannot work."""
@@ -75,6 +78,6 @@ def robustness(max_update_norm: float | None, relative: float, adaptive_k: float
         centre_check = _A.centre_check and not dp_noise_multiplier
     bound = NormBound(max_norm=max_update_norm or None, relative=relative or None, adaptive_k=adaptive_k or None,
                       mode="clip" if clip else "reject")
-    agg = AggregationConfig(rule=rule, trim=trim, centre_check=centre_check, min_cos=min_cos,
+    agg = AggregationConfig(rule=rule, trim=trim, centre_check=centre_check, min_agree=min_agree,
                             max_norm_ratio=max_norm_ratio)
     return Robustness(bound, max_weight_abs, dp_noise_multiplier, aggregation=agg)

@@ -38,14 +38,15 @@ import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.table import Table
 
+from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
                                manifest_digest, retired_topics, save_state)
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.logs import console, progress, setup_logging
 from nefl.messages import DeployReport, MessageError, Rollout
 from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
-from nefl.signing import KEY_FILE, KeyFileError, Signer, parse_public_key, verify, verify_self_signed
+from nefl.signing import KeyFileError, Signer, parse_public_key, verify, verify_self_signed
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES
 
@@ -317,17 +318,14 @@ def choose_canaries(online: list[str], fraction: float | None, named: list[str],
 
 
 def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
-                     create_key: bool = True) -> Operator:
+                     create_key: bool = True, key_dir: str | None = None) -> Operator:
     """The operator's world, or exit 2 with the fix (bad URL, key, state, broker unreachable). Only the
     commands that sign create the server key when it is missing (as `aggregator key` does)."""
     checkpoint_dir = checkpoint_dir or f"runs/{federation}"
     try:
-        if not create_key and not (Path(checkpoint_dir) / KEY_FILE).is_file():
-            raise DeployError(f"no {KEY_FILE} in {checkpoint_dir}: run this where `aggregator serve` keeps the "
-                              "federation's run (--checkpoint-dir), whose key signs the rollout")
         topics = Topics(federation)
         settings = parse_broker(broker, *credentials)
-        signer = Signer.load_or_create(checkpoint_dir)
+        signer = KeyDir(federation, key_dir).server_signer(checkpoint_dir, create=create_key)
         state = load_state(checkpoint_dir)
         fleet = Fleet(settings, topics, parse_public_key(signer.public_text), dict(state.device_keys))
         fleet.connect()
@@ -340,9 +338,9 @@ def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, c
 
 @contextmanager
 def operating(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
-              create_key: bool = True) -> Iterator[Operator]:
+              create_key: bool = True, key_dir: str | None = None) -> Iterator[Operator]:
     """One operator command: connected, a DeployError turned into its one line and exit 2, disconnected after."""
-    op = connect_operator(checkpoint_dir, federation, broker, credentials, create_key)
+    op = connect_operator(checkpoint_dir, federation, broker, credentials, create_key, key_dir)
     try:
         yield op
     except DeployError as e:
@@ -354,7 +352,7 @@ def operating(checkpoint_dir: str | None, federation: str, broker: str, credenti
 
 BROKER = typer.Option(..., "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")
 FEDERATION = typer.Option("default", "--federation", help="Federation name: the MQTT topic prefix nefl/NAME/.")
-CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="The run directory holding server.key; the rollout's "
+CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="The federation's run directory; the rollout's "
                               "state is kept in its deploy/ (default: runs/FEDERATION).")
 CHUNK_KIB = typer.Option(DEFAULT_CHUNK_BYTES // 1024, "--chunk-kib", min=8, help="Largest MQTT message, KiB.")
 RULE = CanaryRule()
@@ -362,7 +360,7 @@ RULE = CanaryRule()
 
 def publish_command(
     export: Path = typer.Option(..., "--export", help="Export directory (`nefl-export onnx --out DIR`)."),
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR,
+    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     canary: float = typer.Option(None, "--canary", min=0.0, max=1.0, help="Give the new version first to this fraction "
                                  "of the devices that follow (rounded down, at least one), then judge it."),
     canary_devices: str = typer.Option(None, "--canary-devices", help="Or these devices (comma-separated client ids)."),
@@ -384,7 +382,7 @@ def publish_command(
     """Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, retained."""
     setup_logging(log_level, log_format, context={"federation": federation})
     named = [d.strip() for d in (canary_devices or "").split(",") if d.strip()]
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile)) as op:
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), key_dir=key_dir) as op:
         code = _publish(op, export, canary, named, wait, chunk_kib * 1024, log_format,
                         CanaryRule(min_requests, max_p95_ratio, max_error_increase, watch_s))
     raise typer.Exit(code)
@@ -430,7 +428,7 @@ rollout_app = typer.Typer(help="See and steer a model rollout: who runs which ve
 
 @rollout_app.command("status")
 def status_command(
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR,
+    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print the rollout and the device reports as JSON."),
     username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
     certfile: CertfileOption = None, keyfile: KeyfileOption = None,
@@ -438,7 +436,7 @@ def status_command(
 ) -> None:
     """Which device runs which version, its health and latency against the version before."""
     setup_logging(log_level, log_format)
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), False) as op:
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), False, key_dir) as op:
         view = fleet_view(op.fleet.book.rollout or op.state.rollout(federation), op.fleet.book.reports)
     if as_json:
         print(msgspec.json.format(msgspec.json.encode(view), indent=1).decode())
@@ -480,14 +478,14 @@ def _ms(value: float | None) -> str:
 
 @rollout_app.command("promote")
 def promote_command(
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR,
+    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
     certfile: CertfileOption = None, keyfile: KeyfileOption = None,
     log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain",
 ) -> None:
     """Make the canary version stable: every device takes it."""
     setup_logging(log_level, log_format)
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile)) as op:
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), key_dir=key_dir) as op:
         if op.state.canary is None:
             raise DeployError("no canary to promote (`aggregator rollout status` shows the rollout)")
         op.promote(op.state.canary, "by the operator")
@@ -497,7 +495,7 @@ def promote_command(
 def rollback_command(
     to: int = typer.Option(None, "--to", min=1, help="The version to go back to (default: the stable one before)."),
     reason: str = typer.Option("by the operator", "--reason", help="Why, for the devices' logs and the status."),
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR,
+    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     chunk_kib: int = CHUNK_KIB,
     username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
     certfile: CertfileOption = None, keyfile: KeyfileOption = None,
@@ -505,7 +503,7 @@ def rollback_command(
 ) -> None:
     """Revoke the canary, or the stable version in favour of an earlier one: a signed rollback devices obey."""
     setup_logging(log_level, log_format)
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile)) as op:
+    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), key_dir=key_dir) as op:
         if op.state.canary is not None and to is None:
             op.revoke_canary(op.state.canary, reason)
         else:

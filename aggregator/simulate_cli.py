@@ -62,7 +62,7 @@ def simulate_command(
     aggregator: ro.Rule = ro.D.rule,
     trim: ro.Trim = ro.D.trim,
     centre_check: ro.CentreCheck = None,
-    min_cos: ro.MinCos = ro.D.min_cos,
+    min_agree: ro.MinAgree = ro.D.min_agree,
     max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
     root_samples: ro.RootSamples = ro.D.root_samples,
     attack: Optional[str] = typer.Option(None, help="What the hostile clients do: sign-flip, scaled-flip, neg-weights, "
@@ -78,7 +78,7 @@ def simulate_command(
         torch.set_num_threads(threads)
     try:
         robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
-                               dp_noise_multiplier, aggregator, trim, centre_check, min_cos, max_norm_ratio)
+                               dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
         hostile = Attack(attack, attack_scale) if attack else None
         cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
                         lr, weighting, eval_every, eval_samples, final_eval_samples,

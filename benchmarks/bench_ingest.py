@@ -41,7 +41,7 @@ from aggregator.federation import Federation  # noqa: E402
 from aggregator.loadtest import device_delta  # noqa: E402
 from aggregator.partials import plan_bound, plan_screen  # noqa: E402
 from aggregator.worker import Worker, WorkerConfig  # noqa: E402
-from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, write_section  # noqa: E402
+from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
 from nefl.messages import WorkerRound  # noqa: E402
 from nefl.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
@@ -63,7 +63,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("safetensors decode + finite", r"safetensors|tensors\.py:(all_finite|first_non_finite)|wire\.py:(decode_payload|_tensors)|"
                                     r"frombuffer|isfinite"),
     ("norm bound", r"robust\.py"),
-    ("centre check (sketch, median, cosine)", r"robust_aggregate\.py"),
+    ("centre check (sketch, direction vote)", r"robust_aggregate\.py"),
     ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
     ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
     ("receipts (encode + publish)", r"worker\.py:(receipt|publish_up)|paho|threading|queue"),
@@ -465,7 +465,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "PYTHONPATH=. python benchmarks/bench_ingest.py" + (" --quick" if quick else "") + \
         (f" --before {args.before}" if args.before else "")
-    write_section(out, SECTION, report(data, command))
+    replace_section(out, SECTION, report(data, command))
     print(f"wrote {out}")
 
 

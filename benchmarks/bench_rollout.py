@@ -31,6 +31,7 @@ from provenance import ROOT, commit_label, cpu_name, load_average  # benchmarks/
 sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
 
+from aggregator.keys import KeyDir  # noqa: E402
 from nefl.manifest import read_manifest  # noqa: E402
 from nefl.signing import Signer  # noqa: E402
 from nefl.topics import Topics  # noqa: E402
@@ -65,7 +66,7 @@ class Lab:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, {}
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "NEFL_CACHE_DIR": str(tmp / "cache")}
+                    "NEFL_CACHE_DIR": str(tmp / "cache"), "NEFL_KEY_DIR": str(tmp / "keys")}
         self.broker = free_port()
         conf = tmp / "mosquitto.conf"
         conf.write_text(f"listener {self.broker} 127.0.0.1\npersistence false\nallow_anonymous true\n"
@@ -73,7 +74,7 @@ class Lab:
         self.start("mosquitto", [MOSQUITTO, "-c", str(conf)])
         wait(lambda: socket.socket().connect_ex(("127.0.0.1", self.broker)) == 0, 10, "mosquitto")
         self.run_dir = tmp / "run"
-        self.key = Signer.load_or_create(self.run_dir)
+        self.key = KeyDir(FED, tmp / "keys").server_signer()  # what the operator commands below sign with
 
     def start(self, name: str, argv: list[str]) -> None:
         self.procs[name] = subprocess.Popen(argv, stdout=open(self.tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,

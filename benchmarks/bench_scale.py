@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, write_section  # noqa: E402
+from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
 from nefl.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MOSQUITTO = "/usr/sbin/mosquitto"
@@ -416,7 +416,7 @@ def main() -> None:
     plot(data["scaling"], data["idle"], img)
     command = "PYTHONPATH=. python benchmarks/bench_scale.py" + (" --quick" if args.quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_section(out, SECTION, report(s, data["scaling"], data["big"], data["relay"], data["idle"], data["provenance"], command, data["wall_s"],
+    replace_section(out, SECTION, report(s, data["scaling"], data["big"], data["relay"], data["idle"], data["provenance"], command, data["wall_s"],
                               os.path.relpath(img, out.parent), data.get("ingest")))
     print(f"wrote {out} and {img}")
 

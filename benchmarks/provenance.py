@@ -31,9 +31,17 @@ def load_average() -> str:
     return f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
 
 
-def write_section(out: Path, section: str, lines: list[str]) -> None:
+def replace_section(out: Path, section: str, lines: list[str]) -> None:
     """Replace a benchmark's `## ` section of a report (or append it), leaving the others alone."""
     text = out.read_text() if out.exists() else "# System benchmarks\n"
     parts = re.split(r"(?m)^(?=## )", text)
     kept = [p for p in parts if not p.startswith(section)]
     out.write_text("".join(kept).rstrip() + "\n\n" + "\n".join(lines).rstrip() + "\n")
+
+
+def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:
+    """Replace what lies between the `start` and `end` markers of `doc` with `lines` (markers included)."""
+    text = doc.read_text()
+    head, rest = text.split(start, 1)
+    doc.write_text(head + "\n".join([start, *lines, end]) + rest.split(end, 1)[1])
+    print(f"wrote {doc}")

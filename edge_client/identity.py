@@ -26,3 +26,8 @@ def device_signer(client_id: str, path: Path | None = None) -> Signer:
 def pin_file_for(pin_dir: Path, federation: str, host: str, port: int) -> Path:
     """Where the aggregator key of `federation` on that broker is remembered once trusted."""
     return pin_dir / f"{federation}@{host}_{port}.pub"
+
+
+def run_file_for(pin_file: Path) -> Path:
+    """Beside the pin: the newest run incarnation seen under that key (a device refuses older runs)."""
+    return pin_file.with_suffix(".run")

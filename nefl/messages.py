@@ -6,9 +6,12 @@ no NaN/Infinity (msgspec's JSON is strict), integers and floats range-checked by
 any failure becomes a `MessageError` with a short reason code that the caller counts. Nothing
 from inbound bytes can raise anything else.
 
-Server-to-device messages (task, control, server status) are signed (nefl/signing.py); the
-signature covers the whole body, which names its type, federation, run and round, so a signed
-task cannot be replayed as a status or into another run.
+Server-to-device messages (task, control, server status) and the coordinator's messages to its
+workers are signed (nefl/signing.py) and `Stamped`: the signature covers the whole body, which names
+its type, federation, run, the run's incarnation and the message's sequence number, so a signed task
+cannot be replayed as a status, into another run, or into a later incarnation of the same federation.
+Devices sign their announces, statuses and upload notices; workers and relays sign everything they send
+the coordinator (docs/security.md, "What each signature binds").
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import msgspec
 
 from nefl.manifest import Manifest
 
-VERSION = 1
+VERSION = 2  # 2: digests (the Merkle root of wire v2, nefl/wire.py) where v1 named a payload's sha256
 MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
@@ -85,17 +88,66 @@ class Announce(Message, frozen=True, tag="announce", tag_field="type"):
     device: DeviceSummary = DeviceSummary()
     dataset: Short = ""
     key: KeyText = ""  # the device's Ed25519 public key (base64); the announce is then signed with it
+    token: Annotated[str, msgspec.Meta(max_length=64)] = ""  # enrolment proof (nefl/tokens.py), not the token
 
 
 class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):
-    """Client -> server, retained; the broker publishes the "offline" one as the client's last will."""
+    """Client -> server, retained, signed by the device key; the broker publishes the "offline" one as the
+    client's last will (signed in advance). `seq` stamps the connection (it grows from one connection to the
+    next), so a replayed status of an earlier connection is refused."""
 
     state: Literal["online", "offline"]
+    seq: Count = 0
 
 
-class Task(Message, frozen=True, tag="task", tag_field="type"):
+class StatusBook:
+    """The newest signed status (connection stamp, state) per sender, of clients or workers. A connection
+    says "online" and its last will says "offline" with the same stamp; a later connection's stamp is
+    larger, so a status replayed from an earlier connection is refused."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, str]] = {}
+
+    def newer(self, who: str, seq: int, state: str) -> bool:
+        """True: a status to act on; False: the newest one again (a retained copy); MessageError("replayed")."""
+        last = self.last.get(who)
+        if last is not None and (seq, state) == last:
+            return False
+        if last is not None and (seq < last[0] or (seq == last[0] and state == "online")):
+            raise MessageError("replayed", f"{who}: a {state} status of an earlier connection")
+        self.last[who] = (seq, state)
+        return True
+
+    def forget(self, who: str) -> None:
+        self.last.pop(who, None)
+
+
+class Sent(Message, frozen=True, kw_only=True, tag="sent", tag_field="type"):
+    """Client -> server on `sent/{client}`, signed by the device key: "I published my update for this task".
+    The server asks for a resend when no update (or worker receipt) for it follows within a bound."""
+
+    client: Name
+    run: Name
+    round: Round
+    submodel: Submodel
+    digest: Hex64  # the update's Merkle root (nefl/wire.py), as its signed header names it
+
+
+class Stamped(Message, frozen=True, kw_only=True):
+    """A signed message of the aggregator: the run incarnation that sent it (it grows with every start,
+    --resume included, per server key) and its place in that incarnation's sequence."""
+
+    incarnation: Count = 0
+    seq: Count = 0
+
+    def stamp(self) -> tuple[int, int]:
+        return self.incarnation, self.seq
+
+
+class Task(Stamped, frozen=True, tag="task", tag_field="type"):
     """Server -> one client, retained, signed: train `submodel` (0-based) of `round` from the weights
-    whose chunks hash to `model_digest` (the Merkle root of nefl/wire.py)."""
+    whose chunks hash to `model_digest` (the Merkle root of nefl/wire.py). `resend`: the server got no update
+    for this task although the device said it sent one: publish it again on `resend/{client}`."""
 
     federation: Name
     run: Name
@@ -109,9 +161,10 @@ class Task(Message, frozen=True, tag="task", tag_field="type"):
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
     model_digest: Hex64
     model_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
+    resend: bool = False
 
 
-class Control(Message, frozen=True, tag="control", tag_field="type"):
+class Control(Stamped, frozen=True, tag="control", tag_field="type"):
     """Server -> all, retained, signed: the federation's run `run` is over."""
 
     federation: Name
@@ -125,7 +178,7 @@ class TrainingSettings(msgspec.Struct, kw_only=True, frozen=True):
     round_timeout: Seconds = 120.0
 
 
-class ServerStatus(Message, frozen=True, tag="server_status", tag_field="type"):
+class ServerStatus(Stamped, frozen=True, tag="server_status", tag_field="type"):
     """Server -> all, retained, signed (except the broker-published last will, which only says
     "offline" and is never trusted for anything else)."""
 
@@ -225,14 +278,14 @@ class ScreenSettings(msgspec.Struct, kw_only=True, frozen=True):
     its share of the updates the same way."""
 
     centre_check: bool
-    min_cos: Annotated[float, msgspec.Meta(ge=-1, lt=1)]
+    min_agree: Annotated[float, msgspec.Meta(ge=0, le=1)]
     max_norm_ratio: Annotated[float, msgspec.Meta(ge=1, le=1e6)]
     min_cover: Annotated[int, msgspec.Meta(ge=3, le=1_000_000)]
     hold: Annotated[int, msgspec.Meta(ge=1, le=MAX_ROUND_CLIENTS)]
     sketch: Annotated[int, msgspec.Meta(ge=16, le=1 << 24)]
 
 
-class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_field="type"):
+class WorkerRound(Stamped, frozen=True, kw_only=True, tag="worker_round", tag_field="type"):
     """Coordinator -> workers, retained, signed: everything a worker needs to check and sum round
     `round`'s updates as the coordinator would (who trains what, pinned device keys, the norm bound
     with its reference norms and adaptive history), and which workers own multi-chunk updates."""
@@ -254,7 +307,7 @@ class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_fi
     owners: Annotated[list[Name], msgspec.Meta(max_length=1024)] = []  # workers of the shared group, sorted
 
 
-class RoundClose(Message, frozen=True, tag="round_close", tag_field="type"):
+class RoundClose(Stamped, frozen=True, tag="round_close", tag_field="type"):
     """Coordinator -> workers, signed: round `round` is over, publish your partial."""
 
     federation: Name
@@ -263,27 +316,35 @@ class RoundClose(Message, frozen=True, tag="round_close", tag_field="type"):
 
 
 class WorkerStatus(Message, frozen=True, tag="worker_status", tag_field="type"):
-    """Worker/relay -> coordinator, retained; the broker publishes the "offline" one as its last will."""
+    """Worker/relay -> coordinator, retained, signed by the worker's key; the broker publishes the "offline"
+    one (signed in advance) as its last will. `seq` stamps the connection, as a client status's does."""
 
     state: Literal["online", "offline"]
     role: Literal["worker", "relay"] = "worker"
+    seq: Count = 0
 
 
 class Receipt(Message, frozen=True, kw_only=True, tag="receipt", tag_field="type"):
-    """Worker -> coordinator: one update accepted into the worker's partial (outcome "accepted", with
-    the client's round metrics) or refused (outcome = the reason code the server would have counted)."""
+    """Worker -> coordinator, signed: one update accepted into the worker's partial (outcome "accepted",
+    with its sample count, its norm and the client's round metrics) or refused (outcome = the reason code
+    the server would have counted; `attributed`: the update carried the client's own signature, so the
+    client, not a forger, sent what was refused)."""
 
+    run: Name
     round: Round
     client: Name | None = None  # None: the message named no usable client
     outcome: Short
     detail: Reason = ""
     late: bool = False  # a stale update of an earlier round (the server's late_updates)
+    attributed: bool = False
     nbytes: Count = 0
+    samples: Count = 0
+    norm: NormValue | None = None
     metrics: Annotated[dict[Short, float | int | bool | Reason], msgspec.Meta(max_length=64)] = {}
 
 
 class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", tag_field="type"):
-    """Worker -> coordinator: what its partial NeFedAvg of round `round` holds (and which of its clients'
+    """Worker -> coordinator, signed: what its partial NeFedAvg of round `round` holds (and which of its clients'
     updates its centre check left out); the group sums
     travel as chunked safetensors (kind "partial") whose chunks hash to `digest`."""
 

@@ -11,6 +11,7 @@ import queue
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlparse
@@ -116,16 +117,31 @@ def make_client(settings: BrokerSettings, client_id: str, will_topic: str | None
     return client
 
 
+def next_stamp(previous: int) -> int:
+    """A connection's stamp: microseconds of wall time, strictly above the previous one, so it grows from one
+    connection to the next, across restarts too (a replayed status of an earlier connection is older)."""
+    return max(previous + 1, time.time_ns() // 1000)
+
+
 class Connection:
     """A paho client whose connection state is said out loud, on the server and on the device:
     connecting to URL, unreachable (retrying in N s), connected, lost. Inbound messages go to a
     bounded queue the main thread drains, and a (re)connect is a flag it polls (`just_connected`):
-    the network thread never touches the application's state."""
+    the network thread never touches the application's state.
 
-    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str | None, will_payload: bytes,
-                 log: logging.Logger, backoff: tuple[int, int] = (1, 30), inbox_messages: int = 10_000) -> None:
+    `will_payload` may be a function of the connection's stamp: each connection then carries its own
+    last will (a status signed in advance, naming that connection), and `stamp` is the current one."""
+
+    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str | None,
+                 will_payload: bytes | Callable[[int], bytes], log: logging.Logger, backoff: tuple[int, int] = (1, 30),
+                 inbox_messages: int = 10_000) -> None:
         self.settings, self.log, self.backoff = settings, log, backoff
-        self.client = make_client(settings, client_id, will_topic, will_payload, backoff)
+        self._will_topic = will_topic
+        self._will = will_payload if callable(will_payload) else None
+        self._next = next_stamp(0)  # the stamp of the next connection (its will names it)
+        self.stamp = 0  # the current connection's
+        first = self._will(self._next) if self._will else will_payload
+        self.client = make_client(settings, client_id, will_topic, first, backoff)
         self.inbox: queue.Queue[tuple[str, bytes | bytearray]] = queue.Queue(maxsize=inbox_messages)
         self.inbox_dropped = 0
         self.connected = False
@@ -170,6 +186,9 @@ class Connection:
                            f"(check --username/--password); retrying in {self._retry_in()} s")
             return
         self._failures, self.connected = 0, True
+        self.stamp, self._next = self._next, next_stamp(self._next)
+        if self._will is not None and self._will_topic is not None:  # the next connection's own will
+            client.will_set(self._will_topic, self._will(self._next), qos=QOS, retain=True)
         self.log.info(f"connected to {self.settings.url}")
         self._fresh.set()
 

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-import numpy as np
 import torch
 
 from nefl.aggregate import NeFedAvg, RoundAggregate, Weighting, tensor_bytes, update_weight
@@ -50,8 +49,8 @@ class AggregationConfig:
     rule: RuleName = "nefedavg"
     trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
     krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
-    centre_check: bool = True  # drop updates pointing away from the round's robust centre, clip outsized ones
-    min_cos: float = 0.0  # an update whose cosine to the centre is below this is dropped
+    centre_check: bool = True  # drop updates pointing away from the round's majority, clip outsized ones
+    min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
     max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
     min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
     hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
@@ -63,8 +62,8 @@ class AggregationConfig:
             raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
         if not 0 <= self.krum_fraction < 0.5:
             raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
-        if not -1 <= self.min_cos < 1:
-            raise ValueError(f"--min-cos must be in [-1, 1), got {self.min_cos}")
+        if not 0 <= self.min_agree <= 1:
+            raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
         if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
             raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
         if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
@@ -153,11 +152,10 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
-    """Element-wise median over dim 0, the mean of the two middle values for an even count. numpy's median
-    selects (introselect, O(n) per element) on contiguous rows where a sort over dim 0 is O(n log n) and
-    strided: 3-4x less CPU at hundreds of updates (the centre check recomputes it as a round grows)."""
-    rows = stack.reshape(stack.shape[0], -1).T.contiguous().numpy()
-    return torch.from_numpy(np.median(rows, axis=1)).reshape(stack.shape[1:]).to(stack.dtype)
+    """Element-wise median over dim 0, the mean of the two middle values for an even count."""
+    s = stack.sort(dim=0).values
+    n = s.shape[0]
+    return (s[(n - 1) // 2] + s[n // 2]) / 2
 
 
 def trimmed_mean(stack: torch.Tensor, trim: float) -> torch.Tensor:
@@ -332,13 +330,20 @@ class FLTrust(Buffered):
 
 
 class Screened(RoundAggregate):
-    """The centre check in front of any rule. Each update is reduced to its relative norm (to its
-    submodel's weight norm) and a sketch of the round's shared core; the centre is the element-wise
-    median of every sketch seen this round. An update whose cosine to the centre is below `min_cos` is
-    dropped; one larger than `max_norm_ratio` x the median relative norm is clipped to that. The first
-    `hold` updates are judged together, later ones on arrival (streaming: memory is `hold` updates plus
-    one sketch per update). With fewer than `min_cover` updates in the round there is no robust centre
-    and nothing is screened."""
+    """The centre check in front of any rule: a majority vote on direction, and a bound on size.
+
+    Each update is reduced to its relative norm (to its submodel's weight norm) and a sketch of the
+    round's shared core. An update must point the same way (a positive cosine) as at least `min_agree`
+    of the round's other updates, or it is dropped: with fewer than half of the updates hostile, an
+    honest update agrees with the honest majority and a flipped or foreign one does not, whatever its
+    size (a median centre of three sketches, one of them 9x the others, follows the large one where the
+    two honest ones differ). The vote acts only while at least half of the updates reach `min_agree`:
+    honest updates can point apart, and then no update is dropped for its direction. One larger than `max_norm_ratio` x the round's median relative norm is
+    clipped to that. The first `hold` updates are judged together, later ones on arrival against the
+    `compare` most recent (streaming: memory is `hold` updates plus one sketch per update). With fewer
+    than `min_cover` updates in the round there is no majority and nothing is screened."""
+
+    compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
     def __init__(self, inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
                  assignments: Mapping[str, int], seed: int) -> None:
@@ -350,45 +355,55 @@ class Screened(RoundAggregate):
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         self.sketches: list[torch.Tensor] = []
         self.ratios: list[float] = []
-        self.pending: list[tuple[Held, torch.Tensor, float]] = []
+        self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
-        self.cosines: dict[str, float] = {}
-        self._centre: tuple[int, torch.Tensor] | None = None
+        self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
+        self.judged = self.agreed = 0  # updates voted on, and those that reached `min_agree`
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:
         self._check_open()
         update_weight(self.weighting, num_samples)
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
-        s, ratio = self.sketch(delta), update_norm(delta) / max(self.weight_norm(k), 1e-12)
-        self.sketches.append(s)
+        ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
+        self.sketches.append(self.sketch(delta))
         self.ratios.append(ratio)
         self.updates[k] += 1
-        self.pending.append((Held(client, k, delta, num_samples), s, ratio))
+        self.pending.append((Held(client, k, delta, num_samples), len(self.sketches) - 1, ratio))
         if len(self.sketches) >= self.hold:
             self._judge_pending()
 
-    def centre(self) -> torch.Tensor:
-        """The median sketch, recomputed when the count has grown by a tenth (amortised O(n log n))."""
-        n = len(self.sketches)
-        if self._centre is None or n >= max(self._centre[0] + 1, math.ceil(1.1 * self._centre[0])):
-            self._centre = (n, coordinate_median(torch.stack(self.sketches)))
-        return self._centre[1]
+    def agrees(self, i: int) -> float:
+        """The share of the other sketches (the `compare` most recent) with a positive dot product with sketch i."""
+        lo = max(0, len(self.sketches) - self.compare - 1)
+        others = [self.sketches[j] for j in range(lo, len(self.sketches)) if j != i][-self.compare:]
+        return float(((torch.stack(others) @ self.sketches[i]) > 0).float().mean())
+
+    def _outvoted(self, pending: list[tuple[Held, int, float]]) -> set[int]:
+        """Sketch indices to drop: those short of `min_agree`, but only while at least half of the round's
+        updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
+        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the
+        size bound alone applies."""
+        if len(self.sketches) < self.cfg.min_cover or not self.sketch.size:
+            return set()
+        short = set()
+        for h, i, _ in pending:
+            share = self.agreement[h.client] = round(self.agrees(i), 4)
+            if share < self.cfg.min_agree:
+                short.add(i)
+        self.judged += len(pending)
+        self.agreed += len(pending) - len(short)
+        return short if 2 * self.agreed >= self.judged else set()
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
-        robust = len(self.sketches) >= self.cfg.min_cover
-        centre = self.centre() if robust else None
-        median_ratio = float(torch.tensor(self.ratios).median()) if robust else math.inf
-        for h, s, ratio in pending:
-            delta = h.delta
-            if centre is not None and s.numel():
-                cos = cosine(s, centre)
-                self.cosines[h.client] = round(cos, 4)
-                if cos < self.cfg.min_cos:
-                    self.dropped[h.client] = "against_centre"
-                    continue
-            limit = self.cfg.max_norm_ratio * median_ratio
+        outvoted = self._outvoted(pending)
+        median_ratio = float(torch.tensor(self.ratios).median()) if len(self.ratios) >= self.cfg.min_cover else math.inf
+        for h, i, ratio in pending:
+            if i in outvoted:
+                self.dropped[h.client] = "against_centre"
+                continue
+            delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
             if ratio > limit:
                 self.clipped[h.client] = factor = limit / ratio
                 delta = {n: t.mul_(factor) for n, t in delta.items()}
@@ -424,7 +439,7 @@ class Screened(RoundAggregate):
     def facts(self) -> dict[str, Any]:
         clipped = {c: round(f, 4) for c, f in sorted(self.clipped.items())}
         return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
-                **({"centre_cos": dict(sorted(self.cosines.items()))} if self.cosines else {})}
+                **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {})}
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ MAX_PROOF = 24  # hashes in the proof of a chunk of a set of at most MAX_CHUNKS
 DTYPES = ("fp32", "fp16")  # tensor payloads; "raw" is a file's bytes (kind "file")
 KINDS = ("model", "update", "partial", "file")
 _PREFIX = struct.Struct(">4sBBHI")
+# refusals of a complete set whose every chunk hashed up to the signed root: the signer's own bytes
+PAYLOAD_REASONS = frozenset({"malformed_payload", "bad_dtype", "non_finite"})
 _LEAF = "nefl-edge 2026-12 wire chunk leaf"  # BLAKE3 derive-key contexts: a leaf is never taken for a node
 _NODE = "nefl-edge 2026-12 wire chunk node"
 

@@ -19,6 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aggregator.keys import KeyDir
 from nefl.messages import DeployReport, Rollout, VersionStats
 from nefl.signing import Signer
 from nefl.topics import Topics
@@ -78,7 +79,7 @@ def federation(tmp_path_factory):
 
 def _followed_fleet(tmp) -> list[tuple[str, bytes]]:
     """A signed rollout (v2 stable, v3 on canary d8) and the signed reports of two following devices."""
-    t, server = Topics("t"), Signer.load_or_create(tmp / "run")
+    t, server = Topics("t"), KeyDir("t", tmp / "keys").server_signer()  # the running aggregator's key
     messages = [(t.deploy_rollout, server.sign(Rollout(federation="t", seq=4, stable=2, canary=3,
                                                        canary_devices=["d8"]).to_json()))]
     for name, version in (("d8", 3), ("d9", 2)):

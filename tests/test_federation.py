@@ -46,7 +46,8 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, {}
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "NEFL_CACHE_DIR": str(tmp / "cache")}  # pinned server keys and calibrations stay per test
+                    # pinned server keys, calibrations and the aggregator's private keys stay per test
+                    "NEFL_CACHE_DIR": str(tmp / "cache"), "NEFL_KEY_DIR": str(tmp / "keys")}
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
@@ -181,8 +182,8 @@ class RawClient:
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
         self.c.subscribe(self.topics.task("raw"), qos=1)
-        self.publish(self.topics.status("raw"), b'{"v":1,"state":"online"}', retain=True)
-        announce = b'{"v":1,"type":"announce","client":"raw","samples":10,"max_submodel":1}'
+        self.publish(self.topics.status("raw"), b'{"v":2,"state":"online"}', retain=True)
+        announce = b'{"v":2,"type":"announce","client":"raw","samples":10,"max_submodel":1}'
         self.publish(self.topics.announce("raw"), announce, retain=True)
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -232,7 +233,7 @@ def test_mosquitto_federation_learns_and_survives_bad_input(procs, tmp_path):
     for client, message, _ in bad[:-1]:
         raw.publish(topics.update(client), message)
     raw.publish(topics.update("raw"), bad[-1][1])
-    raw.publish(topics.status("raw"), b'{"v":1,"type":"client_status","state":"offline"}', retain=True)  # not picked again
+    raw.publish(topics.status("raw"), b'{"v":2,"type":"client_status","state":"offline"}', retain=True)  # not picked again
     raw.close()
     finish(procs, "agg", 200)
     m = metrics(tmp_path)

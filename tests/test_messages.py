@@ -40,15 +40,15 @@ def test_round_trip(msg):
 
 
 @pytest.mark.parametrize("payload, reason", [
-    (b'{"v":1,"type":"announce","client":"c","samples":1,"max_submodel":Infinity}', "malformed_json"),
-    (b'{"v":1,"type":"announce","client":"c","samples":1,"max_submodel":NaN}', "malformed_json"),
-    (b'{"v":1,"type":"announce","client":"c","samples":1,"max_submodel":' + b"9" * 5000 + b"}", "invalid_announce"),
+    (b'{"v":2,"type":"announce","client":"c","samples":1,"max_submodel":Infinity}', "malformed_json"),
+    (b'{"v":2,"type":"announce","client":"c","samples":1,"max_submodel":NaN}', "malformed_json"),
+    (b'{"v":2,"type":"announce","client":"c","samples":1,"max_submodel":' + b"9" * 5000 + b"}", "invalid_announce"),
     (b"[" * 2000 + b"]" * 2000, "too_deep"),
-    (b'{"v":1,"x":' + b"[" * 2000 + b"]" * 2000 + b"}", "too_deep"),
-    (b'{"v":1,"type":"announce","client":"a/b","samples":1,"max_submodel":1}', "invalid_announce"),
-    (b'{"v":1,"type":"announce","client":"c","samples":0,"max_submodel":1}', "invalid_announce"),
-    (b'{"v":1,"type":"task","client":"c","samples":1,"max_submodel":1}', "invalid_announce"),
-    (b'{"v":2,"type":"announce"}', "bad_version"),
+    (b'{"v":2,"x":' + b"[" * 2000 + b"]" * 2000 + b"}", "too_deep"),
+    (b'{"v":2,"type":"announce","client":"a/b","samples":1,"max_submodel":1}', "invalid_announce"),
+    (b'{"v":2,"type":"announce","client":"c","samples":0,"max_submodel":1}', "invalid_announce"),
+    (b'{"v":2,"type":"task","client":"c","samples":1,"max_submodel":1}', "invalid_announce"),
+    (b'{"v":1,"type":"announce"}', "bad_version"),
     (b'{"v":true}', "malformed_json"),
     (b"\xff\xfe\x00", "malformed_json"),
     (b" " * (MAX_CONTROL_BYTES + 1), "oversized"),

@@ -44,4 +44,4 @@ def test_a_flipped_scaled_delta_is_left_out_and_the_honest_ones_are_kept(procs, 
     left_out = [r for r in attacked if r.get("dropped", {}).get("evil") == "against_centre"]
     # its flipped delta points away from the two honest ones; at most one round where its own honest
     # direction was itself at odds with theirs may only clip it
-    assert len(left_out) >= len(attacked) - 1, [(r.get("dropped"), r.get("centre_cos")) for r in attacked]
+    assert len(left_out) >= len(attacked) - 1, [(r.get("dropped"), r.get("agreement")) for r in attacked]

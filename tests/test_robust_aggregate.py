@@ -191,7 +191,7 @@ def test_centre_check_drops_a_flipped_update_and_clips_an_outsized_one(arrival: 
     agg.finalize(state)
     assert agg.dropped == {"flip": "against_centre"}
     assert set(agg.clipped) == {"big"} and agg.clipped["big"] < 0.2
-    assert all(agg.cosines[f"h{i}"] > 0.5 for i in range(8))
+    assert all(agg.agreement[f"h{i}"] > 0.5 for i in range(8)) and agg.agreement["flip"] <= 0.2
 
 
 def test_centre_check_passes_everything_when_too_few_updates_for_a_centre() -> None:
@@ -250,3 +250,43 @@ def test_shared_core_is_the_corner_every_assigned_submodel_holds() -> None:
     name = "stages.1.0.conv1.weight"
     assert core[name] == tuple(slice(0, n) for n in layout.upload_shapes(0)[name])
     assert all(n not in layout.inconsistent for n in core)
+
+
+def test_a_big_flipped_update_among_three_is_outvoted_not_followed() -> None:
+    """Three updates, one hostile at 9x: a median centre of three sketches follows the big one wherever the two
+    honest ones differ (the e2e attack slipped through that way); the majority vote on direction does not."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    dropped = 0
+    for seed in range(20):
+        honest, _ = honest_and_hostile(layout, 0, 3, seed=100 + seed, noise=2.0)  # pairwise cosine about 0.2
+        agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+        agg.add(0, honest[0], client="a")
+        agg.add(0, honest[1], client="b")
+        agg.add(0, {n: -9 * t for n, t in honest[2].items()}, client="evil")
+        agg.finalize(state)
+        assert not {"a", "b"} & set(agg.dropped)
+        dropped += agg.dropped.get("evil") == "against_centre"
+    assert dropped >= 19
+
+
+def test_when_no_update_has_a_majority_none_is_dropped_for_its_direction() -> None:
+    """Honest updates can point apart (pairwise negative: non-IID shards, submodels of different size): then
+    nobody agrees with half of the others, the vote has nothing to go by (the e2e run dropped an honest update
+    that way), and only the size bound applies."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    e1, e2 = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(2))
+    # a and b point apart (cosine about -0.1); evil is -9 x their sum, which both of them agree with
+    a = e1
+    b = {n: e2[n] - 0.1 * e1[n] for n in e1}
+    shared = {n: a[n] + b[n] for n in e1}
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg.add(0, a, client="a")
+    agg.add(0, b, client="b")
+    agg.add(0, {n: -9 * t for n, t in shared.items()}, client="evil")
+    agg.finalize(state)
+    assert agg.facts()["agreement"] == {"a": 0.0, "b": 0.0, "evil": 0.0}
+    assert agg.dropped == {}
+    assert set(agg.facts()["clipped_to_centre"]) == {"evil"}

@@ -459,9 +459,9 @@ def test_infer_on_a_followed_directory_uses_its_current_version(export: Path, tm
 @settings(max_examples=300, deadline=None)
 @given(client=st.sampled_from(["d1", "d2"]), payload=st.one_of(
     st.binary(max_size=400),
-    st.builds(lambda s: s.encode(), st.sampled_from(['{"v":1,"type":"deploy_report","client":"d1","state":"offline"}',
-                                                    '{"v":1,"type":"deploy_report","client":"d2","state":"serving"}',
-                                                    '{"v":1,"type":"rollout","federation":"t","seq":1}', "{}", "[]"])),
+    st.builds(lambda s: s.encode(), st.sampled_from(['{"v":2,"type":"deploy_report","client":"d1","state":"offline"}',
+                                                    '{"v":2,"type":"deploy_report","client":"d2","state":"serving"}',
+                                                    '{"v":2,"type":"rollout","federation":"t","seq":1}', "{}", "[]"])),
     st.sampled_from([rollout(SERVER, 3, 1), rollout(SERVER, 3, 1, federation="x"), rollout(SERVER, 3, 1)[:-20]]),
     st.builds(lambda key, version, state: key.sign(DeployReport(client="d1", federation="t", key=key.public_text,
                                                                  state=state, version=version, time=1.0).to_json()),

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from aggregator.cli import app
+from aggregator.keys import KeyDir
 from aggregator.rollout import connect_operator
 from nefl.manifest import read_manifest, write_manifest
 from nefl.messages import Release
@@ -57,7 +58,7 @@ def aggregator(*args: str) -> Result:
 def follow(procs, name: str, broker_port: int, *extra: str, models: Path | None = None) -> int:
     """Start a following device; returns its HTTP port (call `listening` before using it)."""
     port = free_port()
-    key = Signer.load_or_create(procs.tmp / "run").public_text
+    key = KeyDir("t").server_signer().public_text
     procs.start(name, [sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--follow",
                        f"mqtt://127.0.0.1:{broker_port}", "--federation", "t", "--server-key", key, "--client-id", name,
                        "--models", str(models or procs.tmp / name), "--port", str(port), "--threads", "1", *extra])
@@ -155,7 +156,7 @@ def test_bad_input_is_refused_a_broken_transfer_resumes_and_a_signed_rollback_is
     broker = free_port()
     procs.mosquitto(broker)
     port = follow(procs, "d1", broker)
-    server = Signer.load_or_create(procs.tmp / "run")
+    server = KeyDir("t").server_signer()
     release1, chunks1 = release_messages(server, exports["v1"], 1)
     _publish_raw(broker, [*chunks1, (T.deploy_release(1), release1), (T.deploy_rollout, rollout(server, 1, 1))])
     wait_for(lambda: serving(port) == 1, 120, "v1")
@@ -217,7 +218,7 @@ def test_a_disk_that_fills_while_staging_leaves_the_old_version_serving(procs, e
     try:
         broker = free_port()
         procs.mosquitto(broker)
-        server = Signer.load_or_create(procs.tmp / "run")
+        server = KeyDir("t").server_signer()
         port = follow(procs, "d1", broker, "--keep-free", "0", models=disk / "d1")
         listening({"d1": port})
         release1, chunks1 = release_messages(server, exports["v1"], 1)

@@ -124,4 +124,4 @@ def test_the_attack_suite_runs_every_server_option_in_the_simulator(tmp_path) ->
     r = CliRunner().invoke(app, [*common, "--dp-noise-multiplier", "0.5", "--max-update-norm", "5", "--clip", "--out", str(out)])
     assert r.exit_code == 0, r.output
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["dp_epsilon"] > 0 and "centre_cos" not in last  # DP turns the centre check off
+    assert last["dp_epsilon"] > 0 and "agreement" not in last  # DP turns the centre check off
