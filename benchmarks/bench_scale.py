@@ -338,7 +338,7 @@ def analysis(results: list[dict], idle: dict[str, float]) -> list[str]:
         f"and time-sharing raises each update's worker CPU ({worker_ms} ms at {', '.join(str(r['workers']) for r in results if r['workers'])} "
         "workers: context switches, every worker's per-round plan and partial, idle polling). " + zero_vs_one(by, cost, alone),
         f"On a larger host the aggregation side scales with workers until the cores run out: a worker spends about "
-        f"{cost['workers'] / mib:.1f} ms of CPU per MiB of update (sha256, safetensors decode, finite and norm checks, "
+        f"{cost['workers'] / mib:.1f} ms of CPU per MiB of update (chunk proofs, safetensors decode, finite and norm checks, "
         f"the sum), about {1000 / (cost['workers'] / mib):.0f} MiB/s per core; mosquitto {cost['mosquitto'] / mib:.2f} ms "
         f"per MiB, about {1000 / (cost['mosquitto'] / mib) / 1024:.1f} GiB/s on its one thread, beyond which the broker "
         f"must be several (an EMQX cluster, or a broker per site behind relays); the coordinator {cost['coordinator']:.1f} "
