@@ -6,7 +6,7 @@ FLOWER_VENV ?= .venv-flower
 FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
+.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,10 @@ demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashi
 
 bench-systems: env system-deps  ## aggregation, client, wire, trust-check and inference costs against their baselines -> docs/benchmarks.md
 	$(PY) benchmarks/bench_systems.py
+
+bench-ingest: env system-deps  ## where a worker's CPU goes per MiB ingested (profile), MQTT clients' receive paths, hashes, a device's upload -> docs/benchmarks.md
+	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
+	$(PY) benchmarks/bench_ingest.py
 
 bench-scale: env system-deps  ## fleet load test: mosquitto + aggregator workers/relay + simulated devices -> docs/benchmarks.md, docs/img/scale.png
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'

@@ -1,11 +1,14 @@
 """The one path from an update chunk on the broker to a federation's aggregate, shared by
 `aggregator serve` (aggregator/server.py) and its workers and relays (aggregator/worker.py).
 
-Size cap, header parse, the device's signature, QoS 1 redelivery, identity and round checks, then
+Size cap, header parse, the device's signature (once per update: every chunk repeats the signed header),
+QoS 1 redelivery, identity and round checks, each chunk's hash against the signed Merkle root, then
 reassembly and the Federation's shape / finite / norm checks: whoever runs it, an update is judged
 the same way. Raises WireError, MessageError or Rejected with the reason the caller counts. A refusal of
-an update that carried its participant's own signature also tells the Federation, which then stops
-holding the round for that participant (a forger cannot do that to it: its chunks fail the signature).
+an update for what its participant signed (its header, or a payload whose every chunk matched the signed
+root) also tells the Federation, which then stops holding the round for that participant. A forger cannot
+do that to it: a header of its own fails the signature, and a copied header with forged chunk data fails
+the chunk's proof, which is not held against the participant.
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ from collections.abc import Callable
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aggregator.federation import Federation, Rejected, Update
-from nefl.signing import parse_public_key, verify
-from nefl.wire import Assembled, ChunkHeader, Reassembler, WireError, parse_chunk, split_chunk
-
+from nefl.signing import parse_public_key
+from nefl.wire import PAYLOAD_REASONS, Assembled, Chunk, Reassembler, WireError
 
 class DeviceKeys:
     """Parsed device public keys, by their text: each key is parsed once, not once per chunk."""
@@ -42,28 +44,29 @@ def take_update(fed: Federation, reasm: Reassembler, keys: DeviceKeys, client: s
     is counted once, not once per chunk."""
     if len(payload) > max_message:  # peers use our chunk size; allow slack, refuse floods
         raise WireError("oversized", f"{len(payload)}-byte message, the limit is {max_message}")
-    header, _ = parse_chunk(payload)
+    # a device whose key is pinned signs its update's header (round, submodel, the chunks' Merkle root)
     key = keys(client)
-    if key is not None:  # a device whose key is pinned signs every chunk header (round, submodel, sha256)
-        verify(split_chunk(payload)[0], key)
-    if reasm.is_duplicate(header):
+    chunk = reasm.parse(payload, key)
+    if reasm.is_duplicate(chunk):
         return None
     try:
-        return _judge(fed, reasm, client, header, payload)
+        return _judge(fed, reasm, client, chunk)
     except (Rejected, WireError) as e:
-        if key is not None:
-            fed.refused(client, header.round, e.reason)
+        # only a fault in the signed bytes is the participant's own: a chunk's index, proof and data are not
+        # signed, so anyone who copied its header off the broker can make a chunk fail its proof
+        if key is not None and (isinstance(e, Rejected) or e.reason in PAYLOAD_REASONS):
+            fed.refused(client, chunk.header.round, e.reason)
         raise
 
 
-def _judge(fed: Federation, reasm: Reassembler, client: str, header: ChunkHeader, payload: bytes) -> Assembled | None:
+def _judge(fed: Federation, reasm: Reassembler, client: str, chunk: Chunk) -> Assembled | None:
     try:
-        fed.check_header(client, header)
+        fed.check_header(client, chunk.header)
     except Rejected:
-        if header.index == 0:
+        if chunk.index == 0:
             raise
         return None
-    done = reasm.feed(payload)
+    done = reasm.feed(chunk)
     if done is not None:
         fed.accept(Update.from_wire(client, done))
     return done

@@ -35,7 +35,7 @@ from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer, verify
 from nefl.state import Layout
 from nefl.topics import Topics
-from nefl.wire import Assembled, Reassembler, WireError, parse_chunk, split_chunk
+from nefl.wire import Assembled, Reassembler, WireError
 
 log = logging.getLogger("aggregator.server")
 MAX_WORKERS = 1024  # workers and relays of one federation (a hostile id flood stops here)
@@ -120,7 +120,7 @@ def plan_screen(cfg: AggregationConfig) -> ScreenSettings:
 @dataclass
 class _Delivery:
     """What one worker sent for the closing round: its summary, its reassembled tensors, and the two
-    checked and joined into a NeFedAvg once the tensors' sha256 is the one the summary names."""
+    checked and joined into a NeFedAvg once the tensors' digest is the one the summary names."""
 
     summary: PartialSummary | None = None
     assembled: Assembled | None = None
@@ -230,13 +230,13 @@ class WorkerPool:
     def _partial_chunk(self, worker: str, key: Any, payload: bytes) -> None:
         if len(payload) > self.chunk_bytes * 4:
             raise WireError("oversized", f"{len(payload)}-byte partial chunk from {worker}")
-        header, _ = parse_chunk(payload)
-        verify(split_chunk(payload)[0], key)  # the header names the payload's sha256, so the sums are covered
+        chunk = self.reasm.parse(payload, key)  # the signed header names the chunks' Merkle root: the sums are covered
+        header = chunk.header
         if header.kind != "partial" or header.client != worker or header.federation != self.topics.federation:
             raise Rejected("bad_partial", f"a {header.kind} message of {header.client} on {worker}'s partial topic")
         if header.round != self._round:
             return  # a partial of a round already closed without it
-        done = self.reasm.feed(payload)
+        done = self.reasm.feed(chunk)
         if done is not None:
             self._try_assemble(worker, done)
 
@@ -246,10 +246,10 @@ class WorkerPool:
         s = d.summary
         if s is None or d.agg is not None or d.refused:
             return
-        if s.sha256 is not None and (d.assembled is None or d.assembled.header.sha256 != s.sha256):
+        if s.digest is not None and (d.assembled is None or d.assembled.header.digest != s.digest):
             return
         try:
-            d.agg, d.norms = check_partial(self.fed.layout, s, d.assembled.tensors if s.sha256 else {}, self.held,
+            d.agg, d.norms = check_partial(self.fed.layout, s, d.assembled.tensors if s.digest else {}, self.held,
                                            worker, self.fed.weighting)
         except WireError:
             d.refused = True

@@ -2,8 +2,8 @@
 
 Parses and checks the options, loads or refuses a checkpoint, opens the federation's key directory
 (its server key, enrolment journal and run incarnation: aggregator/keys.py), starts the embedded broker
-when no `--broker` is given, and turns Ctrl-C / SIGTERM into a clean stop (exit code 0, a word on
-whether there is anything to resume).
+when no `--broker` is given (mosquitto as a child process where installed, else amqtt: aggregator/broker.py),
+and turns Ctrl-C / SIGTERM into a clean stop (exit code 0, a word on whether there is anything to resume).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import typer
 
 from aggregator.assignment import Assignment
-from aggregator.broker import EmbeddedBroker
+from aggregator.broker import BrokerKind, embedded_broker
 from aggregator import robust_options as ro
 from aggregator.enrolment import Enrolment, EnrolmentPolicy
 from aggregator.keys import KeyDir
@@ -76,7 +76,11 @@ def serve_command(
     warmup_rounds: WarmupOption = TrainConfig.warmup_rounds,
     batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size clients train with."),
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
-    embedded_port: int = typer.Option(1883, help="Port of the embedded broker (127.0.0.1)."),
+    embedded_port: int = typer.Option(1883, min=0, help="Port of the embedded broker (0: a free one)."),
+    embedded_host: str = typer.Option("127.0.0.1", help="Address the embedded broker listens on (0.0.0.0: every "
+                                      "interface, so devices on the network can join)."),
+    embedded_broker_kind: BrokerKind = typer.Option("auto", "--embedded-broker", help="auto: mosquitto as a child "
+                                                    "process when installed, else amqtt (about a tenth of the throughput)."),
     seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
     max_update_norm: ro.MaxUpdateNorm = None,
     update_norm_relative: ro.UpdateNormRelative = ro.D.relative,
@@ -135,9 +139,10 @@ def serve_command(
         if dp_noise_multiplier > 0:
             DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
         listen = parse_listen(http) if http else None
-        if workers > 1 and broker is None:
+        embedded = embedded_broker(embedded_broker_kind, embedded_host, embedded_port) if broker is None else None
+        if workers > 1 and embedded is not None and embedded.name == "amqtt":
             raise ValueError("--workers > 1 needs MQTT shared subscriptions, which the embedded broker (amqtt) lacks: "
-                             "give --broker mqtt://HOST:PORT of mosquitto 2.x, EMQX, HiveMQ or VerneMQ")
+                             "install mosquitto, or give --broker mqtt://HOST:PORT of mosquitto 2.x, EMQX, HiveMQ or VerneMQ")
         if listen and not is_loopback(listen[0]) and not http_token:
             raise TokenRequired(f"--http {http} would show the fleet to anyone who can reach it: give --http-token "
                                 "(or $NEFL_HTTP_TOKEN), or bind 127.0.0.1")
@@ -163,12 +168,10 @@ def serve_command(
         enrolment = Enrolment(federation, cfg.enrolment, keys.journal)
         enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(workers, federation)}
         incarnation = keys.next_incarnation()
-        embedded = None
-        if broker is None:
-            embedded = EmbeddedBroker("127.0.0.1", embedded_port)
+        if embedded is not None:
             embedded.start()
             broker = embedded.url
-            log.info(f"started embedded MQTT broker on {broker} (amqtt, MQTT 3.1.1); clients join with --broker {broker}")
+            log.info(f"started embedded MQTT broker on {broker} ({embedded.name}); clients join with --broker {broker}")
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
     except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

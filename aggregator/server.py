@@ -357,7 +357,7 @@ class Server(Transport):
         try:
             done = take_update(self.fed, self.reasm, self._keys, client, payload, self.cfg.chunk_bytes * 4)
         except Rejected as e:
-            self.late += e.reason == "stale_round" and parse_chunk(payload)[0].round < self.next_round
+            self.late += e.reason == "stale_round" and parse_chunk(payload).header.round < self.next_round
             raise
         if done is not None:  # the call that completed an update also validated, bounded and folded it
             self.aggregate_s += time.perf_counter() - t0
@@ -416,12 +416,12 @@ class Server(Transport):
                 self.client.publish(self.topics.task(c), self._task(r.index, k), qos=QOS, retain=True)
 
     def _task(self, index: int, k: int, resend: bool = False) -> bytes:
-        model, _ = parse_chunk(self._published[k][0])
+        model = parse_chunk(self._published[k][0]).header
         return self.signer.sign(Task(
             federation=self.cfg.federation, run=self.run_id, round=index, submodel=k,
             lr=self.train_cfg.lr_at(index - 1, self.cfg.rounds), epochs=self.cfg.local_epochs,
             batch_size=self.cfg.batch_size, profile_hash=self.layout.profile.hash, deadline_s=self.cfg.round_timeout,
-            chunks=len(self._published[k]), model_sha256=model.sha256, model_bytes=model.size, resend=resend,
+            chunks=len(self._published[k]), model_digest=model.digest, model_bytes=model.size, resend=resend,
             **self._stamp()).to_json())
 
     # -- rounds: the Transport of the shared round driver (aggregator/rounds.py) ---------------------

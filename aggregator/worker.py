@@ -150,7 +150,7 @@ class Worker:
             self.judged(None, lambda: self.on_close(payload))
         elif conn is self.up and topic == t.worker(self.me, "forward"):
             # the forwarding worker checked the header's client against the update topic
-            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0].client, payload, forwarded=True))
+            self.judged(None, lambda: self.on_update(parse_chunk(payload).header.client, payload, forwarded=True))
 
     def judged(self, client: str | None, handle: Callable[[], None]) -> None:
         """Run a handler; a refusal (or a bug) becomes a receipt with its reason, never an exception."""
@@ -232,7 +232,7 @@ class Worker:
             dropped = fed.agg.dropped
             summary = PartialSummary(run=run, round=index, weights=[float(w) for w in agg.weights], updates=list(agg.updates),
                                      clients=sorted(r.received), dropped=dict(sorted(dropped.items())),
-                                     sha256=parse_chunk(msgs[0])[0].sha256)
+                                     digest=parse_chunk(msgs[0]).header.digest)
         self.publish_up(self.topics.worker(self.me, "summary"), self.key.sign(summary.to_json()))
         log.info(f"{self.me}: round {index}: partial of {len(summary.clients)} update(s) sent "
                  f"({self.bytes_up - self._up_mark} bytes up since the last one)")
@@ -242,7 +242,7 @@ class Worker:
     def on_update(self, client: str, payload: bytes, forwarded: bool) -> None:
         if self.fed is None or self.plan is None:
             raise Rejected("stale_round", "no round plan from the coordinator yet")
-        header, _ = parse_chunk(payload)
+        header = self.reasm.parse(payload).header
         if header.round > self.plan.round and len(self.early) < EARLY_MESSAGES:
             self.early.append((client, payload, forwarded))  # its plan is on the way: the coordinator sent it first
             return
@@ -255,7 +255,7 @@ class Worker:
                 return
         try:
             done = take_update(self.fed, self.reasm, self.keys, client, payload, self.plan.chunk_bytes * 4)
-        except Rejected as e:
+        except (Rejected, WireError) as e:
             r = self.fed.round
             self.receipt(client, e.reason, str(e), late=e.reason == "stale_round" and header.round < self.plan.round,
                          attributed=r is not None and r.refused.get(client) == e.reason)

@@ -224,7 +224,7 @@ def refusals(lab: Lab, port: int, v1: Path, v2: Path) -> dict[str, str]:
     seq = state["seq"]
     release, chunks = release_messages(lab.key, v2, 7, FED)
     topic, chunk = chunks[0]
-    head, data = split_chunk(chunk)
+    _, _, _, data = split_chunk(chunk)
     frame = chunk[:len(chunk) - len(data)]
     unsigned = rollout(lab.key, seq + 1, 7, FED)
     cases = {

@@ -1,11 +1,13 @@
 """Fleet load test of the scale-out path: real mosquitto, `aggregator serve --workers N`, `aggregator relay`
 and `aggregator loadtest` devices as processes; writes a section of docs/benchmarks.md and docs/img/scale.png.
 
-Measured per configuration (3 rounds each, every device in every round, devices sending as fast as
-they can): updates/s and MiB/s ingested (reported updates and their bytes over the time from round
+Measured per configuration (every device in every round, devices sending as fast as they can), all
+in one run so the numbers share the machine's load: updates/s and MiB/s ingested (reported updates and their bytes over the time from round
 open to the last update), round-close latency (asking the workers for their partials until merged),
-CPU seconds per component (where the time goes) and peak RSS of coordinator and workers. Then the
-bytes a site relay sends upstream per round against the bytes its devices' updates would have been.
+CPU seconds per component (where the time goes, per update and per MiB: a worker's against
+mosquitto's), peak RSS of coordinator and workers; resnet18 updates through one worker; plain `serve`
+with default options; `serve` on its embedded broker against the same on an external mosquitto.
+Then the bytes a site relay sends upstream per round against the bytes its devices' updates would have been.
 
     PYTHONPATH=. python benchmarks/bench_scale.py            # `make bench-scale`
     PYTHONPATH=. python benchmarks/bench_scale.py --quick    # a smoke run, to runs/
@@ -28,7 +30,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average  # noqa: E402
+from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
+from nefl.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MOSQUITTO = "/usr/sbin/mosquitto"
 SECTION = "## Fleet load test (scale-out)"
@@ -44,10 +47,12 @@ class Setting:
     big_devices: int  # the peak-RSS run
     relay_devices: int
     rounds: int
+    large_profile: str  # large updates through one worker
+    large_devices: int
 
 
-FULL = Setting("resnet20-fmnist-w", 400, 2, (0, 1, 2, 4), 1000, 100, 4)
-QUICK = Setting("resnet8-fmnist-w", 20, 1, (0, 2), 60, 10, 2)
+FULL = Setting("resnet20-fmnist-w", 400, 2, (0, 1, 2), 1000, 100, 4, "resnet18-cifar10-wd", 16)
+QUICK = Setting("resnet8-fmnist-w", 20, 1, (0, 1), 60, 10, 2, "resnet20-fmnist-w", 8)
 
 
 def free_port() -> int:
@@ -91,8 +96,9 @@ class Run:
                 proc = psutil.Process(p.pid)
                 role = "mosquitto" if name.startswith("mosquitto") else name
                 out.setdefault(role, []).append(proc)
-                for child in proc.children():
-                    out.setdefault("workers" if name == "coordinator" else role, []).append(child)
+                for child in proc.children():  # the coordinator's: its workers and its embedded mosquitto
+                    child_role = "mosquitto" if child.name() == "mosquitto" else "workers" if name == "coordinator" else role
+                    out.setdefault(child_role, []).append(child)
             except psutil.NoSuchProcess:
                 pass
         return out
@@ -145,20 +151,28 @@ def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Path) -> dict:
-    """One federation: every device in each of s.rounds rounds; ingest rate over rounds 2.. (round 1 warms up)."""
+def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Path, profile: str | None = None,
+               chunk_kib: int | None = 4096, embedded: bool = False, rounds: int | None = None) -> dict:
+    """One federation: every device in each of the rounds; ingest rate over rounds 2.. (round 1 warms up).
+    chunk_kib None: serve's and loadtest's default chunks; embedded: serve starts its own broker (mosquitto)."""
     run = Run(tmp)
+    profile, rounds = profile or s.profile, rounds or s.rounds
+    chunks = ["--chunk-kib", str(chunk_kib)] if chunk_kib else []
     try:
         port = free_port()
-        run.mosquitto(port)
         broker = f"mqtt://127.0.0.1:{port}"
-        coord = run.start("coordinator", [*CLI, "serve", "--profile", s.profile, "--broker", broker, "--federation", "b",
-                                          "--rounds", str(s.rounds), "--clients-per-round", str(devices), "--min-clients", "1",
-                                          "--round-timeout", "600", "--join-wait", "60", "--chunk-kib", "4096",
+        if not embedded:
+            run.mosquitto(port)
+        where = ["--embedded-port", str(port), "--embedded-broker", "mosquitto"] if embedded else ["--broker", broker]
+        coord = run.start("coordinator", [*CLI, "serve", "--profile", profile, *where, "--federation", "b",
+                                          "--rounds", str(rounds), "--clients-per-round", str(devices), "--min-clients", "1",
+                                          "--round-timeout", "600", "--join-wait", "60", *chunks,
                                           "--checkpoint-dir", str(tmp / "run"), "--workers", str(workers),
                                           "--worker-timeout", "120", "--log-level", "warning"])
-        run.start("loadtest", [*CLI, "loadtest", "--broker", broker, "--federation", "b", "--profile", s.profile,
-                               "--devices", str(devices), "--procs", str(fleet_procs), "--pool", "8", "--chunk-kib", "4096",
+        if embedded:
+            wait_listening(port, coord)
+        run.start("loadtest", [*CLI, "loadtest", "--broker", broker, "--federation", "b", "--profile", profile,
+                               "--devices", str(devices), "--procs", str(fleet_procs), "--pool", "8", *chunks,
                                "--duration", "1200", "--log-level", "warning"])
         watched = run.watch(coord, 1500)
         if coord.returncode != 0:
@@ -171,11 +185,23 @@ def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Pa
     nbytes = sum(m["bytes_in"] for m in rounds)
     everything = metrics(tmp / "run" / "metrics.jsonl")
     return {"workers": workers, "devices": devices, "fleet_procs": fleet_procs, "updates": n, "expected": devices * len(rounds),
+            "profile": profile, "chunk_kib": chunk_kib, "embedded": embedded,
+            "mib_total": sum(m["bytes_in"] for m in everything) / 2**20,
             "all_updates": sum(len(m["reported"]) + m.get("workers", {}).get("lost_updates", 0) for m in everything),
             "updates_per_s": n / wall, "mib_per_s": nbytes / wall / 2**20, "mean_update_kib": nbytes / max(1, n) / 1024,
             "close_s": [m.get("workers", {}).get("collect_s") for m in rounds],
             "aggregate_s": [m.get("aggregate_s") for m in rounds], "round_wall_s": [m["train_wall_s"] for m in rounds],
             "lost": sum(m.get("workers", {}).get("lost_updates", 0) for m in rounds), **watched}
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and proc.poll() is None:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the embedded broker on port {port} did not come up")
 
 
 def relay_bytes(s: Setting, tmp: Path) -> dict:
@@ -245,6 +271,40 @@ def cpu_per_update(r: dict, role: str, idle: dict[str, float]) -> float:
     return max(0.0, spent) * 1000 / max(1, r["all_updates"])
 
 
+def cpu_per_mib(r: dict, role: str, idle: dict[str, float]) -> float:
+    """CPU milliseconds a component spent per MiB of update ingested over the whole run (start-up excluded)."""
+    return cpu_per_update(r, role, idle) * max(1, r["all_updates"]) / max(1e-9, r["mib_total"])
+
+
+def per_mib(ingest: dict, idle: dict[str, float]) -> list[str]:
+    """The ingest paragraphs: worker and plain serve against mosquitto per MiB, embedded against external."""
+    one, large, plain = ingest["one_worker"], ingest["large"], ingest["plain"]
+    embedded, external = ingest["embedded"], ingest["external"]
+
+    def versus(r: dict, role: str) -> str:
+        mine, broker = cpu_per_mib(r, role, idle), cpu_per_mib(r, "mosquitto", idle)
+        return f"{mine:.2f} ms of CPU per MiB against mosquitto's {broker:.2f} ms in the same run ({mine / broker:.1f}x)"
+
+    return [
+        "**Per MiB, against the broker.** One worker, every check on (device signatures, per-chunk Merkle proofs, shapes, "
+        f"finite values, the norm bound, the centre check, NeFedAvg, receipts): {one['profile']} updates of "
+        f"{one['mean_update_kib']:.0f} KiB from {one['devices']} devices, {versus(one, 'workers')}; {large['profile']} updates "
+        f"of {large['mean_update_kib'] / 1024:.1f} MiB (one message each) from {large['devices']} devices, "
+        f"{versus(large, 'workers')}, {large['updates_per_s']:.1f} updates/s. Plain `serve` with default options (no "
+        f"workers, default chunks of {plain['chunk_note']}) and {plain['devices']} {plain['profile']} devices: the "
+        f"coordinator spends {versus(plain, 'coordinator')}, checkpoints and per-round publishing included. "
+        "Where that time goes, function by function: the \"Ingest profile\" section.",
+        "",
+        f"**Embedded broker.** `serve` without `--broker` starts mosquitto as its child (aggregator/broker.py); with "
+        f"{embedded['devices']} devices and no workers it ingested {embedded['mib_per_s']:.1f} MiB/s "
+        f"({embedded['updates_per_s']:.1f} updates/s) against {external['mib_per_s']:.1f} MiB/s "
+        f"({external['updates_per_s']:.1f} updates/s) on an external mosquitto in the same run: "
+        f"{embedded['mib_per_s'] / external['mib_per_s']:.2f}x. Where no mosquitto is installed it falls back to amqtt "
+        "(about a tenth of mosquitto's throughput: the \"Wire\" section).",
+        "",
+    ]
+
+
 def zero_vs_one(by: dict[int, dict], cost: dict[str, float], alone: float) -> str:
     """Whether moving the checks out of the coordinator paid on this host, and why, from the measured rates."""
     if 0 not in by or 1 not in by:
@@ -278,7 +338,7 @@ def analysis(results: list[dict], idle: dict[str, float]) -> list[str]:
         f"and time-sharing raises each update's worker CPU ({worker_ms} ms at {', '.join(str(r['workers']) for r in results if r['workers'])} "
         "workers: context switches, every worker's per-round plan and partial, idle polling). " + zero_vs_one(by, cost, alone),
         f"On a larger host the aggregation side scales with workers until the cores run out: a worker spends about "
-        f"{cost['workers'] / mib:.1f} ms of CPU per MiB of update (sha256, safetensors decode, finite and norm checks, "
+        f"{cost['workers'] / mib:.1f} ms of CPU per MiB of update (chunk proofs, safetensors decode, finite and norm checks, "
         f"the sum), about {1000 / (cost['workers'] / mib):.0f} MiB/s per core; mosquitto {cost['mosquitto'] / mib:.2f} ms "
         f"per MiB, about {1000 / (cost['mosquitto'] / mib) / 1024:.1f} GiB/s on its one thread, beyond which the broker "
         f"must be several (an EMQX cluster, or a broker per site behind relays); the coordinator {cost['coordinator']:.1f} "
@@ -287,7 +347,7 @@ def analysis(results: list[dict], idle: dict[str, float]) -> list[str]:
 
 
 def report(s: Setting, results: list[dict], big: dict, relay: dict, idle: dict[str, float], prov: dict[str, str],
-           command: str, wall_s: float, img: str) -> list[str]:
+           command: str, wall_s: float, img: str, ingest: dict | None = None) -> list[str]:
     roles = ["mosquitto", "coordinator", "workers", "loadtest"]
     lines = [SECTION, "", "Every number in this section comes from one run of", "", f"    {command}", "",
              "(`make bench-scale`) on this machine:", "",
@@ -299,14 +359,19 @@ def report(s: Setting, results: list[dict], big: dict, relay: dict, idle: dict[s
              "CPU per update: each component's CPU time over the whole run less its processes' start-up "
              f"({idle['cpu_s']:.1f} s each), divided by all updates; `loadtest` is the simulated fleet.", "",
              "| workers | devices | updates | updates/s | MiB/s | mean update KiB | round close s | "
-             + " | ".join(f"CPU ms/update {r}" for r in roles) + " |",
-             "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(roles)]
+             + " | ".join(f"CPU ms/update {r}" for r in roles) + " | CPU ms/MiB mosquitto | CPU ms/MiB coordinator | "
+             "CPU ms/MiB workers |",
+             "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(roles) + 3)]
     for r in results:
         close = [c for c in r["close_s"] if c is not None]
         lines.append(f"| {r['workers']} | {r['devices']} | {r['updates']}/{r['expected']} | {r['updates_per_s']:.1f} | "
                      f"{r['mib_per_s']:.1f} | {r['mean_update_kib']:.0f} | "
                      + (f"{sum(close) / len(close):.2f} | " if close else "- | ")
-                     + " | ".join(f"{cpu_per_update(r, role, idle):.1f}" for role in roles) + " |")
+                     + " | ".join(f"{cpu_per_update(r, role, idle):.1f}" for role in roles) + " | "
+                     + " | ".join(f"{cpu_per_mib(r, role, idle):.2f}" for role in ("mosquitto", "coordinator", "workers"))
+                     + " |")
+    if ingest:
+        lines += [""] + per_mib(ingest, idle)
     lines += ["", f"![updates/s against workers, and CPU per update by component]({img})", ""]
     lines += [" ".join(analysis(results, idle)), ""]
     rss = big["peak_rss_mib"]
@@ -323,14 +388,6 @@ def report(s: Setting, results: list[dict], big: dict, relay: dict, idle: dict[s
               f"MiB upstream (one partial, receipts, the devices' announces and statuses); the same updates sent directly "
               f"would be {', '.join(f'{b / 2**20:.1f}' for b in upd)} MiB per round.", ""]
     return lines
-
-
-def write_section(out: Path, lines: list[str]) -> None:
-    """Replace this benchmark's `## ` section of the report (or append it), leaving the others alone."""
-    text = out.read_text() if out.exists() else "# System benchmarks\n"
-    parts = re.split(r"(?m)^(?=## )", text)
-    kept = [p for p in parts if not p.startswith(SECTION)]
-    out.write_text("".join(kept).rstrip() + "\n\n" + "\n".join(lines).rstrip() + "\n")
 
 
 def main() -> None:
@@ -359,8 +416,8 @@ def main() -> None:
     plot(data["scaling"], data["idle"], img)
     command = "PYTHONPATH=. python benchmarks/bench_scale.py" + (" --quick" if args.quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_section(out, report(s, data["scaling"], data["big"], data["relay"], data["idle"], data["provenance"], command, data["wall_s"],
-                              os.path.relpath(img, out.parent)))
+    replace_section(out, SECTION, report(s, data["scaling"], data["big"], data["relay"], data["idle"], data["provenance"], command, data["wall_s"],
+                              os.path.relpath(img, out.parent), data.get("ingest")))
     print(f"wrote {out} and {img}")
 
 
@@ -372,6 +429,17 @@ def measure(s: Setting) -> dict:
             d.mkdir()
             results.append(federation(s, w, s.devices, s.fleet_procs, d))
             print(json.dumps(results[-1]), flush=True)
+        ingest = {"one_worker": next(r for r in results if r["workers"] == 1),
+                  "external": next(r for r in results if r["workers"] == 0)}
+        for name, kw in (("embedded", dict(workers=0, devices=s.devices, fleet_procs=s.fleet_procs, embedded=True)),
+                         ("plain", dict(workers=0, devices=s.devices // 2, fleet_procs=s.fleet_procs, chunk_kib=None)),
+                         ("large", dict(workers=1, devices=s.large_devices, fleet_procs=1, profile=s.large_profile,
+                                        chunk_kib=65536, rounds=3))):
+            d = Path(tmp) / name
+            d.mkdir()
+            ingest[name] = federation(s, tmp=d, **kw)
+            print(json.dumps(ingest[name]), flush=True)
+        ingest["plain"]["chunk_note"] = f"{DEFAULT_CHUNK_BYTES // 1024} KiB"
         d = Path(tmp) / "big"
         d.mkdir()
         big = federation(s, 2, s.big_devices, 4, d)
@@ -380,7 +448,7 @@ def measure(s: Setting) -> dict:
         d.mkdir()
         relay = relay_bytes(s, d)
         print(json.dumps(relay), flush=True)
-    return {"scaling": results, "big": big, "relay": relay}
+    return {"scaling": results, "big": big, "relay": relay, "ingest": ingest}
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -41,6 +42,14 @@ def measured_by(command: str, p: dict) -> str:
     """The first line of a published section: the command, machine, commit and load of `provenance()`'s dict `p`."""
     return (f"Measured by `{command}` on {p['date']}: {p['cpu']}, {p['cores']} cores, commit {p['commit']}, "
             f"load {p['load']} at the end" + (f" ({p['note']})." if p["note"] else "."))
+
+
+def replace_section(out: Path, section: str, lines: list[str]) -> None:
+    """Replace a benchmark's `## ` section of a report (or append it), leaving the others alone."""
+    text = out.read_text() if out.exists() else "# System benchmarks\n"
+    parts = re.split(r"(?m)^(?=## )", text)
+    kept = [p for p in parts if not p.startswith(section)]
+    out.write_text("".join(kept).rstrip() + "\n\n" + "\n".join(lines).rstrip() + "\n")
 
 
 def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:

@@ -349,12 +349,12 @@ class Agent:
         self.transport.subscribe(self.topics.model_all(k), qos=1)  # again: the retained chunks are redelivered
 
     def _on_model_chunk(self, payload: bytes) -> None:
-        """Weights count only when they are what the signed task names (sha256, round, submodel)."""
+        """Weights count only when they are what the signed task names (digest, round, submodel)."""
         task = self.task
         if task is None or self.weights is not None:
             return
-        h, _ = parse_chunk(payload)  # checked before a byte is buffered: forged chunks cost nothing
-        if h.kind != "model" or (h.round, h.submodel, h.sha256) != (task.round, task.submodel, task.model_sha256):
+        h = parse_chunk(payload).header  # checked before a byte is buffered: forged chunks cost nothing
+        if h.kind != "model" or (h.round, h.submodel, h.digest) != (task.round, task.submodel, task.model_digest):
             raise MessageError("model_mismatch", f"weights for round {h.round} submodel {h.submodel + 1} "
                                                  f"do not match the signed task")
         done = self.models_in.feed(payload)
@@ -440,6 +440,6 @@ class Agent:
         """Tell the server (directly: never a shared subscription) that the update is out, so that one lost on
         the way costs a resend, not the round."""
         notice = Sent(client=self.cfg.client_id, run=task.run, round=task.round, submodel=task.submodel,
-                      sha256=parse_chunk(msgs[0])[0].sha256).to_json()
+                      digest=parse_chunk(msgs[0]).header.digest).to_json()
         key = self.cfg.device_key
         self.transport.publish(self.topics.sent(self.cfg.client_id), notice if key is None else key.sign(notice), qos=1)

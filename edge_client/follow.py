@@ -55,7 +55,7 @@ from nefl.messages import MAX_RELEASE_BYTES, DeployReport, MessageError, Refusal
 from nefl.mqtt import QOS, Connection, Transport
 from nefl.signing import Signer, verify
 from nefl.topics import Topics
-from nefl.wire import ChunkHeader, WireError, parse_chunk
+from nefl.wire import Chunk, WireError, parse_chunk
 
 log = logging.getLogger(__name__)
 MAX_REFUSALS_REPORTED = 32
@@ -353,13 +353,14 @@ class Follower:
             return
         release, staging = self.release[0], self.staging
         try:
-            header, data = parse_chunk(payload)
+            chunk = parse_chunk(payload)
         except WireError as e:
             raise Refused(e.reason, f"dropped a chunk of v{release.version}: {e}") from None
+        header, data = chunk.header, chunk.data
         if header.kind != "file" or header.federation != self.cfg.federation or header.round != release.version:
             self.dropped["unwanted"] += 1
             return
-        name, index = self._check_chunk(release, header, data)
+        name, index = self._check_chunk(release, chunk)
         if index in staging.have[name]:
             self.dropped["duplicate"] += 1
             return
@@ -376,14 +377,14 @@ class Follower:
         if staging.done:
             self._install()
 
-    def _check_chunk(self, release: Release, header: ChunkHeader, data: bytes) -> tuple[str, int]:
+    def _check_chunk(self, release: Release, chunk: Chunk) -> tuple[str, int]:
         """(file name, index) of a chunk that is exactly what the signed release says; Refused otherwise."""
-        position, index = header.submodel, header.index
+        header, data, position, index = chunk.header, chunk.data, chunk.header.submodel, chunk.index
         if position >= len(release.files) or release.files[position].name not in self.staging.files:
             raise Refused("unwanted", f"dropped a chunk of v{release.version}: file {position} is not one this device fetches")
         f = release.files[position]
         where = f"chunk {index} of {f.name} (v{release.version})"
-        if (header.dtype, header.sha256, header.size, header.count) != ("raw", f.sha256, f.size, len(f.chunks)):
+        if (header.dtype, header.size, header.count) != ("raw", f.size, len(f.chunks)):
             raise Refused("inconsistent_chunks", f"dropped {where}: its header does not describe the signed file")
         expected = self.staging.chunk_size(f, index)
         if len(data) != expected:

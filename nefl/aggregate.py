@@ -31,7 +31,7 @@ import torch
 
 from nefl.choices import check_choice
 from nefl.state import GlobalState, Layout, corner, tensor_mismatch
-from nefl.tensors import first_non_finite, ring
+from nefl.tensors import Tiled, first_non_finite, ring
 
 # uniform: every update counts once, as the paper; samples: an update counts its client's sample count
 Weighting = Literal["uniform", "samples"]
@@ -191,6 +191,8 @@ class NeFedAvg(RoundAggregate):
         super().__init__(layout, weighting)
         # per submodel: weighted sum of its updates (every tensor it uploads) and the total weight
         self.groups: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
+        # a group adopted from an update decoded off the wire: its tensors are views tiling this buffer
+        self._flat: list[torch.Tensor | None] = [None] * layout.num_submodels
         self.weights = torch.zeros(layout.num_submodels, dtype=torch.float64)
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
@@ -203,12 +205,17 @@ class NeFedAvg(RoundAggregate):
     def add_weighted(self, k: int, delta: dict[str, torch.Tensor], w: float, *, owned: bool = False) -> None:
         """A validated update counted with weight `w` > 0 (its sample count, or a robust rule's trust)."""
         self._check_open()
-        group = self.groups[k]
-        if group:
+        group, flat = self.groups[k], self._flat[k]
+        if flat is not None and isinstance(delta, Tiled) and delta.flat.numel() == flat.numel() and list(delta) == list(group):
+            flat.add_(delta.flat, alpha=w)  # same names in the same order and (validated) shapes: the same tiling
+        elif group:
             names = list(group)
             torch._foreach_add_([group[n] for n in names], [delta[n].to(torch.float32) for n in names], alpha=w)
         else:
-            if owned and all(t.dtype == torch.float32 for t in delta.values()):
+            if owned and isinstance(delta, Tiled):
+                group.update(delta)
+                self._flat[k] = delta.flat
+            elif owned and all(t.dtype == torch.float32 for t in delta.values()):
                 group.update(delta)
             else:
                 group.update((n, t.to(torch.float32, copy=True)) for n, t in delta.items())

@@ -24,7 +24,7 @@ import msgspec
 
 from nefl.manifest import Manifest
 
-VERSION = 1
+VERSION = 2  # 2: digests (the Merkle root of wire v2, nefl/wire.py) where v1 named a payload's sha256
 MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
@@ -133,7 +133,7 @@ class Sent(Message, frozen=True, kw_only=True, tag="sent", tag_field="type"):
     run: Name
     round: Round
     submodel: Submodel
-    sha256: Hex64
+    digest: Hex64  # the update's Merkle root (nefl/wire.py), as its signed header names it
 
 
 class Stamped(Message, frozen=True, kw_only=True):
@@ -149,8 +149,8 @@ class Stamped(Message, frozen=True, kw_only=True):
 
 class Task(Stamped, frozen=True, tag="task", tag_field="type"):
     """Server -> one client, retained, signed: train `submodel` (0-based) of `round` from the weights
-    whose safetensors payload hashes to `model_sha256`. `resend`: the server got no update for this task
-    although the device said it sent one: publish it again on `resend/{client}`."""
+    whose chunks hash to `model_digest` (the Merkle root of nefl/wire.py). `resend`: the server got no update
+    for this task although the device said it sent one: publish it again on `resend/{client}`."""
 
     federation: Name
     run: Name
@@ -162,7 +162,7 @@ class Task(Stamped, frozen=True, tag="task", tag_field="type"):
     profile_hash: Short
     deadline_s: Seconds
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
-    model_sha256: Hex64
+    model_digest: Hex64
     model_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
     resend: bool = False
 
@@ -349,7 +349,7 @@ class Receipt(Message, frozen=True, kw_only=True, tag="receipt", tag_field="type
 class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", tag_field="type"):
     """Worker -> coordinator, signed: what its partial NeFedAvg of round `round` holds (and which of its clients'
     updates its centre check left out); the group sums
-    travel as chunked safetensors (kind "partial") whose payload hashes to `sha256`."""
+    travel as chunked safetensors (kind "partial") whose chunks hash to `digest`."""
 
     run: Name
     round: Round
@@ -357,7 +357,7 @@ class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", 
     updates: Annotated[list[Count], msgspec.Meta(max_length=256)]
     clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
     dropped: Annotated[dict[Name, Short], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}  # by the worker's centre check
-    sha256: Hex64 | None = None  # None when it holds no update (no tensors follow)
+    digest: Hex64 | None = None  # None when it holds no update (no tensors follow)
 
 
 # -- model rollout: aggregator -> devices that follow it (docs/deploy.md) --------------------------------

@@ -17,6 +17,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.exception import MalformedPacket
 
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 
@@ -67,6 +68,33 @@ def parse_broker(url: str, username: str | None = None, password: str | None = N
                           password or parsed.password or os.environ.get(ENV_PASSWORD), ca_cert, certfile, keyfile)
 
 
+class Client(mqtt.Client):
+    """paho's client, but a QoS 0/1 PUBLISH (MQTT 3.1.1) hands its payload on as one bytearray slice of the
+    packet: paho's decoder copies the rest of the packet three times (struct.unpack for the topic, the
+    message id, the payload), the largest part of its receive CPU on multi-MiB updates (docs/benchmarks.md,
+    "Ingest profile"). The payload is writable, so an update's single chunk is decoded in place. QoS 2 and
+    MQTT 5 packets take paho's own path."""
+
+    def _handle_publish(self) -> mqtt.MQTTErrorCode:
+        command, packet = self._in_packet["command"], self._in_packet["packet"]
+        qos = (command & 0x06) >> 1
+        if qos == 2 or self._protocol == mqtt.MQTTv5:
+            return super()._handle_publish()
+        topic_end = 2 + int.from_bytes(packet[:2], "big")
+        at = topic_end + (2 if qos else 0)
+        if len(packet) < 2 or topic_end == 2 or at > len(packet):
+            raise MalformedPacket("PUBLISH shorter than its topic and message id")
+        message = mqtt.MQTTMessage(mid=int.from_bytes(packet[topic_end:at], "big") if qos else 0,
+                                   topic=bytes(packet[2:topic_end]))
+        message.dup, message.qos, message.retain = bool(command & 0x08), qos, bool(command & 0x01)
+        message.payload = packet[at:]
+        message.timestamp = time.monotonic()
+        self._handle_on_message(message)
+        if qos == 0 or self._manual_ack:
+            return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+        return self._send_puback(message.mid)
+
+
 def make_client(settings: BrokerSettings, client_id: str, will_topic: str | None, will_payload: bytes,
                 keepalive_backoff: tuple[int, int] = (1, 30)) -> mqtt.Client:
     """A paho client with retained last will (none for a one-shot command: will_topic None), QoS 1
@@ -75,8 +103,7 @@ def make_client(settings: BrokerSettings, client_id: str, will_topic: str | None
     clean_session=True: subscriptions are redone in on_connect, which also covers brokers that
     lost their sessions in a restart.
     """
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True,
-                         protocol=mqtt.MQTTv311)
+    client = Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True, protocol=mqtt.MQTTv311)
     if settings.username:
         client.username_pw_set(settings.username, settings.password)
     if settings.tls:
@@ -115,7 +142,7 @@ class Connection:
         self.stamp = 0  # the current connection's
         first = self._will(self._next) if self._will else will_payload
         self.client = make_client(settings, client_id, will_topic, first, backoff)
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=inbox_messages)
+        self.inbox: queue.Queue[tuple[str, bytes | bytearray]] = queue.Queue(maxsize=inbox_messages)
         self.inbox_dropped = 0
         self.connected = False
         self._fresh = threading.Event()
@@ -123,7 +150,7 @@ class Connection:
         self.client.on_connect = self._on_connect
         self.client.on_connect_fail = self._on_connect_fail
         self.client.on_disconnect = self._on_disconnect
-        self.client.on_message = lambda c, u, m: self._enqueue(m.topic, bytes(m.payload))
+        self.client.on_message = lambda c, u, m: self._enqueue(m.topic, m.payload)  # bytes, or Client's bytearray
 
     def start(self) -> None:
         self.log.info(f"connecting to {self.settings.url}")
@@ -141,7 +168,7 @@ class Connection:
         self.client.disconnect()
         self.client.loop_stop()
 
-    def _enqueue(self, topic: str, payload: bytes) -> None:
+    def _enqueue(self, topic: str, payload: bytes | bytearray) -> None:
         try:
             self.inbox.put_nowait((topic, payload))
         except queue.Full:

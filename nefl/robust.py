@@ -20,7 +20,7 @@ import torch
 
 from nefl.choices import check_choice
 from nefl.state import GlobalState, Layout
-from nefl.tensors import corner
+from nefl.tensors import Tiled, corner
 
 # Honest updates measured up to 0.86 x their submodel's weight norm (0.54 at E=1) and up to
 # 1.74 x the median of the submodel's last 20 accepted norms: margins >10x and >5x (docs/security.md).
@@ -68,8 +68,11 @@ def _tensor_norm(t: torch.Tensor) -> float:
 def update_norm(delta: dict[str, torch.Tensor]) -> float:
     """Global L2 norm accumulated in float64: an fp32 sum of squares is already inf for one 3e38
     entry, which would make a finite update look non-finite and so impossible to clip.
-    math.inf only for non-finite input (NaN included), so callers need a single comparison."""
-    total = math.hypot(*(_tensor_norm(t) for t in delta.values()))
+    math.inf only for non-finite input (NaN included), so callers need a single comparison.
+    An update decoded off the wire (nefl.wire.Tiled) is normed as its one flat buffer: one pass, not
+    one per tensor (a resnet20 update has 116)."""
+    parts = [delta.flat] if isinstance(delta, Tiled) else delta.values()
+    total = math.hypot(*(_tensor_norm(t) for t in parts))
     return total if math.isfinite(total) else math.inf
 
 

@@ -34,7 +34,7 @@ from nefl.aggregate import NeFedAvg, RoundAggregate, Weighting, tensor_bytes, up
 from nefl.choices import check_choice
 from nefl.robust import reference_norm, update_norm
 from nefl.state import GlobalState, Layout
-from nefl.tensors import corner
+from nefl.tensors import Tiled, corner
 
 RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
 # the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
@@ -111,12 +111,39 @@ class Sketch:
         gen = torch.Generator().manual_seed(seed)
         self.index = torch.randperm(total, generator=gen)[:size].sort().values if total > size else None
         self.size = min(total, size)
+        self._gathers: dict[tuple, torch.Tensor] = {}  # by an update's tiling: where its sketch lies in its buffer
 
     def __call__(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
         if not self.core:
             return torch.zeros(0)
+        if isinstance(delta, Tiled):  # decoded off the wire: one gather from its flat buffer
+            return delta.flat[self._gather(delta)]
         flat = torch.cat([delta[n][cell].reshape(-1).to(torch.float32) for n, cell in self.core.items()])
         return flat if self.index is None else flat[self.index]
+
+    def _gather(self, delta: Tiled) -> torch.Tensor:
+        """Positions in `delta.flat` of the elements the slow path picks, computed once per tiling (names in
+        buffer order and shapes: one per submodel from honest senders, a few kept)."""
+        tiling = tuple((n, t.shape) for n, t in delta.items())
+        if tiling not in self._gathers:
+            if len(self._gathers) >= 16:
+                self._gathers.clear()
+            self._gathers[tiling] = self._positions(delta)
+        return self._gathers[tiling]
+
+    def _positions(self, delta: Tiled) -> torch.Tensor:
+        """For each picked element (an index into the concatenated cells), its cell coordinates, then its
+        offset in the buffer: O(sketch size), not O(model)."""
+        base, start, out = delta.flat.storage_offset(), 0, []
+        for n, cell in self.core.items():
+            t, shape = delta[n], tuple(s.stop for s in cell)
+            size = math.prod(shape)
+            picked = torch.arange(start, start + size) if self.index is None else \
+                self.index[(self.index >= start) & (self.index < start + size)]
+            coords = torch.unravel_index(picked - start, shape)
+            out.append(t.storage_offset() - base + sum(c * s for c, s in zip(coords, t.stride())))
+            start += size
+        return torch.cat(out)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,8 +8,8 @@ The body names its type, federation, run and round, which binds the signature to
 The aggregator's key lives in its key directory (`server.key`, mode 0600, aggregator/keys.py), apart
 from its checkpoints. Devices pin the
 public key: given with `--server-key`, or trusted on first use and remembered in a pin file.
-The same scheme runs the other way: each device has a key of its own, signs its announce and every
-update chunk's header, and the aggregator pins the key of each client id on its first announce, so
+The same scheme runs the other way: each device has a key of its own, signs its announce and its
+update's header (once: it names the chunks' Merkle root, nefl/wire.py), and the aggregator pins the key of each client id on its first announce, so
 on a broker without ACLs nobody can announce or upload under a device's id but that device.
 """
 

@@ -25,6 +25,14 @@ def ring(outer: torch.Size | tuple[int, ...], inner: torch.Size | tuple[int, ...
             for d in range(len(outer)) if inner[d] < outer[d]]
 
 
+class Tiled(dict):
+    """Tensors that are views exactly tiling one flat float32 buffer, `flat`, as nefl/wire.py decodes an
+    update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor.
+    Only the decoder builds one; anything derived from it (a clipped copy) is a plain dict again."""
+
+    flat: torch.Tensor
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN/inf, checked cheaply: a finite sum proves it (NaN and inf propagate into any sum);
     only a non-finite sum (possibly an overflow of huge finite values) needs the element-wise check."""

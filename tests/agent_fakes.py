@@ -3,7 +3,6 @@ a signed server that speaks to the agent like the aggregator does."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from nefl.signing import Signer
 from nefl.state import Layout
 from nefl.topics import Topics
 from nefl.train import TrainResult
-from nefl.wire import encode
+from nefl.wire import encode, parse_chunk
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")
@@ -94,10 +93,10 @@ class FakeServer:
 
     def task_msg(self, k: int = 0, round: int = 1, **kw) -> Task:
         w = self.weights(k, round)
-        header = json.loads(w[0][8:8 + int.from_bytes(w[0][4:8], "big")])
+        header = parse_chunk(w[0]).header
         args = dict(federation="t", run=self.run, round=round, submodel=k, lr=0.1, epochs=1, batch_size=16,
                     profile_hash=self.layout.profile.hash, deadline_s=60.0, chunks=len(w),
-                    model_sha256=header["sha256"], model_bytes=header["size"], **self.stamp())
+                    model_digest=header.digest, model_bytes=header.size, **self.stamp())
         return Task(**{**args, **kw})
 
     def task(self, k: int = 0, round: int = 1, **kw) -> bytes:

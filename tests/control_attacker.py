@@ -76,7 +76,7 @@ class Attacker:
     def handle(self, topic: str, payload: bytes) -> None:
         a = self.args.attack
         if a == "silent" and payload:
-            h, _ = parse_chunk(payload)
+            h = parse_chunk(payload).header
             if (h.client, h.round) not in self.seen:
                 self.seen.add((h.client, h.round))
                 self.count("updates_swallowed")
@@ -112,7 +112,7 @@ class Attacker:
                     self.send(t.worker(worker, "partial"), m)
                 summary = PartialSummary(run=close.run, round=close.round, weights=[float(w) for w in agg.weights],
                                          updates=list(agg.updates), clients=sorted(self.plan.assignments),
-                                         sha256=parse_chunk(msgs[0])[0].sha256)
+                                         digest=parse_chunk(msgs[0]).header.digest)
                 self.send(t.worker(worker, "summary"), self.key.sign(summary.to_json()))
                 self.count("partials_forged")
 

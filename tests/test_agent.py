@@ -143,7 +143,7 @@ def test_an_upload_is_announced_and_resent_on_request_where_no_worker_listens(tm
     key = parse_public_key(announces(transport)[0].key)
     sent = Sent.from_json(verify(notice, key))
     done = Reassembler().feed(first[0])
-    assert (sent.run, sent.round, sent.submodel, sent.sha256) == ("run1", 1, 0, done.header.sha256)
+    assert (sent.run, sent.round, sent.submodel, sent.digest) == ("run1", 1, 0, done.header.digest)
     agent.dispatch(T.task("c1"), server.task(resend=True))
     assert transport.on(T.resend("c1")) == first and transport.on(T.update("c1")) == first
     other = FakeServer(tmp_path / "s")  # a resend request for a round this device did not upload: nothing happens

@@ -11,6 +11,7 @@ metrics. Run anonymous and under the password file + ACL of docs/security.md.
 from __future__ import annotations
 
 import json
+import struct
 import queue
 import subprocess
 
@@ -43,11 +44,11 @@ pattern read  nefl/t/control
 pattern read  nefl/t/server/status
 """
 KILLERS = [  # each one ended the aggregator (or, retained, every restart of it) before the strict loader
-    b'{"v":1,"samples":1,"max_submodel":Infinity}',
-    b'{"v":1,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",
+    b'{"v":2,"samples":1,"max_submodel":Infinity}',
+    b'{"v":2,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",
     b"[" * 2000 + b"]" * 2000,
 ]
-NESTED_HEADER = b"NEFL\x00\x00\x0f\xa0" + b"[" * 2000 + b"]" * 2000
+NESTED_HEADER = b"NEFL\x02\x00\x0f\xa0\x00\x00\x00\x00" + b"[" * 2000 + b"]" * 2000
 
 
 class Attacker:
@@ -64,8 +65,8 @@ class Attacker:
         self.c.loop_start()
         self.c.subscribe(T.task("raw"), qos=1)
         self.c.subscribe(T.update("c1"), qos=1)
-        self.send(T.status("raw"), b'{"v":1,"type":"client_status","state":"online"}', retain=True)
-        self.send(T.announce("raw"), b'{"v":1,"type":"announce","client":"raw","samples":10,"max_submodel":1}', retain=True)
+        self.send(T.status("raw"), b'{"v":2,"type":"client_status","state":"online"}', retain=True)
+        self.send(T.announce("raw"), b'{"v":2,"type":"announce","client":"raw","samples":10,"max_submodel":1}', retain=True)
 
     def _on_message(self, client, userdata, m) -> None:
         if m.payload and m.topic == T.task("raw"):
@@ -135,18 +136,19 @@ def test_one_device_cannot_stop_or_spoil_the_federation(procs, tmp_path, acl):
     # 5. without an ACL anyone is anyone: c1's own update, overheard and re-wrapped into the next round
     if not acl:
         wait_for(lambda: raw.overheard, 30, "c1's update to be overheard")
-        head, data = split_chunk(raw.overheard[0])
+        head, index, proof, data = split_chunk(raw.overheard[0])
         moved = head.replace(f'"round":{task["round"]}'.encode(), f'"round":{task["round"] + 1}'.encode())
-        raw.send(T.update("c1"), b"NEFL" + len(moved).to_bytes(4, "big") + moved + data)
+        raw.send(T.update("c1"), struct.pack(">4sBBHI", b"NEFL", 2, len(proof) // 32, len(moved), index) + moved
+                 + bytes(proof) + bytes(data))
     # ... and at the devices, where the broker lets it through (without an ACL anyone is anyone): a forged end,
     # nested JSON, a forged task, and forged weights retained where the server never overwrites them
-    raw.send(T.control, b'{"v":1,"type":"control","federation":"t","run":"x","event":"end"}', retain=True)
+    raw.send(T.control, b'{"v":2,"type":"control","federation":"t","run":"x","event":"end"}', retain=True)
     raw.send(T.control, b"[" * 2000 + b"]" * 2000)
     raw.send(T.task("c1"), json.dumps({**task, "epochs": 10**6, "batch_size": 0}).encode(), retain=True)
     poison_model = encode({n: torch.full(s, 1e30) for n, s in layout.sub_shapes[0].items()}, kind="model",
                           federation="t", round=task["round"] + 1, submodel=0, client="server", chunk_bytes=16 << 10)
     raw.send(T.model_chunk(0, 7), poison_model[1], retain=True)
-    raw.send(T.status("raw"), b'{"v":1,"type":"client_status","state":"offline"}')  # not picked again
+    raw.send(T.status("raw"), b'{"v":2,"type":"client_status","state":"offline"}')  # not picked again
     raw.close()
 
     finish(procs, "agg", 150)

@@ -157,7 +157,7 @@ def bad_inputs(layout: Layout, round_: int, k: int) -> list[tuple[str, bytes, st
     g = torch.Generator().manual_seed(0)
     return [
         ("raw", bytes(2 << 20), "oversized"),
-        ("raw", b"NEFL\x00\x00\x00\x05{oops", "malformed_header"),
+        ("raw", b"NEFL\x02\x00\x00\x05\x00\x00\x00\x00{oops", "malformed_header"),
         ("raw", bytes(torch.randint(0, 256, (3000,), generator=g, dtype=torch.uint8).tolist()), "malformed_header"),
         ("raw", msg(federation="other"), "wrong_federation"),
         ("raw", msg(round=round_ + 5), "stale_round"),
@@ -165,7 +165,7 @@ def bad_inputs(layout: Layout, round_: int, k: int) -> list[tuple[str, bytes, st
         ("raw", msg({n: torch.zeros(s) for n, s in layout.upload_shapes(other).items()}), "tensor_mismatch"),
         ("raw", msg({n: torch.zeros(s) for n, s in layout.upload_shapes(other).items()}, submodel=other), "submodel_mismatch"),
         ("raw", msg(nan), "non_finite"),
-        ("raw", bytes(corrupt), "sha256_mismatch"),
+        ("raw", bytes(corrupt), "digest_mismatch"),
         ("intruder", msg(client="intruder"), "unassigned"),
         ("raw", msg(), "accepted"),  # finally a well-formed (zero) update: the round need not wait for its deadline
     ]
@@ -182,8 +182,8 @@ class RawClient:
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
         self.c.subscribe(self.topics.task("raw"), qos=1)
-        self.publish(self.topics.status("raw"), b'{"v":1,"state":"online"}', retain=True)
-        announce = b'{"v":1,"type":"announce","client":"raw","samples":10,"max_submodel":1}'
+        self.publish(self.topics.status("raw"), b'{"v":2,"state":"online"}', retain=True)
+        announce = b'{"v":2,"type":"announce","client":"raw","samples":10,"max_submodel":1}'
         self.publish(self.topics.announce("raw"), announce, retain=True)
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -200,7 +200,7 @@ def test_embedded_broker_federation_learns(procs, tmp_path):
     port = free_port()
     procs.aggregator("agg", serve_args(["--embedded-port", str(port)], 3, 60, evaluate=True))
     wait_for(lambda: port_open(port), 60, "the embedded broker")
-    assert "started embedded MQTT broker" in procs.log("agg")
+    wait_for(lambda: "started embedded MQTT broker" in procs.log("agg"), 30, "the embedded broker's log line")
     for i, sub in enumerate((1, 2), start=1):
         procs.client(f"c{i}", f"mqtt://127.0.0.1:{port}", client_args(i, 320, sub))
     # c3 may train anything, but emulates a device whose free memory fits submodel 2 and not 3
@@ -233,7 +233,7 @@ def test_mosquitto_federation_learns_and_survives_bad_input(procs, tmp_path):
     for client, message, _ in bad[:-1]:
         raw.publish(topics.update(client), message)
     raw.publish(topics.update("raw"), bad[-1][1])
-    raw.publish(topics.status("raw"), b'{"v":1,"type":"client_status","state":"offline"}', retain=True)  # not picked again
+    raw.publish(topics.status("raw"), b'{"v":2,"type":"client_status","state":"offline"}', retain=True)  # not picked again
     raw.close()
     finish(procs, "agg", 200)
     m = metrics(tmp_path)

@@ -15,7 +15,7 @@ from nefl.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, Announce, ClientStatus,
 from nefl.signing import KeyPin, Signer, parse_public_key, split_signed, verify
 
 TASK = Task(federation="f", run="r1", round=3, submodel=1, lr=0.1, epochs=1, batch_size=32, profile_hash="abc",
-            deadline_s=60.0, chunks=2, model_sha256="0" * 64, model_bytes=1000)
+            deadline_s=60.0, chunks=2, model_digest="0" * 64, model_bytes=1000)
 MESSAGES = [
     Announce(client="c1", samples=10, max_submodel=3, selection="memory binds"),
     ClientStatus(state="online"),
@@ -40,15 +40,15 @@ def test_round_trip(msg):
 
 
 @pytest.mark.parametrize("payload, reason", [
-    (b'{"v":1,"type":"announce","client":"c","samples":1,"max_submodel":Infinity}', "malformed_json"),
-    (b'{"v":1,"type":"announce","client":"c","samples":1,"max_submodel":NaN}', "malformed_json"),
-    (b'{"v":1,"type":"announce","client":"c","samples":1,"max_submodel":' + b"9" * 5000 + b"}", "invalid_announce"),
+    (b'{"v":2,"type":"announce","client":"c","samples":1,"max_submodel":Infinity}', "malformed_json"),
+    (b'{"v":2,"type":"announce","client":"c","samples":1,"max_submodel":NaN}', "malformed_json"),
+    (b'{"v":2,"type":"announce","client":"c","samples":1,"max_submodel":' + b"9" * 5000 + b"}", "invalid_announce"),
     (b"[" * 2000 + b"]" * 2000, "too_deep"),
-    (b'{"v":1,"x":' + b"[" * 2000 + b"]" * 2000 + b"}", "too_deep"),
-    (b'{"v":1,"type":"announce","client":"a/b","samples":1,"max_submodel":1}', "invalid_announce"),
-    (b'{"v":1,"type":"announce","client":"c","samples":0,"max_submodel":1}', "invalid_announce"),
-    (b'{"v":1,"type":"task","client":"c","samples":1,"max_submodel":1}', "invalid_announce"),
-    (b'{"v":2,"type":"announce"}', "bad_version"),
+    (b'{"v":2,"x":' + b"[" * 2000 + b"]" * 2000 + b"}", "too_deep"),
+    (b'{"v":2,"type":"announce","client":"a/b","samples":1,"max_submodel":1}', "invalid_announce"),
+    (b'{"v":2,"type":"announce","client":"c","samples":0,"max_submodel":1}', "invalid_announce"),
+    (b'{"v":2,"type":"task","client":"c","samples":1,"max_submodel":1}', "invalid_announce"),
+    (b'{"v":1,"type":"announce"}', "bad_version"),
     (b'{"v":true}', "malformed_json"),
     (b"\xff\xfe\x00", "malformed_json"),
     (b" " * (MAX_CONTROL_BYTES + 1), "oversized"),
@@ -61,7 +61,7 @@ def test_each_kind_of_bad_announce_has_its_reason(payload, reason):
 
 def test_task_ranges_are_checked():
     body = json.loads(TASK.to_json())
-    for field, bad in (("batch_size", 0), ("epochs", 10**6), ("lr", -1), ("deadline_s", 0), ("model_sha256", "xyz"),
+    for field, bad in (("batch_size", 0), ("epochs", 10**6), ("lr", -1), ("deadline_s", 0), ("model_digest", "xyz"),
                        ("round", -1), ("submodel", 1000), ("run", "../x")):
         with pytest.raises(MessageError) as e:
             Task.from_json(json.dumps({**body, field: bad}).encode())

@@ -165,7 +165,7 @@ def test_bad_input_is_refused_a_broken_transfer_resumes_and_a_signed_rollback_is
     unsigned = rollout(server, 5, 2)
     release2, chunks2 = release_messages(server, exports["v2"], 2)
     topic, chunk = chunks2[0]
-    head, data = split_chunk(chunk)
+    data = bytes(split_chunk(chunk)[3])
     bad = [(T.deploy_rollout, unsigned[:unsigned.rindex(b',"sig"')] + b"}"),
            (T.deploy_rollout, rollout(forger, 5, 2)),
            (T.deploy_rollout, rollout(server, 5, 2, federation="other")),

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
 from aggregator.enrolment import Enrolment
-from nefl.messages import Announce, ClientStatus, Control, Receipt
+from nefl.messages import VERSION, Announce, ClientStatus, Control, Receipt
 from nefl.mqtt import parse_broker
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
@@ -39,10 +39,10 @@ json_values = st.recursive(
     max_leaves=30,
 )
 KILLERS = [  # each ended the aggregator or a client before the strict loader
-    b'{"v":1,"samples":1,"max_submodel":Infinity}',
+    b'{"v":2,"samples":1,"max_submodel":Infinity}',
     b"[" * 2000 + b"]" * 2000,
-    b'{"v":1,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",
-    b'{"v":1,"state":' + b"[" * 2000 + b"]" * 2000 + b"}",
+    b'{"v":2,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",
+    b'{"v":2,"state":' + b"[" * 2000 + b"]" * 2000 + b"}",
     b"NEFL\x00\x00\x0f\xa0" + b"[" * 2000 + b"]" * 2000,
     b"",
     b"\x00" * 70000,
@@ -148,10 +148,10 @@ def test_server_handle_never_raises(server, data):
         payload = json.dumps(data.draw(json_values)).encode()
     elif kind == "worker-signed-json":  # validly signed by the authorised worker, hostile body
         value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
-        payload = WORKER.sign(json.dumps({"v": 1, **value}).encode())
+        payload = WORKER.sign(json.dumps({"v": VERSION, **value}).encode())
     elif kind == "receipt":
-        payload = WORKER.sign(mutate(data, Receipt(run=server.run_id, round=1, client="raw", outcome="accepted",
-                                                   samples=10, norm=1.0).to_json()))
+        body = Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0).to_json()
+        payload = WORKER.sign(mutate(data, body[:-1]) + b"}")  # only a JSON object's bytes are signed
     elif kind == "announce":
         payload = mutate(data, Announce(client="raw", samples=10, max_submodel=2).to_json())
     elif kind == "status":
@@ -300,7 +300,7 @@ def test_agent_dispatch_never_raises(agent, server_side, data):
         payload = json.dumps(data.draw(json_values)).encode()
     elif kind == "signed-json":  # validly signed by the pinned key, hostile body
         value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
-        payload = server_side.signer.sign(json.dumps({"v": 1, **value}).encode())
+        payload = server_side.signer.sign(json.dumps({"v": VERSION, **value}).encode())
     elif kind == "task":
         payload = mutate(data, server_side.task(seq=50))
     elif kind == "status":

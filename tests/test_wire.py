@@ -5,11 +5,23 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
+from blake3 import blake3
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
+from nefl import signing
+from nefl.messages import MessageError
+from nefl.signing import Signer, parse_public_key
 from nefl.topics import Topics, check_name
-from nefl.wire import MAGIC, Reassembler, WireError, encode, parse_chunk
+from nefl.wire import (_NODE, HASH_BYTES, MAGIC, WIRE_VERSION, Reassembler, WireError, decode_tensors, encode,
+                       encode_tensors, leaf, merkle_levels, merkle_proof, merkle_root_of, parse_chunk, proof_length,
+                       split_chunk)
 
 CHUNK = 16 * 1024
 
@@ -61,28 +73,72 @@ def test_fp16_halves_the_payload_and_decodes_to_float32():
 
 
 def tamper(message: bytes, **changes) -> bytes:
-    hlen = struct.unpack_from(">4sI", message)[1]
-    header = json.loads(message[8:8 + hlen])
+    """The message with its header's fields changed (its proof and data kept)."""
+    head, index, proof, data = split_chunk(message)
+    header = json.loads(head)
     header.update(changes)
-    head = json.dumps(header).encode()
-    return struct.pack(">4sI", MAGIC, len(head)) + head + message[8 + hlen:]
+    return reframe(json.dumps(header, separators=(",", ":")).encode(), index, bytes(proof), bytes(data))
 
 
-def test_sha256_mismatch_rejected():
-    out = msgs(chunk_bytes=1 << 20)
-    assert len(out) == 1
-    corrupted = bytearray(out[0])
-    corrupted[-5] ^= 0xFF
-    with pytest.raises(WireError) as e:
-        Reassembler().feed(bytes(corrupted))
-    assert e.value.reason == "sha256_mismatch"
+def reframe(head: bytes, index: int, proof: bytes, data: bytes, version: int = WIRE_VERSION) -> bytes:
+    return struct.pack(">4sBBHI", MAGIC, version, len(proof) // HASH_BYTES, len(head), index) + head + proof + data
+
+
+def test_a_corrupted_chunk_is_refused_alone_and_the_intact_copy_completes():
+    out = msgs(chunk_bytes=8192 - 1024 + 2048 + 4096)  # 5 KiB of payload per chunk
+    assert len(out) > 2
+    r = Reassembler()
+    head, index, proof, data = split_chunk(out[1])
+    for bad, reason in ((reframe(head, index, bytes(proof), bytes(data[:-1]) + bytes([data[-1] ^ 1])), "digest_mismatch"),
+                        (reframe(head, index, bytes(proof), bytes(data) + b"x"), "size_mismatch"),
+                        (reframe(head, 0, bytes(split_chunk(out[0])[2]), bytes(data)), "digest_mismatch")):
+        with pytest.raises(WireError) as e:
+            r.feed(bad)
+        assert e.value.reason == reason
+    assert [r.feed(m) for m in out][-1] is not None and r.duplicates == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 40), data=st.data())
+def test_every_chunk_proves_its_place_and_nothing_else_does(count, data):
+    """Against brute force: the root is the pairwise tree, each chunk's proof leads to it, and no chunk
+    proves another index, a neighbour's data or a changed byte."""
+    parts = [bytes([i % 256]) * (1 + i % 3) for i in range(count)]
+    levels = merkle_levels([leaf(p) for p in parts])
+    nodes = [leaf(p) for p in parts]
+    while len(nodes) > 1:  # the tree by hand
+        nodes = [blake3(nodes[i] + nodes[i + 1], derive_key_context=_NODE).digest() if i + 1 < len(nodes) else nodes[i]
+                 for i in range(0, len(nodes), 2)]
+    root = levels[-1][0]
+    assert root == nodes[0]
+    i = data.draw(st.integers(0, count - 1))
+    proof = memoryview(merkle_proof(levels, i))
+    assert len(proof) == proof_length(i, count) * HASH_BYTES
+    assert merkle_root_of(parts[i], i, count, proof) == root
+    assert merkle_root_of(parts[i] + b"!", i, count, proof) != root
+    if count > 1:
+        j = data.draw(st.integers(0, count - 1).filter(lambda j: parts[j] != parts[i]))
+        assert merkle_root_of(parts[j], i, count, proof) != root
+        if proof_length(j, count) == proof_length(i, count) and j != i:
+            assert merkle_root_of(parts[i], j, count, proof) != root
+
+
+def test_tensors_round_trip_through_safetensors_both_ways():
+    """encode_tensors writes what the safetensors library reads, and the decoder reads what it writes."""
+    t = tensors()
+    assert all(torch.equal(st_load(bytes(encode_tensors(t)))[n], v) for n, v in t.items())
+    got = decode_tensors("fp32", np.frombuffer(st_save(t), dtype=np.uint8).copy())
+    assert all(torch.equal(got[n], v) for n, v in t.items())
+    assert sum(v.numel() for v in got.values()) == got.flat.numel() and all(v._base is got.flat for v in got.values())
 
 
 @pytest.mark.parametrize("message, reason", [
     (b"", "malformed_header"),
     (b"\x00" * 64, "malformed_header"),
-    (MAGIC + struct.pack(">I", 3) + b"{x}", "malformed_header"),
-    (MAGIC + struct.pack(">I", 10**6) + b"{}", "malformed_header"),
+    (reframe(b"{x}", 0, b"", b""), "malformed_header"),
+    (MAGIC + struct.pack(">BBHI", WIRE_VERSION, 0, 60000, 0) + b"{}", "malformed_header"),
+    (MAGIC + struct.pack(">BBHI", WIRE_VERSION, 200, 2, 0) + b"{}", "malformed_header"),
+    (MAGIC + struct.pack(">I", 3) + b"{x}" + bytes(8), "bad_version"),  # a version 1 chunk: signed per chunk, one sha256
 ])
 def test_garbage_rejected(message, reason):
     with pytest.raises(WireError) as e:
@@ -97,9 +153,24 @@ def test_random_bytes_rejected():
             Reassembler().feed(bytes(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).tolist()))
 
 
+@settings(max_examples=200, deadline=None)
+@given(cut=st.integers(0, 400), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), max_size=4))
+def test_damaged_messages_raise_only_wire_errors(cut, flips):
+    """Any truncation and byte flips of a genuine chunk: a WireError with a reason, or (a flip in the
+    data that the proof catches, or one in a field nobody checks twice) a clean refusal or acceptance."""
+    m = bytearray(msgs(chunk_bytes=1 << 20)[0])
+    for at, x in flips:
+        m[at % len(m)] ^= x
+    try:
+        Reassembler().feed(bytes(m[:len(m) - cut]))
+    except WireError as e:
+        assert e.reason
+
+
 def test_header_fields_are_type_checked():
     m = msgs(chunk_bytes=1 << 20)[0]
-    for change in ({"round": "3"}, {"client": 5}, {"index": 2}, {"dtype": "int8"}, {"v": 99}, {"samples": True}):
+    for change in ({"round": "3"}, {"client": 5}, {"count": 2}, {"dtype": "int8"}, {"v": 99}, {"samples": True},
+                   {"chunk": 0}, {"digest": "ab"}):
         with pytest.raises(WireError):
             parse_chunk(tamper(m, **change))
 
@@ -110,12 +181,7 @@ def test_size_caps():
         Reassembler(max_bytes=CHUNK // 2).feed(out[0])
     assert e.value.reason == "oversized"
     with pytest.raises(WireError) as e:  # a header announcing a huge set is refused before buffering
-        Reassembler(max_bytes=1 << 20).feed(tamper(out[0], size=1 << 30))
-    assert e.value.reason == "oversized"
-    with pytest.raises(WireError) as e:  # chunks carrying more than announced
-        r = Reassembler()
-        for m in out:
-            r.feed(tamper(m, size=10))
+        Reassembler(max_bytes=1 << 20).feed(tamper(out[0], size=1 << 30, count=(1 << 30) // parse_chunk(out[0]).header.chunk + 1))
     assert e.value.reason == "oversized"
 
 
@@ -132,6 +198,25 @@ def test_inconsistent_chunks_and_pending_cap():
     with pytest.raises(WireError) as e:
         r.feed(msgs(round=3)[0])
     assert e.value.reason == "too_many_pending"
+
+
+def test_the_signature_is_checked_once_per_update(monkeypatch):
+    """Every chunk repeats the signed header: one Ed25519 verification per update, a byte compare per chunk;
+    a chunk whose header differs (a forged one under the same digest) is checked, and refused, on its own."""
+    device = Signer(Ed25519PrivateKey.generate())
+    key = parse_public_key(device.public_text)
+    out = msgs(sign=device.sign)
+    calls = []
+    real = signing.verify
+    monkeypatch.setattr(signing, "verify", lambda payload, k: calls.append(1) or real(payload, k))
+    r = Reassembler()
+    assert [r.feed(r.parse(m, key)) for m in out][-1] is not None and len(calls) == 1
+    forged = tamper(msgs(sign=device.sign, round=4)[1], samples=1)
+    with pytest.raises(MessageError) as e:
+        r.parse(forged, key)
+    assert e.value.reason == "bad_signature" and len(calls) == 2
+    with pytest.raises(MessageError):
+        r.parse(msgs()[0], key)  # unsigned under a pinned key
 
 
 def test_timeout_expires_partial_sets():
@@ -175,8 +260,9 @@ def test_a_corrupted_copy_does_not_shadow_the_genuine_message():
     corrupted = bytearray(out[0])
     corrupted[-5] ^= 0xFF
     r = Reassembler()
-    with pytest.raises(WireError):
+    with pytest.raises(WireError) as e:
         r.feed(bytes(corrupted))
+    assert e.value.reason == "digest_mismatch"
     assert r.feed(out[0]) is not None
 
 
@@ -186,3 +272,12 @@ def test_total_buffered_bytes_are_capped():
     with pytest.raises(WireError) as e:
         r.feed(msgs(round=2)[0])
     assert e.value.reason == "oversized"
+
+
+def test_a_single_chunk_in_a_writable_buffer_is_decoded_in_place():
+    original = msgs(chunk_bytes=1 << 20)[0]
+    m = bytearray(original)
+    done = Reassembler().feed(m)
+    assert all(torch.equal(done.tensors[n], t) for n, t in tensors().items())
+    done.tensors["bn.bias"].mul_(0)  # the tensors are the message's own bytes
+    assert m != original and Reassembler().feed(original).tensors["bn.bias"].abs().sum() > 0
