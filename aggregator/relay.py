@@ -45,7 +45,7 @@ class Relay(Worker):
 
     def route(self, conn: Connection, topic: str, payload: bytes) -> None:
         t = self.topics
-        if conn is self.site and (t.client_of(topic, "announce") or t.client_of(topic, "status")):
+        if conn is self.site and any(t.client_of(topic, kind) for kind in ("announce", "decline", "status")):
             self._up(topic, payload)
         elif conn is self.up and (t.client_of(topic, "task") or t.is_model(topic)
                                   or topic in (t.control, t.server_status)):
@@ -54,8 +54,9 @@ class Relay(Worker):
             super().route(conn, topic, payload)
 
     def _up(self, topic: str, payload: bytes) -> None:
-        """A site device's announce or status, copied up unchanged (the coordinator checks it, signature
-        included); its task topic is followed from now on."""
+        """A site device's announce, decline or status, copied up unchanged (the coordinator checks it,
+        signature included); its task topic is followed from now on. A decline is about one task, not
+        a state to remember, so it is the one not retained."""
         if len(payload) > MAX_CONTROL_BYTES:
             self.dropped += 1
             log.info(f"not relaying a {len(payload)}-byte message on {topic} (limit {MAX_CONTROL_BYTES})")
@@ -64,7 +65,7 @@ class Relay(Worker):
         if client is not None and client not in self.site_clients:
             self.site_clients.add(client)
             self.up.client.subscribe(self.topics.task(client), qos=QOS)
-        self.publish_up(topic, payload, retain=True)
+        self.publish_up(topic, payload, retain=self.topics.client_of(topic, "decline") is None)
 
 
 def relay_command(

@@ -16,7 +16,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import paho.mqtt.client as mqtt
@@ -30,7 +30,7 @@ from aggregator.partials import WorkerPool
 from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
                              load_checkpoint, read_metrics, replay_metrics, save_checkpoint)
 from nefl.fsio import atomic_write_text
-from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, ServerStatus, Task,
+from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, Decline, MessageError, ServerStatus, Task,
                            TrainingSettings)
 from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
@@ -42,6 +42,7 @@ from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
 
 STATUS_FILE = "status.json"
+DeviceMessage = TypeVar("DeviceMessage", Announce, Decline)
 
 
 @dataclass
@@ -181,7 +182,9 @@ class Server:
                 self._handle_update(client, payload)
             elif (client := t.client_of(topic, "announce")) is not None:
                 if payload:  # an empty retained message clears the announce
-                    self._handle_announce(client, self._open_announce(client, payload))
+                    self._handle_announce(client, self._open_signed(client, payload, Announce))
+            elif (client := t.client_of(topic, "decline")) is not None:
+                self._handle_decline(client, self._open_signed(client, payload, Decline))
             elif (w := t.worker_of(topic)) is not None:
                 client = w[0]
                 self.pool.handle(*w, payload)
@@ -201,15 +204,16 @@ class Server:
             ingest.remove(self.topics.update("+"))
         return ingest + self.topics.coordinator_subscriptions()
 
-    def _open_announce(self, client: str, payload: bytes) -> Announce:
-        """A device signs its announce with the key it names: check that, then the key pinned for its id."""
+    def _open_signed(self, client: str, payload: bytes, cls: type[DeviceMessage]) -> DeviceMessage:
+        """A device signs its announces and declines with the key it names: check that, then the key
+        pinned for its id (so nobody else can speak, or decline a task, for it)."""
         if split_signed(payload) is None:
-            msg = Announce.from_json(payload)
+            msg = cls.from_json(payload)
             self.fed.check_key(client, "")
             return msg
-        body, key = verify_self_signed(payload, lambda b: Announce.from_json(b).key)
+        body, key = verify_self_signed(payload, lambda b: cls.from_json(b).key)
         self.fed.check_key(client, key)
-        return Announce.from_json(body)
+        return cls.from_json(body)
 
     def _handle_announce(self, client: str, msg: Announce) -> None:
         info = self.fed.announce(client, msg)
@@ -217,9 +221,15 @@ class Server:
         why = f" ({info.selection})" if info.selection else ""
         log.info(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}",
                  extra={"client": client, "submodel": info.max_submodel + 1})
-        r = self.fed.round
-        if r is not None and client in r.declined and client not in r.assignments:
-            log.info(f"round {r.index}: {client} declined its task; the round no longer waits for it")
+
+    def _handle_decline(self, client: str, msg: Decline) -> None:
+        if msg.federation != self.cfg.federation or msg.run != self.run_id:
+            raise Rejected("stale_decline", f"decline for {msg.federation}/{msg.run}, this is "
+                                            f"{self.cfg.federation}/{self.run_id}")
+        self.fed.decline(client, msg)
+        self.client.publish(self.topics.task(client), b"", qos=QOS, retain=True)  # its task is settled
+        log.info(f"round {msg.round}: {client} declined submodel {msg.submodel + 1} ({msg.reason or 'no reason given'}); "
+                 "the round no longer waits for it", extra={"round": msg.round, "client": client})
 
     def _handle_update(self, client: str, payload: bytes) -> None:
         """The path workers share (aggregator/intake.py); a device's signed chunk under a pinned key

@@ -13,10 +13,18 @@ measures the smallest submodel cold and warm: the difference is the one-time fra
 kernel pages, thread pools) that a real first round also pays, so it is added to every submodel.
 
 `predict_seconds` turns a calibrated step time into a round's time under the current load:
-    step_seconds * ceil(samples / batch) * epochs * slowdown(snapshot) / speed
+    step_seconds * ceil(samples / batch) * epochs * slowdown(snapshot) * correction / speed
 with slowdown = max(1, (others' CPU demand in cores + training threads) / cores), the fair share the
 scheduler gives the training threads, times THROTTLED_SLOWDOWN when the Pi firmware throttles or a
-thermal zone is at or above `hot_limit_c` (the clock is then capped at roughly half).
+thermal zone is at or above `hot_limit_c` (the clock is then capped at roughly half). "Others" is
+everything outside this process tree (edge_client/probe.py): the device's own training is never
+its own load. A calibration measured on a busy device is divided by the slowdown during it, so the
+table holds idle-device step times and the load is not counted twice.
+
+`RunningCalibration` closes the loop: after every round the device compares the seconds per step
+it measured with what the table predicted for the load during that round, and keeps a running
+correction factor, so a calibration that is wrong for whatever reason (data loading, a different
+clock, a co-located process) is corrected from the next round on instead of persisting.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ CACHE_DIR = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser()
 THROTTLED_SLOWDOWN = 2.0
 HOT_LIMIT_C = 80.0
 TIMED_STEPS = 3
+SATURATED = 0.97  # machine busy share from which others' CPU use may understate what they would take
+MIN_ACTIVE = 0.2  # of its threads' worth: our tree was working in the interval, not idling
+CORRECTION_ALPHA = 0.5  # weight of the newest round in the running correction
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,7 @@ class SubmodelCost:
     macs: int  # per sample, forward
     estimated_peak: int  # bytes, analytic
     measured_peak: int | None = None  # bytes, calibrated on this device
-    step_seconds: float | None = None  # one training step at the table's batch size, calibrated
+    step_seconds: float | None = None  # one training step at the table's batch size on the idle device, calibrated
     error: str | None = None  # why calibration failed (e.g. killed: out of memory)
 
     @property
@@ -100,10 +111,27 @@ def estimate_costs(layout: Layout, batch_size: int, device: str = "cpu", threads
 
 # -- prediction ------------------------------------------------------------------------------------
 
-def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C) -> float:
-    """How much slower than at calibration a step runs now (>= 1); unknown load counts as idle."""
+def others_demand(snapshot: DeviceSnapshot, threads: int) -> float:
+    """Cores the rest of the machine would take (its demand, not only what it got).
+
+    Others' use is their demand until the machine is saturated; then the scheduler's fair share
+    tells: if our `threads` got `own` cores of the `cores`, others want threads * (cores - own) / own.
+    Without a reading of our own tree, the system-wide figure stands in (it overstates)."""
+    cores = snapshot.cpu_count
+    if snapshot.external_cpu_percent is None or snapshot.own_cpu_cores is None:
+        return (snapshot.cpu_percent or 0.0) / 100.0 * cores
+    others, own = snapshot.external_cpu_percent / 100.0 * cores, snapshot.own_cpu_cores
+    if own >= MIN_ACTIVE * threads and others + own >= SATURATED * cores:
+        return max(others, threads * (cores - own) / own)
+    return others
+
+
+def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C,
+             others_floor: float = 0.0) -> float:
+    """How much slower than on the idle device a step runs now (>= 1); unknown load counts as idle.
+    `others_floor`: cores others demanded while this device last trained (RunningCalibration)."""
     if device == "cpu":
-        demand = max((snapshot.cpu_percent or 0.0) / 100.0, snapshot.load_per_core or 0.0) * snapshot.cpu_count
+        demand = max(others_demand(snapshot, threads), others_floor)
         factor = max(1.0, (demand + threads) / snapshot.cpu_count)
     else:
         util = snapshot.gpus[0].utilization if snapshot.gpus else snapshot.jetson_gpu_load
@@ -113,15 +141,51 @@ def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_li
     return factor
 
 
+@dataclass
+class RunningCalibration:
+    """What real rounds taught about this device's step times, on top of the calibration.
+
+    `correction` is a running average of measured / predicted seconds per step, the prediction made
+    for the load measured during that round; `others_busy` is the load (others' demand, cores) of the
+    latest round, kept as a floor for the next prediction: work that starts with this device's own
+    (a co-located device that trains in the same rounds) is then expected, and what the device
+    announces right after a round and when idle agrees, so it does not flip-flop between them."""
+
+    alpha: float = CORRECTION_ALPHA
+    correction: float = 1.0
+    others_busy: float = 0.0
+    rounds: int = 0
+
+    def step_seconds(self, cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot,
+                     hot_limit_c: float = HOT_LIMIT_C) -> float | None:
+        """Predicted seconds of one step of `cost`'s submodel now; None before calibration."""
+        if cost.step_seconds is None:
+            return None
+        load = slowdown(snapshot, table.threads, table.device, hot_limit_c, self.others_busy)
+        return cost.step_seconds * load * self.correction
+
+    def observe(self, cost: SubmodelCost, table: CostTable, step_seconds: float, during: DeviceSnapshot,
+                hot_limit_c: float = HOT_LIMIT_C) -> float | None:
+        """Fold in a round's measured seconds per step (`during`: a snapshot whose interval is the
+        round's training); returns measured / predicted for that load, None before calibration."""
+        if cost.step_seconds is None or step_seconds <= 0:
+            return None
+        self.others_busy = others_demand(during, table.threads) if table.device == "cpu" else 0.0
+        ratio = step_seconds / (cost.step_seconds * slowdown(during, table.threads, table.device, hot_limit_c))
+        self.correction = ratio if self.rounds == 0 else self.correction + self.alpha * (ratio - self.correction)
+        self.rounds += 1
+        return ratio
+
+
 def predict_seconds(
     cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int,
-    speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C,
+    speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C, running: RunningCalibration | None = None,
 ) -> float | None:
     """Local-training time of one round; None before calibration (no step time to scale)."""
-    if cost.step_seconds is None:
+    step = (running or RunningCalibration()).step_seconds(cost, table, snapshot, hot_limit_c)
+    if step is None:
         return None
-    steps = math.ceil(num_samples / table.batch_size) * epochs
-    return cost.step_seconds * steps * slowdown(snapshot, table.threads, table.device, hot_limit_c) / speed
+    return step * math.ceil(num_samples / table.batch_size) * epochs / speed
 
 
 # -- measurement (runs in the child process) -------------------------------------------------------
@@ -331,9 +395,12 @@ def _run_worker(layout: Layout, indices: list[int], batch_size: int, device: str
 def calibrate(
     layout: Layout, batch_size: int, *, device: str = "cpu", threads: int | None = None,
     cache_dir: Path = CACHE_DIR, indices: list[int] | None = None, force: bool = False,
-    on_result: Callable[[int], None] = lambda k: None,
+    on_result: Callable[[int], None] = lambda k: None, load: Callable[[], DeviceSnapshot] | None = None,
 ) -> CostTable:
-    """Calibrated costs for `indices` (default all); cached ones are reused unless `force`."""
+    """Calibrated costs for `indices` (default all); cached ones are reused unless `force`.
+
+    `load` (a Prober's snapshot) is read before and after measuring: the slowdown others caused
+    meanwhile is stored with each measurement and divided out, so step_seconds are the idle device's."""
     threads = threads or torch.get_num_threads()
     table = estimate_costs(layout, batch_size, device, threads)
     wanted = list(range(layout.num_submodels)) if indices is None else sorted(set(indices))
@@ -342,12 +409,17 @@ def calibrate(
     missing = [k for k in wanted if str(k) not in entries]
     errors: dict[int, str] = {}
     if missing:
+        if load is not None:
+            load()  # the interval the next snapshot reads starts here
         results, error = _run_worker(layout, missing, batch_size, device, threads, on_result)
-        entries.update({str(k): {n: r[n] for n in ("peak", "seconds", "overhead")} for k, r in results.items()})
+        busy = 1.0 if load is None else slowdown(load(), threads, device)
+        entries.update({str(k): {**{n: r[n] for n in ("peak", "seconds", "overhead")}, "slowdown": busy}
+                        for k, r in results.items()})
         errors = {k: error for k in missing if k not in results and error}
         _write_cache(path, entries, layout, batch_size, device, threads)
     costs = tuple(
-        replace(c, measured_peak=entries[str(c.index)]["peak"], step_seconds=entries[str(c.index)]["seconds"])
+        replace(c, measured_peak=entries[str(c.index)]["peak"],
+                step_seconds=entries[str(c.index)]["seconds"] / entries[str(c.index)].get("slowdown", 1.0))
         if str(c.index) in entries else replace(c, error=errors.get(c.index))
         for c in table.costs
     )

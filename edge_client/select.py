@@ -28,10 +28,11 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from edge_client.costmodel import HOT_LIMIT_C, CostTable, predict_seconds
+from edge_client.costmodel import HOT_LIMIT_C, CostTable, RunningCalibration, predict_seconds
 from edge_client.probe import DeviceSnapshot, format_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.2  # fraction of available memory left untouched (other processes, page cache)
+HYSTERESIS = 0.15  # a submodel above the one held must fit the deadline with this fraction to spare
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
@@ -78,6 +79,7 @@ class Fit:
     seconds: float | None  # predicted local training of this round
     time_ok: bool | None  # None: no deadline, or no calibrated step time
     capped: bool
+    allowed_s: float | None = None  # the time it had to fit: the deadline, less the margin to move up
 
     @property
     def fits(self) -> bool:
@@ -114,24 +116,33 @@ def _why_not(fit: Fit, usable: int | None, deadline_s: float | None, max_submode
         return "cap", f"capped by --max-submodel {max_submodel}"
     if fit.memory_ok is False:
         return "memory", f"submodel {fit.index + 1} needs {format_bytes(fit.peak_bytes)}, {format_bytes(usable)} usable"
-    return "deadline", f"submodel {fit.index + 1} would take {fit.seconds:.3g} s, deadline {deadline_s:.3g} s"
+    limit = f"deadline {deadline_s:.3g} s" if fit.allowed_s == deadline_s else \
+        f"{fit.allowed_s:.3g} s of the {deadline_s:.3g} s deadline to move up"
+    return "deadline", f"submodel {fit.index + 1} would take {fit.seconds:.3g} s, {limit}"
 
 
 def select_submodel(
     table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int = 1,
     deadline_s: float | None = None, max_submodel: int | None = None,
     safety_margin: float = DEFAULT_SAFETY_MARGIN, speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C,
+    hold: int | None = None, running: RunningCalibration | None = None,
 ) -> Selection:
+    """The largest submodel that fits. `hold`: the 0-based submodel the device holds now (-1: none);
+    one above it must fit the deadline with HYSTERESIS to spare, so a choice near the limit does not
+    flip back and forth with small changes of load. `running`: what real rounds taught (costmodel)."""
     usable = usable_memory(table, snapshot, safety_margin)
     fits = []
     for c in table.costs:
-        seconds = predict_seconds(c, table, snapshot, num_samples, epochs, speed, hot_limit_c)
+        seconds = predict_seconds(c, table, snapshot, num_samples, epochs, speed, hot_limit_c, running)
+        allowed = None if deadline_s is None else \
+            deadline_s * (1 - HYSTERESIS) if hold is not None and c.index > hold else deadline_s
         fits.append(Fit(
             c.index, c.peak_bytes, c.measured_peak is not None,
             None if usable is None else c.peak_bytes <= usable,
             seconds,
-            None if seconds is None or deadline_s is None else seconds <= deadline_s,
+            None if seconds is None or allowed is None else seconds <= allowed,
             max_submodel is not None and c.index + 1 > max_submodel,
+            allowed,
         ))
     ok = [f.index for f in fits if f.fits]
     n = len(fits)

@@ -74,7 +74,11 @@ class DeviceSummary(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Announce(Message, frozen=True, tag="announce", tag_field="type"):
-    """Client -> server, retained: what this device can train now (max_submodel 1-based, 0 = nothing)."""
+    """Client -> server, retained: what this device can train now (max_submodel 1-based, 0 = nothing).
+
+    It only says which rounds *to come* may pick the device: an announce never refuses a task the
+    device already has (that is a `Decline`). `seq` counts up within one agent process (`session`),
+    so the server can drop one that arrives after a newer one."""
 
     client: Name
     samples: Annotated[int, msgspec.Meta(ge=1, le=10**9)]
@@ -83,6 +87,21 @@ class Announce(Message, frozen=True, tag="announce", tag_field="type"):
     device: DeviceSummary = DeviceSummary()
     dataset: Short = ""
     key: KeyText = ""  # the device's Ed25519 public key (base64); the announce is then signed with it
+    session: Short = ""  # random per agent process; "" from devices that predate sequence numbers
+    seq: Count = 0
+
+
+class Decline(Message, frozen=True, tag="decline", tag_field="type"):
+    """Client -> server, signed like its announce: the device will not train this one task
+    (federation, run, round, submodel), and why. The server stops waiting for it in that round only."""
+
+    client: Name
+    federation: Name
+    run: Name
+    round: Round
+    submodel: Submodel
+    reason: Reason = ""
+    key: KeyText = ""
 
 
 class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):

@@ -4,6 +4,7 @@ Everything lives under `nefl/{federation}/` so one broker can carry several fede
 ACL can confine a client to `.../{client}` leaves (docs/security.md). MQTT 3.1.1 features only.
 
     announce/{client}     client -> server  retained  device summary, samples, largest submodel
+    decline/{client}      client -> server            "I will not train task (run, round, submodel)"
     status/{client}       client -> server  retained  "online"; last will "offline"
     task/{client}         server -> client  retained  round, submodel, lr, epochs
     model/{sub}/{chunk}   server -> all     retained  submodel weights, once per round (broker fans out)
@@ -50,6 +51,9 @@ class Topics:
     def status(self, client: str) -> str:
         return f"{self.root}/status/{client}"
 
+    def decline(self, client: str) -> str:
+        return f"{self.root}/decline/{client}"
+
     def task(self, client: str) -> str:
         return f"{self.root}/task/{client}"
 
@@ -71,7 +75,7 @@ class Topics:
         return f"{self.root}/server/status"
 
     def server_subscriptions(self) -> list[str]:
-        return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "update")]
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "decline", "status", "update")]
 
     def update_shared(self, group: str) -> str:
         """The MQTT 3.1.1 shared subscription that spreads updates over a group of workers: the broker
@@ -110,7 +114,7 @@ class Topics:
 
     def relay_up(self) -> list[str]:
         """What a site relay copies from its site to the coordinator's broker (updates it sums itself)."""
-        return [f"{self.root}/{kind}/+" for kind in ("announce", "status")]
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "decline", "status")]
 
     def is_model(self, topic: str) -> bool:
         return topic.startswith(f"{self.root}/model/")

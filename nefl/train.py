@@ -57,6 +57,10 @@ class TrainConfig:
         return replace(self, lr=self.lr_at(round_index, total_rounds))
 
 
+class OutOfTime(ValueError):
+    """Not even one step fits the time budget: nothing was trained."""
+
+
 @dataclass
 class TrainResult:
     delta: dict[str, torch.Tensor]
@@ -70,22 +74,25 @@ class TrainResult:
 def local_train(
     model: nn.Module, start: dict[str, torch.Tensor], batches: Batches, config: TrainConfig,
     upload: Iterable[str] | None = None, device: str = "cpu", time_budget_s: float | None = None,
+    step_estimate_s: float = 0.0,
 ) -> TrainResult:
     """Train from `start` for `config.local_epochs` passes over `batches` (already cut at the batch
     size by the caller) at `config.lr`; return the delta of `upload` names.
 
-    With `time_budget_s`, stop after the batch that exhausts it: a device with more data than its
-    round deadline allows trains what fits instead of refusing the round. `metrics` says how many
-    steps ran and whether the budget cut the epochs short; `num_samples` is the samples seen in the
-    last (possibly partial) pass."""
+    With `time_budget_s`, a step is started only if it is expected to end within the budget (the
+    mean of the steps so far; `step_estimate_s` before the first): a device with more data than its
+    round deadline allows trains what fits instead of refusing the round, and does not overrun its
+    deadline by a step. `metrics` says how many steps ran and whether the budget cut the epochs
+    short; `num_samples` is the samples seen in the last (possibly partial) pass. OutOfTime when not
+    even the first step fits."""
     load_module_state(model, start)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     t0 = time.perf_counter()
-    seen = correct = steps = 0
-    loss_sum = 0.0
+    steps = 0
+    last_pass = (0, 0, 0.0)  # (seen, correct, loss sum) of the last pass that took a step
     out_of_time = False
     for _ in range(config.local_epochs):
         if out_of_time:
@@ -93,6 +100,10 @@ def local_train(
         seen = correct = 0
         loss_sum = 0.0
         for x, y in batches:
+            elapsed = time.perf_counter() - t0
+            if time_budget_s is not None and elapsed + (elapsed / steps if steps else step_estimate_s) > time_budget_s:
+                out_of_time = True
+                break
             x, y = x.to(device), y.to(device)
             opt.zero_grad(set_to_none=True)
             out = model(x)
@@ -103,9 +114,11 @@ def local_train(
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)
             steps += 1
-            if time_budget_s is not None and time.perf_counter() - t0 >= time_budget_s:
-                out_of_time = True
-                break
+        if seen:
+            last_pass = (seen, correct, loss_sum)
+    seen, correct, loss_sum = last_pass
+    if steps == 0 and out_of_time:
+        raise OutOfTime(f"not even one step fits the {time_budget_s:.1f} s left (a step takes about {step_estimate_s:.2f} s)")
     if seen == 0:
         raise ValueError("no training data: the client's partition is empty")
     trained = module_state(model)

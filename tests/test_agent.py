@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nefl.messages import Announce, ClientStatus
+from nefl.messages import Announce, ClientStatus, Decline
 from nefl.signing import parse_public_key, split_signed, verify
 from nefl.wire import Reassembler, split_chunk
 from tests.agent_fakes import FakeDevice, FakeServer, T, make_agent
@@ -67,15 +67,26 @@ def test_task_weights_train_upload(tmp_path):
         verify(split_chunk(m)[0], device_key)
 
 
+def declines(transport) -> list[Decline]:
+    """The agent's declines, each checked to be signed by the device key."""
+    out = []
+    for p in transport.on(T.decline("c1")):
+        msg = Decline.from_json(split_signed(p)[0])
+        verify(p, parse_public_key(msg.key))
+        out.append(msg)
+    return out
+
+
 def test_a_task_too_big_for_the_device_is_declined_and_the_server_told(tmp_path):
     server = FakeServer(tmp_path / "s")
     agent, transport, device = make_agent(tmp_path, server, FakeDevice(can=2))
-    before = len(announces(transport))
     agent.dispatch(T.task("c1"), server.task(k=3))
     assert agent.task is None and T.model_all(3) not in transport.subscribed
-    assert len(announces(transport)) == before + 1 and announces(transport)[-1].max_submodel == 2
+    (d,) = declines(transport)
+    assert (d.federation, d.run, d.round, d.submodel, d.client) == ("t", "run1", 1, 3, "c1")
+    assert "submodel 4 does not fit now" in d.reason
     agent.dispatch(T.task("c1"), server.task(k=3))  # the retained copy again: not declined twice
-    assert len(announces(transport)) == before + 1 and device.trained == []
+    assert len(declines(transport)) == 1 and device.trained == []
 
 
 def test_the_device_that_changed_re_announces_on_the_next_task(tmp_path):
@@ -85,6 +96,51 @@ def test_the_device_that_changed_re_announces_on_the_next_task(tmp_path):
     device.can = 1  # memory got tight
     agent.dispatch(T.task("c1"), server.task(k=4))
     assert announces(transport)[-1].max_submodel == 1 and agent.task is None
+    assert [(d.round, d.submodel) for d in declines(transport)] == [(1, 4)]
+
+
+def test_a_device_that_announced_skip_still_trains_a_task_that_fits_when_it_arrives(tmp_path):
+    """The stale-announce race, device side: its "skip" went out before the server opened the round;
+    by the time the task arrives the device can train it, so it does, and declines nothing."""
+    server = FakeServer(tmp_path / "s")
+    device = FakeDevice(can=0)
+    agent, transport, _ = make_agent(tmp_path, server, device)
+    assert announces(transport)[-1].max_submodel == 0
+    device.can = 2
+    agent.dispatch(T.task("c1"), server.task(k=1))
+    for m in server.weights(k=1):
+        agent.dispatch(T.model_chunk(1, 0), m)
+    agent.tick()
+    assert [(r, k) for r, k, _ in device.trained] == [(1, 1)] and declines(transport) == []
+
+
+def test_an_idle_device_re_probes_and_re_announces_only_when_its_choice_changes(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    device = FakeDevice(can=0)
+    agent, transport, _ = make_agent(tmp_path, server, device, clock=clock)
+    agent.tick()
+    assert len(announces(transport)) == 1  # not yet time to look again
+    clock.now += agent.cfg.replan_s
+    agent.tick()
+    assert len(announces(transport)) == 1  # looked again: nothing changed, nothing said
+    device.can = 3  # its own training, or someone else's, has ended
+    clock.now += agent.cfg.replan_s
+    agent.tick()
+    first, second = announces(transport)
+    assert (first.max_submodel, second.max_submodel) == (0, 3)
+    assert first.session == second.session and (first.seq, second.seq) == (1, 2)
+
+
+def test_a_step_that_cannot_fit_the_time_left_declines_instead_of_training(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    device = FakeDevice(out_of_time=True)
+    agent, transport, _ = make_agent(tmp_path, server, device, clock=clock)
+    agent.dispatch(T.task("c1"), server.task())
+    for m in server.weights():
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    (d,) = declines(transport)
+    assert "not even one step fits" in d.reason and transport.on(T.update("c1")) == []
 
 
 def test_redelivered_task_after_upload_resends_the_same_update(tmp_path):

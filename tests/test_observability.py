@@ -261,7 +261,7 @@ class FakeDevice:
     def summary(self):
         return DeviceSummary()
 
-    def plan(self, layout, training, deadline_s, cap):
+    def plan(self, layout, training, budget_s, cap, hold=None):
         return Selection(1, "submodel 2/3: memory binds: ...", "memory", 123 << 20, ())
 
     def train(self, layout, task, start, budget_s):
