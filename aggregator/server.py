@@ -329,10 +329,12 @@ class Server:
         self.publish_status("training")
         while not self.fed.complete():
             self.pump(r.deadline)
+        closed_s = time.monotonic() - r.started
         if len(r.received) < len(r.assignments):
             gone = self.fed.gone_offline()
             why = f"without waiting for {', '.join(gone)} (went offline)" if gone else "at its deadline"
-            log.info(f"round {index} closed {why}: {len(r.received)}/{len(r.assignments)} updates")
+            log.info(f"round {index} closed {why}, {closed_s:.1f} s after it opened (deadline {self.cfg.round_timeout:g} s): "
+                     f"{len(r.received)}/{len(r.assignments)} updates")
         for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
             self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
         worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
@@ -347,6 +349,7 @@ class Server:
             "start_sha256": start_digest, "bytes_out": self.bytes_out - out0, "bytes_in": self.fed.bytes_in - in0,
             "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
             "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - t0, 3),
+            "closed_s": round(closed_s, 3),
             "aggregate_s": round(self.aggregate_s, 4),
         })
         if not facts["committed"] and facts["quorum"]:
@@ -400,8 +403,7 @@ class Server:
             info.wait_for_publish(5)
         except (RuntimeError, ValueError):
             pass  # broker gone at the very end: the checkpoint and metrics are already on disk
-        self.client.disconnect()
-        self.client.loop_stop()
+        self.conn.stop()  # a disconnect we ask for, not a lost connection
         log.info(f"federation {self.cfg.federation!r} finished after round {self.cfg.rounds}")
 
 

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ TIMED_STEPS = 3
 SATURATED = 0.97  # machine busy share from which others' CPU use may understate what they would take
 MIN_ACTIVE = 0.2  # of its threads' worth: our tree was working in the interval, not idling
 CORRECTION_ALPHA = 0.5  # weight of the newest round in the running correction
+LOAD_MEMORY_S = 60.0  # how long the load seen during a round still counts as expected in the next
 
 
 @dataclass(frozen=True)
@@ -111,27 +112,32 @@ def estimate_costs(layout: Layout, batch_size: int, device: str = "cpu", threads
 
 # -- prediction ------------------------------------------------------------------------------------
 
-def others_demand(snapshot: DeviceSnapshot, threads: int) -> float:
+def others_demand(snapshot: DeviceSnapshot, threads: int, working: bool = False) -> float:
     """Cores the rest of the machine would take (its demand, not only what it got).
 
     Others' use is their demand until the machine is saturated; then the scheduler's fair share
     tells: if our `threads` got `own` cores of the `cores`, others want threads * (cores - own) / own.
-    Without a reading of our own tree, the system-wide figure stands in (it overstates)."""
+    That needs our threads to have wanted the CPU all along: `working` says so (the interval was a
+    training round or a calibration); otherwise a tree using under MIN_ACTIVE of its threads is
+    taken for idle, not starved. Without a reading of our own tree, the system-wide figure stands in
+    (it overstates)."""
     cores = snapshot.cpu_count
     if snapshot.external_cpu_percent is None or snapshot.own_cpu_cores is None:
         return (snapshot.cpu_percent or 0.0) / 100.0 * cores
     others, own = snapshot.external_cpu_percent / 100.0 * cores, snapshot.own_cpu_cores
-    if own >= MIN_ACTIVE * threads and others + own >= SATURATED * cores:
+    active = own > 0 if working else own >= MIN_ACTIVE * threads
+    if active and others + own >= SATURATED * cores:
         return max(others, threads * (cores - own) / own)
     return others
 
 
 def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C,
-             others_floor: float = 0.0) -> float:
+             others_floor: float = 0.0, working: bool = False) -> float:
     """How much slower than on the idle device a step runs now (>= 1); unknown load counts as idle.
-    `others_floor`: cores others demanded while this device last trained (RunningCalibration)."""
+    `others_floor`: cores others demanded while this device last trained (RunningCalibration);
+    `working`: the snapshot's interval was spent training (see others_demand)."""
     if device == "cpu":
-        demand = max(others_demand(snapshot, threads), others_floor)
+        demand = max(others_demand(snapshot, threads, working), others_floor)
         factor = max(1.0, (demand + threads) / snapshot.cpu_count)
     else:
         util = snapshot.gpus[0].utilization if snapshot.gpus else snapshot.jetson_gpu_load
@@ -145,36 +151,60 @@ def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_li
 class RunningCalibration:
     """What real rounds taught about this device's step times, on top of the calibration.
 
-    `correction` is a running average of measured / predicted seconds per step, the prediction made
-    for the load measured during that round; `others_busy` is the load (others' demand, cores) of the
-    latest round, kept as a floor for the next prediction: work that starts with this device's own
-    (a co-located device that trains in the same rounds) is then expected, and what the device
-    announces right after a round and when idle agrees, so it does not flip-flop between them."""
+    A round's measured seconds per step, divided by the slowdown the load during that round explains,
+    is the idle-device step time of the submodel it trained: it replaces that submodel's calibration
+    (a running average), and its ratio to the calibration feeds `correction`, which scales the
+    submodels not trained yet. `others_busy` is the load (others' demand, cores) of the latest round,
+    kept as a floor for predictions within `memory_s` of it: load that comes with this device's own
+    rounds (a co-located device training in the same rounds) is then expected, and what the device
+    announces right after a round and when idle agree, so it does not flip-flop between them. Past
+    that, an idle device trusts what it measures now (a floor that outlived its load could keep it
+    announcing "skip" for ever, and then it would never train to learn better)."""
 
     alpha: float = CORRECTION_ALPHA
     correction: float = 1.0
     others_busy: float = 0.0
-    rounds: int = 0
+    measured: dict[int, float] = field(default_factory=dict)  # submodel -> idle-device seconds per step
+    memory_s: float = LOAD_MEMORY_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    observed_at: float = -math.inf
+
+    @property
+    def others_floor(self) -> float:
+        return self.others_busy if self.clock() - self.observed_at < self.memory_s else 0.0
+
+    def idle_step(self, cost: SubmodelCost) -> float | None:
+        """Seconds per step on the idle device: measured in rounds if trained, else the corrected calibration."""
+        if cost.index in self.measured:
+            return self.measured[cost.index]
+        return None if cost.step_seconds is None else cost.step_seconds * self.correction
 
     def step_seconds(self, cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot,
                      hot_limit_c: float = HOT_LIMIT_C) -> float | None:
         """Predicted seconds of one step of `cost`'s submodel now; None before calibration."""
-        if cost.step_seconds is None:
+        idle = self.idle_step(cost)
+        if idle is None:
             return None
-        load = slowdown(snapshot, table.threads, table.device, hot_limit_c, self.others_busy)
-        return cost.step_seconds * load * self.correction
+        return idle * slowdown(snapshot, table.threads, table.device, hot_limit_c, self.others_floor)
 
     def observe(self, cost: SubmodelCost, table: CostTable, step_seconds: float, during: DeviceSnapshot,
                 hot_limit_c: float = HOT_LIMIT_C) -> float | None:
         """Fold in a round's measured seconds per step (`during`: a snapshot whose interval is the
-        round's training); returns measured / predicted for that load, None before calibration."""
+        round's training); returns measured / calibrated for that load, None before calibration."""
         if cost.step_seconds is None or step_seconds <= 0:
             return None
-        self.others_busy = others_demand(during, table.threads) if table.device == "cpu" else 0.0
-        ratio = step_seconds / (cost.step_seconds * slowdown(during, table.threads, table.device, hot_limit_c))
-        self.correction = ratio if self.rounds == 0 else self.correction + self.alpha * (ratio - self.correction)
-        self.rounds += 1
+        self.others_busy = others_demand(during, table.threads, working=True) if table.device == "cpu" else 0.0
+        self.observed_at = self.clock()
+        idle = step_seconds / slowdown(during, table.threads, table.device, hot_limit_c, working=True)
+        ratio = idle / cost.step_seconds
+        first = not self.measured
+        self.measured[cost.index] = _average(self.measured.get(cost.index), idle, self.alpha)
+        self.correction = ratio if first else _average(self.correction, ratio, self.alpha)
         return ratio
+
+
+def _average(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
 
 
 def predict_seconds(
@@ -412,7 +442,7 @@ def calibrate(
         if load is not None:
             load()  # the interval the next snapshot reads starts here
         results, error = _run_worker(layout, missing, batch_size, device, threads, on_result)
-        busy = 1.0 if load is None else slowdown(load(), threads, device)
+        busy = 1.0 if load is None else slowdown(load(), threads, device, working=True)
         entries.update({str(k): {**{n: r[n] for n in ("peak", "seconds", "overhead")}, "slowdown": busy}
                         for k, r in results.items()})
         errors = {k: error for k in missing if k not in results and error}

@@ -133,11 +133,12 @@ class LocalDevice:
         measured = res.seconds / steps
         res.metrics["step_s"] = round(measured, 4)
         during = self.prober.snapshot()
-        ratio = self.running.observe(table.costs[task.submodel], table, measured, during)
-        if predicted is None or ratio is None:
+        cost = table.costs[task.submodel]
+        if predicted is None or self.running.observe(cost, table, measured, during) is None:
             return
         res.metrics["predicted_step_s"] = round(predicted, 4)
         log.info(f"round {task.round}: submodel {task.submodel + 1} took {measured:.3f} s a step, predicted "
-                 f"{predicted:.3f} s ({measured / predicted - 1:+.0%}); others kept {self.running.others_busy:.1f} "
-                 f"of {during.cpu_count} cores busy; correction now x{self.running.correction:.2f}",
+                 f"{predicted:.3f} s ({measured / predicted - 1:+.0%}); others wanted {self.running.others_busy:.1f} "
+                 f"of {during.cpu_count} cores; idle-device step now {self.running.measured[cost.index]:.3f} s "
+                 f"(calibrated {cost.step_seconds:.3f} s), untrained submodels x{self.running.correction:.2f}",
                  extra={"round": task.round, "submodel": task.submodel + 1})

@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from typer.testing import CliRunner
 
 from edge_client.cli import app
 from edge_client.http_api import make_server
-from edge_client.runtime import AdaptiveRuntime, ImageError, ImageTooLarge, ModelsError, decode_image
+from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ImageTooLarge, ModelsError, decode_image
 from export.onnx_export import export_checkpoint, submodel_module
 from nefl.checkpoint import load_checkpoint, save_checkpoint
 from nefl.manifest import sha256_file
@@ -119,6 +120,25 @@ def test_observed_latency_corrects_the_prediction(models: tuple[Path, Path]) -> 
     for _ in range(5):
         rt.predict(np.zeros((1, 28, 28), np.uint8))
     assert rt.correction > 5  # the EMA has learned that runs take much longer than predicted
+
+
+def test_the_load_probe_reads_the_last_moments_not_a_quiet_spell_before_them() -> None:
+    """A request after a quiet minute must see load that began a second ago: the probe samples in
+    the background, and reads only what is outside this process tree."""
+    readings = {"external": 0.0}
+    prober = SimpleNamespace(snapshot=lambda: SimpleNamespace(external_cpu_percent=readings["external"],
+                                                              memory_available=8 * GIB))
+    probe = ExternalLoadProbe(interval_s=0.01, prober=prober)
+    assert probe() == (0.0, 8 * GIB)
+    readings["external"] = 100.0  # two busy loops started
+    deadline = time.monotonic() + 5
+    while probe()[0] != 100.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert probe()[0] == 100.0
+    sampler = next(t for t in threading.enumerate() if t.name == "load-probe")
+    del probe
+    sampler.join(5)  # the sampler holds the probe weakly and ends with it
+    assert not sampler.is_alive()
 
 
 def test_bad_pixels_are_rejected(models: tuple[Path, Path]) -> None:

@@ -141,15 +141,26 @@ def test_running_calibration_learns_the_measured_step_time():
     cost, run = t.costs[2], RunningCalibration()  # calibrated 0.03 s a step on the idle device
     loaded = busy(own=2 / 3, others=4 / 3)  # the round ran beside two busy loops: x1.5 expected
     assert run.step_seconds(cost, t, snap()) == pytest.approx(0.03)
-    assert run.observe(cost, t, 0.09, loaded) == pytest.approx(2.0)  # measured twice what the load explains
-    assert run.correction == pytest.approx(2.0) and run.others_busy == pytest.approx(2.0)
+    assert run.observe(cost, t, 0.09, loaded) == pytest.approx(2.0)  # twice what calibration and load explain
+    assert run.measured == {2: pytest.approx(0.06)} and run.others_busy == pytest.approx(2.0)
+    assert run.correction == pytest.approx(2.0)  # the submodels not trained yet are scaled alike
     # the next prediction: the loops are still there (and count at least as much as during the round)
-    assert run.step_seconds(cost, t, busy(own=0.0, others=1.0)) == pytest.approx(0.03 * 1.5 * 2.0)
-    run.observe(cost, t, 0.045, loaded)  # the next round matched the calibration: the correction moves halfway
-    assert run.correction == pytest.approx(1.5)
+    assert run.step_seconds(cost, t, busy(own=0.0, others=1.0)) == pytest.approx(0.06 * 1.5)
+    assert run.step_seconds(t.costs[4], t, snap()) == pytest.approx(0.05 * 2.0 * 1.5)
+    run.observe(cost, t, 0.045, loaded)  # the next round matched the calibration: both move halfway
+    assert run.measured[2] == pytest.approx(0.045) and run.correction == pytest.approx(1.5)
     sel = select_submodel(t, busy(0.0, 2.0), 320, 1, deadline_s=0.7, safety_margin=0.0, running=run)
-    assert [round(f.seconds, 3) for f in sel.fits] == [round(0.1 * (k + 1) * 1.5 * 1.5, 3) for k in range(5)]
+    assert [round(f.seconds, 3) for f in sel.fits] == [round(10 * s * 1.5, 3) for s in (0.015, 0.03, 0.045, 0.06, 0.075)]
     assert sel.index == 2  # 0.675 s of the 0.7 s deadline; the calibration alone would have allowed all five
+
+
+def test_the_load_of_the_last_round_is_expected_only_for_a_while():
+    now = [0.0]
+    t, run = table(), RunningCalibration(clock=lambda: now[0])
+    run.observe(t.costs[0], t, 0.03, busy(own=1 / 3, others=5 / 3))  # a round beside others wanting 5 cores
+    assert run.step_seconds(t.costs[0], t, snap()) == pytest.approx(0.01 * 3.0)  # idle now, but they may be back
+    now[0] += run.memory_s
+    assert run.step_seconds(t.costs[0], t, snap()) == pytest.approx(0.01)  # long idle: what it measures now counts
 
 
 def test_choice_is_monotone_in_available_memory_even_for_unordered_peaks():
