@@ -8,7 +8,6 @@ there is anything to resume).
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 
@@ -21,6 +20,7 @@ from aggregator.server import ServeConfig, Server, load_start
 from aggregator.worker import start_local_workers, stop_local_workers
 from aggregator.web import DashboardServer, TokenRequired, start_http
 from nefl.checkpoint import CheckpointError
+from nefl.data import DatasetUnavailable
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption, ScheduleOption, WarmupOption)
 from nefl.listen import is_loopback, parse_listen
@@ -28,20 +28,13 @@ from nefl.logs import setup_logging
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
 from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_RELATIVE, DPAccountant, NormBound
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError, Signer
 from nefl.topics import Topics
 from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES
 
 log = logging.getLogger("aggregator.server")  # one logger for the server's story, CLI or not
-
-
-class Stop(Exception):
-    """SIGTERM: end like Ctrl-C, cleanly."""
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise Stop(signal.Signals(signum).name)
 
 
 def serve_command(
@@ -107,7 +100,7 @@ def serve_command(
 ) -> None:
     """Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."""
     setup_logging(log_level, log_format, context={"federation": federation})
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     try:
         bound = NormBound(max_norm=max_update_norm or None, relative=update_norm_relative or None,
                           adaptive_k=update_norm_k or None, mode="clip" if clip else "reject")
@@ -138,23 +131,22 @@ def serve_command(
         Topics(federation)
         start = load_start(cfg)
         signer = Signer.load_or_create(cfg.checkpoint_dir)
-        embedded = None
-        if broker is None:
-            embedded = EmbeddedBroker("127.0.0.1", embedded_port)
+        if start.next_round > rounds:
+            log.info(f"checkpoint is already at round {start.next_round - 1} of {rounds}: nothing to do (raise --rounds)")
+            return
+        embedded = EmbeddedBroker("127.0.0.1", embedded_port) if broker is None else None
+        settings = parse_broker(broker or embedded.url, username, password, ca_cert, certfile, keyfile)
+        server = Server(cfg, settings, start, signer)  # loads the --eval-dataset: a missing one fails here, first
+        if embedded is not None:
             embedded.start()
-            broker = embedded.url
-            log.info(f"started embedded MQTT broker on {broker} (amqtt, MQTT 3.1.1); clients join with --broker {broker}")
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError) as e:
+            log.info(f"started embedded MQTT broker on {embedded.url} (amqtt, MQTT 3.1.1); clients join with "
+                     f"--broker {embedded.url}")
+    except (CheckpointError, ProfileError, KeyFileError, DatasetUnavailable, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    if start.next_round > rounds:
-        log.info(f"checkpoint is already at round {start.next_round - 1} of {rounds}: nothing to do (raise --rounds)")
-        return
     if start.next_round > 1:
         log.info(f"resuming federation {federation!r} at round {start.next_round} from {cfg.checkpoint_dir}")
     log.info(f"server key {signer.public_text} (devices: --server-key; `aggregator key` prints it)")
-    server = Server(cfg, settings, start, signer)
     try:
         web = start_http(server.observer, *listen, http_token) if listen else None
     except OSError as e:
@@ -170,7 +162,7 @@ def serve_command(
         _linger(web, http_linger)
     except (KeyboardInterrupt, Stop) as e:
         done = server.next_round - 1
-        log.info(f"stopping ({e or 'interrupted'}); "
+        log.info(f"stopping ({stop_reason(e)}); "
                  + (f"round {done} is the last checkpointed one: continue with --resume" if done >= 1
                     else "no round completed yet, so there is nothing to resume"))
         server.conn.stop()

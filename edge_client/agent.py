@@ -90,6 +90,7 @@ class Agent:
         self.run_id: str | None = None  # the server run whose signed status we follow
         self.status_time = 0.0  # time stamp of the newest signed status (older ones are replays)
         self.server_seen = False  # a trusted server status has arrived (for "no server" diagnostics)
+        self.foreign_key: str | None = None  # a status signed by another key than the pinned one arrived
         self.held: dict[str, bytes] = {}  # signed messages that arrived before the status they depend on
         self.task: Task | None = None
         self.task_since = 0.0
@@ -170,8 +171,7 @@ class Agent:
         try:
             body = verify(payload, self.pin.key)
         except MessageError as e:
-            raise MessageError(e.reason, f"{e.detail}; if the aggregator's key was really replaced, delete "
-                                         f"{self.pin.pin_file} or pass --server-key") from None
+            raise MessageError(e.reason, self._wrong_key(payload, e.detail)) from None
         status = ServerStatus.from_json(body, MAX_STATUS_BYTES)
         if status.federation != self.cfg.federation or status.run is None:
             raise MessageError("wrong_run", f"status of federation {status.federation}, joined {self.cfg.federation}")
@@ -186,6 +186,21 @@ class Agent:
         held, self.held = self.held, {}
         for topic, message in held.items():
             self.dispatch(topic, message)
+
+    def _wrong_key(self, payload: bytes, detail: str) -> str:
+        """Why a status failed the pinned key, and the fix for where that key came from; remembers a
+        self-consistent foreign key so the shell's "no aggregator" warning can say one answers."""
+        try:
+            _, other = verify_self_signed(payload, lambda body: ServerStatus.from_json(body, MAX_STATUS_BYTES).key)
+        except MessageError:
+            return detail
+        self.foreign_key = other
+        says = f"an aggregator on nefl/{self.cfg.federation}/ signs with key {other}, not the pinned {self.pin.text}"
+        if self.pin.source == "given":
+            return (f"{says} given with --server-key: pass the key `aggregator key --checkpoint-dir DIR` prints on that "
+                    "server (if it is yours; else another process publishes as this federation's aggregator)")
+        return (f"{says} remembered in {self.pin.pin_file}: if that aggregator's key was really replaced, delete the "
+                "file or pass --server-key")
 
     def _trust_on_first_use(self, payload: bytes) -> None:
         """No key pinned: adopt the key a self-consistent signed status names, and say so loudly."""

@@ -126,9 +126,17 @@ def others_demand(snapshot: DeviceSnapshot, threads: int, working: bool = False)
         return (snapshot.cpu_percent or 0.0) / 100.0 * cores
     others, own = snapshot.external_cpu_percent / 100.0 * cores, snapshot.own_cpu_cores
     active = own > 0 if working else own >= MIN_ACTIVE * threads
-    if active and others + own >= SATURATED * cores:
+    if active and saturated(snapshot):
         return max(others, threads * (cores - own) / own)
     return others
+
+
+def saturated(snapshot: DeviceSnapshot) -> bool:
+    """Every core was busy: what others used may be less than what they wanted (or it is unknown)."""
+    if snapshot.external_cpu_percent is None or snapshot.own_cpu_cores is None:
+        return True
+    return snapshot.external_cpu_percent / 100.0 * snapshot.cpu_count + snapshot.own_cpu_cores >= \
+        SATURATED * snapshot.cpu_count
 
 
 def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C,
@@ -155,11 +163,13 @@ class RunningCalibration:
     is the idle-device step time of the submodel it trained: it replaces that submodel's calibration
     (a running average), and its ratio to the calibration feeds `correction`, which scales the
     submodels not trained yet. `others_busy` is the load (others' demand, cores) of the latest round,
-    kept as a floor for predictions within `memory_s` of it: load that comes with this device's own
-    rounds (a co-located device training in the same rounds) is then expected, and what the device
-    announces right after a round and when idle agree, so it does not flip-flop between them. Past
-    that, an idle device trusts what it measures now (a floor that outlived its load could keep it
-    announcing "skip" for ever, and then it would never train to learn better)."""
+    kept as a floor for predictions within `memory_s` of it while the machine stays saturated (then
+    others' CPU use cannot tell how much they want): load that comes with this device's own rounds
+    (a co-located device training in the same rounds) is then expected, and what the device
+    announces right after a round and when idle agree, so it does not flip-flop between them. A
+    snapshot with idle CPU shows others' demand exactly, and past `memory_s` an idle device trusts
+    what it measures now: a floor that outlived its load could keep it announcing "skip" for ever,
+    and then it would never train to learn better."""
 
     alpha: float = CORRECTION_ALPHA
     correction: float = 1.0
@@ -169,9 +179,9 @@ class RunningCalibration:
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     observed_at: float = -math.inf
 
-    @property
-    def others_floor(self) -> float:
-        return self.others_busy if self.clock() - self.observed_at < self.memory_s else 0.0
+    def others_floor(self, snapshot: DeviceSnapshot) -> float:
+        recent = self.clock() - self.observed_at < self.memory_s
+        return self.others_busy if recent and saturated(snapshot) else 0.0
 
     def idle_step(self, cost: SubmodelCost) -> float | None:
         """Seconds per step on the idle device: measured in rounds if trained, else the corrected calibration."""
@@ -185,7 +195,7 @@ class RunningCalibration:
         idle = self.idle_step(cost)
         if idle is None:
             return None
-        return idle * slowdown(snapshot, table.threads, table.device, hot_limit_c, self.others_floor)
+        return idle * slowdown(snapshot, table.threads, table.device, hot_limit_c, self.others_floor(snapshot))
 
     def observe(self, cost: SubmodelCost, table: CostTable, step_seconds: float, during: DeviceSnapshot,
                 hot_limit_c: float = HOT_LIMIT_C) -> float | None:

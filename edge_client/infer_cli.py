@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +12,10 @@ from rich.console import Console
 from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, REQUEST_TIMEOUT_S, WORKERS, make_server
 from edge_client.runtime import AdaptiveRuntime, ImageError, ModelsError
 from nefl.logs import setup_logging
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
 
 console = Console()
+log = logging.getLogger(__name__)
 
 MODELS = typer.Option(..., "--models", help="Export directory with manifest.json (from `nefl-export onnx`).")
 BUDGET = typer.Option(20.0, "--latency-budget-ms", min=0.0, help="Per-request latency budget; the runtime picks "
@@ -72,19 +75,21 @@ def serve_command(
                                           "has to send the whole request (headers and body)."),
 ) -> None:
     """Serve POST /predict (image bytes -> JSON), GET /health and GET /models over HTTP."""
-    runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained)
+    stop_on_sigterm()  # from here on SIGTERM is a clean stop (exit code 0), as Ctrl-C
     try:
-        server = make_server(runtime, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
-                             queue_size=queue_size, timeout_s=request_timeout)
-    except OSError as e:
-        console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e}); choose another --port")
-        raise typer.Exit(2) from None
-    bound_host, bound_port = server.server_address[:2]
-    console.print(f"serving {runtime.manifest.profile} ({len(runtime.submodels)} submodels) "
-                  f"on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+        runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained)
+        try:
+            server = make_server(runtime, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
+                                 queue_size=queue_size, timeout_s=request_timeout)
+        except OSError as e:
+            console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e.strerror or e}); choose another --port")
+            raise typer.Exit(2) from None
+        bound_host, bound_port = server.server_address[:2]
+        console.print(f"serving {runtime.manifest.profile} ({len(runtime.submodels)} submodels) "
+                      f"on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
+    except (KeyboardInterrupt, Stop) as e:
+        log.info(f"stopping ({stop_reason(e)})")

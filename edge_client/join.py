@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import socket
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 
 import torch
 import typer
@@ -32,20 +30,13 @@ from nefl.listen import parse_listen
 from nefl.logs import setup_logging
 from nefl.messages import ClientStatus
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import Signer
 from nefl.topics import Topics, check_name
 from nefl.wire import DEFAULT_CHUNK_BYTES
 
 NO_SERVER_AFTER_S = 30.0
 log = logging.getLogger(__name__)
-
-
-class Stop(Exception):
-    """SIGTERM: leave like Ctrl-C does, cleanly."""
-
-
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise Stop(signal.Signals(signum).name)
 
 
 def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
@@ -64,16 +55,24 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
             agent.tick()
             if not agent.server_seen and not warned and time.monotonic() - started > NO_SERVER_AFTER_S:
                 warned = True
-                where = "connected, but" if conn.connected else "not even connected to the broker, and"
-                log.warning(f"{where} no aggregator on nefl/{agent.cfg.federation}/ after {NO_SERVER_AFTER_S:.0f} s: "
-                            f"is `aggregator serve --federation {agent.cfg.federation}` running on {settings.url}? "
-                            "(still waiting)")
+                log.warning(_no_server(agent, conn, settings))
         log.info("federation ended")
     except (KeyboardInterrupt, Stop) as e:
-        log.info(f"stopping ({e or 'interrupted'}); the server will not wait for this device")
+        log.info(f"stopping ({stop_reason(e)}); the server will not wait for this device")
     finally:
         conn.stop((agent.topics.status(agent.cfg.client_id), ClientStatus(state="offline").to_json()))
     return 0
+
+
+def _no_server(agent: Agent, conn: Connection, settings: BrokerSettings) -> str:
+    """What to say when no trusted aggregator answered: none at all, or one signing with another key."""
+    fed = agent.cfg.federation
+    if agent.foreign_key is not None:
+        return (f"an aggregator answers on nefl/{fed}/, but signs with key {agent.foreign_key}, not the pinned "
+                f"{agent.pin.text} (see the dropped message above for the fix); still waiting for one this device trusts")
+    where = "connected, but" if conn.connected else "not even connected to the broker, and"
+    return (f"{where} no aggregator on nefl/{fed}/ after {NO_SERVER_AFTER_S:.0f} s: is `aggregator serve --federation "
+            f"{fed}` running on {settings.url}? (still waiting)")
 
 
 def join_command(
@@ -117,7 +116,7 @@ def join_command(
     """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
     cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, log_format, context={"client": cid})
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     try:
         check_name("client id", cid)
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)

@@ -145,7 +145,7 @@ def test_running_calibration_learns_the_measured_step_time():
     assert run.measured == {2: pytest.approx(0.06)} and run.others_busy == pytest.approx(2.0)
     assert run.correction == pytest.approx(2.0)  # the submodels not trained yet are scaled alike
     # the next prediction: the loops are still there (and count at least as much as during the round)
-    assert run.step_seconds(cost, t, busy(own=0.0, others=1.0)) == pytest.approx(0.06 * 1.5)
+    assert run.step_seconds(cost, t, busy(own=0.0, others=2.0)) == pytest.approx(0.06 * 1.5)
     assert run.step_seconds(t.costs[4], t, snap()) == pytest.approx(0.05 * 2.0 * 1.5)
     run.observe(cost, t, 0.045, loaded)  # the next round matched the calibration: both move halfway
     assert run.measured[2] == pytest.approx(0.045) and run.correction == pytest.approx(1.5)
@@ -158,9 +158,11 @@ def test_the_load_of_the_last_round_is_expected_only_for_a_while():
     now = [0.0]
     t, run = table(), RunningCalibration(clock=lambda: now[0])
     run.observe(t.costs[0], t, 0.03, busy(own=1 / 3, others=5 / 3))  # a round beside others wanting 5 cores
-    assert run.step_seconds(t.costs[0], t, snap()) == pytest.approx(0.01 * 3.0)  # idle now, but they may be back
+    full = busy(own=0.0, others=2.0)  # the device idles, the others keep both cores busy: they may want more
+    assert run.step_seconds(t.costs[0], t, full) == pytest.approx(0.01 * 3.0)
+    assert run.step_seconds(t.costs[0], t, busy(own=0.0, others=0.5)) == pytest.approx(0.01)  # spare CPU: known
     now[0] += run.memory_s
-    assert run.step_seconds(t.costs[0], t, snap()) == pytest.approx(0.01)  # long idle: what it measures now counts
+    assert run.step_seconds(t.costs[0], t, full) == pytest.approx(0.01 * 1.5)  # long after: what it measures now
 
 
 def test_choice_is_monotone_in_available_memory_even_for_unordered_peaks():
