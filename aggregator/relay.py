@@ -2,26 +2,22 @@
 
 To the site's devices the relay's broker looks like the coordinator's: it copies the coordinator's
 signed tasks (for the site's clients only), model chunks, control and server status down, and the
-devices' announces and statuses up, so the coordinator picks and pins site devices like any other.
+devices' announces, declines and statuses up, so the coordinator picks and pins site devices like any other.
 Updates stay on the site: the relay checks and sums them as an aggregator worker does (same checks,
 same plan; aggregator/worker.py) and sends the coordinator a receipt per update and one partial
 aggregate per round. Bytes crossing the WAN per round are then O(model) for updates, plus a few
-hundred bytes per device for announces, statuses and tasks, instead of one update per device.
+hundred bytes per device for announces, declines, statuses and tasks, instead of one update per
+device. The command line is in aggregator/scale_cli.py.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 
-import typer
 
-from aggregator.worker import Worker, WorkerConfig, run_until_signalled
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
-from nefl.logs import setup_logging
+from aggregator.worker import Worker, WorkerConfig
 from nefl.messages import MAX_CONTROL_BYTES, WorkerStatus
-from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
+from nefl.mqtt import QOS, BrokerSettings, Connection
 
 log = logging.getLogger("aggregator.worker")
 
@@ -66,27 +62,3 @@ class Relay(Worker):
             self.site_clients.add(client)
             self.up.client.subscribe(self.topics.task(client), qos=QOS)
         self.publish_up(topic, payload, retain=self.topics.client_of(topic, "decline") is None)
-
-
-def relay_command(
-    site_broker: str = typer.Option(..., help="mqtt://HOST:PORT of the site's broker, where its devices connect."),
-    upstream: str = typer.Option(..., help="mqtt(s)://HOST:PORT of the coordinator's broker (`aggregator serve`); the "
-                                 "credential and TLS options below are for this one."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
-    relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
-                                   "round plans not signed by it are refused."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
-) -> None:
-    """Serve a site's devices on its own broker; send the coordinator one partial per round (docs/scale.md)."""
-    setup_logging(log_level, log_format)
-    rid = relay_id or f"relay-{socket.gethostname()}"[:64]
-    run_until_signalled(lambda: Relay(WorkerConfig(federation, rid, shared=False, server_key=server_key),
-                                      parse_broker(upstream, username, password, ca_cert, certfile, keyfile),
-                                      parse_broker(site_broker)))

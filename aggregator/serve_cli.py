@@ -2,7 +2,8 @@
 
 Parses and checks the options, loads or refuses a checkpoint, starts the embedded broker when no
 `--broker` is given, and turns Ctrl-C / SIGTERM into a clean stop (exit code 0, a word on whether
-there is anything to resume).
+there is anything to resume). The server's modules (torch) are imported by the command, not by this
+module, so `aggregator serve --help` answers at once.
 """
 
 from __future__ import annotations
@@ -10,29 +11,26 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import typer
 
 from aggregator.assignment import Assignment
-from aggregator.broker import EmbeddedBroker
-from aggregator.federation import ClientLimits, Robustness
-from aggregator.server import ServeConfig, Server, load_start
-from aggregator.worker import start_local_workers, stop_local_workers
-from aggregator.web import DashboardServer, TokenRequired, start_http
-from nefl.checkpoint import CheckpointError
-from nefl.data import DatasetUnavailable
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption, ScheduleOption, WarmupOption)
+from nefl.extras import full_install_required
 from nefl.listen import is_loopback, parse_listen
 from nefl.logs import setup_logging
+from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
-from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_RELATIVE, DPAccountant, NormBound
+from nefl.settings import DEFAULT_ADAPTIVE_K, DEFAULT_RELATIVE, TrainConfig
 from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError, Signer
 from nefl.topics import Topics
-from nefl.train import TrainConfig
-from nefl.wire import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from aggregator.web import DashboardServer
 
 log = logging.getLogger("aggregator.server")  # one logger for the server's story, CLI or not
 
@@ -99,6 +97,15 @@ def serve_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."""
+    with full_install_required("aggregator serve"):  # here, not at the top: `serve --help` needs none of them
+        from aggregator.broker import EmbeddedBroker
+        from aggregator.federation import ClientLimits, Robustness
+        from aggregator.server import ServeConfig, Server, load_start
+        from aggregator.web import TokenRequired, start_http
+        from aggregator.worker import start_local_workers, stop_local_workers
+        from nefl.checkpoint import CheckpointError
+        from nefl.data import DatasetUnavailable
+        from nefl.robust import DPAccountant, NormBound
     setup_logging(log_level, log_format, context={"federation": federation})
     stop_on_sigterm()
     try:

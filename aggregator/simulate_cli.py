@@ -1,24 +1,21 @@
-"""`aggregator simulate`: the paper's experiments in one process, with a progress bar."""
+"""`aggregator simulate`: the paper's experiments in one process, with a progress bar (the simulator's
+modules, which need torch, are imported when the command runs, not for its --help)."""
 
 from __future__ import annotations
 
 import json
 from typing import Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from aggregator.assignment import Assignment
-from aggregator.simulate import SimConfig, Simulator
-from nefl.aggregate import Weighting
 from nefl.cli_options import ScheduleOption, WarmupOption
-from nefl.data import DatasetUnavailable
+from nefl.extras import full_install_required
 from nefl.profile import ProfileError
-from nefl.state import GlobalState
-from nefl.train import TrainConfig
+from nefl.settings import TrainConfig, Weighting
 
 console = Console(stderr=True)
 
@@ -53,6 +50,12 @@ def simulate_command(
                                             "architecture (docs/architectures.md)."),
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
+    with full_install_required("aggregator simulate"):  # here, not at the top: `simulate --help` needs no torch
+        import torch
+
+        from aggregator.simulate import SimConfig, Simulator
+        from nefl.data import DatasetUnavailable
+        from nefl.state import GlobalState
     if per_round > clients:
         raise typer.BadParameter(f"--per-round {per_round} exceeds --clients {clients}")
     if threads:

@@ -18,8 +18,6 @@ import paho.mqtt.client as mqtt
 import typer
 from rich.table import Table
 
-from aggregator.server import STATUS_FILE
-from nefl.checkpoint import read_metrics
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.logs import console, setup_logging
@@ -86,6 +84,9 @@ def status_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
+    from aggregator.server import STATUS_FILE  # here, not at the top: `status --help` needs no torch
+    from nefl.checkpoint import read_metrics
+
     setup_logging(log_level, log_format)
     run_dir = Path(checkpoint_dir or f"runs/{federation}")
     try:

@@ -10,6 +10,7 @@ Chunks of one update reach one worker (docs/scale.md): an update sent in one mes
 does; for a multi-chunk update the round plan names an owner per client (a stable hash over the
 plan's sorted worker list), and a worker handed a chunk it does not own forwards it, once, to the
 owner's forward topic. Threads as in the server: paho only enqueues, the main thread owns the state.
+The command line is in aggregator/scale_cli.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,11 +33,9 @@ import typer
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.partials import partial_tensors
-from nefl.cli_options import (ENV_PASSWORD, ENV_USERNAME, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
-from nefl.logs import setup_logging
+from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 from nefl.messages import MAX_PLAN_BYTES, MessageError, PartialSummary, Receipt, RoundClose, WorkerRound, WorkerStatus
-from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
+from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import parse_profile
 from nefl.robust import NormBound
 from nefl.signing import parse_public_key, verify
@@ -262,31 +260,6 @@ class Worker:
         for conn in dict.fromkeys([*self.sources, self.up]):
             last = (self.topics.worker(self.me, "status"), WorkerStatus(state="offline", role=self.role).to_json())
             conn.stop(last if conn is self.up else None)
-
-
-def worker_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
-                                         "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
-    worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
-    group: str = typer.Option("nefl-workers", help="Shared-subscription group: the broker spreads updates over its members."),
-    shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
-                                "broker without shared subscriptions)."),
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
-                                   "round plans not signed by it are refused."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
-) -> None:
-    """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
-    setup_logging(log_level, log_format)
-    wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
-    run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
-                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile)))
 
 
 def run_until_signalled(build: Callable[[], Worker]) -> None:

@@ -13,7 +13,6 @@ that fails is dropped with a counted reason; nothing inbound can end the agent.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 import traceback
@@ -36,9 +35,6 @@ from nefl.topics import Topics
 from nefl.train import OutOfTime
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
-CACHE = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser()
-PIN_DIR = CACHE / "servers"  # aggregator keys trusted on first use
-DEVICE_KEY_DIR = CACHE / "device-keys"  # this machine's device keys, one per client id
 UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
 REPLAN_S = 5.0  # an idle device re-probes this often and re-announces when what it can train changed
 log = logging.getLogger(__name__)
@@ -65,10 +61,6 @@ class Transport(Protocol):
     def subscribe(self, topic: str, qos: int = 0) -> object: ...
 
     def unsubscribe(self, topic: str) -> object: ...
-
-
-def pin_file_for(pin_dir: Path, federation: str, host: str, port: int) -> Path:
-    return pin_dir / f"{federation}@{host}_{port}.pub"
 
 
 def model_bytes_bound(layout: Layout, k: int) -> int:

@@ -16,7 +16,9 @@ from typing import Protocol
 
 import torch
 
-from edge_client.costmodel import CACHE_DIR, CostTable, RunningCalibration, calibrate, estimate_costs
+from edge_client.cache import CALIBRATION_DIR
+from edge_client.costmodel import CostTable, calibrate, estimate_costs
+from edge_client.load import RunningCalibration
 from edge_client.probe import Prober
 from edge_client.select import DeviceBudget, Selection, select_submodel
 from nefl.data import BatchLoader, load_dataset, load_image_folder, parse_partition, partition_iid
@@ -47,7 +49,7 @@ class DeviceConfig:
     seed: int = 0
     torch_device: str = "cpu"
     recalibrate: bool = False  # measure again instead of reusing the cached calibration
-    cache_dir: Path = CACHE_DIR
+    cache_dir: Path = CALIBRATION_DIR
 
 
 class Device(Protocol):

@@ -38,6 +38,7 @@ JETSON_LOAD_PATHS = (  # GPU load in 0..1000: Nano/TX, Xavier, Orin (JetPack 5 a
 PI_THROTTLED_PATH = Path("/sys/devices/platform/soc/soc:firmware/get_throttled")
 THROTTLED_NOW_MASK = 0xF  # under-voltage, ARM frequency capped, throttled, soft temperature limit
 MIN_WINDOW_S = 0.25  # CPU shares over a shorter interval are noise: the previous reading stands
+HOT_LIMIT_C = 80.0  # a thermal zone at or above this counts as throttling (edge_client/load.py)
 IGNORED_ZONES = frozenset({"pmic-die"})  # Jetson Nano's PMIC zone reads a fixed 100 C: not a temperature
 _AUTO = object()
 

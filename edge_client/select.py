@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edge_client.costmodel import HOT_LIMIT_C, CostTable, RunningCalibration, predict_seconds
-from edge_client.probe import DeviceSnapshot, format_bytes
+from edge_client.load import RunningCalibration, predict_seconds
+from edge_client.probe import HOT_LIMIT_C, DeviceSnapshot, format_bytes
+
+if TYPE_CHECKING:
+    from edge_client.costmodel import CostTable
 
 DEFAULT_SAFETY_MARGIN = 0.2  # fraction of available memory left untouched (other processes, page cache)
 HYSTERESIS = 0.15  # a submodel above the one held must fit the deadline with this fraction to spare

@@ -15,16 +15,15 @@ merge exactly (group sums and weights add), which is what hierarchical / multi-s
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
 from nefl.choices import check_choice
+from nefl.settings import Weighting
 from nefl.state import GlobalState, Layout, corner, tensor_mismatch
 from nefl.tensors import first_non_finite, ring
 
 # uniform: every update counts once, as the paper; samples: an update counts its client's sample count
-Weighting = Literal["uniform", "samples"]
 
 
 class UpdateError(ValueError):

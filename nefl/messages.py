@@ -24,6 +24,9 @@ MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
 MAX_LISTED = 200  # client ids listed in a server status; counts carry the rest
+# the largest MQTT message a publisher sends: tensor payloads are cut in chunks of it (nefl/wire.py), under
+# EMQX's 1 MB default; here, not in wire.py, so that command lines show it without importing torch
+DEFAULT_CHUNK_BYTES = 256 * 1024
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]

@@ -1,60 +1,19 @@
-"""Local training and evaluation of one submodel, with the paper's optimiser defaults."""
+"""Local training and evaluation of one submodel, with the paper's optimiser defaults (TrainConfig,
+which lives in the torch-free nefl/settings.py so command lines can show it without importing torch)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from nefl.choices import check_choice
+from nefl.settings import TrainConfig  # noqa: F401 (re-exported: nefl.train.TrainConfig)
 from nefl.state import load_module_state, module_state
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
-# step: the paper's ResNet protocol (x0.1 at the milestones); cosine: its pretrained-ViT protocol
-Schedule = Literal["step", "cosine"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs.
-
-    The one source of these defaults: the server, the simulator, the device cost model and the
-    command lines read them from here (`TrainConfig.lr` ...), so they cannot drift apart."""
-
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    local_epochs: int = 1
-    milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr drops x0.1
-    lr_decay: float = 0.1
-    schedule: Schedule = "step"
-    warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds, before either schedule
-
-    def __post_init__(self) -> None:
-        check_choice(Schedule, self.schedule, "learning-rate schedule")
-        if self.warmup_rounds < 0:
-            raise ValueError(f"warmup rounds must be >= 0, got {self.warmup_rounds}")
-
-    def lr_at(self, round_index: int, total_rounds: int) -> float:
-        """The round's lr. Per round, not per step: a task carries one lr, so a device needs no global
-        step counter (the paper's 500 warmup steps of its ViT protocol are ~3 rounds: 156 steps a round)."""
-        if round_index < self.warmup_rounds:
-            return self.lr * (round_index + 1) / self.warmup_rounds
-        if self.schedule == "cosine":
-            done = (round_index - self.warmup_rounds) / max(1, total_rounds - self.warmup_rounds)
-            return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
-        drops = sum(1 for m in self.milestones if round_index >= m * total_rounds)
-        return self.lr * self.lr_decay**drops
-
-    def for_round(self, round_index: int, total_rounds: int) -> TrainConfig:
-        """What a client trains round `round_index` with: the schedule's lr, everything else as is."""
-        return replace(self, lr=self.lr_at(round_index, total_rounds))
 
 
 class OutOfTime(ValueError):

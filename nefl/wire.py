@@ -26,11 +26,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from nefl.messages import Count, Hex64, Message, MessageError, Name, Reason, Round, Short, Submodel, decode
+from nefl.messages import (DEFAULT_CHUNK_BYTES, Count, Hex64, Message, MessageError, Name, Reason, Round, Short, Submodel,
+                           decode)
 from nefl.tensors import all_finite
 
 MAGIC = b"NEFL"
-DEFAULT_CHUNK_BYTES = 256 * 1024
 MAX_HEADER_BYTES = 4096
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 KINDS = ("model", "update", "partial")

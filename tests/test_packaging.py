@@ -19,7 +19,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import nefl.profile
-from edge_client.cli import TRAINING_COMMANDS
+from aggregator.cli import COMMANDS as AGGREGATOR_COMMANDS
+from edge_client.cli import COMMANDS as EDGE_COMMANDS
 from nefl.cli import app as nefl_app
 from nefl.extras import FULL_INSTALL, FULL_ONLY_MODULES
 
@@ -111,15 +112,16 @@ def test_help_and_probe_import_no_full_install_module(tmp_path: Path) -> None:
     assert _imported_full_modules(["probe", "--json", "--interval", "0"], tmp_path) == []
 
 
-def test_listed_help_of_training_commands_is_their_docstring() -> None:
-    for module, function, listed in TRAINING_COMMANDS.values():
+def test_listed_help_of_lazy_commands_is_their_docstring() -> None:
+    for module, function, listed in [*EDGE_COMMANDS.values(), *AGGREGATOR_COMMANDS.values()]:
         assert inspect.getdoc(getattr(importlib.import_module(module), function)) == listed
 
 
 @pytest.mark.parametrize("code", [
     "from edge_client.cli import app; app(['plan', '-p', 'resnet8-fmnist-w'])",
-    "from edge_client.cli import app; app(['join', '--help'])",
-    "from export.cli import app; app(['onnx', '--help'])",
+    "from edge_client.cli import app; app(['join', '--broker', 'mqtt://localhost:1'])",
+    "from export.cli import app; app(['onnx', '--checkpoint', 'ckpt', '--out', 'out'])",
+    "from aggregator.cli import app; app(['serve'])",
 ])
 def test_a_command_that_needs_torch_names_the_full_install(code: str, tmp_path: Path) -> None:
     out = _run([sys.executable, "-c", f"import sys; sys.modules['torch'] = None; {code}"], tmp_path)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from edge_client.cli import app
-from edge_client.costmodel import (MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, CostTable, CudaMeter, RssMeter, RunningCalibration, SubmodelCost,
-                                   cache_path, calibrate, others_demand, slowdown)
+from edge_client.costmodel import CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path, calibrate
+from edge_client.load import MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, RunningCalibration, others_demand, slowdown
 from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
 from edge_client.select import HYSTERESIS, DeviceBudget, parse_size, select_submodel
 from nefl.profile import load_profile

@@ -1,0 +1,70 @@
+"""Settings the command lines show as defaults, in a module that imports no torch.
+
+`--help` of a command must not wait seconds for torch, yet each default lives in one place, its
+config dataclass or constant, read by the code that uses it and by the command line alike. The
+ones a command line shows live here: the training protocol, NeFedAvg's weighting choice and the
+update bounds' defaults (nefl/train.py, nefl/aggregate.py and nefl/robust.py use them from here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from nefl.choices import check_choice
+
+# step: the paper's ResNet protocol (x0.1 at the milestones); cosine: its pretrained-ViT protocol
+Schedule = Literal["step", "cosine"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs.
+
+    The one source of these defaults: the server, the simulator, the device cost model and the
+    command lines read them from here (`TrainConfig.lr` ...), so they cannot drift apart."""
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 1
+    milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr drops x0.1
+    lr_decay: float = 0.1
+    schedule: Schedule = "step"
+    warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds, before either schedule
+
+    def __post_init__(self) -> None:
+        check_choice(Schedule, self.schedule, "learning-rate schedule")
+        if self.warmup_rounds < 0:
+            raise ValueError(f"warmup rounds must be >= 0, got {self.warmup_rounds}")
+
+    def lr_at(self, round_index: int, total_rounds: int) -> float:
+        """The round's lr. Per round, not per step: a task carries one lr, so a device needs no global
+        step counter (the paper's 500 warmup steps of its ViT protocol are ~3 rounds: 156 steps a round)."""
+        if round_index < self.warmup_rounds:
+            return self.lr * (round_index + 1) / self.warmup_rounds
+        if self.schedule == "cosine":
+            done = (round_index - self.warmup_rounds) / max(1, total_rounds - self.warmup_rounds)
+            return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+        drops = sum(1 for m in self.milestones if round_index >= m * total_rounds)
+        return self.lr * self.lr_decay**drops
+
+    def for_round(self, round_index: int, total_rounds: int) -> TrainConfig:
+        """What a client trains round `round_index` with: the schedule's lr, everything else as is."""
+        return replace(self, lr=self.lr_at(round_index, total_rounds))
+
+
+# uniform: every update of a submodel counts the same (the paper); samples: by the client's sample count
+Weighting = Literal["uniform", "samples"]
+
+# Honest updates measured up to 0.86 x their submodel's weight norm (0.54 at E=1) and up to
+# 1.74 x the median of the submodel's last 20 accepted norms: margins >10x and >5x (docs/security.md).
+DEFAULT_RELATIVE = 10.0
+DEFAULT_ADAPTIVE_K = 10.0
+DEFAULT_WINDOW = 20
+DEFAULT_WARMUP = 5
+# The largest |w| measured in trained states was 7.7 (a BatchNorm running variance): 1e6 trips only
+# on a broken state, never on training.
+DEFAULT_MAX_ABS = 1e6
