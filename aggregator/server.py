@@ -28,7 +28,7 @@ from aggregator.metrics import Observer
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.partials import WorkerPool
 from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
-                             load_checkpoint, read_metrics, replay_metrics, save_checkpoint)
+                             load_checkpoint, read_metrics, recovery_hint, replay_metrics, save_checkpoint)
 from nefl.fsio import atomic_write_text
 from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, Decline, MessageError, ServerStatus, Task,
                            TrainingSettings)
@@ -42,6 +42,7 @@ from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
 
 STATUS_FILE = "status.json"
+STATUS_EVERY_S = 1.0  # a change of who is online is published at most this often (a fleet reconnecting at once)
 DeviceMessage = TypeVar("DeviceMessage", Announce, Decline)
 
 
@@ -117,6 +118,8 @@ class Server:
         self.late = 0
         self.accuracy: list[float] | None = None
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
+        self._presence_changed = False  # who is online or able to train changed since the last status
+        self._status_at = 0.0  # monotonic time of the last published status
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
         self.signer = signer
         self._keys = DeviceKeys(lambda c: self.fed.keys.get(c))
@@ -151,6 +154,7 @@ class Server:
     def publish_status(self, state: str) -> mqtt.MQTTMessageInfo:
         """Signed and retained on the broker, and mirrored (unsigned, readable) in status.json."""
         status = self.status(state)
+        self._presence_changed, self._status_at = False, time.monotonic()
         self.observer.status(status)
         body = status.to_json()
         info = self.client.publish(self.topics.server_status, self.signer.sign(body), qos=QOS, retain=True)
@@ -170,6 +174,8 @@ class Server:
             except queue.Empty:
                 for key in self.reasm.expire():
                     self._reject("timeout", key[2], f"chunk set of round {key[1]} incomplete after {self.cfg.round_timeout}s")
+            if self._presence_changed and time.monotonic() - self._status_at >= STATUS_EVERY_S:
+                self.publish_status("training" if self.fed.round else "waiting")  # `aggregator status` stays true
             if self.fed.round is not None and self.fed.complete():  # also when quiet: a grace period may end
                 return
 
@@ -192,6 +198,7 @@ class Server:
                 online = bool(payload) and ClientStatus.from_json(payload).state == "online"
                 self.fed.set_online(client, online)
                 self.observer.client_changed(self.fed.clients.get(client))
+                self._presence_changed = True
         except (MessageError, Rejected, WireError) as e:
             self._reject(e.reason, client or "?", str(e))
         except Exception:  # a bug must not let one message end the federation: count it, keep the trace
@@ -218,6 +225,7 @@ class Server:
     def _handle_announce(self, client: str, msg: Announce) -> None:
         info = self.fed.announce(client, msg)
         self.observer.client_changed(info)
+        self._presence_changed = True
         why = f" ({info.selection})" if info.selection else ""
         log.info(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}",
                  extra={"client": client, "submodel": info.max_submodel + 1})
@@ -419,7 +427,8 @@ def load_start(cfg: ServeConfig) -> Start:
         if not isinstance(ckpt.meta.get("round"), int):
             raise CheckpointError(f"{ckpt_dir}: checkpoint metadata has no round number; not a federation checkpoint")
         if ckpt.meta.get("state_sha256") not in (None, state_digest(ckpt.state)):
-            raise CheckpointError(f"{ckpt_dir}: state does not match the digest in meta.json (corrupt or mixed files)")
+            raise CheckpointError(f"{ckpt_dir}: state does not match the digest in meta.json (corrupt or mixed files); "
+                                  f"{recovery_hint(ckpt_dir)}")
         return Start(profile, ckpt.layout, ckpt.state, ckpt.meta["round"] + 1, ckpt.meta)
     if has_checkpoint(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir} already holds a checkpoint: pass --resume, or another --checkpoint-dir")

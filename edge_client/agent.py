@@ -139,7 +139,7 @@ class Agent:
         self.dropped[reason] += 1
         n = self.dropped[reason]
         if n & (n - 1) == 0:
-            log.warning(f"dropped a message ({reason}, {n} so far): {detail[:300]}", extra={"reason": reason})
+            log.warning(f"dropped a message ({reason}, {n} so far): {detail[:600]}", extra={"reason": reason})
 
     def _on_signed(self, topic: str, payload: bytes, cls: type[Message], handle: Callable) -> None:
         """Verify against the pinned key and the current run; hold it until a status names the run."""
@@ -187,11 +187,11 @@ class Agent:
         except MessageError:
             return detail
         self.foreign_key = other
-        says = f"an aggregator on nefl/{self.cfg.federation}/ signs with key {other}, not the pinned {self.pin.text}"
+        says = f"status signed by key {other}, not the pinned {self.pin.text}"
         if self.pin.source == "given":
-            return (f"{says} given with --server-key: pass the key `aggregator key --checkpoint-dir DIR` prints on that "
-                    "server (if it is yours; else another process publishes as this federation's aggregator)")
-        return (f"{says} remembered in {self.pin.pin_file}: if that aggregator's key was really replaced, delete the "
+            return (f"{says} of --server-key: pass what `aggregator key` prints on that server, if it is yours "
+                    "(else another process poses as this federation's aggregator)")
+        return (f"{says} remembered in {self.pin.pin_file}: if the aggregator's key was really replaced, delete the "
                 "file or pass --server-key")
 
     def _trust_on_first_use(self, payload: bytes) -> None:

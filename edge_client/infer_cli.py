@@ -82,7 +82,8 @@ def serve_command(
             server = make_server(runtime, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
                                  queue_size=queue_size, timeout_s=request_timeout)
         except OSError as e:
-            console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e.strerror or e}); choose another --port")
+            console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e.strerror or e}); choose another --port",
+                          soft_wrap=True)
             raise typer.Exit(2) from None
         bound_host, bound_port = server.server_address[:2]
         console.print(f"serving {runtime.manifest.profile} ({len(runtime.submodels)} submodels) "

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from edge_client.agent import Agent, AgentConfig
+from edge_client.join import _no_server
 from nefl.messages import Announce, ClientStatus, Decline
-from nefl.signing import parse_public_key, split_signed, verify
+from nefl.mqtt import BrokerSettings
+from nefl.signing import Signer, parse_public_key, split_signed, verify
 from nefl.wire import Reassembler, split_chunk
-from tests.agent_fakes import FakeDevice, FakeServer, T, make_agent
+from tests.agent_fakes import FakeDevice, FakeServer, FakeTransport, T, make_agent
 
 
 class Clock:
@@ -182,3 +187,31 @@ def test_a_new_server_run_restarts_the_rounds(tmp_path):
         agent.dispatch(T.model_chunk(0, 0), m)
     agent.tick()
     assert [(r, k) for r, k, _ in device.trained] == [(3, 0), (1, 0)]
+
+
+def _pinned_agent(tmp_path, server_key=None):
+    cfg = AgentConfig("c1", federation="t", server_key=server_key, pin_file=tmp_path / "pins" / "t.pub",
+                      device_key=Signer.load_or_create(tmp_path / "device-keys", "c1.key"))
+    return Agent(cfg, FakeTransport(), FakeDevice())
+
+
+def test_a_status_signed_by_another_key_than_the_given_one_names_both_and_the_fix(tmp_path, caplog):
+    server, impostor = FakeServer(tmp_path / "s"), FakeServer(tmp_path / "other")
+    agent = _pinned_agent(tmp_path, server_key=server.signer.public_text)
+    agent.dispatch(T.server_status, impostor.status())
+    assert not agent.server_seen and agent.dropped["bad_signature"] == 1
+    assert agent.foreign_key == impostor.signer.public_text
+    text = caplog.text
+    assert impostor.signer.public_text in text and server.signer.public_text in text and "--server-key" in text
+    assert "aggregator key" in text and "delete" not in text  # no pin file to delete: the key came from the command line
+    warning = _no_server(agent, SimpleNamespace(connected=True), BrokerSettings("broker", 1883))
+    assert "an aggregator answers" in warning and "is `aggregator serve" not in warning
+
+
+def test_a_status_signed_by_another_key_than_the_remembered_one_names_the_pin_file(tmp_path, caplog):
+    server, replaced = FakeServer(tmp_path / "s"), FakeServer(tmp_path / "new")
+    (tmp_path / "pins").mkdir()
+    (tmp_path / "pins" / "t.pub").write_text(server.signer.public_text + "\n")  # pinned on first use, earlier
+    agent = _pinned_agent(tmp_path)
+    agent.dispatch(T.server_status, replaced.status())
+    assert not agent.server_seen and "delete the file" in caplog.text and str(tmp_path / "pins" / "t.pub") in caplog.text

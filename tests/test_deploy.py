@@ -3,10 +3,12 @@ docs/deploy.md, and the one-line errors of the commands an operator starts."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -16,6 +18,9 @@ from typer.testing import CliRunner
 
 from aggregator.cli import app as aggregator_app
 from nefl.data import DatasetUnavailable
+from nefl.messages import ClientStatus
+from tests.agent_fakes import FakeDevice
+from tests.test_busy_device import T, _wire
 from tests.test_federation import Procs, free_port, needs_mosquitto, port_open, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,3 +120,18 @@ def test_help_imports_no_torch(argv: list[str], tmp_path: Path) -> None:
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and "Usage" in out.stdout, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_aggregator_status_follows_devices_that_leave(tmp_path: Path) -> None:
+    """The server's retained status (and status.json, which `aggregator status` reads) is published
+    again when who is online changes, not only when the round does."""
+    wire = _wire(tmp_path, FakeDevice(can=2))
+    wire.deliver_to_server(handle=True)
+    wire.server.pump(time.monotonic() + 1.5)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["clients_online"] == ["c1"]
+    wire.server.handle(T.status("c1"), ClientStatus(state="offline").to_json())  # the device exits
+    wire.server.pump(time.monotonic() + 1.5)
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["clients_online"] == []
+    result = CliRunner().invoke(aggregator_app, ["status", "--federation", "t", "--checkpoint-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0 and "online clients (0): -" in result.output, result.output

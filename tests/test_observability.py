@@ -116,6 +116,19 @@ def test_dashboard_state_after_a_scripted_round():
     assert state.rejected_total == {"stale_round": 2, "malformed_header": 1}
 
 
+def test_a_device_that_reports_every_round_is_seen_every_round(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("aggregator.metrics.time.time", lambda: now[0])
+    obs = Observer("t", "p", 2, rounds=5, round_timeout=30)
+    obs.client_changed(info("a", 1))
+    obs.client_changed(info("b", 1))  # b announced last
+    now[0] += 283  # rounds go by without a new announce: the device's choice did not change
+    obs.round_opened(1, {"a": 1}, 30.0)
+    obs.update_accepted("a")
+    state = obs.snapshot()
+    assert state.devices[0].id == "a" and state.devices[0].last_seen == 1283.0  # not "283 s ago"
+
+
 def test_open_round_is_shown_until_its_line_arrives():
     obs = Observer("t", "p", 2, rounds=5, round_timeout=30)
     obs.round_opened(4, {"a": 1, "b": 0}, 30.0)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import io
 import json
 import re
+import os
 import shutil
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -36,6 +40,7 @@ from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout
 
 torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
 IDLE = lambda: (0.0, 8 * GIB)  # noqa: E731
 
@@ -139,6 +144,45 @@ def test_the_load_probe_reads_the_last_moments_not_a_quiet_spell_before_them() -
     del probe
     sampler.join(5)  # the sampler holds the probe weakly and ends with it
     assert not sampler.is_alive()
+
+
+def _serve(models_dir: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--models",
+                             str(models_dir), "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_serve_on_a_taken_port_says_so_in_one_line(models: tuple[Path, Path]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _serve(models[1], taken.getsockname()[1])
+        output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output and "choose another --port" in output
+    assert len([line for line in output.splitlines() if line.strip()]) == 1, output  # one line, no 100-line trace
+
+
+def test_serve_stops_cleanly_on_sigterm(models: tuple[Path, Path]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve(models[1], port)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output  # a service manager's stop is not a failure (it was 143)
+    assert "stopping (SIGTERM)" in output and "Traceback" not in output
 
 
 def test_bad_pixels_are_rejected(models: tuple[Path, Path]) -> None:
