@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw lint clean
+.PHONY: env wheel system-deps test test-under-load test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,9 @@ system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) 
 
 test: env system-deps  ## the whole test suite (about 7 minutes on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-under-load: env system-deps  ## the whole suite with two busy-loop processes beside it: it must hold on a loaded machine
+	scripts/with-busy-loops.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'
