@@ -33,6 +33,7 @@ PASSWORD = "pw"
 ACL = """user aggregator
 topic readwrite nefl/t/#
 pattern write nefl/t/announce/%u
+pattern write nefl/t/decline/%u
 pattern write nefl/t/status/%u
 pattern write nefl/t/update/%u
 pattern read  nefl/t/task/%u
