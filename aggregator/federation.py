@@ -337,8 +337,18 @@ class Federation:
         if stale:
             fix = "" if self.assignment == "coverage" else "use --assignment coverage, or "
             log.warning("submodel(s) %s untrained for %d+ rounds under --assignment %s: %sadd devices that can "
-                        "train them", ", ".join(map(str, stale)), self.warn_untrained_after, self.assignment, fix,
-                        extra={"round": index})
+                        "train them%s", ", ".join(map(str, stale)), self.warn_untrained_after, self.assignment, fix,
+                        self._why_untrainable(max(stale)), extra={"round": index})
+
+    def _why_untrainable(self, submodel: int) -> str:
+        """What the online devices that cannot train `submodel` (1-based) said binds them, and the fix
+        when it is the deadline: the operator should read "the deadline", not only "add devices"."""
+        reasons = sorted({f"{c}: {i.selection}" for c, i in self.clients.items()
+                          if i.online and i.selection and i.max_submodel + 1 < submodel})
+        if not reasons:
+            return ""
+        hint = " (or raise --round-timeout: the deadline binds)" if any("deadline binds" in r for r in reasons) else ""
+        return f"{hint}; devices say {'; '.join(reasons[:3])}" + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
 
     def _commit(self, agg: NeFedAvg) -> str | None:
         """Make the aggregate the new state unless it is not finite and bounded; returns why not."""

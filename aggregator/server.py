@@ -380,7 +380,8 @@ class Server:
                         metrics=facts)
         self.observer.checkpoint_saved(time.perf_counter() - t_ckpt)
         self.write_metrics(facts)
-        log.info(f"round {index} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
+        log.info(f"round {index} done in {facts['wall_s']}s (training closed after {closed_s:.1f}s): "
+                 f"reported {facts['reported']}, rejected {facts['rejected']}"
             + (f", accuracy {self.accuracy}" if self.accuracy else ""), extra={"round": index})
         return facts
 

@@ -172,6 +172,18 @@ def test_a_submodel_untrained_for_three_rounds_is_warned_about(caplog) -> None:
     assert "submodel(s) 1, 2, 3, 4 untrained for 3+ rounds" in msg and "--assignment coverage" in msg
 
 
+def test_an_untrained_submodel_warning_names_the_deadline_when_it_binds(caplog) -> None:
+    fed = _federation("coverage", per_round=2)
+    why = "submodel 4/5 (gamma 0.8): deadline binds: submodel 5 would take 70.3 s, deadline 48 s"
+    for c in ("a", "b"):
+        join(fed, c, Announce(client=c, max_submodel=4, samples=10, selection=why))
+    with caplog.at_level(logging.WARNING, logger="aggregator.federation"):
+        for i in (1, 2, 3):
+            _round(fed, i)
+    msg = caplog.records[-1].getMessage()
+    assert "submodel(s) 5 untrained" in msg and "raise --round-timeout" in msg and f"a: {why}" in msg
+
+
 def test_unknown_policy_and_foreign_counts_are_refused() -> None:
     layout = Layout.build(load_profile("resnet8-fmnist-w"))
     with pytest.raises(ValueError, match="--assignment must be one of 'coverage', 'largest', 'paper'"):
