@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Annotated, Optional
 
 import typer
 
@@ -21,6 +22,10 @@ from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError, load_profile
 
+CoordinatorKeyOption = Annotated[Optional[str], typer.Option(
+    "--server-key", envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not "
+                                                   "signed by it are refused.")]
+
 
 def worker_command(
     broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
@@ -30,8 +35,7 @@ def worker_command(
     group: str = typer.Option("nefl-workers", help="Shared-subscription group: the broker spreads updates over its members."),
     shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
                                 "broker without shared subscriptions)."),
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
-                                   "round plans not signed by it are refused."),
+    server_key: CoordinatorKeyOption = None,
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,
@@ -55,8 +59,7 @@ def relay_command(
                                  "credential and TLS options below are for this one."),
     federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
     relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
-                                   "round plans not signed by it are refused."),
+    server_key: CoordinatorKeyOption = None,
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,

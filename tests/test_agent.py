@@ -21,14 +21,22 @@ class Clock:
         return self.now
 
 
-def announces(transport) -> list[Announce]:
-    """The agent's announces, each checked to be signed by the key it names (the device key)."""
+def signed(transport, topic: str, cls):
+    """The agent's messages on `topic`, each checked to be signed by the key it names (the device key)."""
     out = []
-    for p in transport.on(T.announce("c1")):
-        msg = Announce.from_json(split_signed(p)[0])
+    for p in transport.on(topic):
+        msg = cls.from_json(split_signed(p)[0])
         verify(p, parse_public_key(msg.key))
         out.append(msg)
     return out
+
+
+def announces(transport) -> list[Announce]:
+    return signed(transport, T.announce("c1"), Announce)
+
+
+def declines(transport) -> list[Decline]:
+    return signed(transport, T.decline("c1"), Decline)
 
 
 def test_connect_subscribes_and_says_online(tmp_path):
@@ -70,16 +78,6 @@ def test_task_weights_train_upload(tmp_path):
     device_key = parse_public_key(announces(transport)[0].key)
     for m in updates:  # every chunk header carries the device's signature
         verify(split_chunk(m)[0], device_key)
-
-
-def declines(transport) -> list[Decline]:
-    """The agent's declines, each checked to be signed by the device key."""
-    out = []
-    for p in transport.on(T.decline("c1")):
-        msg = Decline.from_json(split_signed(p)[0])
-        verify(p, parse_public_key(msg.key))
-        out.append(msg)
-    return out
 
 
 def test_a_task_too_big_for_the_device_is_declined_and_the_server_told(tmp_path):
