@@ -136,7 +136,7 @@ def test_profile_list_fails_when_no_profile_is_found(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_small_install_runs_inference_without_torch(wheel: Path, exported: tuple[Path, Path], tmp_path: Path) -> None:
     models, image = exported
     assert _imported_full_modules(["infer", "--models", str(models), "--threads", "1", str(image)], tmp_path) == []
