@@ -12,7 +12,14 @@ COMMANDS = {
     "serve": Lazy("aggregator.serve_cli", "serve_command",
                   "Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."),
     "key": Lazy("aggregator.serve_cli", "key_command",
-                "Print the aggregator's public key (created if missing), for devices' --server-key."),
+                "Print the aggregator's public key (created if missing), for devices' --server-key and workers."),
+    "enroll": Lazy("aggregator.enrol_cli", "enroll_command",
+                   "Enrol a device (prints a one-time join token for `edge-client join --join-token`) or authorise a "
+                   "worker's key.\nEnrolling an id that is already pinned rotates its key once the device presents the new "
+                   "token."),
+    "revoke": Lazy("aggregator.enrol_cli", "revoke_command",
+                   "Revoke an id's key: its messages are refused from now on, also in a running federation (a device "
+                   "comes back\nonly with a new `aggregator enroll`)."),
     "status": Lazy("aggregator.status", "status_command",
                    "Show a federation's live state (round, clients, rejections, accuracy)."),
     "simulate": Lazy("aggregator.simulate_cli", "simulate_command",
@@ -26,6 +33,11 @@ COMMANDS = {
     "jigsaw": Lazy("aggregator.jigsaw_cli", "jigsaw_command",
                    "Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy "
                    "per client."),
+    "publish": Lazy("aggregator.rollout", "publish_command",
+                    "Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, "
+                    "retained."),
+    "rollout": Lazy("aggregator.rollout", "rollout_app",
+                    "See and steer a model rollout: who runs which version; promote or roll back."),
 }
 
 app = lazy_app("aggregator", "NeFL aggregator: run a federation over MQTT, simulate, inspect status.", COMMANDS)

@@ -16,8 +16,9 @@ import logging
 
 
 from aggregator.worker import Worker, WorkerConfig
-from nefl.messages import MAX_CONTROL_BYTES, WorkerStatus
+from nefl.messages import MAX_CONTROL_BYTES
 from nefl.mqtt import QOS, BrokerSettings, Connection
+from nefl.signing import Signer
 
 log = logging.getLogger("aggregator.worker")
 
@@ -25,10 +26,9 @@ log = logging.getLogger("aggregator.worker")
 class Relay(Worker):
     role = "relay"
 
-    def __init__(self, cfg: WorkerConfig, upstream: BrokerSettings, site: BrokerSettings) -> None:
-        super().__init__(cfg, upstream)
-        self.site = Connection(site, f"nefl-relay-{cfg.federation}-{self.me}", self.topics.worker(self.me, "status"),
-                               WorkerStatus(state="offline", role=self.role).to_json(), log)
+    def __init__(self, cfg: WorkerConfig, upstream: BrokerSettings, site: BrokerSettings, key: Signer) -> None:
+        super().__init__(cfg, upstream, key)
+        self.site = Connection(site, f"nefl-relay-{cfg.federation}-{self.me}", None, b"", log)
         self.sources = [self.site]
         self.site_clients: set[str] = set()
         self.dropped = 0  # oversized control messages from the site, not copied up
@@ -36,12 +36,12 @@ class Relay(Worker):
     def subscriptions(self, conn: Connection) -> list[str]:
         t = self.topics
         if conn is self.site:
-            return [t.update("+"), *t.relay_up()]
+            return [t.update("+"), t.resend("+"), *t.relay_up()]
         return [t.workers_round, t.workers_close, *t.relay_down(), *(t.task(c) for c in sorted(self.site_clients))]
 
     def route(self, conn: Connection, topic: str, payload: bytes) -> None:
         t = self.topics
-        if conn is self.site and any(t.client_of(topic, kind) for kind in ("announce", "decline", "status")):
+        if conn is self.site and any(t.client_of(topic, kind) for kind in ("announce", "decline", "status", "sent")):
             self._up(topic, payload)
         elif conn is self.up and (t.client_of(topic, "task") or t.is_model(topic)
                                   or topic in (t.control, t.server_status)):
@@ -50,9 +50,9 @@ class Relay(Worker):
             super().route(conn, topic, payload)
 
     def _up(self, topic: str, payload: bytes) -> None:
-        """A site device's announce, decline or status, copied up unchanged (the coordinator checks it,
-        signature included); its task topic is followed from now on. A decline is about one task, not
-        a state to remember, so it is the one not retained."""
+        """A site device's announce, decline, status or upload notice, copied up unchanged (the coordinator
+        checks it, signature included); its task topic is followed from now on. A decline (about one task) and
+        a notice (about one upload) are not states to remember, so they are the ones not retained."""
         if len(payload) > MAX_CONTROL_BYTES:
             self.dropped += 1
             log.info(f"not relaying a {len(payload)}-byte message on {topic} (limit {MAX_CONTROL_BYTES})")
@@ -61,4 +61,4 @@ class Relay(Worker):
         if client is not None and client not in self.site_clients:
             self.site_clients.add(client)
             self.up.client.subscribe(self.topics.task(client), qos=QOS)
-        self.publish_up(topic, payload, retain=self.topics.client_of(topic, "decline") is None)
+        self.publish_up(topic, payload, retain=not any(self.topics.client_of(topic, k) for k in ("decline", "sent")))

@@ -6,25 +6,57 @@ which need torch: these modules are imported when a command runs, not for its `-
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+from aggregator.keys import KeyDir
+from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+                              PasswordOption, UsernameOption)
 from nefl.logs import setup_logging
 from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError, load_profile
+from nefl.signing import Signer
+from nefl.topics import check_name
+
+log = logging.getLogger("aggregator.worker")
 
 CoordinatorKeyOption = Annotated[Optional[str], typer.Option(
     "--server-key", envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not "
                                                    "signed by it are refused.")]
+
+
+def _own_key_option(role: str) -> typer.models.OptionInfo:
+    return typer.Option(None, "--key", help=f"This {role}'s signing key (created 0600 if missing) [default: "
+                        "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")
+
+
+def _print_key_option(role: str) -> typer.models.OptionInfo:
+    return typer.Option(False, "--print-key", help=f"Print this {role}'s public key (for `aggregator enroll ID --worker "
+                        "--key KEY` on the coordinator) and exit.")
+
+
+def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, print_key: bool) -> Signer:
+    """A worker's or relay's key (exit 2 with the fix when unusable); --print-key prints it and exits 0."""
+    try:
+        signer = KeyDir(check_name("federation name", federation), key_dir).worker_signer(check_name("id", me), key)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    if print_key:
+        print(signer.public_text)
+        raise typer.Exit(0)
+    log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --key "
+             f"{signer.public_text})")
+    return signer
 
 
 def worker_command(
@@ -36,6 +68,9 @@ def worker_command(
     shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
                                 "broker without shared subscriptions)."),
     server_key: CoordinatorKeyOption = None,
+    key: Path = _own_key_option("worker"),
+    key_dir: KeyDirOption = None,
+    print_key: bool = _print_key_option("worker"),
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,
@@ -45,12 +80,13 @@ def worker_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
-    from aggregator.worker import Worker, WorkerConfig, run_until_signalled
-
     setup_logging(log_level, log_format)
     wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
+    signer = own_key(federation, wid, key, key_dir, print_key)
+    from aggregator.worker import Worker, WorkerConfig, run_until_signalled  # torch: not for --help or --print-key
+
     run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
-                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile)))
+                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile), signer))
 
 
 def relay_command(
@@ -60,6 +96,9 @@ def relay_command(
     federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
     relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
     server_key: CoordinatorKeyOption = None,
+    key: Path = _own_key_option("relay"),
+    key_dir: KeyDirOption = None,
+    print_key: bool = _print_key_option("relay"),
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,
@@ -69,14 +108,15 @@ def relay_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Serve a site's devices on its own broker; send the coordinator one partial per round (docs/scale.md)."""
-    from aggregator.relay import Relay
-    from aggregator.worker import WorkerConfig, run_until_signalled
-
     setup_logging(log_level, log_format)
     rid = relay_id or f"relay-{socket.gethostname()}"[:64]
+    signer = own_key(federation, rid, key, key_dir, print_key)
+    from aggregator.relay import Relay  # torch: not for --help or --print-key
+    from aggregator.worker import WorkerConfig, run_until_signalled
+
     run_until_signalled(lambda: Relay(WorkerConfig(federation, rid, shared=False, server_key=server_key),
                                       parse_broker(upstream, username, password, ca_cert, certfile, keyfile),
-                                      parse_broker(site_broker)))
+                                      parse_broker(site_broker), signer))
 
 
 def loadtest_command(

@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from edge_client.cache import CALIBRATION_DIR, DEVICE_KEY_DIR, PIN_DIR, pin_file_for
+from edge_client.cache import CALIBRATION_DIR
+from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.extras import full_install_required
 from nefl.listen import parse_listen
 from nefl.logs import setup_logging
-from nefl.messages import DEFAULT_CHUNK_BYTES, ClientStatus
+from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
 from nefl.signals import Stop, stop_on_sigterm, stop_reason
-from nefl.signing import Signer
 from nefl.topics import Topics, check_name
 
 if TYPE_CHECKING:
@@ -41,13 +41,15 @@ log = logging.getLogger(__name__)
 
 def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
     """Feed the agent until the federation ends or the process is asked to stop; 0 either way."""
+    from edge_client.agent import status_message  # the command imported the agent (torch) already
+
     started = time.monotonic()
     warned = False
     conn.start()
     try:
         while not agent.ended:
             if conn.just_connected():
-                agent.on_connected()
+                agent.on_connected(conn.stamp)
             try:
                 agent.dispatch(*conn.inbox.get(timeout=0.5))
             except queue.Empty:
@@ -60,7 +62,7 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
     except (KeyboardInterrupt, Stop) as e:
         log.info(f"stopping ({stop_reason(e)}); the server will not wait for this device")
     finally:
-        conn.stop((agent.topics.status(agent.cfg.client_id), ClientStatus(state="offline").to_json()))
+        conn.stop((agent.topics.status(agent.cfg.client_id), status_message(agent.cfg.device_key, "offline", conn.stamp)))
     return 0
 
 
@@ -111,6 +113,8 @@ def join_command(
                                         "without it the first key seen is trusted and remembered, with a warning."),
     device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
                                     "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator pins it."),
+    join_token: str = typer.Option(None, envvar="NEFL_JOIN_TOKEN", help="The one-time token `aggregator enroll "
+                                   "CLIENT_ID` printed: enrols this device's key and tells it the server key."),
     http: str = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe "
                              "readings, the selection and its binding limit, step time, upload bytes."),
     log_level: LogLevelOption = "info",
@@ -120,7 +124,7 @@ def join_command(
     with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
         import torch
 
-        from edge_client.agent import Agent, AgentConfig
+        from edge_client.agent import Agent, AgentConfig, status_message
         from edge_client.device import DataConfig, DeviceConfig, LocalDevice
         from edge_client.metrics import instrument
         from nefl.data import DatasetUnavailable, parse_partition
@@ -141,11 +145,12 @@ def join_command(
         local = LocalDevice(DataConfig(dataset, partition, data_root, data_dir, max_samples),
                             DeviceConfig(max_submodel, memory_budget, cpu_budget, calibrate_costs, seed, device, recalibrate,
                                          cache_dir))
-        key_path = device_key or DEVICE_KEY_DIR / f"{cid}.key"
-        cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key,
-                          pin_file_for(PIN_DIR, federation, settings.host, settings.port),
-                          Signer.load_or_create(key_path.parent, key_path.name))
-        conn = Connection(settings, cid, Topics(federation).status(cid), ClientStatus(state="offline").to_json(), log)
+        signer = device_signer(cid, device_key)
+        pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
+        cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key, pin, signer, join_token,
+                          run_file_for(pin))
+        conn = Connection(settings, cid, Topics(federation).status(cid), lambda seq: status_message(signer, "offline", seq),
+                          log)
         transport, dev = (conn.client, local) if listen is None else \
             instrument(conn.client, local, Topics(federation).update(cid), *listen)
         agent = Agent(cfg, transport, dev)

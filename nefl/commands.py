@@ -19,12 +19,21 @@ from nefl.extras import full_install_required
 
 class Lazy(NamedTuple):
     module: str
-    function: str
-    help: str  # the function's docstring, listed by the group's --help (tests/test_packaging.py holds them equal)
+    function: str  # a command function, or a typer.Typer of subcommands
+    help: str  # the function's docstring (a sub-app's help), listed by the group's --help (tests/test_packaging.py holds them equal)
 
 
 def _placeholder() -> None:
     """Never runs: the group swaps in the real command before click invokes anything."""
+
+
+def _click_command(name: str, callback: Any) -> Any:
+    """The click command of a command function, or the click group of a sub-app."""
+    if isinstance(callback, typer.Typer):
+        return typer.main.get_group(callback)
+    single = typer.Typer(add_completion=False)
+    single.command(name)(callback)
+    return typer.main.get_command(single)
 
 
 def lazy_app(name: str, help: str, commands: dict[str, Lazy]) -> typer.Typer:
@@ -38,9 +47,7 @@ def lazy_app(name: str, help: str, commands: dict[str, Lazy]) -> typer.Typer:
                 module, function, _ = commands[found]
                 with full_install_required(f"{name} {found}"):
                     callback = getattr(importlib.import_module(module), function)
-                single = typer.Typer(add_completion=False)
-                single.command(found)(callback)
-                command = typer.main.get_command(single)
+                command = _click_command(found, callback)
             return found, command, rest
 
     app = typer.Typer(cls=Group, help=help, no_args_is_help=True, add_completion=False)

@@ -2,8 +2,10 @@
 
 `--help` of a command must not wait seconds for torch, yet each default lives in one place, its
 config dataclass or constant, read by the code that uses it and by the command line alike. The
-ones a command line shows live here: the training protocol, NeFedAvg's weighting choice and the
-update bounds' defaults (nefl/train.py, nefl/aggregate.py and nefl/robust.py use them from here).
+ones a command line shows live here: the training protocol, NeFedAvg's weighting choice, the
+update bounds' defaults, the aggregation rule's config, FLTrust's root set size and the simulated
+attacks' config (nefl/train.py, nefl/aggregate.py, nefl/robust.py, nefl/robust_aggregate.py,
+aggregator/rootdata.py and nefl/attacks.py use them from here).
 """
 
 from __future__ import annotations
@@ -64,7 +66,70 @@ Weighting = Literal["uniform", "samples"]
 DEFAULT_RELATIVE = 10.0
 DEFAULT_ADAPTIVE_K = 10.0
 DEFAULT_WINDOW = 20
-DEFAULT_WARMUP = 5
+DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes one attacker
 # The largest |w| measured in trained states was 7.7 (a BatchNorm running variance): 1e6 trips only
 # on a broken state, never on training.
 DEFAULT_MAX_ABS = 1e6
+
+# The aggregation rule (nefl/robust_aggregate.py implements them)
+RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """Which rule merges a round's updates, and the centre check that screens them first."""
+
+    rule: RuleName = "nefedavg"
+    trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
+    krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
+    centre_check: bool = True  # drop updates pointing away from the round's majority, clip outsized ones
+    min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
+    max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
+    min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
+    hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
+    sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
+
+    def __post_init__(self) -> None:
+        check_choice(RuleName, self.rule, "aggregator")
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
+        if not 0 <= self.krum_fraction < 0.5:
+            raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
+        if not 0 <= self.min_agree <= 1:
+            raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
+        if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
+            raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
+        if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
+            raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether partial aggregates of several processes merge exactly (workers and relays)."""
+        return self.rule == "nefedavg"
+
+
+# FLTrust's root set (aggregator/rootdata.py): the paper uses 100; a few batches more steady a cosine on small models
+DEFAULT_ROOT_SAMPLES = 256
+
+# Poisoning attacks of the simulator's attack suite (nefl/attacks.py mounts them)
+AttackName = Literal["sign-flip", "scaled-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie"]
+DATA_ATTACKS = ("label-flip", "backdoor")
+
+
+@dataclass(frozen=True)
+class Attack:
+    kind: AttackName
+    scale: float = 9.0  # scaled-flip: -scale x the honest delta; neg-weights: norm scale x the weights'; noise: x the honest norm
+    target: int = 0  # backdoor: the class a triggered image should become
+    poison: float = 0.5  # backdoor: the share of the attacker's images that carry the trigger
+
+    def __post_init__(self) -> None:
+        check_choice(AttackName, self.kind, "attack")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"attack scale must be a positive finite number, got {self.scale}")
+        if not 0 < self.poison <= 1:
+            raise ValueError(f"poison share must be in (0, 1], got {self.poison}")
+
+    @property
+    def on_data(self) -> bool:
+        return self.kind in DATA_ATTACKS

@@ -104,7 +104,9 @@ def test_serve_without_its_eval_dataset_is_one_line_and_exit_2(tmp_path: Path, m
 @pytest.mark.parametrize("argv", [
     ["nefl", "--help"], ["nefl", "profile", "show", "--help"],
     ["aggregator", "--help"], *(["aggregator", c, "--help"] for c in
-                                ("serve", "key", "status", "simulate", "worker", "relay", "loadtest")),
+                                ("serve", "key", "enroll", "revoke", "status", "simulate", "worker", "relay",
+                                 "loadtest", "publish", "rollout")),
+    ["aggregator", "rollout", "status", "--help"],
     pytest.param(["aggregator", "jigsaw", "--help"], marks=pytest.mark.xfail(
         strict=True, reason="its --method help lists aggregator.jigsaw_sim.METHODS, which lives beside torch code")),
     ["edge-client", "--help"], *(["edge-client", c, "--help"] for c in ("join", "plan", "probe", "infer", "serve")),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -112,9 +113,16 @@ def test_help_and_probe_import_no_full_install_module(tmp_path: Path) -> None:
     assert _imported_full_modules(["probe", "--json", "--interval", "0"], tmp_path) == []
 
 
+def test_following_a_rollout_needs_no_full_install_module(tmp_path: Path) -> None:
+    block = "; ".join(f"sys.modules[{m!r}] = None" for m in sorted(FULL_ONLY_MODULES))
+    out = _run([sys.executable, "-c", f"import sys; {block}; import edge_client.follow_cli"], tmp_path, PYTHONPATH=str(ROOT))
+    assert out.returncode == 0, out.stderr
+
+
 def test_listed_help_of_lazy_commands_is_their_docstring() -> None:
     for module, function, listed in [*EDGE_COMMANDS.values(), *AGGREGATOR_COMMANDS.values()]:
-        assert inspect.getdoc(getattr(importlib.import_module(module), function)) == listed
+        command = getattr(importlib.import_module(module), function)
+        assert (command.info.help if isinstance(command, typer.Typer) else inspect.getdoc(command)) == listed
 
 
 @pytest.mark.parametrize("code", [
