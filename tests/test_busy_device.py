@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from aggregator.server import ServeConfig, Server, load_start
-from edge_client.agent import UPLOAD_SHARE, Agent, AgentConfig
+from edge_client.agent import UPLOAD_SHARE, Agent, AgentConfig, status_message
 from edge_client.device import MIN_BATCHES, DataConfig, DeviceConfig, LocalDevice
-from nefl.messages import ClientStatus, Decline
+from nefl.messages import Decline
 from nefl.mqtt import BrokerSettings
 from nefl.signing import Signer, split_signed
 from nefl.topics import Topics
@@ -89,14 +89,14 @@ def _wire(tmp_path, device: FakeDevice) -> Wire:
     agent.on_connected()
     server.publish_status("waiting")
     wire.deliver_to_agent()  # the agent trusts the server, adopts the profile, plans and announces
-    server.handle(T.status("c1"), ClientStatus(state="online").to_json())
+    server.handle(T.status("c1"), status_message(agent.cfg.device_key, "online", 0))
     return wire
 
 
 def _run_round(wire: Wire, index: int) -> dict:
     """The server's real round loop in a thread; the test thread plays the network and the agent's shell."""
     facts: dict = {}
-    loop = threading.Thread(target=lambda: facts.update(wire.server.run_round(index)), daemon=True)
+    loop = threading.Thread(target=lambda: facts.update(wire.server.driver.run_round(index)), daemon=True)
     loop.start()
     end = time.monotonic() + 60
     while loop.is_alive() and time.monotonic() < end:

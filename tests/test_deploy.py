@@ -17,8 +17,8 @@ import typer
 from typer.testing import CliRunner
 
 from aggregator.cli import app as aggregator_app
+from edge_client.agent import status_message
 from nefl.data import DatasetUnavailable
-from nefl.messages import ClientStatus
 from tests.agent_fakes import FakeDevice
 from tests.test_busy_device import T, _wire
 from tests.test_federation import Procs, free_port, needs_mosquitto, port_open, wait_for
@@ -92,7 +92,7 @@ def test_serve_without_its_eval_dataset_is_one_line_and_exit_2(tmp_path: Path, m
     def missing(name, *args, **kwargs):
         raise DatasetUnavailable(f"{name} not found: pass --data-root DIR holding cifar-10-batches-py/")
 
-    monkeypatch.setattr("aggregator.evaluation.load_dataset", missing)
+    monkeypatch.setattr("aggregator.server.load_dataset", missing)
     port = free_port()
     result = CliRunner().invoke(aggregator_app, ["serve", "--profile", "resnet8-fmnist-w", "--eval-dataset", "cifar10",
                                                  "--checkpoint-dir", str(tmp_path / "run"), "--embedded-port", str(port)])
@@ -132,7 +132,7 @@ def test_aggregator_status_follows_devices_that_leave(tmp_path: Path) -> None:
     wire.server.pump(time.monotonic() + 1.5)
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["clients_online"] == ["c1"]
-    wire.server.handle(T.status("c1"), ClientStatus(state="offline").to_json())  # the device exits
+    wire.server.handle(T.status("c1"), status_message(wire.agent.cfg.device_key, "offline", 0))  # the device exits
     wire.server.pump(time.monotonic() + 1.5)
     assert json.loads((tmp_path / "run" / "status.json").read_text())["clients_online"] == []
     result = CliRunner().invoke(aggregator_app, ["status", "--federation", "t", "--checkpoint-dir", str(tmp_path / "run")])

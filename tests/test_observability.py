@@ -46,7 +46,7 @@ def info(cid: str, max_submodel: int, online: bool = True, why: str = "") -> Cli
 
 
 def round_line(index: int, updates: list[int], committed: bool = True, **extra) -> dict:
-    """A metrics.jsonl line as Server.run_round writes it (only the keys the observer reads)."""
+    """A metrics.jsonl line as the round driver writes it (only the keys the observer reads)."""
     return {"round": index, "quorum": committed, "committed": committed, "updates_per_submodel": updates,
             "updates_per_submodel_total": updates, "wall_s": 3.5, "aggregate_s": 0.02, "bytes_in": 1000,
             "bytes_out": 5000, "rejected": {}, "late_updates": 0, "declined": {}, "went_offline": [], **extra}
