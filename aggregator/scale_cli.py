@@ -32,16 +32,12 @@ log = logging.getLogger("aggregator.worker")
 CoordinatorKeyOption = Annotated[Optional[str], typer.Option(
     "--server-key", envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not "
                                                    "signed by it are refused.")]
-
-
-def _own_key_option(role: str) -> typer.models.OptionInfo:
-    return typer.Option(None, "--key", help=f"This {role}'s signing key (created 0600 if missing) [default: "
-                        "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")
-
-
-def _print_key_option(role: str) -> typer.models.OptionInfo:
-    return typer.Option(False, "--print-key", help=f"Print this {role}'s public key (for `aggregator enroll ID --worker "
-                        "--key KEY` on the coordinator) and exit.")
+OwnKeyOption = Annotated[Optional[Path], typer.Option(
+    "--key", help="This worker's or relay's signing key (created 0600 if missing) [default: "
+                  "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")]
+PrintKeyOption = Annotated[bool, typer.Option(
+    "--print-key", help="Print this worker's or relay's public key (for `aggregator enroll ID --worker --key KEY` on "
+                        "the coordinator) and exit.")]
 
 
 def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, print_key: bool) -> Signer:
@@ -68,9 +64,9 @@ def worker_command(
     shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
                                 "broker without shared subscriptions)."),
     server_key: CoordinatorKeyOption = None,
-    key: Path = _own_key_option("worker"),
+    key: OwnKeyOption = None,
     key_dir: KeyDirOption = None,
-    print_key: bool = _print_key_option("worker"),
+    print_key: PrintKeyOption = False,
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,
@@ -96,9 +92,9 @@ def relay_command(
     federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
     relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
     server_key: CoordinatorKeyOption = None,
-    key: Path = _own_key_option("relay"),
+    key: OwnKeyOption = None,
     key_dir: KeyDirOption = None,
-    print_key: bool = _print_key_option("relay"),
+    print_key: PrintKeyOption = False,
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,

@@ -51,7 +51,8 @@ def free_port() -> int:
 def run_federation(work: Path, rounds: int, timeout: float, loops: int) -> list[dict]:
     """Start the busy loops, the aggregator and two bare joins; wait for the end; the metrics lines."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "NEFL_CACHE_DIR": str(work / "cache")}  # a fresh device: it calibrates, on the busy machine
+           "NEFL_CACHE_DIR": str(work / "cache"),  # a fresh device: it calibrates, on the busy machine
+           "NEFL_KEY_DIR": str(work / "keys")}  # the aggregator's keys, apart from the user's
     port = free_port()
     url = f"mqtt://127.0.0.1:{port}"
     procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(loops)]
