@@ -169,7 +169,7 @@ def _trained_step(transport: FakeTransport) -> float:
     r, done = Reassembler(), None
     for m in transport.on(T.update("c1")):
         done = r.feed(m) or done
-    return done.header["metrics"]["step_s"]
+    return done.header.metrics["step_s"]
 
 
 def _give(agent: Agent, server: FakeServer, k: int, round_: int, deadline_s: float) -> None:
