@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import torch._dynamo  # noqa: F401  building the plan's layout imports it on first use: seconds, paid before "online"
 import typer
 
 from aggregator.federation import Federation, Rejected, Robustness
