@@ -6,7 +6,7 @@ FLOWER_VENV ?= .venv-flower
 FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env env-flower wheel system-deps test test-fast demo bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
+.PHONY: env env-flower wheel system-deps test test-under-load test-fast demo bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,9 @@ test: env env-flower system-deps  ## the whole test suite (about 13 minutes on 2
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
+
+test-under-load: env system-deps  ## the whole suite with two busy-loop processes beside it: it must hold on a loaded machine
+	scripts/with-busy-loops.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'

@@ -1,38 +1,43 @@
 """`aggregator`: the server's command line.
 
-Each command lives in the module that owns its job; this file only assembles them.
+Each command lives in the module that owns its job; this file only assembles them, importing a
+command's module only when that command runs (nefl/commands.py), so `--help` answers at once.
 """
 
 from __future__ import annotations
 
-import typer
+from nefl.commands import Lazy, lazy_app
 
-app = typer.Typer(help="NeFL aggregator: run a federation over MQTT, simulate, inspect status.",
-                  no_args_is_help=True, add_completion=False)
+COMMANDS = {
+    "serve": Lazy("aggregator.serve_cli", "serve_command",
+                  "Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."),
+    "key": Lazy("aggregator.serve_cli", "key_command",
+                "Print the aggregator's public key (created if missing), for devices' --server-key and workers."),
+    "enroll": Lazy("aggregator.enrol_cli", "enroll_command",
+                   "Enrol a device (prints a one-time join token for `edge-client join --join-token`) or authorise a "
+                   "worker's key.\nEnrolling an id that is already pinned rotates its key once the device presents the new "
+                   "token."),
+    "revoke": Lazy("aggregator.enrol_cli", "revoke_command",
+                   "Revoke an id's key: its messages are refused from now on, also in a running federation (a device "
+                   "comes back\nonly with a new `aggregator enroll`)."),
+    "status": Lazy("aggregator.status", "status_command",
+                   "Show a federation's live state (round, clients, rejections, accuracy)."),
+    "simulate": Lazy("aggregator.simulate_cli", "simulate_command",
+                     "Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."),
+    "worker": Lazy("aggregator.scale_cli", "worker_command",
+                   "Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."),
+    "relay": Lazy("aggregator.scale_cli", "relay_command",
+                  "Serve a site's devices on its own broker; send the coordinator one partial per round (docs/scale.md)."),
+    "loadtest": Lazy("aggregator.scale_cli", "loadtest_command",
+                     "Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."),
+    "jigsaw": Lazy("aggregator.jigsaw_cli", "jigsaw_command",
+                   "Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy "
+                   "per client."),
+    "publish": Lazy("aggregator.rollout", "publish_command",
+                    "Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, "
+                    "retained."),
+    "rollout": Lazy("aggregator.rollout", "rollout_app",
+                    "See and steer a model rollout: who runs which version; promote or roll back."),
+}
 
-from nefl.extras import full_install_required  # noqa: E402
-
-# command registrations (one import per module that adds commands):
-with full_install_required("aggregator"):
-    from aggregator.jigsaw_cli import jigsaw_command
-    from aggregator.enrol_cli import enroll_command, revoke_command
-    from aggregator.serve_cli import key_command, serve_command
-    from aggregator.simulate_cli import simulate_command
-    from aggregator.status import status_command
-    from aggregator.loadtest import loadtest_command
-    from aggregator.relay import relay_command
-    from aggregator.worker import worker_command
-    from aggregator.rollout import publish_command, rollout_app
-
-app.command("serve")(serve_command)
-app.command("key")(key_command)
-app.command("enroll")(enroll_command)
-app.command("revoke")(revoke_command)
-app.command("status")(status_command)
-app.command("simulate")(simulate_command)
-app.command("worker")(worker_command)
-app.command("relay")(relay_command)
-app.command("loadtest")(loadtest_command)
-app.command("jigsaw")(jigsaw_command)
-app.command("publish")(publish_command)
-app.add_typer(rollout_app, name="rollout")
+app = lazy_app("aggregator", "NeFL aggregator: run a federation over MQTT, simulate, inspect status.", COMMANDS)

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from aggregator.federation import Rejected
+from aggregator.rejected import Rejected
 from nefl.messages import Hex64, KeyText, Name
 from nefl.tokens import check_proof
 

@@ -20,23 +20,16 @@ from typing import Any
 import torch
 
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
+from aggregator.rejected import Rejected
 from nefl.aggregate import Aggregator, RoundAggregate, UpdateError
 from nefl.checkpoint import UPDATES_TOTAL_KEY
-from nefl.messages import Announce, DeviceSummary
+from nefl.messages import Announce, Decline, DeviceSummary
 from nefl.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
 from nefl.robust_aggregate import AggregationConfig, AggregationRule
 from nefl.state import GlobalState, Layout
 from nefl.wire import Assembled, ChunkHeader
 
 log = logging.getLogger(__name__)
-
-
-class Rejected(ValueError):
-    """An inbound message refused for `reason`; logged and counted, never fatal."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
 
 
 @dataclass
@@ -49,6 +42,7 @@ class ClientInfo:
     selection: str = ""  # the device's own reason for its current max_submodel
     last_seen: float = 0.0  # monotonic time of its last announce or status change
     announces: list[float] = field(default_factory=list)  # times of its recent announces (rate limit)
+    sequence: tuple[str, int] = ("", 0)  # (session, seq) of the newest announce taken
 
 
 @dataclass(frozen=True)
@@ -174,19 +168,29 @@ class Federation:
         if msg.client != client_id:
             raise Rejected("client_mismatch", f"announce says client {msg.client!r}, topic says {client_id!r}")
         old = self.clients.get(client_id) or self._admit(client_id, now)
+        if msg.session and old.sequence[0] == msg.session and msg.seq < old.sequence[1]:
+            raise Rejected("stale_announce", f"announce {msg.seq} arrived after announce {old.sequence[1]}")
         recent = [t for t in old.announces if now - t < 60.0]
         if len(recent) >= self.limits.announces_per_minute:
             raise Rejected("rate_limited", f"more than {self.limits.announces_per_minute} announces a minute")
+        # only later rounds read it: a task the device already holds is refused by a Decline, never by an
+        # announce, which may have been sent before that task existed
         info = ClientInfo(client_id, min(msg.max_submodel - 1, self.layout.num_submodels - 1), msg.samples, msg.device,
-                          online=old.online, selection=msg.selection, last_seen=now, announces=[*recent, now])
+                          online=old.online, selection=msg.selection, last_seen=now, announces=[*recent, now],
+                          sequence=(msg.session, msg.seq))
         self.clients[client_id] = info
-        r = self.round
-        if r is not None and client_id in r.assignments and client_id not in r.received \
-                and info.max_submodel < r.assignments[client_id]:
-            # the device no longer fits its assigned submodel: don't hold the round for it
-            del r.assignments[client_id]
-            r.declined[client_id] = info.selection or f"can train submodel <= {info.max_submodel + 1} now"
         return info
+
+    def decline(self, client_id: str, msg: Decline) -> None:
+        """The device will not train its task of the open round: stop waiting for it in this round."""
+        r = self.round
+        if msg.client != client_id:
+            raise Rejected("client_mismatch", f"decline says client {msg.client!r}, topic says {client_id!r}")
+        if r is None or msg.round != r.index or r.assignments.get(client_id) != msg.submodel or client_id in r.received:
+            raise Rejected("stale_decline", f"decline of round {msg.round} submodel {msg.submodel + 1}, which is not "
+                                            f"{client_id}'s open task")
+        del r.assignments[client_id]
+        r.declined[client_id] = msg.reason or "declined"
 
     def _admit(self, client_id: str, now: float) -> ClientInfo:
         """A table slot for a new client: forget long-offline clients, then the longest-offline one."""
@@ -402,8 +406,18 @@ class Federation:
         if stale:
             fix = "" if self.assignment == "coverage" else "use --assignment coverage, or "
             log.warning("submodel(s) %s untrained for %d+ rounds under --assignment %s: %sadd devices that can "
-                        "train them", ", ".join(map(str, stale)), self.warn_untrained_after, self.assignment, fix,
-                        extra={"round": index})
+                        "train them%s", ", ".join(map(str, stale)), self.warn_untrained_after, self.assignment, fix,
+                        self._why_untrainable(max(stale)), extra={"round": index})
+
+    def _why_untrainable(self, submodel: int) -> str:
+        """What the online devices that cannot train `submodel` (1-based) said binds them, and the fix
+        when it is the deadline: the operator should read "the deadline", not only "add devices"."""
+        reasons = sorted({f"{c}: {i.selection}" for c, i in self.clients.items()
+                          if i.online and i.selection and i.max_submodel + 1 < submodel})
+        if not reasons:
+            return ""
+        hint = " (or raise --round-timeout: the deadline binds)" if any("deadline binds" in r for r in reasons) else ""
+        return f"{hint}; devices say {'; '.join(reasons[:3])}" + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
 
     def _commit(self, agg: RoundAggregate) -> str | None:
         """Make the aggregate the new state unless it is not finite and bounded; returns why not."""

@@ -5,7 +5,7 @@ Each simulated device is its own MQTT connection and behaves like `edge-client j
 submodel instead of training, so hundreds to thousands of devices fit in a few processes and the
 aggregation side (broker, coordinator, workers, relays) is what gets measured. The deltas are a
 pure function of (seed, client, round, submodel), so a test can recompute exactly what the
-aggregators should have summed (`device_delta`).
+aggregators should have summed (`device_delta`). The command line is in aggregator/scale_cli.py.
 """
 
 from __future__ import annotations
@@ -13,21 +13,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
 import torch
-import typer
 
-from nefl.cli_options import LogFormatOption, LogLevelOption
-from nefl.logs import setup_logging
 from nefl.messages import Announce, ClientStatus, Control, MessageError, Task
-from nefl.mqtt import QOS, BrokerSettings, make_client, parse_broker
-from nefl.profile import ProfileError, load_profile
+from nefl.mqtt import QOS, BrokerSettings, make_client
 from nefl.signing import split_signed
 from nefl.state import Layout
 from nefl.tensors import corner
@@ -169,56 +163,3 @@ class Fleet:
         for c in self.clients.values():
             c.disconnect()
             c.loop_stop()
-
-
-def loadtest_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT the aggregator (and its workers) use."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
-    profile: str = typer.Option("resnet20-fmnist-w", help="The coordinator's profile (deltas must fit its submodels)."),
-    devices: int = typer.Option(100, min=1, help="Simulated devices, one MQTT connection each."),
-    procs: int = typer.Option(1, min=1, help="Processes to spread the devices over."),
-    rate: float = typer.Option(0.0, min=0, help="Updates per second, all processes together; 0 = as fast as possible."),
-    max_submodel: int = typer.Option(0, min=0, help="Largest submodel every device announces (1-based); 0: device i "
-                                     "announces (i mod K) + 1, a mixed fleet."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message a device sends, KiB."),
-    scale: float = typer.Option(1e-3, min=0, help="Standard deviation of the random deltas."),
-    pool: int = typer.Option(0, min=0, help="Draw deltas from this many cached variants per submodel (0: a fresh "
-                             "delta per device and round, costlier to generate)."),
-    prefix: str = typer.Option("sim", help="Device ids are PREFIX00000, PREFIX00001, ..."),
-    seed: int = typer.Option(0, help="Seed of the deltas (with client id and round)."),
-    duration: float = typer.Option(600.0, min=1, help="Stop after this many seconds even if the federation goes on."),
-    shard: str = typer.Option(None, hidden=True, help="I/P: run only devices i with i mod P == I (set for child processes)."),
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
-) -> None:
-    """Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."""
-    setup_logging(log_level, log_format)
-    try:
-        settings = parse_broker(broker)
-        layout = Layout.build(load_profile(profile))
-        first, stride = (int(x) for x in shard.split("/")) if shard else (0, 1)
-    except (ValueError, ProfileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    if procs > 1 and shard is None:
-        argv = ["--broker", broker, "--federation", federation, "--profile", profile, "--devices", str(devices),
-                "--rate", str(rate / procs), "--max-submodel", str(max_submodel), "--chunk-kib", str(chunk_kib),
-                "--scale", str(scale), "--pool", str(pool), "--prefix", prefix, "--seed", str(seed),
-                "--duration", str(duration), "--log-level", log_level, "--log-format", log_format]
-        children = [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "loadtest", *argv,
-                                      "--shard", f"{i}/{procs}"]) for i in range(procs)]
-        raise typer.Exit(max(p.wait() for p in children))
-    cfg = FleetConfig(federation=federation, prefix=prefix, first=first, stride=stride, devices=devices,
-                      max_submodel=max_submodel, rate=rate, chunk_bytes=chunk_kib * 1024, scale=scale, seed=seed,
-                      pool=pool, duration_s=duration)
-    fleet = Fleet(cfg, settings, layout)
-    fleet.start()
-    log.info(f"{len(fleet.names)} simulated devices connecting to {settings.url}")
-    t0 = time.monotonic()
-    try:
-        fleet.send_loop()
-    except KeyboardInterrupt:
-        pass
-    fleet.stop()
-    log.info(f"sent {fleet.sent} updates, {fleet.bytes} bytes in {time.monotonic() - t0:.1f}s"
-             + ("" if fleet.ended.is_set() else " (no end from the coordinator)"))

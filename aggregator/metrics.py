@@ -43,7 +43,7 @@ class DeviceRow(msgspec.Struct, kw_only=True):
 
     id: str
     online: bool
-    last_seen: float  # unix time of its last announce or status change
+    last_seen: float  # unix time of its last announce, status change or accepted update
     device: DeviceSummary
     max_submodel: int
     reason: str  # the device's own words for its max_submodel (which limit binds)
@@ -209,6 +209,9 @@ class Observer:
             if self._open is not None and client not in self._open.reported:
                 self._open.reported = [*self._open.reported, client]
                 self._open.reports += 1
+            if client in self._devices:  # a device that reports every round is seen every round
+                self._devices[client].last_seen = time.time()
+                self._devices.move_to_end(client)
 
     def rejected(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()

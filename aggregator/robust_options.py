@@ -1,19 +1,20 @@
 """The robustness options `aggregator serve` and `aggregator simulate` share: update bounds, clipping,
 DP-FedAvg and the aggregation rule (docs/security.md). Declared once, so a simulated federation runs
-exactly the server's options; defaults come from the config dataclasses, never restated here.
+exactly the server's options; defaults come from the config dataclasses, never restated here. Torch-free
+(nefl/settings.py holds the defaults), so the commands' --help answers at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from aggregator.federation import Robustness
-from aggregator.rootdata import DEFAULT_ROOT_SAMPLES
-from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, NormBound
-from nefl.robust_aggregate import AggregationConfig
+from nefl.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
+
+if TYPE_CHECKING:
+    from aggregator.federation import Robustness
 
 _A = AggregationConfig()
 
@@ -74,6 +75,9 @@ def robustness(max_update_norm: float | None, relative: float, adaptive_k: float
                max_norm_ratio: float) -> Robustness:
     """The options as a Robustness; raises ValueError with a one-line reason for a combination that
     cannot work."""
+    from aggregator.federation import Robustness  # torch: only when a command runs
+    from nefl.robust import NormBound
+
     if centre_check is None:
         centre_check = _A.centre_check and not dp_noise_multiplier
     bound = NormBound(max_norm=max_update_norm or None, relative=relative or None, adaptive_k=adaptive_k or None,

@@ -48,7 +48,7 @@ from nefl.messages import DeployReport, MessageError, Rollout
 from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
 from nefl.signing import KeyFileError, Signer, parse_public_key, verify, verify_self_signed
 from nefl.topics import Topics
-from nefl.wire import DEFAULT_CHUNK_BYTES
+from nefl.messages import DEFAULT_CHUNK_BYTES
 
 log = logging.getLogger("aggregator.rollout")
 DISCOVER_S = 2.0  # retained reports arrive right after subscribing; this long is plenty on a LAN

@@ -16,9 +16,8 @@ import torch
 
 from nefl.data import ArrayDataset, BatchLoader
 from nefl.state import GlobalState, Layout
+from nefl.settings import DEFAULT_ROOT_SAMPLES
 from nefl.train import TrainConfig, local_train
-
-DEFAULT_ROOT_SAMPLES = 256  # FLTrust's paper uses 100; a few batches more steady a cosine on small models
 
 
 def split_root(test: ArrayDataset, samples: int) -> tuple[ArrayDataset, ArrayDataset]:

@@ -4,50 +4,43 @@ Parses and checks the options, loads or refuses a checkpoint, opens the federati
 (its server key, enrolment journal and run incarnation: aggregator/keys.py), starts the embedded broker
 when no `--broker` is given (mosquitto as a child process where installed, else amqtt: aggregator/broker.py),
 and turns Ctrl-C / SIGTERM into a clean stop (exit code 0, a word on whether there is anything to resume).
+The server's modules (torch) are imported by the command, not by this module, so `aggregator serve --help`
+answers at once.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import typer
 
 from aggregator.assignment import Assignment
 from aggregator.broker import BrokerKind, embedded_broker
 from aggregator import robust_options as ro
-from aggregator.enrolment import Enrolment, EnrolmentPolicy
+from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
-from aggregator.rollout import RolloutWatcher
-from aggregator.server import ServeConfig, Server, load_start
-from aggregator.worker import local_worker_ids, start_local_workers, stop_local_workers
-from aggregator.web import DashboardServer, TokenRequired, start_http
-from nefl.checkpoint import CheckpointError
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
                               PasswordOption, UsernameOption, ScheduleOption, WarmupOption)
+from nefl.extras import full_install_required
 from nefl.listen import is_loopback, parse_listen
 from nefl.logs import setup_logging
+from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
-from nefl.robust import DPAccountant
+from nefl.settings import TrainConfig
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError
 from nefl.tokens import fingerprint
 from nefl.topics import Topics
-from nefl.train import TrainConfig
-from nefl.wire import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from aggregator.web import DashboardServer
 
 log = logging.getLogger("aggregator.server")  # one logger for the server's story, CLI or not
-
-
-class Stop(Exception):
-    """SIGTERM: end like Ctrl-C, cleanly."""
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise Stop(signal.Signals(signum).name)
 
 
 def serve_command(
@@ -125,8 +118,17 @@ def serve_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."""
+    with full_install_required("aggregator serve"):  # here, not at the top: `serve --help` needs none of them
+        from aggregator.enrolment import Enrolment
+        from aggregator.rollout import RolloutWatcher
+        from aggregator.server import ServeConfig, Server, load_start
+        from aggregator.web import TokenRequired, start_http
+        from aggregator.worker import local_worker_ids, start_local_workers, stop_local_workers
+        from nefl.checkpoint import CheckpointError
+        from nefl.data import DatasetUnavailable
+        from nefl.robust import DPAccountant
     setup_logging(log_level, log_format, context={"federation": federation})
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     try:
         robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
                                dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
@@ -165,25 +167,25 @@ def serve_command(
         start = load_start(cfg)
         keys = KeyDir(federation, key_dir)
         signer = keys.server_signer(cfg.checkpoint_dir)
+        if start.next_round > rounds:
+            log.info(f"checkpoint is already at round {start.next_round - 1} of {rounds}: nothing to do (raise --rounds)")
+            return
         enrolment = Enrolment(federation, cfg.enrolment, keys.journal)
         enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(workers, federation)}
         incarnation = keys.next_incarnation()
+        settings = parse_broker(broker or embedded.url, username, password, ca_cert, certfile, keyfile)
+        server = Server(cfg, settings, start, signer, enrolment, incarnation)  # a missing --eval-dataset fails here, first
         if embedded is not None:
             embedded.start()
-            broker = embedded.url
-            log.info(f"started embedded MQTT broker on {broker} ({embedded.name}); clients join with --broker {broker}")
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError, OSError) as e:
+            log.info(f"started embedded MQTT broker on {embedded.url} ({embedded.name}); clients join with "
+                     f"--broker {embedded.url}")
+    except (CheckpointError, ProfileError, KeyFileError, DatasetUnavailable, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    if start.next_round > rounds:
-        log.info(f"checkpoint is already at round {start.next_round - 1} of {rounds}: nothing to do (raise --rounds)")
-        return
     if start.next_round > 1:
         log.info(f"resuming federation {federation!r} at round {start.next_round} from {cfg.checkpoint_dir}")
     log.info(f"server key {signer.public_text}, fingerprint {fingerprint(signer.public_text)} (devices: --server-key or a "
              f"join token; `aggregator key` prints it); keys in {keys.path}; run incarnation {incarnation}")
-    server = Server(cfg, settings, start, signer, enrolment, incarnation)
     log.info("enrolment " + ("open: a device's first signed announce pins its key" if enrolment.open else
                              "closed: only devices enrolled with `aggregator enroll` take part"))
     watcher = RolloutWatcher(settings, federation, signer.public_text).start() if listen else None
@@ -203,7 +205,7 @@ def serve_command(
         _linger(web, http_linger)
     except (KeyboardInterrupt, Stop) as e:
         done = server.next_round - 1
-        log.info(f"stopping ({e or 'interrupted'}); "
+        log.info(f"stopping ({stop_reason(e)}); "
                  + (f"round {done} is the last checkpointed one: continue with --resume" if done >= 1
                     else "no round completed yet, so there is nothing to resume"))
         server.conn.stop()

@@ -37,9 +37,9 @@ from aggregator.resends import Resends
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
 from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, has_checkpoint,
-                             load_checkpoint, read_metrics, replay_metrics)
+                             load_checkpoint, read_metrics, recovery_hint, replay_metrics)
 from nefl.fsio import atomic_write_text
-from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, Sent, ServerStatus, Task,
+from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, Decline, MessageError, Sent, ServerStatus, Task,
                            StatusBook, TrainingSettings)
 from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
@@ -135,6 +135,7 @@ class Server(Transport):
         self.late = 0
         self.accuracy: list[float] | None = None
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
+        self._presence_changed = False  # who is online or able to train changed since the last status
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
         self.incarnation, self._seq = incarnation, 0
         self.signer = signer
@@ -154,7 +155,7 @@ class Server(Transport):
                                device_keys=self.enrol.key, stamp=self._stamp)
         self._worker_facts: dict[str, Any] = {}
         self._listening_to_workers = False
-        self._status_at = self._housekept = 0.0
+        self._status_at = self._housekept = 0.0  # monotonic times of the last published status and housekeeping
         self.driver = RoundDriver(self.fed, self, RunPlan(cfg.rounds, dp_delta=cfg.dp_delta), self.evaluator, self.out,
                                   meta=lambda: {"enrolment": self.enrol.state_dict(), "incarnation": self.incarnation})
 
@@ -200,7 +201,7 @@ class Server(Transport):
     def publish_status(self, state: str) -> mqtt.MQTTMessageInfo:
         """Signed and retained on the broker, and mirrored (unsigned, readable) in status.json."""
         status = self.status(state)
-        self._status_at = time.monotonic()
+        self._presence_changed, self._status_at = False, time.monotonic()
         self.observer.status(status)
         body = status.to_json()
         info = self.client.publish(self.topics.server_status, self.signer.sign(body), qos=QOS, retain=True)
@@ -235,6 +236,8 @@ class Server(Transport):
             elif (client := t.client_of(topic, "announce")) is not None:
                 if payload:  # an empty retained message clears the announce
                     self._handle_announce(client, self._open_announce(client, payload))
+            elif (client := t.client_of(topic, "decline")) is not None:
+                self._handle_decline(client, Decline.from_json(self._pinned_body(client, payload)))
             elif (w := t.worker_of(topic)) is not None:
                 client = w[0]
                 self.pool.handle(*w, payload)
@@ -257,7 +260,8 @@ class Server(Transport):
         return ingest + (self.topics.coordinator_subscriptions() if self._listening_to_workers else [])
 
     def _housekeeping(self) -> None:
-        """Once a second: the operator's enrolment changes, expired pins, overdue updates, the status heartbeat."""
+        """Once a second: the operator's enrolment changes, expired pins, overdue updates, the status heartbeat
+(and the status at once when who is online or able to train changed)."""
         self._housekept = time.monotonic()
         r = self.fed.round
         for c in self.enrol.reload():
@@ -272,8 +276,8 @@ class Server(Transport):
             self._listening_to_workers = True
         if r is not None:
             self._ask_resends(r)
-        if self._status_at and time.monotonic() - self._status_at >= self.cfg.status_every:
-            self.publish_status("training" if r else "waiting")
+        if self._presence_changed or (self._status_at and time.monotonic() - self._status_at >= self.cfg.status_every):
+            self.publish_status("training" if r else "waiting")  # who is online changed: `aggregator status` stays true
 
     def _ask_resends(self, r: RoundState) -> None:
         for c in self.resends.due(r.received | set(r.refused)):
@@ -298,6 +302,15 @@ class Server(Transport):
             self._handle_status(client, self._pending.pop(client))  # its status came before its enrolment
         return msg
 
+    def _pinned_body(self, client: str, payload: bytes) -> bytes:
+        """The body of a device's message, signed by the key pinned for its id (so nobody else can speak, or
+        decline a task, for it); an id without a pin (an unsigned device under open enrolment) sends it as is."""
+        key = self._keys(client)
+        if key is not None:
+            return verify(payload, key)
+        parts = split_signed(payload)
+        return payload if parts is None else parts[0]
+
     def _handle_status(self, client: str, payload: bytes) -> None:
         """A device's status: signed by its pinned key, newer than the last one. Under open enrolment an id
         without a pin is trusted as before; under closed enrolment its status waits for its enrolment."""
@@ -316,6 +329,7 @@ class Server(Transport):
             online = status.state == "online"
         self.fed.set_online(client, online)
         self.observer.client_changed(self.fed.clients.get(client))
+        self._presence_changed = True
 
     def _hold_status(self, client: str, payload: bytes) -> None:
         """The status of an id invited to enrol (a token was issued for it), kept until its first announce; any
@@ -330,10 +344,7 @@ class Server(Transport):
 
     def _handle_sent(self, client: str, payload: bytes) -> None:
         """A device's notice that its update is out: the round then waits at most `resend_after` for it."""
-        key = self._keys(client)
-        parts = split_signed(payload)
-        body = verify(payload, key) if key is not None else payload if parts is None else parts[0]
-        msg = Sent.from_json(body)
+        msg = Sent.from_json(self._pinned_body(client, payload))
         r = self.fed.round
         if msg.client != client:
             raise Rejected("client_mismatch", f"notice of {msg.client!r} on {client!r}'s topic")
@@ -343,12 +354,19 @@ class Server(Transport):
     def _handle_announce(self, client: str, msg: Announce) -> None:
         info = self.fed.announce(client, msg)
         self.observer.client_changed(info)
+        self._presence_changed = True
         why = f" ({info.selection})" if info.selection else ""
         log.info(f"client {client} announced: submodel <= {info.max_submodel + 1}, {info.samples} samples{why}",
                  extra={"client": client, "submodel": info.max_submodel + 1})
-        r = self.fed.round
-        if r is not None and client in r.declined and client not in r.assignments:
-            log.info(f"round {r.index}: {client} declined its task; the round no longer waits for it")
+
+    def _handle_decline(self, client: str, msg: Decline) -> None:
+        if msg.federation != self.cfg.federation or msg.run != self.run_id:
+            raise Rejected("stale_decline", f"decline for {msg.federation}/{msg.run}, this is "
+                                            f"{self.cfg.federation}/{self.run_id}")
+        self.fed.decline(client, msg)
+        self.client.publish(self.topics.task(client), b"", qos=QOS, retain=True)  # its task is settled
+        log.info(f"round {msg.round}: {client} declined submodel {msg.submodel + 1} ({msg.reason or 'no reason given'}); "
+                 "the round no longer waits for it", extra={"round": msg.round, "client": client})
 
     def _handle_update(self, client: str, payload: bytes) -> None:
         """The path workers share (aggregator/intake.py); a device's signed chunk under a pinned key
@@ -451,10 +469,12 @@ class Server(Transport):
         self.publish_status("training")
         while not fed.complete():
             self.pump(r.deadline)
+        self._closed_s = closed_s = time.monotonic() - r.started
         if len(r.received) < len(r.assignments):
             gone = fed.gone_offline()
             why = f"without waiting for {', '.join(gone)} (went offline)" if gone else "at its deadline"
-            log.info(f"round {index} closed {why}: {len(r.received)}/{len(r.assignments)} updates")
+            log.info(f"round {index} closed {why}, {closed_s:.1f} s after it opened (deadline {self.cfg.round_timeout:g} s): "
+                     f"{len(r.received)}/{len(r.assignments)} updates")
         for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
             self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
         self._worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
@@ -471,6 +491,7 @@ class Server(Transport):
             "bytes_out": self.bytes_out - self._out0, "bytes_in": self.fed.bytes_in - self._in0,
             "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
             "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - self._t0, 3),
+            "closed_s": round(self._closed_s, 3),
             "aggregate_s": round(self.aggregate_s + facts["close_s"], 4),
         }
 
@@ -481,7 +502,8 @@ class Server(Transport):
         self.accuracy = self.driver.accuracy
         self.observer.checkpoint_saved(checkpoint_s)
         self.observer.metrics_line(facts)
-        log.info(f"round {facts['round']} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
+        log.info(f"round {facts['round']} done in {facts['wall_s']}s (training closed after {facts['closed_s']:.1f}s): "
+                 f"reported {facts['reported']}, rejected {facts['rejected']}"
                  + (f", accuracy {self.accuracy}" if "accuracy" in facts else ""), extra={"round": facts["round"]})
 
     def run(self) -> None:
@@ -506,8 +528,7 @@ class Server(Transport):
             info.wait_for_publish(5)
         except (RuntimeError, ValueError):
             pass  # broker gone at the very end: the checkpoint and metrics are already on disk
-        self.client.disconnect()
-        self.client.loop_stop()
+        self.conn.stop()  # a disconnect we ask for, not a lost connection
         log.info(f"federation {self.cfg.federation!r} finished after round {self.cfg.rounds}")
 
 
@@ -523,7 +544,8 @@ def load_start(cfg: ServeConfig) -> Start:
         if not isinstance(ckpt.meta.get("round"), int):
             raise CheckpointError(f"{ckpt_dir}: checkpoint metadata has no round number; not a federation checkpoint")
         if ckpt.meta.get("state_sha256") not in (None, state_digest(ckpt.state)):
-            raise CheckpointError(f"{ckpt_dir}: state does not match the digest in meta.json (corrupt or mixed files)")
+            raise CheckpointError(f"{ckpt_dir}: state does not match the digest in meta.json (corrupt or mixed files); "
+                                  f"{recovery_hint(ckpt_dir)}")
         return Start(profile, ckpt.layout, ckpt.state, ckpt.meta["round"] + 1, ckpt.meta)
     if has_checkpoint(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir} already holds a checkpoint: pass --resume, or another --checkpoint-dir")

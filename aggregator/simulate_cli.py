@@ -1,11 +1,11 @@
-"""`aggregator simulate`: the paper's experiments in one process, with a progress bar."""
+"""`aggregator simulate`: the paper's experiments in one process, with a progress bar (the simulator's
+modules, which need torch, are imported when the command runs, not for its --help)."""
 
 from __future__ import annotations
 
 import json
 from typing import Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -13,14 +13,10 @@ from rich.table import Table
 
 from aggregator import robust_options as ro
 from aggregator.assignment import Assignment
-from aggregator.simulate import SimConfig, Simulator
-from nefl.aggregate import Weighting
-from nefl.attacks import Attack
 from nefl.cli_options import ScheduleOption, WarmupOption
-from nefl.data import DatasetUnavailable
+from nefl.extras import full_install_required
 from nefl.profile import ProfileError
-from nefl.state import GlobalState
-from nefl.train import TrainConfig
+from nefl.settings import Attack, TrainConfig, Weighting
 
 console = Console(stderr=True)
 
@@ -72,6 +68,12 @@ def simulate_command(
                                        "-SCALE x the weights; noise: SCALE x the honest norm."),
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
+    with full_install_required("aggregator simulate"):  # here, not at the top: `simulate --help` needs no torch
+        import torch
+
+        from aggregator.simulate import SimConfig, Simulator
+        from nefl.data import DatasetUnavailable
+        from nefl.state import GlobalState
     if per_round > clients:
         raise typer.BadParameter(f"--per-round {per_round} exceeds --clients {clients}")
     if threads:

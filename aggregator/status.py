@@ -10,6 +10,7 @@ import json
 import logging
 import queue
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,6 @@ import paho.mqtt.client as mqtt
 import typer
 from rich.table import Table
 
-from aggregator.server import STATUS_FILE
-from nefl.checkpoint import read_metrics
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.logs import console, setup_logging
@@ -58,7 +57,12 @@ def show(status: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
                   f"round {status.get('round')}/{status.get('rounds')}, profile {status.get('profile', {}).get('name')}")
     online = status.get("clients_online") or []
     more = (status.get("clients_online_count") or len(online)) - len(online)
-    out.print(f"online clients ({len(online) + more}): {', '.join(online) or '-'}" + (f" and {more} more" if more > 0 else ""))
+    # a finished (or dead) server no longer hears devices leave: its last list is history, and says so
+    live = status.get("state") not in ("finished", "offline")
+    said = time.time() - status["time"] if status.get("time") else None
+    label = "online clients" if live else "clients online when it stopped"
+    out.print(f"{label} ({len(online) + more}): {', '.join(online) or '-'}" + (f" and {more} more" if more > 0 else "")
+              + ("" if said is None else f" (as of {said:.0f} s ago)"))
     if status.get("participants"):
         out.print(f"this round: {len(status.get('reported') or [])}/{len(status['participants'])} reported")
     if status.get("rejected_total"):
@@ -86,6 +90,9 @@ def status_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
+    from aggregator.server import STATUS_FILE  # here, not at the top: `status --help` needs no torch
+    from nefl.checkpoint import read_metrics
+
     setup_logging(log_level, log_format)
     run_dir = Path(checkpoint_dir or f"runs/{federation}")
     try:

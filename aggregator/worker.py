@@ -13,6 +13,7 @@ Chunks of one update reach one worker (docs/scale.md): an update sent in one mes
 does; for a multi-chunk update the round plan names an owner per client (a stable hash over the
 plan's sorted worker list), and a worker handed a chunk it does not own forwards it, once, to the
 owner's forward topic. Threads as in the server: paho only enqueues, the main thread owns the state.
+The command line is in aggregator/scale_cli.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,18 +30,16 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
+import torch._dynamo  # noqa: F401  building the plan's layout imports it on first use: seconds, paid before "online"
 import typer
 
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
-from nefl.cli_options import (ENV_PASSWORD, ENV_USERNAME, CaCertOption, CertfileOption, KeyDirOption, KeyfileOption,
-                              LogFormatOption, LogLevelOption, PasswordOption, UsernameOption)
-from nefl.logs import setup_logging
+from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 from nefl.messages import MAX_PLAN_BYTES, MessageError, PartialSummary, Receipt, RoundClose, WorkerRound, WorkerStatus
-from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
+from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import parse_profile
 from nefl.robust import NormBound
 from nefl.robust_aggregate import AggregationConfig
@@ -284,52 +282,6 @@ class Worker:
         for conn in dict.fromkeys([*self.sources, self.up]):
             last = (self.topics.worker(self.me, "status"), self.status_message("offline", self.up.stamp))
             conn.stop(last if conn is self.up else None)
-
-
-def worker_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
-                                         "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
-    worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
-    group: str = typer.Option("nefl-workers", help="Shared-subscription group: the broker spreads updates over its members."),
-    shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
-                                "broker without shared subscriptions)."),
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
-                                   "round plans not signed by it are refused."),
-    key: Path = typer.Option(None, "--key", help="This worker's signing key (created 0600 if missing) [default: "
-                             "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator."),
-    key_dir: KeyDirOption = None,
-    print_key: bool = typer.Option(False, "--print-key", help="Print this worker's public key (for `aggregator enroll "
-                                   "ID --worker --key KEY` on the coordinator) and exit."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
-) -> None:
-    """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
-    setup_logging(log_level, log_format)
-    wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
-    signer = own_key(federation, wid, key, key_dir, print_key)
-    run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
-                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile), signer))
-
-
-def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, print_key: bool) -> Signer:
-    """A worker's or relay's key (exit 2 with the fix when unusable); --print-key prints it and exits 0."""
-    try:
-        signer = KeyDir(check_name("federation name", federation), key_dir).worker_signer(check_name("id", me), key)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    if print_key:
-        print(signer.public_text)
-        raise typer.Exit(0)
-    log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --key "
-             f"{signer.public_text})")
-    return signer
 
 
 def run_until_signalled(build: Callable[[], Worker]) -> None:

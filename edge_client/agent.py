@@ -19,6 +19,7 @@ server key across restarts), refuses older ones, and ends only with a run it too
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import traceback
 from collections import Counter
@@ -31,17 +32,19 @@ import torch
 from edge_client.device import Device
 from edge_client.select import Selection
 from nefl.fsio import atomic_write_text
-from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, MessageError, Sent, ServerStatus, Stamped,
-                           Task, TrainingSettings)
+from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Decline, MessageError, Sent, ServerStatus,
+                           Stamped, Task, TrainingSettings)
 from nefl.mqtt import Transport
 from nefl.profile import ProfileError, parse_profile
 from nefl.signing import KeyPin, Signer, parse_public_key, public_key_arg, split_signed, verify, verify_self_signed
 from nefl.state import Layout
 from nefl.tokens import fingerprint, parse_token, proof
 from nefl.topics import Topics
+from nefl.train import OutOfTime
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
 UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
+REPLAN_S = 5.0  # an idle device re-probes this often and re-announces when what it can train changed
 LIVE = ("waiting", "training", "evaluating")  # states of a running federation (first use trusts no other)
 MAX_CANDIDATES = 8  # server keys seen on first use, before one of them sends this device a task
 log = logging.getLogger(__name__)
@@ -56,9 +59,10 @@ class AgentConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     server_key: str | None = None  # pinned aggregator public key (base64 or file); None: trust on first use
     pin_file: Path | None = None  # where a first-use key is remembered
-    device_key: Signer | None = None  # this device's key: signs its announces, statuses, notices and update headers
+    device_key: Signer | None = None  # this device's key: signs its announces, declines, statuses, notices and update headers
     join_token: str | None = None  # `aggregator enroll`'s one-time token: enrols the device key, names the server key
     run_file: Path | None = None  # the newest run incarnation seen, per server key (older runs are refused)
+    replan_s: float = REPLAN_S
 
 
 def status_message(key: Signer | None, state: str, seq: int) -> bytes:
@@ -93,6 +97,7 @@ class Agent:
         self.selection: Selection | None = None
         self.run_id: str | None = None  # the server run whose signed status we follow
         self.server_seen = False  # a trusted server status has arrived (for "no server" diagnostics)
+        self.foreign_key: str | None = None  # a status signed by another key than the pinned one arrived
         self.held: dict[str, bytes] = {}  # signed messages that arrived before the status they depend on
         self.task: Task | None = None
         self.task_since = 0.0
@@ -104,6 +109,9 @@ class Agent:
         self.ended = False
         self.said_not_joined = ""  # the run whose end was logged as not ours
         self.dropped: Counter[str] = Counter()
+        self.session = secrets.token_hex(4)  # announces are numbered within it (Announce.seq)
+        self.seq = 0
+        self.planned_at = -float("inf")
 
     # -- connection ---------------------------------------------------------------------------------
     def subscriptions(self) -> list[str]:
@@ -148,7 +156,7 @@ class Agent:
         self.dropped[reason] += 1
         n = self.dropped[reason]
         if n & (n - 1) == 0:
-            log.warning(f"dropped a message ({reason}, {n} so far): {detail[:300]}", extra={"reason": reason})
+            log.warning(f"dropped a message ({reason}, {n} so far): {detail[:600]}", extra={"reason": reason})
 
     def _on_signed(self, topic: str, payload: bytes, cls: type[Stamped], handle: Callable) -> None:
         """Verify against the pinned key and the current run; hold it until a status names the run. On first
@@ -200,8 +208,7 @@ class Agent:
         try:
             body = verify(payload, self.pin.key)
         except MessageError as e:
-            raise MessageError(e.reason, f"{e.detail}; if the aggregator's key was really replaced, delete "
-                                         f"{self.pin.pin_file} or pass --server-key") from None
+            raise MessageError(e.reason, self._wrong_key(payload, e.detail)) from None
         status = ServerStatus.from_json(body, MAX_STATUS_BYTES)
         if status.federation != self.cfg.federation or status.run is None:
             raise MessageError("wrong_run", f"status of federation {status.federation}, joined {self.cfg.federation}")
@@ -226,6 +233,21 @@ class Agent:
         held, self.held = self.held, {}
         for topic, message in held.items():
             self.dispatch(topic, message)
+
+    def _wrong_key(self, payload: bytes, detail: str) -> str:
+        """Why a status failed the pinned key, and the fix for where that key came from; remembers a
+        self-consistent foreign key so the shell's "no aggregator" warning can say one answers."""
+        try:
+            _, other = verify_self_signed(payload, lambda body: ServerStatus.from_json(body, MAX_STATUS_BYTES).key)
+        except MessageError:
+            return detail
+        self.foreign_key = other
+        says = f"status signed by key {other}, not the pinned {self.pin.text}"
+        if self.pin.source == "given":
+            return (f"{says} of --server-key: pass what `aggregator key` prints on that server, if it is yours "
+                    "(else another process poses as this federation's aggregator)")
+        return (f"{says} remembered in {self.pin.pin_file}: if the aggregator's key was really replaced, delete the "
+                "file or pass --server-key")
 
     def _first_use(self, payload: bytes) -> None:
         """No key pinned. With a join token: pin the key it names. Otherwise remember the key as a candidate
@@ -330,14 +352,12 @@ class Agent:
                                            f"following profile {self.profile_hash}")
         if task.model_bytes > model_bytes_bound(self.layout, k):
             raise MessageError("bad_task", f"round {r}: {task.model_bytes}-byte weights exceed submodel {k + 1}'s size")
-        announced = self.plan(task.deadline_s)
-        if not 0 <= k < self.can_train():
+        # a task is kept unless the device truly cannot train it now: no hysteresis margin for k
+        current = self.selection.index if self.selection is not None and self.selection.index is not None else -1
+        self.plan(task.deadline_s, hold=max(current, k))
+        if not self._allows(k):
             why = f"--max-submodel {self.cfg.max_submodel}" if self.selection is None else self.selection.reason
-            log.info(f"refusing round {r}: submodel {k + 1} does not fit now ({why})",
-                     extra={"round": r, "submodel": k + 1, "reason": why[:300]})
-            self.last_task = key
-            if not announced:  # the server stops waiting for this client once it hears
-                self._announce()
+            self._decline(task, f"submodel {k + 1} does not fit now ({why})")
             return
         self.task, self.task_since, self.weights = task, self.clock(), None
         # buffer exactly one honest copy of the weights, for as long as the round may last
@@ -347,6 +367,17 @@ class Agent:
             self.transport.unsubscribe(self.topics.model_all(self.model_sub))
         self.model_sub = k
         self.transport.subscribe(self.topics.model_all(k), qos=1)  # again: the retained chunks are redelivered
+
+    def _decline(self, task: Task, why: str) -> None:
+        """Tell the server this one task will not be trained (it stops waiting for us), and never train it."""
+        r, k = task.round, task.submodel
+        log.info(f"declining round {r}: {why}", extra={"round": r, "submodel": k + 1, "reason": why[:300]})
+        self.last_task = (task.run, r)
+        key = self.cfg.device_key
+        msg = Decline(client=self.cfg.client_id, federation=self.cfg.federation, run=task.run, round=r, submodel=k,
+                      reason=why[:300], key="" if key is None else key.public_text)
+        self.transport.publish(self.topics.decline(self.cfg.client_id),
+                               msg.to_json() if key is None else key.sign(msg.to_json()), qos=1)
 
     def _on_model_chunk(self, payload: bytes) -> None:
         """Weights count only when they are what the signed task names (digest, round, submodel)."""
@@ -366,12 +397,25 @@ class Agent:
         """Largest submodel (1-based) this device takes now; 0 when nothing fits."""
         return self.cfg.max_submodel if self.selection is None else (self.selection.submodel or 0)
 
-    def plan(self, deadline_s: float | None = None) -> bool:
-        """Re-select from a fresh probe (the paper's dynamic setting); re-announce when it changed.
-        Returns whether it announced."""
+    def _allows(self, k: int) -> bool:
+        """Whether 0-based submodel k fits now (by its own row of the selection: fits are per submodel)."""
+        if self.selection is None:
+            return k < self.cfg.max_submodel
+        if self.selection.fits:
+            return self.selection.fits[k].fits
+        return self.selection.index is not None and k <= self.selection.index
+
+    def plan(self, deadline_s: float | None = None, hold: int | None = None) -> bool:
+        """Re-select from a fresh probe (the paper's dynamic setting) for the training time a round of
+        `deadline_s` leaves; re-announce when the choice changed. A larger submodel than the one held
+        must fit with a margin (no flip-flop between rounds). Returns whether it announced."""
         if self.layout is None:
             return False
-        sel = self.device.plan(self.layout, self.training, deadline_s or self.training.round_timeout, self.cfg.max_submodel)
+        if hold is None and self.selection is not None:
+            hold = -1 if self.selection.index is None else self.selection.index
+        budget = (deadline_s or self.training.round_timeout) * (1 - UPLOAD_SHARE)
+        sel = self.device.plan(self.layout, self.training, budget, self.cfg.max_submodel, hold)
+        self.planned_at = self.clock()
         changed = self.selection is None or sel.index != self.selection.index
         self.selection = sel
         if changed:
@@ -382,9 +426,10 @@ class Agent:
         """Tell the server what this device can train now (0: nothing fits this round) and why."""
         sel, can = self.selection, self.can_train()
         key = self.cfg.device_key
+        self.seq += 1
         msg = Announce(client=self.cfg.client_id, samples=max(1, self.device.samples), max_submodel=can,
                        selection="" if sel is None else sel.reason[:300], device=self.device.summary(),
-                       key="" if key is None else key.public_text,
+                       key="" if key is None else key.public_text, session=self.session, seq=self.seq,
                        token="" if key is None or self.token is None else
                        proof(self.token[1], self.cfg.federation, self.cfg.client_id, key.public_text))
         payload = msg.to_json() if key is None else key.sign(msg.to_json())
@@ -393,9 +438,12 @@ class Agent:
                  extra={"submodel": can, **({} if sel is None else {"reason": sel.reason[:300]})})
 
     def tick(self) -> None:
-        """Called by the shell between messages: give up a task past its deadline, train when ready."""
+        """Called by the shell between messages: give up a task past its deadline, train when ready;
+        without a task, re-probe now and then so that what it announced follows the device's load."""
         task = self.task
         if task is None:
+            if self.clock() - self.planned_at >= self.cfg.replan_s:
+                self.plan()
             return
         elapsed = self.clock() - self.task_since
         if elapsed > task.deadline_s:
@@ -413,8 +461,12 @@ class Agent:
         r, k = task.round, task.submodel
         try:
             res = self.device.train(self.layout, task, start, budget_s)
+        except OutOfTime as e:  # not even one step fits the time left: the server need not wait for us
+            self._decline(task, str(e))
+            return
         except ValueError as e:  # weights that do not fit the submodel: a server/profile mismatch
             log.error(f"round {r}: cannot train submodel {k + 1}: {e}", extra={"round": r, "submodel": k + 1})
+            self._decline(task, f"cannot train submodel {k + 1}: {e}")
             return
         why = {"selection": self.selection.reason[:300]} if self.selection else {}
         msgs = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k,

@@ -4,7 +4,7 @@ Two layers. `estimate_costs` is analytic (no torch work): weights + gradients + 
 saved activations + a framework constant. `calibrate` replaces the guesses with one real training
 step per submodel measured on this device, in a child process: an out-of-memory kill there costs
 the calibration of one submodel, not the agent, and the child's allocator starts clean. Results are
-cached under ~/.cache/nefl/calibration (override with `cache_dir` or $NEFL_CACHE_DIR), keyed by the
+cached under ~/.cache/nefl/calibration (override with `cache_dir` or $NEFL_CALIBRATION_DIR), keyed by the
 device fingerprint, profile hash, method, batch size, device and threads, so it runs once.
 
 Peak memory on CPU is peak RSS growth (Linux: VmHWM reset through /proc/self/clear_refs; elsewhere
@@ -12,11 +12,9 @@ a 1 ms RSS sampling thread); on CUDA it is torch.cuda.max_memory_allocated growt
 measures the smallest submodel cold and warm: the difference is the one-time framework cost (lazy
 kernel pages, thread pools) that a real first round also pays, so it is added to every submodel.
 
-`predict_seconds` turns a calibrated step time into a round's time under the current load:
-    step_seconds * ceil(samples / batch) * epochs * slowdown(snapshot) / speed
-with slowdown = max(1, (others' CPU demand in cores + training threads) / cores), the fair share the
-scheduler gives the training threads, times THROTTLED_SLOWDOWN when the Pi firmware throttles or a
-thermal zone is at or above `hot_limit_c` (the clock is then capped at roughly half).
+How those costs scale with the load now, and what real rounds teach about them, is
+edge_client/load.py. A calibration measured on a busy device is divided by the slowdown others
+caused during it (`calibrate(load=...)`), so the table holds idle-device step times.
 """
 
 from __future__ import annotations
@@ -41,7 +39,9 @@ import psutil
 import torch
 from torch import nn
 
-from edge_client.probe import DeviceSnapshot, is_hot, is_throttled
+from edge_client.cache import CALIBRATION_DIR
+from edge_client.load import slowdown
+from edge_client.probe import DeviceSnapshot
 from nefl.cost import submodel_cost, training_peak_bytes
 from nefl.fsio import atomic_write_text
 from nefl.methods import get_method
@@ -50,9 +50,6 @@ from nefl.profile import parse_profile
 from nefl.state import Layout
 from nefl.train import TrainConfig
 
-CACHE_DIR = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser() / "calibration"
-THROTTLED_SLOWDOWN = 2.0
-HOT_LIMIT_C = 80.0
 TIMED_STEPS = 3
 
 
@@ -64,7 +61,7 @@ class SubmodelCost:
     macs: int  # per sample, forward
     estimated_peak: int  # bytes, analytic
     measured_peak: int | None = None  # bytes, calibrated on this device
-    step_seconds: float | None = None  # one training step at the table's batch size, calibrated
+    step_seconds: float | None = None  # one training step at the table's batch size on the idle device, calibrated
     error: str | None = None  # why calibration failed (e.g. killed: out of memory)
 
     @property
@@ -96,32 +93,6 @@ def estimate_costs(layout: Layout, batch_size: int, device: str = "cpu", threads
         c = submodel_cost(layout.profile, spec)
         costs.append(SubmodelCost(k, spec.gamma, c.params, c.macs, estimate_peak(layout, k, batch_size)))
     return CostTable(layout.profile.name, layout.method.name, batch_size, device, threads, tuple(costs))
-
-
-# -- prediction ------------------------------------------------------------------------------------
-
-def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C) -> float:
-    """How much slower than at calibration a step runs now (>= 1); unknown load counts as idle."""
-    if device == "cpu":
-        demand = max((snapshot.cpu_percent or 0.0) / 100.0, snapshot.load_per_core or 0.0) * snapshot.cpu_count
-        factor = max(1.0, (demand + threads) / snapshot.cpu_count)
-    else:
-        util = snapshot.gpus[0].utilization if snapshot.gpus else snapshot.jetson_gpu_load
-        factor = 1.0 + (util or 0.0) / 100.0  # GPU time-slices between contexts
-    if is_throttled(snapshot) or is_hot(snapshot, hot_limit_c):
-        factor *= THROTTLED_SLOWDOWN
-    return factor
-
-
-def predict_seconds(
-    cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int,
-    speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C,
-) -> float | None:
-    """Local-training time of one round; None before calibration (no step time to scale)."""
-    if cost.step_seconds is None:
-        return None
-    steps = math.ceil(num_samples / table.batch_size) * epochs
-    return cost.step_seconds * steps * slowdown(snapshot, table.threads, table.device, hot_limit_c) / speed
 
 
 # -- measurement (runs in the child process) -------------------------------------------------------
@@ -281,7 +252,7 @@ def device_fingerprint(device: str, threads: int) -> dict[str, Any]:
     }
 
 
-def cache_path(layout: Layout, batch_size: int, device: str, threads: int, cache_dir: Path = CACHE_DIR) -> Path:
+def cache_path(layout: Layout, batch_size: int, device: str, threads: int, cache_dir: Path = CALIBRATION_DIR) -> Path:
     key = {"fingerprint": device_fingerprint(device, threads), "profile": layout.profile.hash,
            "method": layout.method.name, "batch_size": batch_size}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -330,10 +301,13 @@ def _run_worker(layout: Layout, indices: list[int], batch_size: int, device: str
 
 def calibrate(
     layout: Layout, batch_size: int, *, device: str = "cpu", threads: int | None = None,
-    cache_dir: Path = CACHE_DIR, indices: list[int] | None = None, force: bool = False,
-    on_result: Callable[[int], None] = lambda k: None,
+    cache_dir: Path = CALIBRATION_DIR, indices: list[int] | None = None, force: bool = False,
+    on_result: Callable[[int], None] = lambda k: None, load: Callable[[], DeviceSnapshot] | None = None,
 ) -> CostTable:
-    """Calibrated costs for `indices` (default all); cached ones are reused unless `force`."""
+    """Calibrated costs for `indices` (default all); cached ones are reused unless `force`.
+
+    `load` (a Prober's snapshot) is read before and after measuring: the slowdown others caused
+    meanwhile is stored with each measurement and divided out, so step_seconds are the idle device's."""
     threads = threads or torch.get_num_threads()
     table = estimate_costs(layout, batch_size, device, threads)
     wanted = list(range(layout.num_submodels)) if indices is None else sorted(set(indices))
@@ -342,12 +316,17 @@ def calibrate(
     missing = [k for k in wanted if str(k) not in entries]
     errors: dict[int, str] = {}
     if missing:
+        if load is not None:
+            load()  # the interval the next snapshot reads starts here
         results, error = _run_worker(layout, missing, batch_size, device, threads, on_result)
-        entries.update({str(k): {n: r[n] for n in ("peak", "seconds", "overhead")} for k, r in results.items()})
+        busy = 1.0 if load is None else slowdown(load(), threads, device, working=True)
+        entries.update({str(k): {**{n: r[n] for n in ("peak", "seconds", "overhead")}, "slowdown": busy}
+                        for k, r in results.items()})
         errors = {k: error for k in missing if k not in results and error}
         _write_cache(path, entries, layout, batch_size, device, threads)
     costs = tuple(
-        replace(c, measured_peak=entries[str(c.index)]["peak"], step_seconds=entries[str(c.index)]["seconds"])
+        replace(c, measured_peak=entries[str(c.index)]["peak"],
+                step_seconds=entries[str(c.index)]["seconds"] / entries[str(c.index)].get("slowdown", 1.0))
         if str(c.index) in entries else replace(c, error=errors.get(c.index))
         for c in table.costs
     )

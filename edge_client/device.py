@@ -16,7 +16,9 @@ from typing import Protocol
 
 import torch
 
-from edge_client.costmodel import CACHE_DIR, CostTable, calibrate, estimate_costs
+from edge_client.cache import CALIBRATION_DIR
+from edge_client.costmodel import CostTable, calibrate, estimate_costs
+from edge_client.load import RunningCalibration
 from edge_client.probe import Prober
 from edge_client.select import DeviceBudget, Selection, select_submodel
 from nefl.data import BatchLoader, load_dataset, load_image_folder, parse_partition, partition_iid
@@ -47,7 +49,7 @@ class DeviceConfig:
     seed: int = 0
     torch_device: str = "cpu"
     recalibrate: bool = False  # measure again instead of reusing the cached calibration
-    cache_dir: Path = CACHE_DIR
+    cache_dir: Path = CALIBRATION_DIR
 
 
 class TrainTask(Protocol):
@@ -73,7 +75,8 @@ class Device(Protocol):
 
     def summary(self) -> DeviceSummary: ...
 
-    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection: ...
+    def plan(self, layout: Layout, training: TrainingSettings, budget_s: float, cap: int,
+             hold: int | None = None) -> Selection: ...
 
     def train(self, layout: Layout, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult: ...
 
@@ -91,6 +94,7 @@ class LocalDevice:
         self.budget = DeviceBudget.parse(cfg.memory_budget, cfg.cpu_budget)
         self.prober = Prober()
         self._costs: dict[tuple[str, int], CostTable] = {}
+        self.running = RunningCalibration()  # corrected after every round from the measured step time
 
     def summary(self) -> DeviceSummary:
         """What the server logs about this device, from the same probe that drives selection."""
@@ -109,25 +113,50 @@ class LocalDevice:
                 log.info(f"calibrating: one training step per submodel of {layout.profile.name} at batch {batch} "
                          f"on {self.cfg.torch_device} (cached in {self.cfg.cache_dir} for later runs)")
                 self._costs[key] = calibrate(layout, batch, device=self.cfg.torch_device, cache_dir=self.cfg.cache_dir,
-                                             force=self.cfg.recalibrate,
+                                             force=self.cfg.recalibrate, load=self.prober.snapshot,
                                              on_result=lambda k: log.info(f"calibrated submodel {k + 1}/{n}"))
             else:
                 self._costs[key] = estimate_costs(layout, batch, threads=torch.get_num_threads())
         return self._costs[key]
 
-    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection:
-        """The largest submodel that fits memory now and can do at least MIN_BATCHES batches in time:
-        the device then trains as many batches as its time budget allows, not a fixed epoch."""
+    def plan(self, layout: Layout, training: TrainingSettings, budget_s: float, cap: int,
+             hold: int | None = None) -> Selection:
+        """The largest submodel that fits memory now and can do at least MIN_BATCHES batches in the
+        training time `budget_s`: the device then trains as many batches as that time allows, not a
+        fixed epoch."""
         work = min(self.samples, MIN_BATCHES * training.batch_size)
         return select_submodel(self.costs(layout, training.batch_size), self.budget.apply(self.prober.snapshot()),
-                               work, 1, deadline_s, cap, speed=self.budget.cpu_budget)
+                               work, 1, budget_s, cap, speed=self.budget.cpu_budget, hold=hold, running=self.running)
 
     def train(self, layout: Layout, task: TrainTask, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult:
         torch.manual_seed(self.cfg.seed + task.round)
+        table, k = self.costs(layout, task.batch_size), task.submodel
+        predicted = self.running.step_seconds(table.costs[k], table, self.prober.snapshot())
         loader = BatchLoader(self.train_set, self.indices, task.batch_size, True, True, self.cfg.seed * 100003 + task.round)
         config = TrainConfig(lr=task.lr, batch_size=task.batch_size, local_epochs=task.epochs)
         # --cpu-budget stretches work to the emulated speed, so it also shrinks the time to work in
-        res = local_train(layout.module(task.submodel), start, loader, config, upload=layout.upload_shapes(task.submodel),
-                          device=self.cfg.torch_device, time_budget_s=budget_s * self.budget.cpu_budget)
+        res = local_train(layout.module(k), start, loader, config, upload=layout.upload_shapes(k),
+                          device=self.cfg.torch_device, time_budget_s=budget_s * self.budget.cpu_budget,
+                          step_estimate_s=predicted or 0.0)
+        self._learn(task, table, predicted, res)
         time.sleep(self.budget.padding(res.seconds))  # really run as the slower device
         return res
+
+    def _learn(self, task: Task, table: CostTable, predicted: float | None, res: TrainResult) -> None:
+        """Compare the step time measured in this round with the prediction, log both, and correct the
+        cost model for the next rounds (the snapshot's interval is this round's training)."""
+        steps = int(res.metrics.get("steps", 0))
+        if not steps:
+            return
+        measured = res.seconds / steps
+        res.metrics["step_s"] = round(measured, 4)
+        during = self.prober.snapshot()
+        cost = table.costs[task.submodel]
+        if predicted is None or self.running.observe(cost, table, measured, during) is None:
+            return
+        res.metrics["predicted_step_s"] = round(predicted, 4)
+        log.info(f"round {task.round}: submodel {task.submodel + 1} took {measured:.3f} s a step, predicted "
+                 f"{predicted:.3f} s ({measured / predicted - 1:+.0%}); others wanted {self.running.others_busy:.1f} "
+                 f"of {during.cpu_count} cores; idle-device step now {self.running.measured[cost.index]:.3f} s "
+                 f"(calibrated {cost.step_seconds:.3f} s), untrained submodels x{self.running.correction:.2f}",
+                 extra={"round": task.round, "submodel": task.submodel + 1})

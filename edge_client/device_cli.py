@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edge_client.probe import DeviceSnapshot, Prober, format_bytes, is_throttled
+from edge_client.probe import MIN_WINDOW_S, DeviceSnapshot, Prober, format_bytes, is_throttled
 
 console = Console()
 
@@ -34,6 +34,7 @@ def _snapshot_table(s: DeviceSnapshot) -> Table:
     t.add_row("memory available / total", f"{format_bytes(s.memory_available)} / {format_bytes(s.memory_total)}")
     t.add_row("this process RSS", format_bytes(s.process_rss))
     t.add_row("CPU utilisation", f"{format_percent(s.cpu_percent)} of {s.cpu_count} cores")
+    t.add_row("  of it by other processes", format_percent(s.external_cpu_percent))
     t.add_row("load per core (1 min)", "?" if s.load_per_core is None else f"{s.load_per_core:.2f}")
     for i, g in enumerate(s.gpus):
         t.add_row(f"GPU {i} {g.name}", f"{format_bytes(g.memory_used)} / {format_bytes(g.memory_total)} used, "
@@ -53,7 +54,7 @@ def _snapshot_table(s: DeviceSnapshot) -> Table:
 
 def probe_command(
     as_json: bool = typer.Option(False, "--json", help="Print the snapshot as JSON."),
-    interval: float = typer.Option(0.5, min=0.0, help="Seconds over which CPU utilisation is sampled."),
+    interval: float = typer.Option(0.5, min=0.0, help=f"Seconds over which CPU utilisation is sampled (under {MIN_WINDOW_S:g} s: unknown)."),
 ) -> None:
     """Print one snapshot of memory, CPU/GPU load, thermals, throttling and battery."""
     snap = sample_snapshot(interval)

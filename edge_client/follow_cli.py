@@ -15,7 +15,8 @@ import typer
 from rich.console import Console
 
 from edge_client.follow import FollowConfig, Follower, RuntimeFactory, offline_report, run
-from edge_client.identity import CACHE, PIN_DIR, device_signer, pin_file_for
+from edge_client.cache import CACHE
+from edge_client.identity import PIN_DIR, device_signer, pin_file_for
 from edge_client.runtime import ExternalLoadProbe, Probe
 from edge_client.serving import Serving
 from edge_client.store import Store, StoreError

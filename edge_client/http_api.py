@@ -265,7 +265,7 @@ class EdgeHTTPServer(HTTPServer):
     request_queue_size = 128  # the kernel's listen backlog; workers + queue_size is the bound that matters
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: Limits) -> None:
-        super().__init__(address, handler)
+        # everything server_close() stops exists before the bind, which calls it when the port is taken
         self.limits = limits
         # admission counts connections waiting *or* being served: a bounded Queue alone would refuse a
         # burst while idle workers have not yet been scheduled to take from it
@@ -276,6 +276,7 @@ class EdgeHTTPServer(HTTPServer):
                          for i in range(limits.workers)]
         for worker in self._workers:
             worker.start()
+        super().__init__(address, handler)
 
     def linger(self, sock: socket.socket, max_bytes: int) -> None:
         self._lingerer.add(sock, max_bytes)

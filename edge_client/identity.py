@@ -7,12 +7,11 @@ nefl/signing.py only: the small inference install imports this.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from edge_client.cache import CACHE
 from nefl.signing import Signer
 
-CACHE = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser()
 PIN_DIR = CACHE / "servers"  # aggregator keys trusted on first use
 DEVICE_KEY_DIR = CACHE / "device-keys"  # this machine's device keys, one per client id
 

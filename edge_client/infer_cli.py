@@ -6,6 +6,7 @@ client is imported only then, so plain `infer` and `serve` start as fast as befo
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Optional
@@ -20,9 +21,11 @@ from edge_client.serving import Active, Serving
 from edge_client.store import followed_current
 from nefl.cli_options import CaCertOption, CertfileOption, KeyfileOption, PasswordOption, UsernameOption
 from nefl.logs import setup_logging
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.units import parse_size
 
 console = Console()
+log = logging.getLogger(__name__)
 
 MODELS = typer.Option(..., "--models", help="Export directory with manifest.json (from `nefl-export onnx`), or a "
                       "directory `serve --follow` keeps (its current version is used).")
@@ -108,44 +111,46 @@ def serve_command(
 ) -> None:
     """Serve POST /predict (image bytes -> JSON), GET /health and GET /models over HTTP."""
     setup_logging("info")
+    stop_on_sigterm()  # from here on SIGTERM is a clean stop (exit code 0), as Ctrl-C
     try:
         probe = _budgeted_probe(memory_budget)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    stop, follower_thread = threading.Event(), None
-    if follow is None:
-        if models is None:
-            console.print("[red]error:[/red] give --models DIR (an export directory), or --follow mqtt://HOST:PORT")
-            raise typer.Exit(2)
-        runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained, probe)
-        serving, what = Serving(Active(runtime, None)), f"{runtime.manifest.profile} ({len(runtime.submodels)} submodels)"
-    else:
-        from edge_client.follow_cli import start_following  # paho only when following
+    stop, follower_thread, server = threading.Event(), None, None
+    try:
+        if follow is None:
+            if models is None:
+                console.print("[red]error:[/red] give --models DIR (an export directory), or --follow mqtt://HOST:PORT")
+                raise typer.Exit(2)
+            runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained, probe)
+            serving, what = Serving(Active(runtime, None)), f"{runtime.manifest.profile} ({len(runtime.submodels)} submodels)"
+        else:
+            from edge_client.follow_cli import start_following  # paho only when following
 
-        serving, follower_thread, what = start_following(
-            stop, follow, federation, models, server_key, client_id, device_key, keep_free, include_untrained, probe,
-            lambda d: AdaptiveRuntime(d, probe=probe, latency_budget_ms=latency_budget_ms, threads=threads,
-                                      include_untrained=include_untrained),
-            (username, password, ca_cert, certfile, keyfile), precision)
-    try:
-        server = make_server(serving, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
-                             queue_size=queue_size, timeout_s=request_timeout)
-    except OSError as e:
-        stop.set()
-        console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e}); choose another --port")
-        raise typer.Exit(2) from None
-    bound_host, bound_port = server.server_address[:2]
-    console.print(f"serving {what} on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
-    try:
+            serving, follower_thread, what = start_following(
+                stop, follow, federation, models, server_key, client_id, device_key, keep_free, include_untrained, probe,
+                lambda d: AdaptiveRuntime(d, probe=probe, latency_budget_ms=latency_budget_ms, threads=threads,
+                                          include_untrained=include_untrained),
+                (username, password, ca_cert, certfile, keyfile), precision)
+        try:
+            server = make_server(serving, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
+                                 queue_size=queue_size, timeout_s=request_timeout)
+        except OSError as e:
+            console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e.strerror or e}); choose another --port",
+                          soft_wrap=True)
+            raise typer.Exit(2) from None
+        bound_host, bound_port = server.server_address[:2]
+        console.print(f"serving {what} on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, Stop) as e:
+        log.info(f"stopping ({stop_reason(e)})")
     finally:
         stop.set()
         if follower_thread is not None:
             follower_thread.join(10)
-        server.server_close()
+        if server is not None:
+            server.server_close()
 
 
 def _budgeted_probe(memory_budget: str | None) -> Probe | None:

@@ -3,7 +3,8 @@
 The paho network thread only enqueues messages; the main thread feeds them to the agent and ticks
 it, so all state has one owner. The shell's own job is what a person at the device needs to see:
 connection state, a clear word when no aggregator answers, and a clean exit (code 0, status
-"offline" published) on Ctrl-C or SIGTERM from a service manager.
+"offline" published) on Ctrl-C or SIGTERM from a service manager. The agent and the device (torch)
+are imported by the command, not by this module, so `join --help` answers at once.
 """
 
 from __future__ import annotations
@@ -11,44 +12,37 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import socket
 import sys
 import time
 from pathlib import Path
-from types import FrameType
+from typing import TYPE_CHECKING
 
-import torch
 import typer
 
-from edge_client.agent import Agent, AgentConfig, status_message
-from edge_client.costmodel import CACHE_DIR
-from edge_client.device import DataConfig, DeviceConfig, LocalDevice
+from edge_client.cache import CALIBRATION_DIR
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from edge_client.metrics import instrument
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
-from nefl.data import DatasetUnavailable, parse_partition
+from nefl.extras import full_install_required
 from nefl.listen import parse_listen
 from nefl.logs import setup_logging
+from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.topics import Topics, check_name
-from nefl.wire import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from edge_client.agent import Agent
 
 NO_SERVER_AFTER_S = 30.0
 log = logging.getLogger(__name__)
 
 
-class Stop(Exception):
-    """SIGTERM: leave like Ctrl-C does, cleanly."""
-
-
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise Stop(signal.Signals(signum).name)
-
-
 def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
     """Feed the agent until the federation ends or the process is asked to stop; 0 either way."""
+    from edge_client.agent import status_message  # the command imported the agent (torch) already
+
     started = time.monotonic()
     warned = False
     conn.start()
@@ -63,16 +57,24 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
             agent.tick()
             if not agent.server_seen and not warned and time.monotonic() - started > NO_SERVER_AFTER_S:
                 warned = True
-                where = "connected, but" if conn.connected else "not even connected to the broker, and"
-                log.warning(f"{where} no aggregator on nefl/{agent.cfg.federation}/ after {NO_SERVER_AFTER_S:.0f} s: "
-                            f"is `aggregator serve --federation {agent.cfg.federation}` running on {settings.url}? "
-                            "(still waiting)")
+                log.warning(_no_server(agent, conn, settings))
         log.info("federation ended")
     except (KeyboardInterrupt, Stop) as e:
-        log.info(f"stopping ({e or 'interrupted'}); the server will not wait for this device")
+        log.info(f"stopping ({stop_reason(e)}); the server will not wait for this device")
     finally:
         conn.stop((agent.topics.status(agent.cfg.client_id), status_message(agent.cfg.device_key, "offline", conn.stamp)))
     return 0
+
+
+def _no_server(agent: Agent, conn: Connection, settings: BrokerSettings) -> str:
+    """What to say when no trusted aggregator answered: none at all, or one signing with another key."""
+    fed = agent.cfg.federation
+    if agent.foreign_key is not None:
+        return (f"an aggregator answers on nefl/{fed}/, but signs with key {agent.foreign_key}, not the pinned "
+                f"{agent.pin.text} (see the dropped message above for the fix); still waiting for one this device trusts")
+    where = "connected, but" if conn.connected else "not even connected to the broker, and"
+    return (f"{where} no aggregator on nefl/{fed}/ after {NO_SERVER_AFTER_S:.0f} s: is `aggregator serve --federation "
+            f"{fed}` running on {settings.url}? (still waiting)")
 
 
 def join_command(
@@ -87,12 +89,15 @@ def join_command(
     max_samples: int = typer.Option(None, min=1, help="Use at most N samples of the shard (quick tests, demos)."),
     max_submodel: int = typer.Option(1000, min=1, help="Cap on the submodel (1-based) this device trains; "
                                      "below it, each round picks the largest that fits memory and deadline."),
-    memory_budget: str = typer.Option(None, help="Emulate a device with this much free memory, e.g. 300MB."),
-    cpu_budget: float = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5."),
+    memory_budget: str = typer.Option(None, help="Select submodels as if only this much memory were free, e.g. 300MB "
+                                      "(emulation for selection only: the process is not limited, and its resident "
+                                      "memory includes torch, the data and the model, often 800 MB or more)."),
+    cpu_budget: float = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5 (training sleeps "
+                                     "after each round to really take that long)."),
     calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate",
                                          help="Measure one training step per submodel (cached) or use the analytic estimate."),
     recalibrate: bool = typer.Option(False, help="Ignore the cached calibration and measure again."),
-    cache_dir: Path = typer.Option(CACHE_DIR, help="Where calibrations are cached."),
+    cache_dir: Path = typer.Option(CALIBRATION_DIR, help="Where calibrations are cached."),
     device: str = typer.Option("cpu", help="torch device to train on: cpu, or cuda on a Jetson / GPU machine."),
     fp16: bool = typer.Option(False, help="Upload deltas as fp16 (half the bytes)."),
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message this client sends, KiB."),
@@ -116,9 +121,16 @@ def join_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
+    with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
+        import torch
+
+        from edge_client.agent import Agent, AgentConfig, status_message
+        from edge_client.device import DataConfig, DeviceConfig, LocalDevice
+        from edge_client.metrics import instrument
+        from nefl.data import DatasetUnavailable, parse_partition
     cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, log_format, context={"client": cid})
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     try:
         check_name("client id", cid)
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)

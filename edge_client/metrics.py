@@ -55,7 +55,9 @@ class ProbeCollector(Collector):
              s.memory_available),
             ("nefl_device_process_rss_bytes", "Resident memory of this edge-client.", s.process_rss),
             ("nefl_device_cpu_percent", "System-wide CPU use since the previous scrape, 0-100.", s.cpu_percent),
-            ("nefl_device_load_per_core", "1-minute load average per core.", s.load_per_core),
+            ("nefl_device_external_cpu_percent", "CPU use of everything but this edge-client's process tree, "
+             "0-100 (the load selection counts).", s.external_cpu_percent),
+            ("nefl_device_load_per_core", "1-minute load average per core (our own work included).", s.load_per_core),
             ("nefl_device_temperature_celsius", "Hottest thermal zone.", s.max_celsius),
             ("nefl_device_throttled", "Raspberry Pi get_throttled bit mask (0: never throttled).", s.throttled),
             ("nefl_device_battery_percent", "Battery charge.", battery.percent if battery else None),
@@ -138,8 +140,9 @@ class MeteredDevice:
     def summary(self) -> DeviceSummary:
         return self._device.summary()
 
-    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection:
-        sel = self._device.plan(layout, training, deadline_s, cap)
+    def plan(self, layout: Layout, training: TrainingSettings, budget_s: float, cap: int,
+             hold: int | None = None) -> Selection:
+        sel = self._device.plan(layout, training, budget_s, cap, hold)
         self._metrics.selection(sel)
         return sel
 

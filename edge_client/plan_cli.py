@@ -1,29 +1,32 @@
 """The `plan` command: which submodel this device would train now, and why.
 
-It measures real training steps, so it needs torch: `edge-client` imports this module only when
-`plan` runs. Exit codes: 0 ok, 2 bad input (unknown profile, unreadable size), 3 no submodel fits.
+It measures real training steps, so it needs torch, imported when `plan` runs (`plan --help` and
+the small install's `edge-client --help` never do). Exit codes: 0 ok, 2 bad input (unknown profile,
+unreadable size), 3 no submodel fits.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from edge_client.costmodel import CACHE_DIR, HOT_LIMIT_C, CostTable, calibrate, estimate_costs
+from edge_client.cache import CALIBRATION_DIR
 from edge_client.device_cli import format_percent, sample_snapshot
-from edge_client.probe import is_hot, is_throttled
-from edge_client.probe import format_bytes
+from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
+from nefl.extras import full_install_required
 from nefl.profile import ProfileError, load_profile
-from nefl.state import Layout
-from nefl.train import TrainConfig
+from nefl.settings import TrainConfig
+
+if TYPE_CHECKING:
+    from edge_client.costmodel import CostTable
+    from nefl.state import Layout
 
 EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 2, 3
 console = Console()
@@ -36,6 +39,8 @@ def _fail(message: str) -> typer.Exit:
 
 def _calibrated(layout: Layout, batch_size: int, threads: int | None, cache_dir: Path, force: bool,
                 device: str) -> CostTable:
+    from edge_client.costmodel import calibrate
+
     with Progress(SpinnerColumn(), TextColumn("calibrating {task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(layout.profile.name, total=layout.num_submodels)
@@ -75,11 +80,16 @@ def plan_command(
     threads: Optional[int] = typer.Option(None, min=1, help="Torch threads for training; default: torch's (one per core)."),
     calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate", help="Measure one real step per submodel (cached)."),
     recalibrate: bool = typer.Option(False, help="Ignore the cache and measure again."),
-    cache_dir: Path = typer.Option(CACHE_DIR, help="Where calibrations are cached."),
+    cache_dir: Path = typer.Option(CALIBRATION_DIR, help="Where calibrations are cached."),
     device: str = typer.Option("cpu", help="torch device the costs are measured on: cpu, or cuda (Jetson / GPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print costs and the selection as JSON."),
 ) -> None:
     """Show each submodel's cost on this device now, whether it fits, and which one would train."""
+    with full_install_required("edge-client plan"):  # here, not at the top: `plan --help` needs no torch
+        import torch
+
+        from edge_client.costmodel import estimate_costs
+        from nefl.state import Layout
     try:
         layout = Layout.build(load_profile(profile), method)
         budget = DeviceBudget.parse(memory_budget, cpu_budget)

@@ -7,6 +7,12 @@ the NVML module are constructor arguments so tests can point them at fake trees 
 
 Expensive discovery (which files exist, NVML init, GPU names, zone types) happens once in
 `Prober.__init__`; `snapshot()` only reads values, so it can run every round.
+
+CPU use is split in two over the same interval: the agent's own process tree (this process and its
+children: training, calibration workers, inference threads) and everything else. Only the second is
+load that slows the device's work down; counting the first would make a device that just trained
+think itself busy. The 1-minute load average is read for display only, for the same reason: it
+remembers the device's own work of the last minutes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ JETSON_LOAD_PATHS = (  # GPU load in 0..1000: Nano/TX, Xavier, Orin (JetPack 5 a
 )
 PI_THROTTLED_PATH = Path("/sys/devices/platform/soc/soc:firmware/get_throttled")
 THROTTLED_NOW_MASK = 0xF  # under-voltage, ARM frequency capped, throttled, soft temperature limit
+MIN_WINDOW_S = 0.25  # CPU shares over a shorter interval are noise: the previous reading stands
+HOT_LIMIT_C = 80.0  # a thermal zone at or above this counts as throttling (edge_client/load.py)
 IGNORED_ZONES = frozenset({"pmic-die"})  # Jetson Nano's PMIC zone reads a fixed 100 C: not a temperature
 _AUTO = object()
 
@@ -65,7 +73,9 @@ class DeviceSnapshot:
     memory_available: int | None = None  # bytes
     process_rss: int | None = None  # bytes
     cpu_percent: float | None = None  # 0..100, system-wide since the previous snapshot
-    load_per_core: float | None = None  # 1-minute load average / cores
+    own_cpu_cores: float | None = None  # cores this process tree kept busy over the same interval
+    external_cpu_percent: float | None = None  # 0..100, system-wide minus this process tree, same interval
+    load_per_core: float | None = None  # 1-minute load average / cores (display only: it remembers our own work)
     gpus: tuple[GpuReading, ...] = ()
     jetson_gpu_load: float | None = None  # 0..100
     thermal: tuple[ThermalReading, ...] = ()
@@ -129,8 +139,8 @@ class Prober:
         self._cpu_count = self._guard("cpu_count", lambda: self._ps.cpu_count(logical=True)) or os.cpu_count() or 1
         # psutil.cpu_percent() keeps one process-wide baseline (its first call returns a meaningless 0.0
         # and any other caller shortens our interval), so we keep our own baseline of cpu_times.
-        self._cpu_base = self._guard("cpu_percent", self._cpu_busy_total)
-        self._last_cpu_percent: float | None = None
+        self._cpu_base = self._guard("cpu_percent", self._cpu_sample)
+        self._last_cpu: tuple[float, float | None, float | None] | None = None  # (cpu %, own cores, external %)
         self._nvml, self._gpu_handles = self._init_nvml(nvml)
         self._jetson_load = _first_existing(tuple(jetson_load_paths))
         if self._jetson_load is None:
@@ -195,20 +205,52 @@ class Prober:
         total = sum(v for k, v in t.items() if k not in ("guest", "guest_nice"))  # guest is inside user
         return total - idle, total
 
-    def _cpu_percent(self, unknown: dict[str, str]) -> float | None:
-        if self._cpu_base is None:
-            self._cpu_base = self._cpu_busy_total()
-            unknown["cpu_percent"] = "warming up: no baseline yet"
+    def _own_cpu_seconds(self) -> float | None:
+        """CPU seconds of this process and its descendants, living or reaped (their time moves into
+        the parent's children_* fields when waited for, so nothing is counted twice or lost)."""
+        if self._process is None:
             return None
-        busy, total = self._cpu_busy_total()
+        try:
+            tree = [self._process, *self._process.children(recursive=True)]
+        except Exception:
+            return None
+        total = 0.0
+        for proc in tree:
+            try:
+                t = proc.cpu_times()
+            except Exception:  # a child that exited between listing and reading
+                continue
+            total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+        return total
+
+    def _cpu_sample(self) -> tuple[float, float, float | None]:
+        return (*self._cpu_busy_total(), self._own_cpu_seconds())
+
+    def _cpu_readings(self, unknown: dict[str, str]) -> tuple[float | None, float | None, float | None]:
+        """(system cpu %, own cores, external cpu %) since the previous snapshot."""
+        if self._cpu_base is None:
+            self._cpu_base = self._cpu_sample()
+            unknown["cpu_percent"] = "warming up: no baseline yet"
+            return None, None, None
+        busy, total, own = self._cpu_sample()
         d_busy, d_total = busy - self._cpu_base[0], total - self._cpu_base[1]
-        if d_total > 0:  # else too soon after the previous sample: keep the last value
-            self._cpu_base = (busy, total)
-            self._last_cpu_percent = min(100.0, max(0.0, 100.0 * d_busy / d_total))
+        if d_total >= MIN_WINDOW_S * self._cpu_count:  # else too soon after the previous reading: it stands
+            base_own = self._cpu_base[2]
+            self._cpu_base = (busy, total, own)
+            percent = min(100.0, max(0.0, 100.0 * d_busy / d_total))
+            if own is None or base_own is None:
+                self._last_cpu = (percent, None, None)
+            else:  # d_total sums every core's time, so the shares are of the whole machine
+                d_own = max(0.0, own - base_own)
+                own_share = min(1.0, d_own / d_total)
+                self._last_cpu = (percent, own_share * self._cpu_count, max(0.0, percent - 100.0 * own_share))
             unknown.pop("cpu_percent", None)
-        if self._last_cpu_percent is None:
+        if self._last_cpu is None:
             unknown["cpu_percent"] = "warming up: sampled too soon after start"
-        return self._last_cpu_percent
+            return None, None, None
+        if self._last_cpu[1] is None:
+            unknown["external_cpu_percent"] = "failed: cannot read this process tree's CPU times"
+        return self._last_cpu
 
     def _gpus(self, unknown: dict[str, str]) -> tuple[GpuReading, ...]:
         out = []
@@ -259,6 +301,7 @@ class Prober:
                 return None
 
         vm = read("memory", self._ps.virtual_memory)
+        cpu, own, external = read("cpu_percent", lambda: self._cpu_readings(unknown)) or (None, None, None)
         load = read("load_per_core", self._ps.getloadavg)
         jetson = read("jetson_gpu_load", lambda: int(_read_text(self._jetson_load)) / 10.0) if self._jetson_load else None
         throttled = read("throttled", self._throttled) if self._throttled_source else None
@@ -271,7 +314,9 @@ class Prober:
             memory_total=None if vm is None else int(vm.total),
             memory_available=None if vm is None else int(vm.available),
             process_rss=read("process_rss", lambda: int(self._process.memory_info().rss)) if self._process else None,
-            cpu_percent=read("cpu_percent", lambda: self._cpu_percent(unknown)),
+            cpu_percent=cpu,
+            own_cpu_cores=own,
+            external_cpu_percent=external,
             load_per_core=None if load is None else load[0] / self._cpu_count,
             gpus=self._gpus(unknown),
             jetson_gpu_load=jetson,

@@ -16,6 +16,7 @@ import os
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,27 +140,37 @@ def session_options(threads: int, enable_cpu_mem_arena: bool) -> ort.SessionOpti
 
 
 class ExternalLoadProbe:
-    """(CPU % used by everything but this process, available memory) from edge_client.probe.
+    """(CPU % used by everything outside this process tree, available memory) from edge_client.probe.
 
-    The system-wide figure includes our own inference; left in, a busy runtime would read its own
-    work as load and shrink its model for no reason.
+    Our own inference is not load (the probe separates this process tree from the rest over the
+    same interval): left in, a busy runtime would read its own work as load and shrink its model
+    for no reason. A background thread reads the probe every `interval_s`, so a request always sees
+    the last moments' load, never the average of a long quiet stretch before it (load that started
+    a second ago would hide in a minute's average).
     """
 
-    def __init__(self) -> None:
-        import psutil
-
+    def __init__(self, interval_s: float = 0.25, prober: Any = None) -> None:
         from edge_client.probe import Prober  # lazy: the probe is optional for users passing their own
 
-        self._prober = Prober()
-        self._process = psutil.Process(os.getpid())
-        self._process.cpu_percent(None)
-        self._cores = psutil.cpu_count(logical=True) or 1
+        self._prober = prober or Prober()
+        self._latest: tuple[float | None, int | None] = self._read()
+        threading.Thread(target=_sample_while_alive, args=(weakref.ref(self), interval_s), name="load-probe",
+                         daemon=True).start()
+
+    def _read(self) -> tuple[float | None, int | None]:
+        snap = self._prober.snapshot()
+        return snap.external_cpu_percent, snap.memory_available
 
     def __call__(self) -> tuple[float | None, int | None]:
-        snap = self._prober.snapshot()
-        own = self._process.cpu_percent(None) / self._cores
-        cpu = None if snap.cpu_percent is None else max(0.0, snap.cpu_percent - own)
-        return cpu, snap.memory_available
+        return self._latest
+
+
+def _sample_while_alive(probe: weakref.ref[ExternalLoadProbe], interval_s: float) -> None:
+    """The sampling thread holds the probe weakly: it ends once the probe is no longer used."""
+    while (live := probe()) is not None:
+        live._latest = live._read()
+        del live
+        time.sleep(interval_s)
 
 
 class AdaptiveRuntime:

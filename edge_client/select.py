@@ -25,13 +25,18 @@ how long to sleep after work to really run at that speed).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edge_client.costmodel import HOT_LIMIT_C, CostTable, predict_seconds
-from edge_client.probe import DeviceSnapshot, format_bytes
+from edge_client.load import RunningCalibration, predict_seconds
+from edge_client.probe import HOT_LIMIT_C, DeviceSnapshot, format_bytes
 from nefl.units import parse_size
 
+if TYPE_CHECKING:
+    from edge_client.costmodel import CostTable
+
 DEFAULT_SAFETY_MARGIN = 0.2  # fraction of available memory left untouched (other processes, page cache)
+HYSTERESIS = 0.15  # a submodel above the one held must fit the deadline with this fraction to spare
+
 
 @dataclass(frozen=True)
 class DeviceBudget:
@@ -67,6 +72,7 @@ class Fit:
     seconds: float | None  # predicted local training of this round
     time_ok: bool | None  # None: no deadline, or no calibrated step time
     capped: bool
+    allowed_s: float | None = None  # the time it had to fit: the deadline, less the margin to move up
 
     @property
     def fits(self) -> bool:
@@ -103,24 +109,33 @@ def _why_not(fit: Fit, usable: int | None, deadline_s: float | None, max_submode
         return "cap", f"capped by --max-submodel {max_submodel}"
     if fit.memory_ok is False:
         return "memory", f"submodel {fit.index + 1} needs {format_bytes(fit.peak_bytes)}, {format_bytes(usable)} usable"
-    return "deadline", f"submodel {fit.index + 1} would take {fit.seconds:.3g} s, deadline {deadline_s:.3g} s"
+    limit = f"deadline {deadline_s:.3g} s" if fit.allowed_s == deadline_s else \
+        f"{fit.allowed_s:.3g} s of the {deadline_s:.3g} s deadline to move up"
+    return "deadline", f"submodel {fit.index + 1} would take {fit.seconds:.3g} s, {limit}"
 
 
 def select_submodel(
     table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int = 1,
     deadline_s: float | None = None, max_submodel: int | None = None,
     safety_margin: float = DEFAULT_SAFETY_MARGIN, speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C,
+    hold: int | None = None, running: RunningCalibration | None = None,
 ) -> Selection:
+    """The largest submodel that fits. `hold`: the 0-based submodel the device holds now (-1: none);
+    one above it must fit the deadline with HYSTERESIS to spare, so a choice near the limit does not
+    flip back and forth with small changes of load. `running`: what real rounds taught (costmodel)."""
     usable = usable_memory(table, snapshot, safety_margin)
     fits = []
     for c in table.costs:
-        seconds = predict_seconds(c, table, snapshot, num_samples, epochs, speed, hot_limit_c)
+        seconds = predict_seconds(c, table, snapshot, num_samples, epochs, speed, hot_limit_c, running)
+        allowed = None if deadline_s is None else \
+            deadline_s * (1 - HYSTERESIS) if hold is not None and c.index > hold else deadline_s
         fits.append(Fit(
             c.index, c.peak_bytes, c.measured_peak is not None,
             None if usable is None else c.peak_bytes <= usable,
             seconds,
-            None if seconds is None or deadline_s is None else seconds <= deadline_s,
+            None if seconds is None or allowed is None else seconds <= allowed,
             max_submodel is not None and c.index + 1 > max_submodel,
+            allowed,
         ))
     ok = [f.index for f in fits if f.fits]
     n = len(fits)

@@ -11,11 +11,6 @@ from nefl.cli_options import LogFormatOption, LogLevelOption
 from nefl.extras import full_install_required
 from nefl.logs import progress, setup_logging
 
-with full_install_required("nefl-export"):
-    from export.onnx_export import export_checkpoint
-    from export.parity import ParityError
-    from nefl.checkpoint import CheckpointError
-
 app = typer.Typer(help="Export NeFL submodels to ONNX with a verified manifest.", no_args_is_help=True, add_completion=False)
 log = logging.getLogger(__name__)
 
@@ -49,6 +44,10 @@ def onnx_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """One verified .onnx per submodel (BN and step sizes folded), then manifest.json."""
+    with full_install_required("nefl-export onnx"):  # here, not at the top: `onnx --help` needs no torch
+        from export.onnx_export import export_checkpoint
+        from export.parity import ParityError
+        from nefl.checkpoint import CheckpointError
     setup_logging(log_level, log_format)
     indices = _parse_submodels(submodels)
     try:

@@ -25,16 +25,15 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from nefl.choices import check_choice
+from nefl.settings import Weighting
 from nefl.state import GlobalState, Layout, corner, tensor_mismatch
 from nefl.tensors import Tiled, first_non_finite, ring
 
-# uniform: every update counts once, as the paper; samples: an update counts its client's sample count
-Weighting = Literal["uniform", "samples"]
 # per dimension of a global tensor: the indices a part covers (a slice, an index tensor, or None = all)
 Window = tuple[slice | torch.Tensor | None, ...]
 PARTIAL_SEP = "/"  # partial tensor names: "{submodel}/{tensor name}"

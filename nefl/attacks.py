@@ -14,36 +14,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from nefl.choices import check_choice
 from nefl.data import ArrayDataset
+from nefl.settings import Attack
 
-AttackName = Literal["sign-flip", "scaled-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie"]
-DATA_ATTACKS = ("label-flip", "backdoor")
 TRIGGER = 4  # the backdoor's pattern: a 4 x 4 checkerboard of full-white pixels in the bottom-right corner
-
-
-@dataclass(frozen=True)
-class Attack:
-    kind: AttackName
-    scale: float = 9.0  # scaled-flip: -scale x the honest delta; neg-weights: norm scale x the weights'; noise: x the honest norm
-    target: int = 0  # backdoor: the class a triggered image should become
-    poison: float = 0.5  # backdoor: the share of the attacker's images that carry the trigger
-
-    def __post_init__(self) -> None:
-        check_choice(AttackName, self.kind, "attack")
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"attack scale must be a positive finite number, got {self.scale}")
-        if not 0 < self.poison <= 1:
-            raise ValueError(f"poison share must be in (0, 1], got {self.poison}")
-
-    @property
-    def on_data(self) -> bool:
-        return self.kind in DATA_ATTACKS
 
 
 def add_trigger(images: torch.Tensor) -> torch.Tensor:

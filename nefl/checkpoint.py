@@ -159,9 +159,9 @@ def _pointer(d: Path) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); restore a backup or start without --resume") from None
+        raise CheckpointError(f"{path}: unreadable ({e}); {recovery_hint(d)}") from None
     if not _SNAPSHOT_NAME.fullmatch(name):
-        raise CheckpointError(f"{path}: names no snapshot ({name[:40]!r}); restore a backup or start without --resume")
+        raise CheckpointError(f"{path}: names no snapshot ({name[:40]!r}); {recovery_hint(d)}")
     return name
 
 
@@ -182,13 +182,40 @@ def checkpoint_files(directory: str | Path) -> Path:
             f"{d}: no checkpoint here (needs {POINTER_FILE}, or {META_FILE} and {STATE_FILE}); check --checkpoint-dir")
     snapshot = d / SNAPSHOTS_DIR / name
     if not snapshot.is_dir():
-        raise CheckpointError(f"{d / POINTER_FILE}: snapshot {snapshot} is missing; restore a backup or start without --resume")
+        raise CheckpointError(f"{d / POINTER_FILE}: snapshot {snapshot} is missing; {recovery_hint(d, name)}")
     return snapshot
 
 
 def profile_hash(layout: Layout) -> str:
     """Hash of the ladder actually trained (after the method's derivation)."""
     return layout.profile.hash
+
+
+def recovery_hint(directory: str | Path, broken: str | None = None) -> str:
+    """The fix for a committed snapshot that cannot be used: the newest other snapshot whose files
+    read back whole (a commit keeps the previous one until the next), or a backup."""
+    d = Path(directory)
+    broken = broken or _committed_name(d)
+    names = sorted((p.name for p in (d / SNAPSHOTS_DIR).glob("*") if _SNAPSHOT_NAME.fullmatch(p.name)), reverse=True) \
+        if (d / SNAPSHOTS_DIR).is_dir() else []
+    for name in names:
+        snapshot = d / SNAPSHOTS_DIR / name
+        try:
+            meta = json.loads((snapshot / META_FILE).read_text())
+            intact = all(not t.is_floating_point() or all_finite(t) for t in load_file(str(snapshot / STATE_FILE)).values())
+        except (OSError, ValueError, SafetensorError):
+            continue
+        if name != broken and intact:
+            return (f"the earlier snapshot {snapshot} (round {meta.get('round')}) is intact: `echo {name} > "
+                    f"{d / POINTER_FILE}` makes --resume continue from it (or restore a backup, or start without --resume)")
+    return "restore a backup or start without --resume"
+
+
+def _committed_name(d: Path) -> str | None:
+    try:
+        return (d / POINTER_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def load_checkpoint(directory: str | Path, profile: Profile | None = None) -> Checkpoint:
@@ -198,7 +225,7 @@ def load_checkpoint(directory: str | Path, profile: Profile | None = None) -> Ch
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{meta_path}: corrupt metadata ({e}); restore a backup or start without --resume") from None
+        raise CheckpointError(f"{meta_path}: corrupt metadata ({e}); {recovery_hint(directory)}") from None
     if profile is None:
         src = d / PROFILE_FILE
         if not src.exists():
@@ -219,14 +246,14 @@ def load_checkpoint(directory: str | Path, profile: Profile | None = None) -> Ch
     try:
         flat = load_file(str(state_path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{state_path}: corrupt state file ({e}); restore a backup or start without --resume") from None
+        raise CheckpointError(f"{state_path}: corrupt state file ({e}); {recovery_hint(directory)}") from None
     try:
         state = GlobalState.from_flat(flat, layout)
     except ValueError as e:
         raise CheckpointError(f"{state_path}: {e}") from None
     bad = [n for n, t in flat.items() if t.is_floating_point() and not all_finite(t)]
     if bad:
-        raise CheckpointError(f"{state_path}: non-finite values in {bad[:3]}")
+        raise CheckpointError(f"{state_path}: non-finite values in {bad[:3]}; {recovery_hint(directory)}")
     return Checkpoint(state, layout, meta)
 
 

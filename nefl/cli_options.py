@@ -13,12 +13,13 @@ import typer
 
 from nefl.logs import LogFormat, LogLevel
 
-ENV_USERNAME, ENV_PASSWORD = "NEFL_MQTT_USERNAME", "NEFL_MQTT_PASSWORD"
+ENV_USERNAME, ENV_PASSWORD, ENV_CA_CERT = "NEFL_MQTT_USERNAME", "NEFL_MQTT_PASSWORD", "NEFL_CA_CERT"
 
 # the broker's credentials and TLS files, in nefl.mqtt.parse_broker's argument order
 UsernameOption = Annotated[Optional[str], typer.Option("--username", envvar=ENV_USERNAME, help="Broker user.")]
 PasswordOption = Annotated[Optional[str], typer.Option("--password", envvar=ENV_PASSWORD, help="Broker password.")]
-CaCertOption = Annotated[Optional[str], typer.Option("--ca-cert", help="CA certificate (PEM) to verify an mqtts:// broker.")]
+CaCertOption = Annotated[Optional[str], typer.Option("--ca-cert", envvar=ENV_CA_CERT,
+                                                      help="CA certificate (PEM) to verify an mqtts:// broker.")]
 CertfileOption = Annotated[Optional[str], typer.Option("--certfile", help="Client certificate (PEM) for mutual TLS.")]
 KeyfileOption = Annotated[Optional[str], typer.Option("--keyfile", help="Key of --certfile.")]
 

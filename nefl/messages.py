@@ -29,6 +29,9 @@ MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
 MAX_LISTED = 200  # client ids listed in a server status; counts carry the rest
+# the largest MQTT message a publisher sends: tensor payloads are cut in chunks of it (nefl/wire.py), under
+# EMQX's 1 MB default; here, not in wire.py, so that command lines show it without importing torch
+DEFAULT_CHUNK_BYTES = 256 * 1024
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
@@ -82,7 +85,11 @@ class DeviceSummary(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Announce(Message, frozen=True, tag="announce", tag_field="type"):
-    """Client -> server, retained: what this device can train now (max_submodel 1-based, 0 = nothing)."""
+    """Client -> server, retained: what this device can train now (max_submodel 1-based, 0 = nothing).
+
+    It only says which rounds *to come* may pick the device: an announce never refuses a task the
+    device already has (that is a `Decline`). `seq` counts up within one agent process (`session`),
+    so the server can drop one that arrives after a newer one."""
 
     client: Name
     samples: Annotated[int, msgspec.Meta(ge=1, le=10**9)]
@@ -92,6 +99,21 @@ class Announce(Message, frozen=True, tag="announce", tag_field="type"):
     dataset: Short = ""
     key: KeyText = ""  # the device's Ed25519 public key (base64); the announce is then signed with it
     token: Annotated[str, msgspec.Meta(max_length=64)] = ""  # enrolment proof (nefl/tokens.py), not the token
+    session: Short = ""  # random per agent process; "" from devices that predate sequence numbers
+    seq: Count = 0
+
+
+class Decline(Message, frozen=True, tag="decline", tag_field="type"):
+    """Client -> server, signed like its announce: the device will not train this one task
+    (federation, run, round, submodel), and why. The server stops waiting for it in that round only."""
+
+    client: Name
+    federation: Name
+    run: Name
+    round: Round
+    submodel: Submodel
+    reason: Reason = ""
+    key: KeyText = ""
 
 
 class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):

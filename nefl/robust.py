@@ -19,18 +19,10 @@ from typing import Any, Literal
 import torch
 
 from nefl.choices import check_choice
+from nefl.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_WARMUP, DEFAULT_WINDOW
 from nefl.state import GlobalState, Layout
 from nefl.tensors import Tiled, corner
 
-# Honest updates measured up to 0.86 x their submodel's weight norm (0.54 at E=1) and up to
-# 1.74 x the median of the submodel's last 20 accepted norms: margins >10x and >5x (docs/security.md).
-DEFAULT_RELATIVE = 10.0
-DEFAULT_ADAPTIVE_K = 10.0
-DEFAULT_WINDOW = 20
-DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes one attacker
-# The largest |w| measured in trained states was 7.7 (a BatchNorm running variance): 1e6 trips only
-# on a broken state, never on training.
-DEFAULT_MAX_ABS = 1e6
 REASON = "update_norm"
 # reject: refuse an oversized update; clip: scale it down to the bound (DP-FedAvg's clipping)
 GuardMode = Literal["reject", "clip"]

@@ -26,53 +26,19 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from nefl.aggregate import NeFedAvg, RoundAggregate, Weighting, tensor_bytes, update_weight
-from nefl.choices import check_choice
 from nefl.robust import reference_norm, update_norm
+from nefl.settings import AggregationConfig
 from nefl.state import GlobalState, Layout
 from nefl.tensors import Tiled, corner
 
-RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
 # the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
 ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
 Cell = tuple[slice, ...]
-
-
-@dataclass(frozen=True)
-class AggregationConfig:
-    """Which rule merges a round's updates, and the centre check that screens them first."""
-
-    rule: RuleName = "nefedavg"
-    trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
-    krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
-    centre_check: bool = True  # drop updates pointing away from the round's majority, clip outsized ones
-    min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
-    max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
-    min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
-    hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
-    sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
-
-    def __post_init__(self) -> None:
-        check_choice(RuleName, self.rule, "aggregator")
-        if not 0 <= self.trim < 0.5:
-            raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
-        if not 0 <= self.krum_fraction < 0.5:
-            raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
-        if not 0 <= self.min_agree <= 1:
-            raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
-        if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
-            raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
-        if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
-            raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
-
-    @property
-    def mergeable(self) -> bool:
-        """Whether partial aggregates of several processes merge exactly (workers and relays)."""
-        return self.rule == "nefedavg"
 
 
 def coverage_cells(global_shape: torch.Size, shapes: list[torch.Size]) -> list[tuple[Cell, list[int]]]:

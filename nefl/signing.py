@@ -139,8 +139,10 @@ class KeyPin:
     def __init__(self, key: Ed25519PublicKey | None, pin_file: Path | None) -> None:
         self.key = key
         self.pin_file = pin_file
+        self.source = "given" if key is not None else "none"  # given, remembered (pin file) or first use
         if key is None and pin_file is not None and pin_file.is_file():
             self.key = public_key_arg(str(pin_file))
+            self.source = "remembered"
 
     @property
     def text(self) -> str | None:
@@ -151,6 +153,7 @@ class KeyPin:
         if self.key is not None:
             raise ValueError("a server key is already pinned")
         self.key = parse_public_key(key_text)
+        self.source = "first use"
         if self.pin_file is not None:
             self.pin_file.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.pin_file, key_text + "\n")

@@ -4,6 +4,7 @@ Everything lives under `nefl/{federation}/` so one broker can carry several fede
 ACL can confine a client to `.../{client}` leaves (docs/security.md). MQTT 3.1.1 features only.
 
     announce/{client}     client -> server  retained  device summary, samples, largest submodel
+    decline/{client}      client -> server            "I will not train task (run, round, submodel)"
     status/{client}       client -> server  retained  "online"; last will "offline"
     task/{client}         server -> client  retained  round, submodel, lr, epochs
     model/{sub}/{chunk}   server -> all     retained  submodel weights, once per round (broker fans out)
@@ -62,6 +63,9 @@ class Topics:
     def status(self, client: str) -> str:
         return f"{self.root}/status/{client}"
 
+    def decline(self, client: str) -> str:
+        return f"{self.root}/decline/{client}"
+
     def task(self, client: str) -> str:
         return f"{self.root}/task/{client}"
 
@@ -89,7 +93,7 @@ class Topics:
         return f"{self.root}/server/status"
 
     def server_subscriptions(self) -> list[str]:
-        return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "update", "sent", "resend")]
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "decline", "status", "update", "sent", "resend")]
 
     def update_shared(self, group: str) -> str:
         """The MQTT 3.1.1 shared subscription that spreads updates over a group of workers: the broker
@@ -128,7 +132,7 @@ class Topics:
 
     def relay_up(self) -> list[str]:
         """What a site relay copies from its site to the coordinator's broker (updates it sums itself)."""
-        return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "sent")]
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "decline", "status", "sent")]
 
     @property
     def deploy_rollout(self) -> str:

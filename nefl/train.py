@@ -1,60 +1,23 @@
-"""Local training and evaluation of one submodel, with the paper's optimiser defaults."""
+"""Local training and evaluation of one submodel, with the paper's optimiser defaults (TrainConfig,
+which lives in the torch-free nefl/settings.py so command lines can show it without importing torch)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from nefl.choices import check_choice
+from nefl.settings import TrainConfig  # noqa: F401 (re-exported: nefl.train.TrainConfig)
 from nefl.state import load_module_state, module_state
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
-# step: the paper's ResNet protocol (x0.1 at the milestones); cosine: its pretrained-ViT protocol
-Schedule = Literal["step", "cosine"]
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs.
-
-    The one source of these defaults: the server, the simulator, the device cost model and the
-    command lines read them from here (`TrainConfig.lr` ...), so they cannot drift apart."""
-
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    local_epochs: int = 1
-    milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr drops x0.1
-    lr_decay: float = 0.1
-    schedule: Schedule = "step"
-    warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds, before either schedule
-
-    def __post_init__(self) -> None:
-        check_choice(Schedule, self.schedule, "learning-rate schedule")
-        if self.warmup_rounds < 0:
-            raise ValueError(f"warmup rounds must be >= 0, got {self.warmup_rounds}")
-
-    def lr_at(self, round_index: int, total_rounds: int) -> float:
-        """The round's lr. Per round, not per step: a task carries one lr, so a device needs no global
-        step counter (the paper's 500 warmup steps of its ViT protocol are ~3 rounds: 156 steps a round)."""
-        if round_index < self.warmup_rounds:
-            return self.lr * (round_index + 1) / self.warmup_rounds
-        if self.schedule == "cosine":
-            done = (round_index - self.warmup_rounds) / max(1, total_rounds - self.warmup_rounds)
-            return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
-        drops = sum(1 for m in self.milestones if round_index >= m * total_rounds)
-        return self.lr * self.lr_decay**drops
-
-    def for_round(self, round_index: int, total_rounds: int) -> TrainConfig:
-        """What a client trains round `round_index` with: the schedule's lr, everything else as is."""
-        return replace(self, lr=self.lr_at(round_index, total_rounds))
+class OutOfTime(ValueError):
+    """Not even one step fits the time budget: nothing was trained."""
 
 
 @dataclass
@@ -70,22 +33,25 @@ class TrainResult:
 def local_train(
     model: nn.Module, start: dict[str, torch.Tensor], batches: Batches, config: TrainConfig,
     upload: Iterable[str] | None = None, device: str = "cpu", time_budget_s: float | None = None,
+    step_estimate_s: float = 0.0,
 ) -> TrainResult:
     """Train from `start` for `config.local_epochs` passes over `batches` (already cut at the batch
     size by the caller) at `config.lr`; return the delta of `upload` names.
 
-    With `time_budget_s`, stop after the batch that exhausts it: a device with more data than its
-    round deadline allows trains what fits instead of refusing the round. `metrics` says how many
-    steps ran and whether the budget cut the epochs short; `num_samples` is the samples seen in the
-    last (possibly partial) pass."""
+    With `time_budget_s`, a step is started only if it is expected to end within the budget (the
+    mean of the steps so far; `step_estimate_s` before the first): a device with more data than its
+    round deadline allows trains what fits instead of refusing the round, and does not overrun its
+    deadline by a step. `metrics` says how many steps ran and whether the budget cut the epochs
+    short; `num_samples` is the samples seen in the last (possibly partial) pass. OutOfTime when not
+    even the first step fits."""
     load_module_state(model, start)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     t0 = time.perf_counter()
-    seen = correct = steps = 0
-    loss_sum = 0.0
+    steps = 0
+    last_pass = (0, 0, 0.0)  # (seen, correct, loss sum) of the last pass that took a step
     out_of_time = False
     for _ in range(config.local_epochs):
         if out_of_time:
@@ -93,6 +59,10 @@ def local_train(
         seen = correct = 0
         loss_sum = 0.0
         for x, y in batches:
+            elapsed = time.perf_counter() - t0
+            if time_budget_s is not None and elapsed + (elapsed / steps if steps else step_estimate_s) > time_budget_s:
+                out_of_time = True
+                break
             x, y = x.to(device), y.to(device)
             opt.zero_grad(set_to_none=True)
             out = model(x)
@@ -103,9 +73,11 @@ def local_train(
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)
             steps += 1
-            if time_budget_s is not None and time.perf_counter() - t0 >= time_budget_s:
-                out_of_time = True
-                break
+        if seen:
+            last_pass = (seen, correct, loss_sum)
+    seen, correct, loss_sum = last_pass
+    if steps == 0 and out_of_time:
+        raise OutOfTime(f"not even one step fits the {time_budget_s:.1f} s left (a step takes about {step_estimate_s:.2f} s)")
     if seen == 0:
         raise ValueError("no training data: the client's partition is empty")
     trained = module_state(model)

@@ -41,14 +41,14 @@ import numpy as np
 from blake3 import blake3
 
 from nefl import signing
-from nefl.messages import Count, Hex64, Message, MessageError, Name, Reason, Round, Short, Submodel, decode
+from nefl.messages import (DEFAULT_CHUNK_BYTES, Count, Hex64, Message, MessageError, Name, Reason, Round, Short, Submodel,
+                           decode)
 
 if TYPE_CHECKING:
     import torch
 
 MAGIC = b"NEFL"
 WIRE_VERSION = 2
-DEFAULT_CHUNK_BYTES = 256 * 1024
 MAX_HEADER_BYTES = 4096
 HASH_BYTES = 32
 MAX_CHUNKS = 1 << 24

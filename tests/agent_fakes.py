@@ -15,7 +15,7 @@ from nefl.profile import load_profile
 from nefl.signing import Signer
 from nefl.state import Layout
 from nefl.topics import Topics
-from nefl.train import TrainResult
+from nefl.train import OutOfTime, TrainResult
 from nefl.wire import encode, parse_chunk
 
 PROFILE = "resnet8-fmnist-w"
@@ -47,16 +47,20 @@ class FakeDevice:
 
     can: int = 5
     samples: int = 100
+    out_of_time: bool = False  # training finds not even one step fits the time left
     trained: list[tuple[int, int, float]] = field(default_factory=list)  # (round, submodel, budget_s)
 
     def summary(self) -> DeviceSummary:
         return DeviceSummary(machine="fake")
 
-    def plan(self, layout: Layout, training: TrainingSettings, deadline_s: float, cap: int) -> Selection:
+    def plan(self, layout: Layout, training: TrainingSettings, budget_s: float, cap: int,
+             hold: int | None = None) -> Selection:
         k = min(self.can, cap)
         return Selection(k - 1 if k else None, f"fake device: submodel <= {k}", "memory" if k else "none", None, ())
 
     def train(self, layout: Layout, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> TrainResult:
+        if self.out_of_time:
+            raise OutOfTime(f"not even one step fits the {budget_s:.1f} s left")
         self.trained.append((task.round, task.submodel, budget_s))
         delta = {n: torch.zeros(s) for n, s in layout.upload_shapes(task.submodel).items()}
         return TrainResult(delta, self.samples, 1.0, 0.5, 0.01, {"steps": 4, "budget_cut": 0})

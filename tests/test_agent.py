@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from edge_client.agent import status_message
-from nefl.messages import Announce, ClientStatus, Sent
-from nefl.signing import parse_public_key, split_signed, verify
+from types import SimpleNamespace
+
+from edge_client.agent import Agent, AgentConfig, status_message
+from edge_client.join import _no_server
+from nefl.messages import Announce, ClientStatus, Decline, Sent
+from nefl.mqtt import BrokerSettings
+from nefl.signing import Signer, parse_public_key, split_signed, verify
 from nefl.wire import Reassembler, split_chunk
-from tests.agent_fakes import FakeDevice, FakeServer, T, make_agent
+from tests.agent_fakes import FakeDevice, FakeServer, FakeTransport, T, make_agent
 
 
 class Clock:
@@ -17,14 +21,22 @@ class Clock:
         return self.now
 
 
-def announces(transport) -> list[Announce]:
-    """The agent's announces, each checked to be signed by the key it names (the device key)."""
+def signed(transport, topic: str, cls):
+    """The agent's messages on `topic`, each checked to be signed by the key it names (the device key)."""
     out = []
-    for p in transport.on(T.announce("c1")):
-        msg = Announce.from_json(split_signed(p)[0])
+    for p in transport.on(topic):
+        msg = cls.from_json(split_signed(p)[0])
         verify(p, parse_public_key(msg.key))
         out.append(msg)
     return out
+
+
+def announces(transport) -> list[Announce]:
+    return signed(transport, T.announce("c1"), Announce)
+
+
+def declines(transport) -> list[Decline]:
+    return signed(transport, T.decline("c1"), Decline)
 
 
 def test_connect_subscribes_and_says_online(tmp_path):
@@ -71,12 +83,13 @@ def test_task_weights_train_upload(tmp_path):
 def test_a_task_too_big_for_the_device_is_declined_and_the_server_told(tmp_path):
     server = FakeServer(tmp_path / "s")
     agent, transport, device = make_agent(tmp_path, server, FakeDevice(can=2))
-    before = len(announces(transport))
     agent.dispatch(T.task("c1"), server.task(k=3))
     assert agent.task is None and T.model_all(3) not in transport.subscribed
-    assert len(announces(transport)) == before + 1 and announces(transport)[-1].max_submodel == 2
+    (d,) = declines(transport)
+    assert (d.federation, d.run, d.round, d.submodel, d.client) == ("t", "run1", 1, 3, "c1")
+    assert "submodel 4 does not fit now" in d.reason
     agent.dispatch(T.task("c1"), server.task(k=3))  # the retained copy again: not declined twice
-    assert len(announces(transport)) == before + 1 and device.trained == []
+    assert len(declines(transport)) == 1 and device.trained == []
 
 
 def test_the_device_that_changed_re_announces_on_the_next_task(tmp_path):
@@ -86,6 +99,51 @@ def test_the_device_that_changed_re_announces_on_the_next_task(tmp_path):
     device.can = 1  # memory got tight
     agent.dispatch(T.task("c1"), server.task(k=4))
     assert announces(transport)[-1].max_submodel == 1 and agent.task is None
+    assert [(d.round, d.submodel) for d in declines(transport)] == [(1, 4)]
+
+
+def test_a_device_that_announced_skip_still_trains_a_task_that_fits_when_it_arrives(tmp_path):
+    """The stale-announce race, device side: its "skip" went out before the server opened the round;
+    by the time the task arrives the device can train it, so it does, and declines nothing."""
+    server = FakeServer(tmp_path / "s")
+    device = FakeDevice(can=0)
+    agent, transport, _ = make_agent(tmp_path, server, device)
+    assert announces(transport)[-1].max_submodel == 0
+    device.can = 2
+    agent.dispatch(T.task("c1"), server.task(k=1))
+    for m in server.weights(k=1):
+        agent.dispatch(T.model_chunk(1, 0), m)
+    agent.tick()
+    assert [(r, k) for r, k, _ in device.trained] == [(1, 1)] and declines(transport) == []
+
+
+def test_an_idle_device_re_probes_and_re_announces_only_when_its_choice_changes(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    device = FakeDevice(can=0)
+    agent, transport, _ = make_agent(tmp_path, server, device, clock=clock)
+    agent.tick()
+    assert len(announces(transport)) == 1  # not yet time to look again
+    clock.now += agent.cfg.replan_s
+    agent.tick()
+    assert len(announces(transport)) == 1  # looked again: nothing changed, nothing said
+    device.can = 3  # its own training, or someone else's, has ended
+    clock.now += agent.cfg.replan_s
+    agent.tick()
+    first, second = announces(transport)
+    assert (first.max_submodel, second.max_submodel) == (0, 3)
+    assert first.session == second.session and (first.seq, second.seq) == (1, 2)
+
+
+def test_a_step_that_cannot_fit_the_time_left_declines_instead_of_training(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    device = FakeDevice(out_of_time=True)
+    agent, transport, _ = make_agent(tmp_path, server, device, clock=clock)
+    agent.dispatch(T.task("c1"), server.task())
+    for m in server.weights():
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    (d,) = declines(transport)
+    assert "not even one step fits" in d.reason and transport.on(T.update("c1")) == []
 
 
 def test_redelivered_task_after_upload_resends_the_same_update(tmp_path):
@@ -127,6 +185,34 @@ def test_a_new_server_run_restarts_the_rounds(tmp_path):
         agent.dispatch(T.model_chunk(0, 0), m)
     agent.tick()
     assert [(r, k) for r, k, _ in device.trained] == [(3, 0), (1, 0)]
+
+
+def _pinned_agent(tmp_path, server_key=None):
+    cfg = AgentConfig("c1", federation="t", server_key=server_key, pin_file=tmp_path / "pins" / "t.pub",
+                      device_key=Signer.load_or_create(tmp_path / "device-keys", "c1.key"))
+    return Agent(cfg, FakeTransport(), FakeDevice())
+
+
+def test_a_status_signed_by_another_key_than_the_given_one_names_both_and_the_fix(tmp_path, caplog):
+    server, impostor = FakeServer(tmp_path / "s"), FakeServer(tmp_path / "other")
+    agent = _pinned_agent(tmp_path, server_key=server.signer.public_text)
+    agent.dispatch(T.server_status, impostor.status())
+    assert not agent.server_seen and agent.dropped["bad_signature"] == 1
+    assert agent.foreign_key == impostor.signer.public_text
+    text = caplog.text
+    assert impostor.signer.public_text in text and server.signer.public_text in text and "--server-key" in text
+    assert "aggregator key" in text and "delete" not in text  # no pin file to delete: the key came from the command line
+    warning = _no_server(agent, SimpleNamespace(connected=True), BrokerSettings("broker", 1883))
+    assert "an aggregator answers" in warning and "is `aggregator serve" not in warning
+
+
+def test_a_status_signed_by_another_key_than_the_remembered_one_names_the_pin_file(tmp_path, caplog):
+    server, replaced = FakeServer(tmp_path / "s"), FakeServer(tmp_path / "new")
+    (tmp_path / "pins").mkdir()
+    (tmp_path / "pins" / "t.pub").write_text(server.signer.public_text + "\n")  # pinned on first use, earlier
+    agent = _pinned_agent(tmp_path)
+    agent.dispatch(T.server_status, replaced.status())
+    assert not agent.server_seen and "delete the file" in caplog.text and str(tmp_path / "pins" / "t.pub") in caplog.text
 
 
 def test_an_upload_is_announced_and_resent_on_request_where_no_worker_listens(tmp_path):

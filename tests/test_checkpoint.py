@@ -120,6 +120,20 @@ def test_corrupt_files_are_refused(saved) -> None:
         load_checkpoint(d)
 
 
+def test_a_corrupt_snapshot_names_the_intact_earlier_one_and_the_fix_works(saved) -> None:
+    d, layout, _ = saved
+    commit_round(d, layout, 4)
+    newest = checkpoint_files(d)
+    blob = (newest / "state.safetensors").read_bytes()
+    (newest / "state.safetensors").write_bytes(blob[: len(blob) // 2])  # a disk that lost the newest writes
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d)
+    earlier = next(p for p in (d / "checkpoints").iterdir() if p != newest)
+    assert f"the earlier snapshot {earlier} (round 3) is intact" in str(e.value)
+    (d / "CURRENT").write_text(earlier.name + "\n")  # what the message says to do
+    assert load_checkpoint(d).meta["round"] == 3
+
+
 def test_non_finite_state_is_refused(saved) -> None:
     d, layout, state = saved
     state.consistent["fc.weight"][0, 0] = float("nan")

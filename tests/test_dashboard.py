@@ -68,9 +68,9 @@ def federation(tmp_path_factory):
         procs.client("c1", broker, client_args(1, 320, 1, "--http", str(device_port), "--log-format", "json"))
         procs.client("c2", broker, client_args(2, 320, 2))
         # the device's own metrics, while it is still in the federation (it leaves at the end)
-        device = wait_for(lambda: _scraped_after_upload(f"http://127.0.0.1:{device_port}/metrics"), 180,
+        device = wait_for(lambda: _scraped_after_upload(f"http://127.0.0.1:{device_port}/metrics"), 300,
                           "c1's /metrics after its first upload")
-        wait_for(lambda: server_state(tmp).get("state") == "finished", 180, "the federation to finish")
+        wait_for(lambda: server_state(tmp).get("state") == "finished", 300, "the federation to finish")
         wait_for(lambda: procs.procs["agg"].poll() is None and port_open(http_port), 10, "the lingering --http")
         yield tmp, url, device, procs
     finally:
@@ -100,7 +100,7 @@ def _scraped_after_upload(url: str) -> dict | None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_metrics_agree_with_metrics_jsonl(federation):
     tmp, url, device, procs = federation
     lines = [m for r, m in sorted(metrics(tmp).items()) if r >= 1]
@@ -172,7 +172,7 @@ def test_api_rollout_shows_which_device_runs_which_version(federation):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_dashboard_in_headless_chromium(federation):
     if CHROMIUM is None:
         message = "chromium is not installed: run scripts/install-system-deps.sh as root (apt-get install chromium)"

@@ -78,7 +78,7 @@ def test_fold_refuses_training_mode() -> None:
         fold(layout.module(0).train())
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_every_submodel_exports_checks_and_matches_torch(exported: tuple[Path, Path, dict]) -> None:
     ckpt_dir, out, manifest = exported
     ckpt = load_checkpoint(ckpt_dir)
@@ -139,7 +139,7 @@ def _fashion_mnist_available() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 @pytest.mark.skipif(not _fashion_mnist_available(), reason="int8 calibration needs the Fashion-MNIST test split")
 def test_int8_quantization_records_accuracy_delta(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "resnet20-fmnist-w")
@@ -191,7 +191,7 @@ def _scaled_fc(scale: float):
     return scaled
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_submodel_with_large_logits_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "resnet20-fmnist-w")
     scaled = _scaled_fc(1000.0)
@@ -205,7 +205,7 @@ def test_submodel_with_large_logits_exports(tmp_path: Path, monkeypatch: pytest.
     assert (tmp_path / "out" / "manifest.json").exists()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_wrong_export_with_large_logits_still_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "resnet20-fmnist-w")
     real_export = onnx_export.export_onnx

@@ -46,7 +46,7 @@ def info(cid: str, max_submodel: int, online: bool = True, why: str = "") -> Cli
 
 
 def round_line(index: int, updates: list[int], committed: bool = True, **extra) -> dict:
-    """A metrics.jsonl line as Server.run_round writes it (only the keys the observer reads)."""
+    """A metrics.jsonl line as the round driver writes it (only the keys the observer reads)."""
     return {"round": index, "quorum": committed, "committed": committed, "updates_per_submodel": updates,
             "updates_per_submodel_total": updates, "wall_s": 3.5, "aggregate_s": 0.02, "bytes_in": 1000,
             "bytes_out": 5000, "rejected": {}, "late_updates": 0, "declined": {}, "went_offline": [], **extra}
@@ -114,6 +114,19 @@ def test_dashboard_state_after_a_scripted_round():
     assert (done.participants, done.reports, done.declines) == (2, 2, 1)
     assert state.open_round is None
     assert state.rejected_total == {"stale_round": 2, "malformed_header": 1}
+
+
+def test_a_device_that_reports_every_round_is_seen_every_round(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("aggregator.metrics.time.time", lambda: now[0])
+    obs = Observer("t", "p", 2, rounds=5, round_timeout=30)
+    obs.client_changed(info("a", 1))
+    obs.client_changed(info("b", 1))  # b announced last
+    now[0] += 283  # rounds go by without a new announce: the device's choice did not change
+    obs.round_opened(1, {"a": 1}, 30.0)
+    obs.update_accepted("a")
+    state = obs.snapshot()
+    assert state.devices[0].id == "a" and state.devices[0].last_seen == 1283.0  # not "283 s ago"
 
 
 def test_open_round_is_shown_until_its_line_arrives():
@@ -261,7 +274,7 @@ class FakeDevice:
     def summary(self):
         return DeviceSummary()
 
-    def plan(self, layout, training, deadline_s, cap):
+    def plan(self, layout, training, budget_s, cap, hold=None):
         return Selection(1, "submodel 2/3: memory binds: ...", "memory", 123 << 20, ())
 
     def train(self, layout, task, start, budget_s):

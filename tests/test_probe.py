@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,6 +139,44 @@ def test_cpu_percent_uses_its_own_baseline_and_survives_too_soon_samples(tmp_pat
     assert p.snapshot().cpu_percent == pytest.approx(50.0)  # no time passed: last value kept
     s = p.snapshot()
     assert s.cpu_percent == pytest.approx(10.0) and "cpu_percent" not in s.unknown
+
+
+class FakeProcess:
+    """A process whose CPU times (user, system, children_user, children_system) follow a script."""
+
+    def __init__(self, times, children=()) -> None:
+        self._times, self._children = iter(times), list(children)
+
+    def cpu_times(self):
+        return SimpleNamespace(**dict(zip(("user", "system", "children_user", "children_system"), next(self._times))))
+
+    def children(self, recursive=False):
+        return self._children
+
+    def memory_info(self):
+        return SimpleNamespace(rss=1 << 20)
+
+
+def test_own_process_tree_is_not_external_load(tmp_path):
+    """2 cores over 10 s: 16 busy seconds, of which this process (4 s), its live calibration child (5 s)
+    and a child it already reaped (2 s, now in children_user) are ours; the other 5 s are others'."""
+    system = iter([Times(0, 0, 0, 0, 0, 0), Times(16, 0, 0, 4, 0, 0)])
+    child = FakeProcess([(0, 0, 0, 0), (4, 1, 0, 0)])
+    me = FakeProcess([(0, 0, 0, 0), (3, 1, 2, 0)], [child])
+    fake = SimpleNamespace(Process=lambda pid: me, cpu_count=lambda logical=True: 2, cpu_times=lambda: next(system),
+                           virtual_memory=psutil.virtual_memory, getloadavg=psutil.getloadavg,
+                           sensors_battery=lambda: None)
+    s = _absent(tmp_path, psutil_module=fake).snapshot()
+    assert s.cpu_percent == pytest.approx(80.0) and s.own_cpu_cores == pytest.approx(1.1)
+    assert s.external_cpu_percent == pytest.approx(25.0)
+
+
+def test_a_busy_child_counts_as_our_own_work(tmp_path):
+    p = _absent(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"])
+    child.wait(30)
+    s = p.snapshot()  # the child was reaped: its CPU time is in this process's children_* times now
+    assert s.own_cpu_cores >= 0.1 and s.external_cpu_percent <= s.cpu_percent
 
 
 def test_real_snapshot_has_memory_and_is_cheap():

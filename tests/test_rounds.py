@@ -11,7 +11,7 @@ import torch
 from aggregator.assignment import Candidate, assign_coverage, assign_paper, coverage_order, paper_window
 from aggregator.federation import ClientLimits, Federation, Rejected, Update
 from nefl.checkpoint import UPDATES_TOTAL_KEY
-from nefl.messages import Announce
+from nefl.messages import Announce, Decline
 from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout
 
@@ -57,17 +57,60 @@ def test_device_that_cannot_train_now_is_not_picked() -> None:
     assert set(fed.open_round(1, now=0.0).assignments) == {"a"}
 
 
+def _decline(client: str, round_: int, k: int, reason: str = "") -> Decline:
+    return Decline(client=client, federation="t", run="r", round=round_, submodel=k, reason=reason)
+
+
 def test_a_client_that_declines_mid_round_does_not_hold_the_round() -> None:
     fed = _federation("largest")
     join(fed, "a", Announce(client="a", max_submodel=5, samples=10))
     join(fed, "b", Announce(client="b", max_submodel=5, samples=10))
     fed.open_round(1, now=0.0)
-    join(fed, "b", Announce(client="b", max_submodel=2, samples=10, selection="submodel 2/5: memory binds"))
+    fed.decline("b", _decline("b", 1, 4, "submodel 5 does not fit now (memory binds)"))
     _update(fed, "a")
     assert fed.complete(now=1.0)  # long before the deadline at 60 s
     facts = fed.close_round()
-    assert facts["declined"] == {"b": "submodel 2/5: memory binds"} and facts["reported"] == ["a"]
+    assert facts["declined"] == {"b": "submodel 5 does not fit now (memory binds)"} and facts["reported"] == ["a"]
     assert facts["clients"]["a"]["selection"] == "submodel 2/5: memory binds"
+
+
+def test_an_announce_sent_before_the_task_is_not_a_refusal_of_it() -> None:
+    """The race of issue 22: a device announced "skip" right after training; the server read it only
+    after opening the next round with that device in it. The round must keep waiting for the device
+    (which may well train the task), and the announce only counts for later rounds."""
+    fed = _federation("largest")
+    join(fed, "a", Announce(client="a", max_submodel=5, samples=10, session="s", seq=1))
+    r = fed.open_round(1, now=0.0)
+    fed.announce("a", Announce(client="a", max_submodel=0, samples=10, selection="skip round", session="s", seq=2))
+    assert r.assignments == {"a": 4} and r.declined == {} and not fed.complete(now=1.0)
+    _update(fed, "a")
+    assert fed.close_round()["reported"] == ["a"]
+    assert fed.available() == []  # ...while the next round does not pick it until it announces again
+
+
+def test_a_decline_counts_only_for_the_open_task_it_names() -> None:
+    fed = _federation("largest")
+    join(fed, "a", Announce(client="a", max_submodel=3, samples=10))
+    fed.open_round(2, now=0.0)
+    for stale in (_decline("a", 1, 2), _decline("a", 2, 1), _decline("b", 2, 2)):
+        with pytest.raises(Rejected) as e:
+            fed.decline("a", stale)
+        assert e.value.reason in ("stale_decline", "client_mismatch")
+    assert fed.round.assignments == {"a": 2}
+    fed.decline("a", _decline("a", 2, 2))
+    assert fed.round.assignments == {} and fed.complete(now=1.0)
+    with pytest.raises(Rejected, match="stale_decline"):  # twice is once too many
+        fed.decline("a", _decline("a", 2, 2))
+
+
+def test_an_announce_older_than_one_already_taken_is_dropped() -> None:
+    fed = _federation()
+    join(fed, "a", Announce(client="a", max_submodel=3, samples=10, session="s", seq=5))
+    with pytest.raises(Rejected, match="stale_announce"):
+        fed.announce("a", Announce(client="a", max_submodel=0, samples=10, session="s", seq=4))
+    fed.announce("a", Announce(client="a", max_submodel=3, samples=10, session="s", seq=5))  # a redelivery: harmless
+    fed.announce("a", Announce(client="a", max_submodel=1, samples=10, session="new", seq=1))  # a restarted agent
+    assert fed.clients["a"].max_submodel == 0
 
 
 def test_coverage_trains_every_submodel_with_two_identical_clients() -> None:
@@ -126,6 +169,18 @@ def test_a_submodel_untrained_for_three_rounds_is_warned_about(caplog) -> None:
     assert len(caplog.records) == 1
     msg = caplog.records[0].getMessage()
     assert "submodel(s) 1, 2, 3, 4 untrained for 3+ rounds" in msg and "--assignment coverage" in msg
+
+
+def test_an_untrained_submodel_warning_names_the_deadline_when_it_binds(caplog) -> None:
+    fed = _federation("coverage", per_round=2)
+    why = "submodel 4/5 (gamma 0.8): deadline binds: submodel 5 would take 70.3 s, deadline 48 s"
+    for c in ("a", "b"):
+        join(fed, c, Announce(client=c, max_submodel=4, samples=10, selection=why))
+    with caplog.at_level(logging.WARNING, logger="aggregator.federation"):
+        for i in (1, 2, 3):
+            _round(fed, i)
+    msg = caplog.records[-1].getMessage()
+    assert "submodel(s) 5 untrained" in msg and "raise --round-timeout" in msg and f"a: {why}" in msg
 
 
 def test_unknown_policy_and_foreign_counts_are_refused() -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import io
 import json
 import re
+import os
 import shutil
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -16,6 +20,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +32,7 @@ from typer.testing import CliRunner
 
 from edge_client.cli import app
 from edge_client.http_api import make_server
-from edge_client.runtime import AdaptiveRuntime, ImageError, ImageTooLarge, ModelsError, decode_image
+from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ImageTooLarge, ModelsError, decode_image
 from export.onnx_export import export_checkpoint, submodel_module
 from nefl.checkpoint import load_checkpoint, save_checkpoint
 from nefl.manifest import sha256_file
@@ -35,6 +40,7 @@ from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout
 
 torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
 IDLE = lambda: (0.0, 8 * GIB)  # noqa: E731
 
@@ -119,6 +125,64 @@ def test_observed_latency_corrects_the_prediction(models: tuple[Path, Path]) -> 
     for _ in range(5):
         rt.predict(np.zeros((1, 28, 28), np.uint8))
     assert rt.correction > 5  # the EMA has learned that runs take much longer than predicted
+
+
+def test_the_load_probe_reads_the_last_moments_not_a_quiet_spell_before_them() -> None:
+    """A request after a quiet minute must see load that began a second ago: the probe samples in
+    the background, and reads only what is outside this process tree."""
+    readings = {"external": 0.0}
+    prober = SimpleNamespace(snapshot=lambda: SimpleNamespace(external_cpu_percent=readings["external"],
+                                                              memory_available=8 * GIB))
+    probe = ExternalLoadProbe(interval_s=0.01, prober=prober)
+    assert probe() == (0.0, 8 * GIB)
+    readings["external"] = 100.0  # two busy loops started
+    deadline = time.monotonic() + 5
+    while probe()[0] != 100.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert probe()[0] == 100.0
+    sampler = next(t for t in threading.enumerate() if t.name == "load-probe")
+    del probe
+    sampler.join(5)  # the sampler holds the probe weakly and ends with it
+    assert not sampler.is_alive()
+
+
+def _serve(models_dir: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--models",
+                             str(models_dir), "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_serve_on_a_taken_port_says_so_in_one_line(models: tuple[Path, Path]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _serve(models[1], taken.getsockname()[1])
+        output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output and "choose another --port" in output
+    assert len([line for line in output.splitlines() if line.strip()]) == 1, output  # one line, no 100-line trace
+
+
+def test_serve_stops_cleanly_on_sigterm(models: tuple[Path, Path]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve(models[1], port)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output  # a service manager's stop is not a failure (it was 143)
+    assert "stopping (SIGTERM)" in output and "Traceback" not in output
 
 
 def test_bad_pixels_are_rejected(models: tuple[Path, Path]) -> None:

@@ -215,7 +215,7 @@ def assert_state_matches(tmp, rounds: list[int]) -> None:
 
 @needs_mosquitto
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_two_workers_aggregate_like_one_process_and_survive_losing_one(procs, tmp_path):
     """Rounds 1-2: the broker splits the updates over both workers and the merged state is the
     single-process one. Round 3: one worker is killed once it holds an update; the round still closes
@@ -226,12 +226,12 @@ def test_two_workers_aggregate_like_one_process_and_survive_losing_one(procs, tm
     agg = serve(procs, broker, 3, 4, "--workers", "2")
     # submodels 2-4 travel in 2-3 chunks (owners and forwarding); one update a second leaves time to kill
     fleet(procs, "fleet", broker, 4, "--chunk-kib", "128", "--rate", "1")
-    held = wait_for(lambda: re.search(r"round 3: update from \S+ accepted by (t-w[12])", procs.log("agg")), 100,
+    held = wait_for(lambda: re.search(r"round 3: update from \S+ accepted by (t-w[12])", procs.log("agg")), 200,
                     "the coordinator to hear of a worker's first update of round 3")[1]
     for child in psutil.Process(agg.pid).children():
         if held in child.cmdline():
             child.kill()
-    finish(procs, "agg", 60)
+    finish(procs, "agg", 120)
     m = metrics(tmp_path)
     for r in (1, 2):
         assert sorted(m[r]["reported"]) == ["sim00000", "sim00001", "sim00002", "sim00003"], m[r]
@@ -252,7 +252,7 @@ def other(worker: str) -> str:
 
 @needs_mosquitto
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     central, site = free_port(), free_port()
     procs.mosquitto(central)
@@ -271,7 +271,7 @@ def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     procs.env = env
     fleet(procs, "site", down, 2, "--prefix", "site")
     fleet(procs, "direct", up, 1, "--prefix", "dir")
-    finish(procs, "agg", 120)
+    finish(procs, "agg", 240)
     r = metrics(tmp_path)[1]
     assert sorted(r["reported"]) == ["dir00000", "site00000", "site00001"]
     assert r["clients"]["site00000"]["worker"] == r["clients"]["site00001"]["worker"] == "site-a"

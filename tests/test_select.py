@@ -8,16 +8,19 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from edge_client.cli import app
-from edge_client.costmodel import (THROTTLED_SLOWDOWN, CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path,
-                                   calibrate, slowdown)
+from edge_client.costmodel import CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path, calibrate
+from edge_client.load import MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, RunningCalibration, others_demand, slowdown
 from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
-from edge_client.select import DeviceBudget, select_submodel
+from edge_client.select import HYSTERESIS, DeviceBudget, select_submodel
 from nefl.profile import load_profile
 from nefl.state import Layout
 from nefl.units import parse_size
@@ -90,11 +93,77 @@ def test_throttled_or_hot_device_is_slower_and_picks_smaller(hot):
     assert warm.index == 1 and warm.binding == "deadline"
 
 
-def test_busy_cpu_is_slower():
+def busy(own: float, others: float, cores: int = 2) -> DeviceSnapshot:
+    """A snapshot whose interval saw our tree use `own` cores and everything else `others` cores."""
+    return snap(cpu_count=cores, cpu_percent=100.0 * (own + others) / cores, own_cpu_cores=own,
+                external_cpu_percent=100.0 * others / cores)
+
+
+def test_only_others_load_slows_a_step_down():
     assert slowdown(snap(), threads=1) == 1.0
-    assert slowdown(snap(cpu_percent=100.0), threads=1) == pytest.approx(1.5)  # 2 busy cores + 1 thread on 2
-    assert slowdown(snap(load_per_core=2.0), threads=2) == pytest.approx(3.0)
+    assert slowdown(busy(own=2.0, others=0.0), threads=2) == 1.0  # our own training is not load
+    assert slowdown(busy(own=0.0, others=2.0), threads=1) == pytest.approx(1.5)  # 2 busy loops + 1 thread on 2 cores
+    # training beside the same two loops, the fair share gave us 2/3 of a core: they want 2, as before
+    assert slowdown(busy(own=2 / 3, others=4 / 3), threads=1) == pytest.approx(1.5)
+    assert slowdown(replace(busy(0.0, 0.0), load_per_core=3.0), threads=1) == 1.0  # it remembers our past work
+    assert slowdown(snap(cpu_percent=100.0), threads=1) == pytest.approx(1.5)  # no own-tree reading: system-wide
     assert slowdown(snap(cpu_percent=None, load_per_core=None), threads=1) == 1.0  # unknown: idle
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 4), st.floats(0.0, 24.0))
+def test_others_demand_recovers_what_a_fair_scheduler_hides(cores, threads, others):
+    """Brute force: a fair scheduler shares `cores` among our `threads` and `others` CPU-bound threads'
+    worth of demand; from the shares it gave out, others_demand finds that demand again (unless our
+    share was so small that the interval cannot be told from one where we idled: then what they got)."""
+    threads = min(threads, cores)
+    runnable = threads + others
+    share = min(1.0, cores / runnable)  # of a core, per runnable thread
+    own, got = threads * share, others * share
+    found = others if share >= MIN_ACTIVE else got
+    idle = (1 - SATURATED) * cores  # a machine this close to full counts as saturated: the error is at most its idle part
+    assert others_demand(busy(own, got, cores), threads) == pytest.approx(found, abs=idle + 1e-6)
+    if share >= MIN_ACTIVE:
+        assert slowdown(busy(own, got, cores), threads) == pytest.approx(max(1.0, runnable / cores), abs=idle / cores + 1e-6)
+
+
+def test_a_submodel_above_the_one_held_must_fit_with_a_margin():
+    t = table()  # 10 steps: submodel k + 1 takes 0.1 * (k + 1) s
+    assert pick(t, snap(), deadline_s=0.42).index == 3
+    up = pick(t, snap(), deadline_s=0.42, hold=2)  # 0.4 s > 0.42 x (1 - HYSTERESIS): stays
+    assert up.index == 2 and "to move up" in up.reason and up.fits[3].allowed_s == pytest.approx(0.42 * (1 - HYSTERESIS))
+    assert pick(t, snap(), deadline_s=0.42, hold=3).index == 3  # held: the plain deadline
+    assert pick(t, snap(), deadline_s=0.42, hold=4).index == 3  # no longer fits: down at once
+    assert pick(t, snap(), deadline_s=0.42, hold=-1).index == 2  # held nothing: every submodel needs the margin
+
+
+def test_running_calibration_learns_the_measured_step_time():
+    t = table()
+    cost, run = t.costs[2], RunningCalibration()  # calibrated 0.03 s a step on the idle device
+    loaded = busy(own=2 / 3, others=4 / 3)  # the round ran beside two busy loops: x1.5 expected
+    assert run.step_seconds(cost, t, snap()) == pytest.approx(0.03)
+    assert run.observe(cost, t, 0.09, loaded) == pytest.approx(2.0)  # twice what calibration and load explain
+    assert run.measured == {2: pytest.approx(0.06)} and run.others_busy == pytest.approx(2.0)
+    assert run.correction == pytest.approx(2.0)  # the submodels not trained yet are scaled alike
+    # the next prediction: the loops are still there (and count at least as much as during the round)
+    assert run.step_seconds(cost, t, busy(own=0.0, others=2.0)) == pytest.approx(0.06 * 1.5)
+    assert run.step_seconds(t.costs[4], t, snap()) == pytest.approx(0.05 * 2.0 * 1.5)
+    run.observe(cost, t, 0.045, loaded)  # the next round matched the calibration: both move halfway
+    assert run.measured[2] == pytest.approx(0.045) and run.correction == pytest.approx(1.5)
+    sel = select_submodel(t, busy(0.0, 2.0), 320, 1, deadline_s=0.7, safety_margin=0.0, running=run)
+    assert [round(f.seconds, 3) for f in sel.fits] == [round(10 * s * 1.5, 3) for s in (0.015, 0.03, 0.045, 0.06, 0.075)]
+    assert sel.index == 2  # 0.675 s of the 0.7 s deadline; the calibration alone would have allowed all five
+
+
+def test_the_load_of_the_last_round_is_expected_only_for_a_while():
+    now = [0.0]
+    t, run = table(), RunningCalibration(clock=lambda: now[0])
+    run.observe(t.costs[0], t, 0.03, busy(own=1 / 3, others=5 / 3))  # a round beside others wanting 5 cores
+    full = busy(own=0.0, others=2.0)  # the device idles, the others keep both cores busy: they may want more
+    assert run.step_seconds(t.costs[0], t, full) == pytest.approx(0.01 * 3.0)
+    assert run.step_seconds(t.costs[0], t, busy(own=0.0, others=0.5)) == pytest.approx(0.01)  # spare CPU: known
+    now[0] += run.memory_s
+    assert run.step_seconds(t.costs[0], t, full) == pytest.approx(0.01 * 1.5)  # long after: what it measures now
 
 
 def test_choice_is_monotone_in_available_memory_even_for_unordered_peaks():

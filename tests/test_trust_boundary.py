@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
 from aggregator.enrolment import Enrolment
-from nefl.messages import VERSION, Announce, ClientStatus, Control, Receipt
+from nefl.messages import VERSION, Announce, ClientStatus, Control, Decline, Receipt
 from nefl.mqtt import parse_broker
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
@@ -139,9 +139,10 @@ def test_updates_under_a_pinned_id_must_carry_its_signature(tmp_path, layout):
 def test_server_handle_never_raises(server, data):
     topic = data.draw(st.sampled_from([T.announce("raw"), T.status("raw"), T.update("raw"), T.announce("other"),
                                        T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y",
-                                       T.sent("raw"), T.resend("raw"), *(T.worker(w, k) for w in ("w1", "w2")
+                                       T.sent("raw"), T.resend("raw"), T.decline("raw"), *(T.worker(w, k) for w in ("w1", "w2")
                                                                         for k in ("status", "receipt", "summary", "partial"))]))
-    kind = data.draw(st.sampled_from(["bytes", "json", "worker-signed-json", "announce", "status", "update", "receipt"]))
+    kind = data.draw(st.sampled_from(["bytes", "json", "worker-signed-json", "announce", "status", "update", "receipt",
+                                      "decline"]))
     if kind == "bytes":
         payload = data.draw(st.binary(max_size=3000))
     elif kind == "json":
@@ -152,6 +153,8 @@ def test_server_handle_never_raises(server, data):
     elif kind == "receipt":
         body = Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0).to_json()
         payload = WORKER.sign(mutate(data, body[:-1]) + b"}")  # only a JSON object's bytes are signed
+    elif kind == "decline":
+        payload = mutate(data, Decline(client="raw", federation="t", run=server.run_id, round=1, submodel=0).to_json())
     elif kind == "announce":
         payload = mutate(data, Announce(client="raw", samples=10, max_submodel=2).to_json())
     elif kind == "status":

@@ -1,0 +1,171 @@
+"""`aggregator worker`, `relay` and `loadtest`: the command lines of the scale-out tools (docs/scale.md).
+
+Kept apart from the worker, relay and fleet themselves (aggregator/worker.py, relay.py, loadtest.py),
+which need torch: these modules are imported when a command runs, not for its `--help`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from aggregator.keys import KeyDir
+from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+                              PasswordOption, UsernameOption)
+from nefl.logs import setup_logging
+from nefl.messages import DEFAULT_CHUNK_BYTES
+from nefl.mqtt import parse_broker
+from nefl.profile import ProfileError, load_profile
+from nefl.signing import Signer
+from nefl.topics import check_name
+
+log = logging.getLogger("aggregator.worker")
+
+CoordinatorKeyOption = Annotated[Optional[str], typer.Option(
+    "--server-key", envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not "
+                                                   "signed by it are refused.")]
+OwnKeyOption = Annotated[Optional[Path], typer.Option(
+    "--key", help="This worker's or relay's signing key (created 0600 if missing) [default: "
+                  "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")]
+PrintKeyOption = Annotated[bool, typer.Option(
+    "--print-key", help="Print this worker's or relay's public key (for `aggregator enroll ID --worker --key KEY` on "
+                        "the coordinator) and exit.")]
+
+
+def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, print_key: bool) -> Signer:
+    """A worker's or relay's key (exit 2 with the fix when unusable); --print-key prints it and exits 0."""
+    try:
+        signer = KeyDir(check_name("federation name", federation), key_dir).worker_signer(check_name("id", me), key)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    if print_key:
+        print(signer.public_text)
+        raise typer.Exit(0)
+    log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --key "
+             f"{signer.public_text})")
+    return signer
+
+
+def worker_command(
+    broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
+                                         "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
+    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
+    group: str = typer.Option("nefl-workers", help="Shared-subscription group: the broker spreads updates over its members."),
+    shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
+                                "broker without shared subscriptions)."),
+    server_key: CoordinatorKeyOption = None,
+    key: OwnKeyOption = None,
+    key_dir: KeyDirOption = None,
+    print_key: PrintKeyOption = False,
+    username: UsernameOption = None,
+    password: PasswordOption = None,
+    ca_cert: CaCertOption = None,
+    certfile: CertfileOption = None,
+    keyfile: KeyfileOption = None,
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
+) -> None:
+    """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
+    setup_logging(log_level, log_format)
+    wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
+    signer = own_key(federation, wid, key, key_dir, print_key)
+    from aggregator.worker import Worker, WorkerConfig, run_until_signalled  # torch: not for --help or --print-key
+
+    run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
+                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile), signer))
+
+
+def relay_command(
+    site_broker: str = typer.Option(..., help="mqtt://HOST:PORT of the site's broker, where its devices connect."),
+    upstream: str = typer.Option(..., help="mqtt(s)://HOST:PORT of the coordinator's broker (`aggregator serve`); the "
+                                 "credential and TLS options below are for this one."),
+    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
+    server_key: CoordinatorKeyOption = None,
+    key: OwnKeyOption = None,
+    key_dir: KeyDirOption = None,
+    print_key: PrintKeyOption = False,
+    username: UsernameOption = None,
+    password: PasswordOption = None,
+    ca_cert: CaCertOption = None,
+    certfile: CertfileOption = None,
+    keyfile: KeyfileOption = None,
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
+) -> None:
+    """Serve a site's devices on its own broker; send the coordinator one partial per round (docs/scale.md)."""
+    setup_logging(log_level, log_format)
+    rid = relay_id or f"relay-{socket.gethostname()}"[:64]
+    signer = own_key(federation, rid, key, key_dir, print_key)
+    from aggregator.relay import Relay  # torch: not for --help or --print-key
+    from aggregator.worker import WorkerConfig, run_until_signalled
+
+    run_until_signalled(lambda: Relay(WorkerConfig(federation, rid, shared=False, server_key=server_key),
+                                      parse_broker(upstream, username, password, ca_cert, certfile, keyfile),
+                                      parse_broker(site_broker), signer))
+
+
+def loadtest_command(
+    broker: str = typer.Option(..., help="mqtt://HOST:PORT the aggregator (and its workers) use."),
+    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    profile: str = typer.Option("resnet20-fmnist-w", help="The coordinator's profile (deltas must fit its submodels)."),
+    devices: int = typer.Option(100, min=1, help="Simulated devices, one MQTT connection each."),
+    procs: int = typer.Option(1, min=1, help="Processes to spread the devices over."),
+    rate: float = typer.Option(0.0, min=0, help="Updates per second, all processes together; 0 = as fast as possible."),
+    max_submodel: int = typer.Option(0, min=0, help="Largest submodel every device announces (1-based); 0: device i "
+                                     "announces (i mod K) + 1, a mixed fleet."),
+    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message a device sends, KiB."),
+    scale: float = typer.Option(1e-3, min=0, help="Standard deviation of the random deltas."),
+    pool: int = typer.Option(0, min=0, help="Draw deltas from this many cached variants per submodel (0: a fresh "
+                             "delta per device and round, costlier to generate)."),
+    prefix: str = typer.Option("sim", help="Device ids are PREFIX00000, PREFIX00001, ..."),
+    seed: int = typer.Option(0, help="Seed of the deltas (with client id and round)."),
+    duration: float = typer.Option(600.0, min=1, help="Stop after this many seconds even if the federation goes on."),
+    shard: str = typer.Option(None, hidden=True, help="I/P: run only devices i with i mod P == I (set for child processes)."),
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
+) -> None:
+    """Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."""
+    from aggregator.loadtest import Fleet, FleetConfig, log
+    from nefl.state import Layout
+
+    setup_logging(log_level, log_format)
+    try:
+        settings = parse_broker(broker)
+        layout = Layout.build(load_profile(profile))
+        first, stride = (int(x) for x in shard.split("/")) if shard else (0, 1)
+    except (ValueError, ProfileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    if procs > 1 and shard is None:
+        argv = ["--broker", broker, "--federation", federation, "--profile", profile, "--devices", str(devices),
+                "--rate", str(rate / procs), "--max-submodel", str(max_submodel), "--chunk-kib", str(chunk_kib),
+                "--scale", str(scale), "--pool", str(pool), "--prefix", prefix, "--seed", str(seed),
+                "--duration", str(duration), "--log-level", log_level, "--log-format", log_format]
+        children = [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "loadtest", *argv,
+                                      "--shard", f"{i}/{procs}"]) for i in range(procs)]
+        raise typer.Exit(max(p.wait() for p in children))
+    cfg = FleetConfig(federation=federation, prefix=prefix, first=first, stride=stride, devices=devices,
+                      max_submodel=max_submodel, rate=rate, chunk_bytes=chunk_kib * 1024, scale=scale, seed=seed,
+                      pool=pool, duration_s=duration)
+    fleet = Fleet(cfg, settings, layout)
+    fleet.start()
+    log.info(f"{len(fleet.names)} simulated devices connecting to {settings.url}")
+    t0 = time.monotonic()
+    try:
+        fleet.send_loop()
+    except KeyboardInterrupt:
+        pass
+    fleet.stop()
+    log.info(f"sent {fleet.sent} updates, {fleet.bytes} bytes in {time.monotonic() - t0:.1f}s"
+             + ("" if fleet.ended.is_set() else " (no end from the coordinator)"))

@@ -1,0 +1,153 @@
+"""What slows a training step down now, and what real rounds taught: the prediction half of the
+cost model (edge_client/costmodel.py measures; this scales its measurements to the moment).
+
+`predict_seconds` turns a calibrated step time into a round's time under the current load:
+    step_seconds * ceil(samples / batch) * epochs * slowdown(snapshot) * correction / speed
+with slowdown = max(1, (others' CPU demand in cores + training threads) / cores), the fair share the
+scheduler gives the training threads, times THROTTLED_SLOWDOWN when the Pi firmware throttles or a
+thermal zone is at or above `hot_limit_c` (the clock is then capped at roughly half). "Others" is
+everything outside this process tree (edge_client/probe.py): the device's own training is never
+its own load. A calibration measured on a busy device is divided by the slowdown during it, so the
+table holds idle-device step times and the load is not counted twice.
+
+`RunningCalibration` closes the loop: after every round the device divides the seconds per step
+it measured by the slowdown the round's load explains; that idle-device step time replaces the
+trained submodel's calibration (a running average), and its ratio to the calibration scales the
+submodels not trained yet. A calibration that is wrong for whatever reason (data loading, a busy
+moment, another clock) is thus corrected from the next round on instead of persisting.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from edge_client.probe import HOT_LIMIT_C, DeviceSnapshot, is_hot, is_throttled
+
+if TYPE_CHECKING:
+    from edge_client.costmodel import CostTable, SubmodelCost
+
+THROTTLED_SLOWDOWN = 2.0
+SATURATED = 0.97  # machine busy share from which others' CPU use may understate what they would take
+MIN_ACTIVE = 0.2  # of its threads' worth: our tree was working in the interval, not idling
+CORRECTION_ALPHA = 0.5  # weight of the newest round in the running correction
+LOAD_MEMORY_S = 60.0  # how long the load seen during a round still counts as expected in the next
+
+
+def others_demand(snapshot: DeviceSnapshot, threads: int, working: bool = False) -> float:
+    """Cores the rest of the machine would take (its demand, not only what it got).
+
+    Others' use is their demand until the machine is saturated; then the scheduler's fair share
+    tells: if our `threads` got `own` cores of the `cores`, others want threads * (cores - own) / own.
+    That needs our threads to have wanted the CPU all along: `working` says so (the interval was a
+    training round or a calibration); otherwise a tree using under MIN_ACTIVE of its threads is
+    taken for idle, not starved. Without a reading of our own tree, the system-wide figure stands in
+    (it overstates)."""
+    cores = snapshot.cpu_count
+    if snapshot.external_cpu_percent is None or snapshot.own_cpu_cores is None:
+        return (snapshot.cpu_percent or 0.0) / 100.0 * cores
+    others, own = snapshot.external_cpu_percent / 100.0 * cores, snapshot.own_cpu_cores
+    active = own > 0 if working else own >= MIN_ACTIVE * threads
+    if active and saturated(snapshot):
+        return max(others, threads * (cores - own) / own)
+    return others
+
+
+def saturated(snapshot: DeviceSnapshot) -> bool:
+    """Every core was busy: what others used may be less than what they wanted (or it is unknown)."""
+    if snapshot.external_cpu_percent is None or snapshot.own_cpu_cores is None:
+        return True
+    return snapshot.external_cpu_percent / 100.0 * snapshot.cpu_count + snapshot.own_cpu_cores >= \
+        SATURATED * snapshot.cpu_count
+
+
+def slowdown(snapshot: DeviceSnapshot, threads: int, device: str = "cpu", hot_limit_c: float = HOT_LIMIT_C,
+             others_floor: float = 0.0, working: bool = False) -> float:
+    """How much slower than on the idle device a step runs now (>= 1); unknown load counts as idle.
+    `others_floor`: cores others demanded while this device last trained (RunningCalibration);
+    `working`: the snapshot's interval was spent training (see others_demand)."""
+    if device == "cpu":
+        demand = max(others_demand(snapshot, threads, working), others_floor)
+        factor = max(1.0, (demand + threads) / snapshot.cpu_count)
+    else:
+        util = snapshot.gpus[0].utilization if snapshot.gpus else snapshot.jetson_gpu_load
+        factor = 1.0 + (util or 0.0) / 100.0  # GPU time-slices between contexts
+    if is_throttled(snapshot) or is_hot(snapshot, hot_limit_c):
+        factor *= THROTTLED_SLOWDOWN
+    return factor
+
+
+@dataclass
+class RunningCalibration:
+    """What real rounds taught about this device's step times, on top of the calibration.
+
+    A round's measured seconds per step, divided by the slowdown the load during that round explains,
+    is the idle-device step time of the submodel it trained: it replaces that submodel's calibration
+    (a running average), and its ratio to the calibration feeds `correction`, which scales the
+    submodels not trained yet. `others_busy` is the load (others' demand, cores) of the latest round,
+    kept as a floor for predictions within `memory_s` of it while the machine stays saturated (then
+    others' CPU use cannot tell how much they want): load that comes with this device's own rounds
+    (a co-located device training in the same rounds) is then expected, and what the device
+    announces right after a round and when idle agree, so it does not flip-flop between them. A
+    snapshot with idle CPU shows others' demand exactly, and past `memory_s` an idle device trusts
+    what it measures now: a floor that outlived its load could keep it announcing "skip" for ever,
+    and then it would never train to learn better."""
+
+    alpha: float = CORRECTION_ALPHA
+    correction: float = 1.0
+    others_busy: float = 0.0
+    measured: dict[int, float] = field(default_factory=dict)  # submodel -> idle-device seconds per step
+    memory_s: float = LOAD_MEMORY_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    observed_at: float = -math.inf
+
+    def others_floor(self, snapshot: DeviceSnapshot) -> float:
+        recent = self.clock() - self.observed_at < self.memory_s
+        return self.others_busy if recent and saturated(snapshot) else 0.0
+
+    def idle_step(self, cost: SubmodelCost) -> float | None:
+        """Seconds per step on the idle device: measured in rounds if trained, else the corrected calibration."""
+        if cost.index in self.measured:
+            return self.measured[cost.index]
+        return None if cost.step_seconds is None else cost.step_seconds * self.correction
+
+    def step_seconds(self, cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot,
+                     hot_limit_c: float = HOT_LIMIT_C) -> float | None:
+        """Predicted seconds of one step of `cost`'s submodel now; None before calibration."""
+        idle = self.idle_step(cost)
+        if idle is None:
+            return None
+        return idle * slowdown(snapshot, table.threads, table.device, hot_limit_c, self.others_floor(snapshot))
+
+    def observe(self, cost: SubmodelCost, table: CostTable, step_seconds: float, during: DeviceSnapshot,
+                hot_limit_c: float = HOT_LIMIT_C) -> float | None:
+        """Fold in a round's measured seconds per step (`during`: a snapshot whose interval is the
+        round's training); returns measured / calibrated for that load, None before calibration."""
+        if cost.step_seconds is None or step_seconds <= 0:
+            return None
+        self.others_busy = others_demand(during, table.threads, working=True) if table.device == "cpu" else 0.0
+        self.observed_at = self.clock()
+        idle = step_seconds / slowdown(during, table.threads, table.device, hot_limit_c, working=True)
+        ratio = idle / cost.step_seconds
+        first = not self.measured
+        self.measured[cost.index] = _average(self.measured.get(cost.index), idle, self.alpha)
+        self.correction = ratio if first else _average(self.correction, ratio, self.alpha)
+        return ratio
+
+
+def _average(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+def predict_seconds(
+    cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot, num_samples: int, epochs: int,
+    speed: float = 1.0, hot_limit_c: float = HOT_LIMIT_C, running: RunningCalibration | None = None,
+) -> float | None:
+    """Local-training time of one round; None before calibration (no step time to scale)."""
+    step = (running or RunningCalibration()).step_seconds(cost, table, snapshot, hot_limit_c)
+    if step is None:
+        return None
+    return step * math.ceil(num_samples / table.batch_size) * epochs / speed
