@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nefl.choices import check_choice
-from nefl.population import PAPER_WINDOW
+from nefl.settings import PAPER_WINDOW
 
 Assignment = Literal["coverage", "largest", "paper"]  # as `--assignment` takes them
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from nefl.data import ArrayDataset, BatchLoader, partition_dirichlet, partition_iid
-
-PAPER_WINDOW = 2  # the paper's tier t chooses among submodels t-2 .. t+2
+from nefl.settings import PAPER_WINDOW
 
 
 def tier_of(client: int, num_clients: int, num_tiers: int) -> int:

@@ -133,3 +133,6 @@ class Attack:
     @property
     def on_data(self) -> bool:
         return self.kind in DATA_ATTACKS
+
+
+PAPER_WINDOW = 2  # the paper's tier t chooses among submodels t-2 .. t+2 (assignment "paper", simulated tiers)
