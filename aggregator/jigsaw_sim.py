@@ -55,8 +55,8 @@ class JigsawConfig:
     archs: tuple[str, ...] = ("cnn-2", "cnn-3", "cnn-4", "cnn-6")  # the base architectures devices can get
     clients: int = 10
     rounds: int = 40  # model-training rounds, every method
-    policy_rounds: int = 30  # policy phase before them (methods with a policy), on the proxy shards
-    critic_warmup: int = 10  # policy-phase rounds the critic trains before its values drive the advantage
+    policy_rounds: int = 20  # policy phase before them (methods with a policy), on the proxy shards
+    critic_warmup: int = 6  # policy-phase rounds the critic trains before its values drive the advantage
     local_epochs: int = 1
     batch_size: int = 32
     lr: float = 0.05
@@ -66,7 +66,7 @@ class JigsawConfig:
     max_samples_per_client: int | None = None
     val_fraction: float = 0.1
     test_per_client: int = 500
-    proxy_samples: int = 200  # proxy images each client holds (rotation pretext task)
+    proxy_samples: int = 160  # proxy images each client holds (rotation pretext task)
     probe_samples: int = 64  # shared noise images for E_data (the Exp term)
     topology: str = "full"
     neighbours_k: int = 2
