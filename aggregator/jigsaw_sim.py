@@ -246,7 +246,8 @@ class ModuleFederation:
                    advantage_abs=statistics.fmean(abs(x["advantage"]) for x in learned))
         return row
 
-    def train_round(self, r: int, train_cfg: TrainConfig, score: Callable[[int, nn.Module], None]) -> dict:
+    def train_round(self, r: int, t: int, train_cfg: TrainConfig, score: Callable[[int, nn.Module], None]) -> dict:
+        """Model-training round r (the t-th of the phase): execute, train on the task, aggregate."""
         sim = self.sim
         results = [client.step(r, sim.task_loaders(c, r), self.exchange, train_cfg, sim.probe, explore=False)
                    for c, client in enumerate(self.clients)]
@@ -394,8 +395,7 @@ class JigsawSimulator:
 
             train_cfg = self.train_cfg.for_round(t, cfg.rounds)
             row = {"round": r, "phase": "train", "train_round": t, "lr": train_cfg.lr}
-            row.update(fed.train_round(r, train_cfg, score) if isinstance(fed, ModuleFederation)
-                       else fed.train_round(r, t, train_cfg, score))
+            row.update(fed.train_round(r, t, train_cfg, score))
             if scoring:
                 accs = self.evaluate()
                 row.update(trained_accuracy=trained, trained_mean=statistics.fmean(trained), trained_std=statistics.pstdev(trained),

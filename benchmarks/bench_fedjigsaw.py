@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -37,7 +38,7 @@ import torch
 
 from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
 from nefl.fsio import atomic_write_text
-from nefl.jigsaw.methods import METHODS
+from nefl.jigsaw.methods import METHODS, JigsawMethod
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,6 +305,14 @@ def plot(groups: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _groups(groups: dict, keep: Callable[[JigsawMethod], bool]) -> Iterator[tuple[str, str, list[dict]]]:
+    """(setting, method, runs) for every measured pair whose method `keep` accepts, settings first."""
+    for setting in SETTINGS:
+        for method, m in METHODS.items():
+            if keep(m) and groups.get((setting, method)):
+                yield setting, method, groups[(setting, method)]
+
+
 def _phase_mean(runs: list[dict], key: str, part: slice) -> str:
     """Mean of a policy-phase series over the rounds in `part`, all seeds."""
     xs = [p[key] for r in runs for p in r["policy_phase"][part] if p[key] is not None]
@@ -346,29 +355,22 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, seeds: in
               "that is used at all.", "",
               "| setting | method | chains changed, policy phase | chains changed, model training | last quarter | "
               "own blocks | clients per used module |", "|---|---|---|---|---|---|---|"]
-    for setting in SETTINGS:
-        for method, m in METHODS.items():
-            runs = groups.get((setting, method))
-            if not runs or m.family != "modules":
-                continue
-            pol = [r["policy_chain_changes"] for r in runs if r["policy_chain_changes"] is not None]
-            whole = statistics.fmean(statistics.fmean(r["chain_changes"]) for r in runs)
-            lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | "
-                         + (f"{100 * statistics.fmean(pol):.0f}%" if pol else "-")
-                         + f" | {100 * whole:.1f}% | {100 * statistics.fmean(r['chain_changes_last_quarter'] for r in runs):.1f}% "
-                         f"| {statistics.fmean(r['own_share'] for r in runs):.2f} | {statistics.fmean(r['users_per_module'] for r in runs):.2f} |")
+    for setting, method, runs in _groups(groups, lambda m: m.family == "modules"):
+        pol = [r["policy_chain_changes"] for r in runs if r["policy_chain_changes"] is not None]
+        whole = statistics.fmean(statistics.fmean(r["chain_changes"]) for r in runs)
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | "
+                     + (f"{100 * statistics.fmean(pol):.0f}%" if pol else "-")
+                     + f" | {100 * whole:.1f}% | {100 * statistics.fmean(r['chain_changes_last_quarter'] for r in runs):.1f}% "
+                     f"| {statistics.fmean(r['own_share'] for r in runs):.2f} | {statistics.fmean(r['users_per_module'] for r in runs):.2f} |")
     lines += ["", "Policy phase (FedJigsaw and its ablations, mean over seeds and clients): accuracy on the proxy "
               "task's validation split, the critic's mean |V - return| and the mean |advantage|, over the first and "
               "the last five rounds.", "",
               "| setting | method | proxy accuracy, first 5 / last 5 | critic abs. error, first 5 / last 5 | "
               "abs. advantage, first 5 / last 5 |", "|---|---|---|---|---|"]
-    for setting in SETTINGS:
-        for method, m in METHODS.items():
-            runs = groups.get((setting, method))
-            if runs and m.assemble:
-                cells = [f"{_phase_mean(runs, key, slice(0, 5))} / {_phase_mean(runs, key, slice(-5, None))}"
-                         for key in ("proxy_accuracy", "critic_abs_error", "advantage_abs")]
-                lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | " + " | ".join(cells) + " |")
+    for setting, method, runs in _groups(groups, lambda m: m.assemble):
+        cells = [f"{_phase_mean(runs, key, slice(0, 5))} / {_phase_mean(runs, key, slice(-5, None))}"
+                 for key in ("proxy_accuracy", "critic_abs_error", "advantage_abs")]
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | " + " | ".join(cells) + " |")
     lines += ["", "Table 2 (ours, the paper's columns): decision latency per client per round, measured inside the "
               "federations while the machine trained (model-training phase; policy phase in brackets), and the "
               "kit's training-peak estimate of the models the clients train (mean / max over clients; the "
@@ -396,13 +398,10 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, seeds: in
         lines.append(f"| {what} | {o['parameters']:,} | {lat} | {o['peak_growth_mib']:.1f} MiB | {o['rss_base_mib']:.0f} MiB |")
     lines += ["", "Traffic per model-training round (mean, seed 0, MB = 10^6 bytes): what moved, against every client "
               "downloading and uploading a whole model.", "", "| setting | method | moved | whole models |", "|---|---|---|---|"]
-    for setting in SETTINGS:
-        for method in METHODS:
-            runs = groups.get((setting, method))
-            if runs:
-                b = runs[0]["bytes_per_round"]
-                moved = sum(v for k, v in b.items() if k != "whole_models")
-                lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | {moved / 1e6:.1f} MB | {b['whole_models'] / 1e6:.1f} MB |")
+    for setting, method, runs in _groups(groups, lambda m: True):
+        b = runs[0]["bytes_per_round"]
+        moved = sum(v for k, v in b.items() if k != "whole_models")
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | {moved / 1e6:.1f} MB | {b['whole_models'] / 1e6:.1f} MB |")
     for setting in SETTINGS:
         runs = groups.get((setting, "fedjigsaw"))
         if not runs:

@@ -94,7 +94,7 @@ def test_a_client_step_goes_through_the_exchange_and_returns_every_module_to_its
     assert out["exp"] == 0.0 and not out["critic_values"]
 
 
-def test_a_client_switches_chains_only_when_the_policy_prefers_the_new_one_by_the_switch_cost() -> None:
+def test_a_client_switches_chains_only_for_a_gain_above_the_switch_cost_and_never_back() -> None:
     clients, _ = _federation()
     cl = clients[1]
     greedy = cl._choose(0, explore=False)[0]
@@ -107,6 +107,13 @@ def test_a_client_switches_chains_only_when_the_policy_prefers_the_new_one_by_th
                               (3, gain / 4 + 1e-3, True), (3, gain / 4 - 1e-3, False)):  # the cost grows with rounds held
         cl.settings, cl.chain, cl.held = replace(SETTINGS, switch_cost=cost), other, held
         assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other if keeps else greedy)
+    cl.settings, cl.left = replace(SETTINGS, switch_cost=-math.inf), {tuple(chain_keys(greedy))}
+    assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other)  # a chain once left is never taken again
+    clients, exchange = _federation()
+    cl = clients[1]
+    cl.settings, cl.chain, cl.held = replace(SETTINGS, switch_cost=-math.inf), other, 4
+    res = cl.step(1, _loaders(1), exchange, TrainConfig(lr=0.05, batch_size=8), torch.randn(4, 1, 28, 28), explore=False)
+    assert res.changed and cl.left == {tuple(chain_keys(other))} and cl.held == 1  # the step keeps the books
 
 
 def test_a_client_without_a_policy_trains_its_base_model_every_round() -> None:

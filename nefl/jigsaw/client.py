@@ -12,10 +12,12 @@ Two phases, as the paper's schedule:
 - model training (`explore=False`): execution. The policy is frozen and decodes greedily (or at a low
   temperature); the client keeps its current chain unless the policy prefers the new one, under its current
   observations, by more than `switch_cost` nats for every round the current chain has been trained
-  (log pi(new) - log pi(current) > switch_cost x (1 + rounds held)): a module trained in one chain is worth
-  most in that chain, and the more so the longer it was trained there, so a switch has to promise a gain
-  that grows with what it throws away. (A flat cost let a client flip between two chains every round as the
-  ages of the unused modules' observations grew.)
+  (log pi(new) - log pi(current) > switch_cost x (1 + rounds trained)), and it never goes back to a chain it
+  has left in this phase. A module trained in one chain is worth most in that chain, and the more so the
+  longer it was trained there, so a switch has to promise a gain that grows with what it throws away. The
+  observations of the modules a client stops using keep changing (their age grows), so a frozen policy can
+  come to prefer the old chain again: without the no-return rule a client flipped between two chains every
+  round, the policy's preference between them swinging by more than the growing cost.
 A client without a policy (`assemble=False`, local only) trains its base model every round.
 """
 
@@ -49,7 +51,7 @@ class ClientSettings:
     tau: float  # pointer temperature
     policy_lr: float
     execution_temperature: float  # 0: greedy
-    switch_cost: float  # nats per round held the policy must prefer a new chain by before the client switches
+    switch_cost: float  # nats per round trained the policy must prefer a new chain by before the client switches
     observation_decay: float
 
 
@@ -92,6 +94,7 @@ class JigsawClient:
         self.log = ObservationLog(settings.observation_decay)
         self.chain: list[ModuleMeta] | None = None if assemble else base.metas(client)
         self.held = 0  # rounds the current chain has been trained
+        self.left: set[tuple[str, ...]] = set()  # chains left in this phase: never taken again
         self.zoo: Zoo | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.rejected = 0  # advice refused (not for this client, round or episode)
@@ -114,6 +117,7 @@ class JigsawClient:
         self.log.clear()
         if self.agent is not None:
             self.chain, self.held = None, 0
+            self.left.clear()
 
     # -- the client step ----------------------------------------------------------------------------
 
@@ -131,7 +135,7 @@ class JigsawClient:
         if not explore and self.chain is not None and chain_keys(chain) != chain_keys(self.chain):
             gain = (chain_log_prob(policy, self.zoo, tokens, self.data_feature, self.budget, self.client, chain)
                     - chain_log_prob(policy, self.zoo, tokens, self.data_feature, self.budget, self.client, self.chain))
-            if gain <= s.switch_cost * (1 + self.held):
+            if tuple(chain_keys(chain)) in self.left or gain <= s.switch_cost * (1 + self.held):
                 chain = self.chain
         return chain, ep, time.perf_counter() - t0
 
@@ -156,6 +160,8 @@ class JigsawClient:
             exchange.give_back(ModuleReturn(federation=s.federation, client=self.client, source=m.source, round=r,
                                             position=m.position, samples=res.num_samples), part)
         self.log.record(chain_keys(chain), accuracy, r)
+        if changed:
+            self.left.add(tuple(chain_keys(self.chain)))
         self.held = 1 if changed or self.chain is None else self.held + 1
         self.chain = chain
         fixed = fixed_bytes(self.base.input, s.batch_size)
