@@ -30,8 +30,11 @@ def jigsaw_command(
                                       "(methods with a policy: fedjigsaw, no-coretune, no-symbio)."),
     critic_warmup: int = typer.Option(D.critic_warmup, min=0, help="Policy-phase rounds the server's critic trains "
                                       "before its values drive the clients' advantages."),
-    switch_cost: float = typer.Option(D.switch_cost, min=0.0, help="Nats the policy must prefer a new chain by before "
-                                      "a client switches to it in the model-training phase."),
+    switch_cost: float = typer.Option(D.switch_cost, min=0.0, help="Nats per round the current chain was trained that "
+                                      "the policy must prefer a new chain by before a client switches to it in the "
+                                      "model-training phase."),
+    switch_patience: int = typer.Option(D.switch_patience, min=1, help="Consecutive rounds the policy must prefer the "
+                                        "same new chain that much."),
     execution_temperature: float = typer.Option(D.execution_temperature, min=0.0, help="Sampling temperature of the "
                                                 "model-training phase (0: greedy)."),
     proxy_samples: int = typer.Option(D.proxy_samples, min=10, help="Proxy images per client (rotation task, set "
@@ -65,7 +68,7 @@ def jigsaw_command(
         torch.set_num_threads(threads)
     cfg = JigsawConfig(method=method, dataset=dataset, archs=tuple(a.strip() for a in archs.split(",") if a.strip()),
                        clients=clients, rounds=rounds, policy_rounds=policy_rounds, critic_warmup=critic_warmup,
-                       switch_cost=switch_cost, execution_temperature=execution_temperature, proxy_samples=proxy_samples,
+                       switch_cost=switch_cost, switch_patience=switch_patience, execution_temperature=execution_temperature, proxy_samples=proxy_samples,
                        local_epochs=local_epochs, batch_size=batch_size, lr=lr, non_iid=non_iid, seed=seed,
                        max_samples_per_client=max_samples_per_client, test_per_client=test_per_client, topology=topology,
                        neighbours_k=neighbours_k, budget_headroom=budget_headroom, eval_every=eval_every,

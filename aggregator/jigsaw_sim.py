@@ -35,7 +35,7 @@ from nefl.checkpoint import META_FILE, STATE_FILE, append_metrics
 from nefl.data import ArrayDataset, BatchLoader, get_dataset_info, load_dataset, partition_dirichlet
 from nefl.fsio import atomic_write, atomic_write_text
 from nefl.jigsaw.baselines import scaled_metas, submodel_windows, train_window, width_for_budget
-from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult
+from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
 from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CoReTune, CriticAdvice, PolicyReport
 from nefl.jigsaw.methods import JigsawMethod, get_method
 from nefl.jigsaw.policy import TOKEN_FEATURES
@@ -77,7 +77,8 @@ class JigsawConfig:
     tau: float = 1.0  # pointer temperature
     policy_lr: float = 0.05  # Adam
     execution_temperature: float = 0.0  # model-training phase: 0 decodes greedily
-    switch_cost: float = 1.0  # nats a new chain must gain under the policy before a client switches to it
+    switch_cost: float = 1.0  # nats per round held a new chain must gain under the policy before a client switches to it
+    switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
     eval_every: int = 5  # model-training rounds between evaluations (always after the last)
     data_root: str | None = None
@@ -88,7 +89,8 @@ class JigsawConfig:
 
     def settings(self, max_blocks: int) -> ClientSettings:
         return ClientSettings(FEDERATION, max_blocks, self.batch_size, self.reward_alpha(), self.beta, self.gamma, self.tau,
-                              self.policy_lr, self.execution_temperature, self.switch_cost, self.observation_decay)
+                              self.policy_lr, self.execution_temperature, self.switch_cost, self.switch_patience,
+                              self.observation_decay)
 
 
 @dataclass
@@ -219,7 +221,7 @@ class ModuleFederation:
         borrowed = self.exchange.aggregate()
         whole = 2 * sum(state_bytes(self.exchange.store[m.key]) for c, b in enumerate(self.sim.bases) for m in b.metas(c))
         return {"train_loss": statistics.fmean(r.loss for r in results), "val_accuracy": [r.accuracy for r in results],
-                "chain_changes": statistics.fmean(float(r.changed) for r in results),
+                "chain_changes": statistics.fmean(float(r.changed) for r in results), "chains": [chain_keys(r.chain) for r in results],
                 "decision_seconds": [r.decision_seconds for r in results],
                 "peak_mib": [peak_bytes(r.chain, self.sim.input, self.cfg.batch_size) / 2**20 for r in results],
                 "cap": [r.cap for r in results], "modules_returned": len(borrowed),

@@ -288,7 +288,10 @@ def test_observations_say_how_a_module_did_when_used_how_often_and_how_long_ago(
     log.record(["c1.m0", "c1.m0", "c2.m1"], 0.8, 3)  # used twice in one chain: one use
     log.record(["c1.m0"], 0.4, 4)
     acc, used, uses, age = log.features("c1.m0", 4)
-    assert (acc, used, age) == (pytest.approx(0.6), 1.0, 0.0) and 0 < uses < 1
+    assert (acc, used, age) == (pytest.approx(0.0), 1.0, 0.0) and 0 < uses < 1  # 0.6: as typical (0.6)
+    log.record(["c3.m0"], 0.2, 5)  # typical now 0.4
+    assert log.features("c2.m1", 5)[0] == pytest.approx(0.8 - 0.4) and log.features("c3.m0", 5)[0] == pytest.approx(0.2 - 0.4)
+    assert log.features("c1.m0", 5)[0] == pytest.approx(0.6 - 0.4)  # better than usual on any accuracy scale
     assert log.features("c2.m1", 10)[3] > log.features("c2.m1", 4)[3] > 0  # older, larger
     assert log.features("c1.m0", 4)[2] > log.features("c2.m1", 4)[2]  # used more often
     log.clear()

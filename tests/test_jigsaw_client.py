@@ -27,7 +27,7 @@ from nefl.train import TrainConfig
 
 torch.set_num_threads(1)
 SETTINGS = ClientSettings("fed", max_blocks=7, batch_size=8, alpha=0.9, beta=0.1, gamma=0.95, tau=1.0, policy_lr=0.05,
-                          execution_temperature=0.0, switch_cost=1.0, observation_decay=0.5)
+                          execution_temperature=0.0, switch_cost=1.0, switch_patience=1, observation_decay=0.5)
 NAMES = ("cnn-2", "cnn-3", "cnn-4")
 
 
@@ -109,6 +109,11 @@ def test_a_client_switches_chains_only_for_a_gain_above_the_switch_cost_and_neve
         assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other if keeps else greedy)
     cl.settings, cl.left = replace(SETTINGS, switch_cost=-math.inf), {tuple(chain_keys(greedy))}
     assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other)  # a chain once left is never taken again
+    cl.settings, cl.left, cl.held = replace(SETTINGS, switch_cost=gain / 2 - 1e-3, switch_patience=3), set(), 1
+    picks = [chain_keys(cl._choose(0, explore=False)[0]) for _ in range(3)]
+    assert picks == [chain_keys(other), chain_keys(other), chain_keys(greedy)]  # the third round in a row switches
+    cl.chain, cl.held, cl.pending = other, 2, (tuple(chain_keys(greedy)), 2)  # a round short of the cost starts over
+    assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other) and cl.pending is None
     clients, exchange = _federation()
     cl = clients[1]
     cl.settings, cl.chain, cl.held = replace(SETTINGS, switch_cost=-math.inf), other, 4

@@ -10,14 +10,13 @@ orchestrates, and a device can drive the same step over a broker.
 Two phases, as the paper's schedule:
 - policy (`explore=True`): sample a chain at temperature 1, train and score it, report to the server, learn.
 - model training (`explore=False`): execution. The policy is frozen and decodes greedily (or at a low
-  temperature); the client keeps its current chain unless the policy prefers the new one, under its current
-  observations, by more than `switch_cost` nats for every round the current chain has been trained
-  (log pi(new) - log pi(current) > switch_cost x (1 + rounds trained)), and it never goes back to a chain it
-  has left in this phase. A module trained in one chain is worth most in that chain, and the more so the
-  longer it was trained there, so a switch has to promise a gain that grows with what it throws away. The
-  observations of the modules a client stops using keep changing (their age grows), so a frozen policy can
-  come to prefer the old chain again: without the no-return rule a client flipped between two chains every
-  round, the policy's preference between them swinging by more than the growing cost.
+  temperature). The client switches to the decoded chain only when the policy has preferred that same chain,
+  under its observations of each round, by more than `switch_cost` nats for every round the current chain
+  has been trained (log pi(new) - log pi(current) > switch_cost x (1 + rounds trained)) in `switch_patience`
+  consecutive rounds, and never to a chain it has left in this phase. A module trained in one chain is worth
+  most there, the more so the longer it was trained there; a round's preference can be noise (the accuracy
+  the observations carry is scored on a few dozen validation images); and the observations of the modules a
+  client stops using keep changing, so a frozen policy can come to prefer the old chain again.
 A client without a policy (`assemble=False`, local only) trains its base model every round.
 """
 
@@ -31,7 +30,7 @@ from torch import nn
 
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport, observation
 from nefl.jigsaw.observations import ObservationLog
-from nefl.jigsaw.policy import Agent, Episode, assemble, chain_log_prob, terminal_reward, tokens_for
+from nefl.jigsaw.policy import Agent, Episode, TokenFn, assemble, chain_log_prob, terminal_reward, tokens_for
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleExchange, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, Zoo, build_model, fixed_bytes, peak_bytes
 from nefl.state import load_module_state
@@ -52,6 +51,7 @@ class ClientSettings:
     policy_lr: float
     execution_temperature: float  # 0: greedy
     switch_cost: float  # nats per round trained the policy must prefer a new chain by before the client switches
+    switch_patience: int  # consecutive rounds it must do so
     observation_decay: float
 
 
@@ -95,6 +95,7 @@ class JigsawClient:
         self.chain: list[ModuleMeta] | None = None if assemble else base.metas(client)
         self.held = 0  # rounds the current chain has been trained
         self.left: set[tuple[str, ...]] = set()  # chains left in this phase: never taken again
+        self.pending: tuple[tuple[str, ...], int] | None = None  # a chain the policy keeps preferring, for how many rounds
         self.zoo: Zoo | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.rejected = 0  # advice refused (not for this client, round or episode)
@@ -116,7 +117,7 @@ class JigsawClient:
         """Start of the model-training phase: the modules are fresh, so what was observed of them is void."""
         self.log.clear()
         if self.agent is not None:
-            self.chain, self.held = None, 0
+            self.chain, self.held, self.pending = None, 0, None
             self.left.clear()
 
     # -- the client step ----------------------------------------------------------------------------
@@ -128,16 +129,33 @@ class JigsawClient:
         if self.zoo is None:
             raise RuntimeError(f"client {self.client}: connect() to an exchange before stepping")
         t0 = time.perf_counter()
-        policy, tokens, s = self.agent.policy, tokens_for(self.client, self.log, r), self.settings
-        temperature = 1.0 if explore else s.execution_temperature
-        ep = assemble(policy, self.zoo, tokens, self.data_feature, self.budget, self.client, temperature, self.generator)
-        chain = ep.metas
-        if not explore and self.chain is not None and chain_keys(chain) != chain_keys(self.chain):
-            gain = (chain_log_prob(policy, self.zoo, tokens, self.data_feature, self.budget, self.client, chain)
-                    - chain_log_prob(policy, self.zoo, tokens, self.data_feature, self.budget, self.client, self.chain))
-            if tuple(chain_keys(chain)) in self.left or gain <= s.switch_cost * (1 + self.held):
-                chain = self.chain
-        return chain, ep, time.perf_counter() - t0
+        tokens = tokens_for(self.client, self.log, r)
+        temperature = 1.0 if explore else self.settings.execution_temperature
+        ep = assemble(self.agent.policy, self.zoo, tokens, self.data_feature, self.budget, self.client, temperature, self.generator)
+        if explore or self.chain is None:
+            return ep.metas, ep, time.perf_counter() - t0
+        return self._switch_or_keep(ep.metas, tokens), ep, time.perf_counter() - t0
+
+    def _switch_or_keep(self, candidate: list[ModuleMeta], tokens: TokenFn) -> list[ModuleMeta]:
+        """The execution phase's switching rule (module docstring); `pending` counts the rounds in a row the
+        same candidate has cleared the cost."""
+        assert self.agent is not None and self.zoo is not None and self.chain is not None
+        key = tuple(chain_keys(candidate))
+        cost = self.settings.switch_cost * (1 + self.held)
+        if (key == tuple(chain_keys(self.chain)) or key in self.left
+                or self._score(candidate, tokens) - self._score(self.chain, tokens) <= cost):
+            self.pending = None
+            return self.chain
+        rounds = self.pending[1] + 1 if self.pending is not None and self.pending[0] == key else 1
+        if rounds < self.settings.switch_patience:
+            self.pending = (key, rounds)
+            return self.chain
+        self.pending = None
+        return candidate
+
+    def _score(self, chain: list[ModuleMeta], tokens: TokenFn) -> float:
+        assert self.agent is not None and self.zoo is not None
+        return chain_log_prob(self.agent.policy, self.zoo, tokens, self.data_feature, self.budget, self.client, chain)
 
     def step(self, r: int, loaders: Loaders, exchange: ModuleExchange, train_cfg: TrainConfig, probe: torch.Tensor,
              explore: bool) -> StepResult:
