@@ -68,7 +68,8 @@ def jigsaw_command(
         torch.set_num_threads(threads)
     cfg = JigsawConfig(method=method, dataset=dataset, archs=tuple(a.strip() for a in archs.split(",") if a.strip()),
                        clients=clients, rounds=rounds, policy_rounds=policy_rounds, critic_warmup=critic_warmup,
-                       switch_cost=switch_cost, switch_patience=switch_patience, execution_temperature=execution_temperature, proxy_samples=proxy_samples,
+                       switch_cost=switch_cost, switch_patience=switch_patience,
+                       execution_temperature=execution_temperature, proxy_samples=proxy_samples,
                        local_epochs=local_epochs, batch_size=batch_size, lr=lr, non_iid=non_iid, seed=seed,
                        max_samples_per_client=max_samples_per_client, test_per_client=test_per_client, topology=topology,
                        neighbours_k=neighbours_k, budget_headroom=budget_headroom, eval_every=eval_every,
@@ -105,6 +106,7 @@ def jigsaw_command(
     for col in ("client", "base", "budget MiB", "model", "local top-1"):
         table.add_column(col, justify="right" if col in ("budget MiB", "local top-1") else "left")
     for c, acc in enumerate(result.accuracy):
-        table.add_row(str(c), sim.bases[c].name, f"{sim.budgets[c] / 2**20:.1f}", " ".join(result.architectures[c]), f"{100 * acc:.2f}")
+        table.add_row(str(c), sim.bases[c].name, f"{sim.budgets[c] / 2**20:.1f}", " ".join(result.architectures[c]),
+                      f"{100 * acc:.2f}")
     table.add_row("mean ± std", "", "", "", f"{100 * result.mean:.2f} ± {100 * result.std:.2f}")
     console().print(table)

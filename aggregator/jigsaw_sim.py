@@ -221,7 +221,8 @@ class ModuleFederation:
         borrowed = self.exchange.aggregate()
         whole = 2 * sum(state_bytes(self.exchange.store[m.key]) for c, b in enumerate(self.sim.bases) for m in b.metas(c))
         return {"train_loss": statistics.fmean(r.loss for r in results), "val_accuracy": [r.accuracy for r in results],
-                "chain_changes": statistics.fmean(float(r.changed) for r in results), "chains": [chain_keys(r.chain) for r in results],
+                "chain_changes": statistics.fmean(float(r.changed) for r in results),
+                "chains": [chain_keys(r.chain) for r in results],
                 "decision_seconds": [r.decision_seconds for r in results],
                 "peak_mib": [peak_bytes(r.chain, self.sim.input, self.cfg.batch_size) / 2**20 for r in results],
                 "cap": [r.cap for r in results], "modules_returned": len(borrowed),
@@ -317,7 +318,8 @@ class WidthFederation:
         return model
 
     def describe(self, c: int) -> list[str]:
-        return [f"{self.global_base.name}x{self.widths[c]}:{m.type}>{m.d_out[0]}" for m in scaled_metas(self.global_base, self.widths[c])]
+        metas = scaled_metas(self.global_base, self.widths[c])
+        return [f"{self.global_base.name}x{self.widths[c]}:{m.type}>{m.d_out[0]}" for m in metas]
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.global_state

@@ -131,7 +131,8 @@ class JigsawClient:
         t0 = time.perf_counter()
         tokens = tokens_for(self.client, self.log, r)
         temperature = 1.0 if explore else self.settings.execution_temperature
-        ep = assemble(self.agent.policy, self.zoo, tokens, self.data_feature, self.budget, self.client, temperature, self.generator)
+        ep = assemble(self.agent.policy, self.zoo, tokens, self.data_feature, self.budget, self.client, temperature,
+                      self.generator)
         if explore or self.chain is None:
             return ep.metas, ep, time.perf_counter() - t0
         return self._switch_or_keep(ep.metas, tokens), ep, time.perf_counter() - t0
@@ -188,7 +189,8 @@ class JigsawClient:
         return StepResult(r, chain, changed, accuracy, res.loss, res.num_samples, cap, decision_s, model, episode, report)
 
     @torch.no_grad()
-    def _report(self, r: int, episode: Episode, accuracy: float, cap: float, model: nn.Module, probe: torch.Tensor) -> PolicyReport:
+    def _report(self, r: int, episode: Episode, accuracy: float, cap: float, model: nn.Module,
+                probe: torch.Tensor) -> PolicyReport:
         """E_data (the trained model's mean output on the shared probe) and h_t per decision, for the server."""
         feature = model.eval()(probe).softmax(1).mean(0)
         obs = [observation(feature, st.state, self.settings.max_blocks).tolist() for st in episode.steps]

@@ -206,7 +206,8 @@ class Agent:
             base = torch.tensor(list(values), dtype=torch.float32)
         else:
             base = torch.full_like(ret, reward if self.baseline is None else self.baseline)
-        self.baseline = reward if self.baseline is None else self.baseline_decay * self.baseline + (1 - self.baseline_decay) * reward
+        decay = self.baseline_decay
+        self.baseline = reward if self.baseline is None else decay * self.baseline + (1 - decay) * reward
         advantage = ret - base
         loss = -(log_probs(self.policy, episode) * advantage).sum()
         self.opt.zero_grad(set_to_none=True)
