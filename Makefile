@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw lint clean
+.PHONY: env wheel system-deps test test-fast demo bench-systems bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,15 @@ bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations
 bench-fedjigsaw: env system-deps  ## FedJigsaw vs HeteroFL/FedRolex and its ablations on Fashion-MNIST, about an hour, resumable -> docs/fedjigsaw.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_fedjigsaw.py
+
+bench-robust: env system-deps  ## every aggregation rule against 7 poisoning attacks at 0-30% attackers, IID and Dir(0.5), and its cost -> docs/security.md
+	$(PY) benchmarks/bench_robust.py
+
+bench-attacks-serve: env system-deps  ## the robustness issue's three attacks over `aggregator serve` with real processes on mosquitto -> docs/security.md
+	$(PY) benchmarks/bench_attacks_serve.py
+
+bench-control-plane: env system-deps  ## issue 21's control-plane attacks (forged workers, floods, replays) with real processes -> docs/security.md
+	$(PY) benchmarks/bench_control_plane.py
 
 lint: env  ## pyflakes-level checks (unused imports, undefined names) with ruff
 	$(PY) -m ruff check --select F,E9 --line-length 130 nefl aggregator edge_client export tests benchmarks

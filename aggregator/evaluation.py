@@ -34,10 +34,12 @@ class Evaluator:
 
     @classmethod
     def for_dataset(cls, layout: Layout, dataset: str, max_samples: int | None = None, data_root: str | None = None,
-                    calibration_samples: int = 2000, seed: int = 0) -> "Evaluator":
-        """The server's evaluator: loads the training split only when static BN needs it."""
+                    calibration_samples: int = 2000, seed: int = 0, test: ArrayDataset | None = None) -> "Evaluator":
+        """The server's evaluator on `dataset`'s test split (or `test`, a part of it); loads the training
+        split only when static BN needs it."""
         train = load_dataset(dataset, data_root, train=True) if layout.method.static_bn else None
-        return cls(layout, load_dataset(dataset, data_root, train=False), train, max_samples, calibration_samples, seed)
+        test = test if test is not None else load_dataset(dataset, data_root, train=False)
+        return cls(layout, test, train, max_samples, calibration_samples, seed)
 
     def accuracy(self, state: GlobalState, max_samples: int | None = None) -> list[float]:
         """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);

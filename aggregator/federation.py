@@ -13,18 +13,20 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
-from nefl.aggregate import NeFedAvg, UpdateError
+from nefl.aggregate import Aggregator, RoundAggregate, UpdateError
 from nefl.checkpoint import UPDATES_TOTAL_KEY
 from nefl.messages import Announce, DeviceSummary
 from nefl.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
+from nefl.robust_aggregate import AggregationConfig, AggregationRule
 from nefl.state import GlobalState, Layout
+from nefl.wire import Assembled, ChunkHeader
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +58,43 @@ class ClientLimits:
     max_clients: int = 10_000  # client table size; offline clients are evicted first
     forget_after_s: float = 3600.0  # an offline client is forgotten after this long
     announces_per_minute: int = 30  # honest devices announce on changes, a few times per round
-    require_device_keys: bool = False  # refuse devices that do not sign (every edge-client signs)
-    max_pinned_keys: int = 100_000  # device keys remembered (kept past the client table: a pin outlives absence)
 
 
 @dataclass(frozen=True)
 class Robustness:
-    """What an update and a new global state must satisfy to count (docs/security.md)."""
+    """What an update and a new global state must satisfy to count, and the rule that merges the
+    round's updates (docs/security.md)."""
 
     bound: NormBound = NormBound()
     max_weight_abs: float = 1e6  # a committed state never holds |w| above this
     dp_noise_multiplier: float = 0.0  # DP-FedAvg: noise std = multiplier x the clip norm (bound.max_norm)
     dp_seed: int | None = None  # None: fresh OS randomness (what DP needs); a seed only for tests
+    aggregation: AggregationConfig = AggregationConfig()
 
     def __post_init__(self) -> None:
         if self.dp_noise_multiplier > 0 and (self.bound.mode != "clip" or self.bound.max_norm is None):
             raise ValueError("DP noise needs every update clipped: give --max-update-norm and --clip")
+        if self.dp_noise_multiplier > 0 and (self.aggregation.rule != "nefedavg" or self.aggregation.centre_check):
+            raise ValueError("DP noise is calibrated to plain NeFedAvg: a robust rule or the centre check drops or "
+                             "rescales updates by what other clients sent; use --aggregator nefedavg --no-centre-check")
+
+
+@dataclass(frozen=True)
+class Update:
+    """A complete update as the round engine judges it: who sent it, for which task, and its tensors."""
+
+    client: str
+    round: int
+    submodel: int
+    samples: int
+    delta: dict[str, torch.Tensor]
+    nbytes: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, client: str, done: Assembled) -> Update:
+        h = done.header
+        return cls(client, h.round, h.submodel, h.samples, done.tensors, done.nbytes, h.metrics)
 
 
 @dataclass
@@ -83,6 +106,10 @@ class RoundState:
     received: set[str] = field(default_factory=set)
     client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     declined: dict[str, str] = field(default_factory=dict)  # client -> its reason
+    refused: dict[str, str] = field(default_factory=dict)  # participant -> why its own (signed) update was refused
+    norms: dict[str, float] = field(default_factory=dict)  # client -> its accepted update's norm
+    # accepted here while workers take the round's updates (a resend): folded at close unless a worker had it
+    deferred: dict[str, tuple[int, dict[str, torch.Tensor], int]] = field(default_factory=dict)
 
 
 def state_digest(state: GlobalState) -> str:
@@ -100,7 +127,10 @@ class Federation:
                  min_clients: int, round_timeout: float, weighting: str = "uniform", seed: int = 0,
                  limits: ClientLimits = ClientLimits(), robustness: Robustness = Robustness(), offline_grace_s: float = 10.0,
                  assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
-                 trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3) -> None:
+                 trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3,
+                 aggregator: Aggregator | None = None) -> None:
+        """`aggregator`: the rule that merges each round's updates (the seam); by default the one
+        `robustness.aggregation` configures."""
         if min_clients < 1 or clients_per_round < min_clients:
             raise ValueError("need 1 <= --min-clients <= --clients-per-round")
         if trained_updates is not None and len(trained_updates) != layout.num_submodels:
@@ -112,6 +142,7 @@ class Federation:
         self.limits = limits
         self.offline_grace_s = offline_grace_s
         self.robustness = robustness
+        self.aggregator = aggregator or AggregationRule(layout, robustness.aggregation, weighting, seed=seed)
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self._noise = torch.Generator()
         if robustness.dp_seed is None:
@@ -123,9 +154,9 @@ class Federation:
         # last status per client id, announced or not (retained statuses and announces arrive in any
         # order); bounded like the client table, oldest entries first out
         self.presence: OrderedDict[str, bool] = OrderedDict()
-        self.keys: dict[str, str] = {}  # client id -> its device public key, pinned on first signed announce
+        self.defer_direct = False  # workers take the round's updates: hold what arrives here until their partials
         self.round: RoundState | None = None
-        self.agg: NeFedAvg | None = None
+        self.agg: RoundAggregate | None = None
         self.rejected: Counter[str] = Counter()
         self.bytes_in = 0
         self._rng = random.Random(seed)
@@ -157,19 +188,6 @@ class Federation:
             r.declined[client_id] = info.selection or f"can train submodel <= {info.max_submodel + 1} now"
         return info
 
-    def check_key(self, client_id: str, key: str) -> None:
-        """The key a (verified) announce names must be the one pinned for this id; the first one is pinned."""
-        pinned = self.keys.get(client_id)
-        if pinned is None:
-            if not key and self.limits.require_device_keys:
-                raise Rejected("unsigned", f"{client_id} does not sign its messages and --require-device-keys is on")
-            if key and len(self.keys) < self.limits.max_pinned_keys:
-                self.keys[client_id] = key
-        elif key != pinned:
-            raise Rejected("key_mismatch" if key else "unsigned",
-                           f"{client_id} is pinned to device key {pinned[:12]}..., this message "
-                           + (f"is signed by {key[:12]}..." if key else "is not signed"))
-
     def _admit(self, client_id: str, now: float) -> ClientInfo:
         """A table slot for a new client: forget long-offline clients, then the longest-offline one."""
         self.forget_offline(now)
@@ -192,12 +210,24 @@ class Federation:
             del self.clients[c]
         return gone
 
+    def forget(self, client_id: str, why: str) -> None:
+        """Drop a client (its enrolment was revoked or expired): not drawn again, not waited for this round."""
+        self.clients.pop(client_id, None)
+        self.presence.pop(client_id, None)
+        r = self.round
+        if r is not None and client_id in r.assignments and client_id not in r.received:
+            del r.assignments[client_id]
+            r.declined[client_id] = why
+
     def set_online(self, client_id: str, online: bool, now: float | None = None) -> None:
-        """A client's status message: only a device that said "online" (and has not gone) is picked."""
+        """A client's status message: only a device that said "online" (and has not gone) is picked. The
+        presence table is bounded; ids that never announced go first, so a flood of statuses under made-up
+        ids cannot push the known clients out."""
         self.presence[client_id] = online
         self.presence.move_to_end(client_id)
-        while len(self.presence) > self.limits.max_clients:
-            self.presence.popitem(last=False)
+        if len(self.presence) > self.limits.max_clients:
+            stranger = next((c for c in self.presence if c not in self.clients), None)
+            self.presence.pop(stranger if stranger is not None else next(iter(self.presence)))
         if client_id in self.clients:
             info = self.clients[client_id]
             info.online, info.last_seen = online, time.monotonic() if now is None else now
@@ -216,8 +246,8 @@ class Federation:
         assigned = self._assign([Candidate(c, m, self.tiers.get(c, m)) for c, m in bounds.items()],
                                 coverage_order(self.trained_updates), self._rng)
         self.round = RoundState(index, {c: assigned[c] for c in chosen}, now + self.round_timeout, now)
-        self.agg = NeFedAvg(self.layout, self.weighting)
         self._reference = {}
+        self.agg = self.aggregator.begin_round(self.state, self.round.assignments, index, self.weight_norm)
         return self.round
 
     def adopt_round(self, index: int, assignments: dict[str, int], references: Sequence[float],
@@ -226,54 +256,85 @@ class Federation:
         submodel's relative bound compares against) instead of its own draw, so the checks match."""
         now = time.monotonic() if now is None else now
         self.round = RoundState(index, dict(assignments), now + self.round_timeout, now)
-        self.agg = NeFedAvg(self.layout, self.weighting)
         self._reference = {k: float(v) for k, v in enumerate(references) if v > 0}
+        self.agg = self.aggregator.begin_round(self.state, self.round.assignments, index, self.weight_norm)
         return self.round
 
-    def check_header(self, topic_client: str, header: dict[str, Any]) -> int:
-        """Identity and round checks before the payload is even hashed; returns the submodel."""
-        r = self.round
-        if header["kind"] != "update":
-            raise Rejected("wrong_kind", f"{header['kind']!r} message on an update topic")
-        if header["federation"] != self.name:
-            raise Rejected("wrong_federation", f"federation {header['federation']!r}, this is {self.name!r}")
-        if header["client"] != topic_client:
-            raise Rejected("client_mismatch", f"payload says client {header['client']!r}, topic says {topic_client!r}")
-        if r is None or header["round"] != r.index:
-            raise Rejected("stale_round", f"round {header['round']}, open round is {r.index if r else None}")
-        if topic_client not in r.assignments:
-            raise Rejected("unassigned", f"{topic_client} is not a participant of round {r.index}")
-        if header["submodel"] != r.assignments[topic_client]:
-            raise Rejected("submodel_mismatch",
-                           f"update for submodel {header['submodel'] + 1}, assigned {r.assignments[topic_client] + 1}")
-        if topic_client in r.received:
-            raise Rejected("duplicate_update", f"{topic_client} already reported round {r.index}")
-        return header["submodel"]
+    def weight_norm(self, k: int) -> float:
+        """Norm of submodel k's weights at the round's start (what relative bounds compare with), once a round."""
+        if k not in self._reference:
+            self._reference[k] = reference_norm(self.state, self.layout, k)
+        return self._reference[k]
 
-    def accept(self, topic_client: str, header: dict[str, Any], delta: dict[str, torch.Tensor], nbytes: int) -> None:
-        k = self.check_header(topic_client, header)
-        if header["samples"] < 1:
-            raise Rejected("bad_samples", f"sample count {header['samples']}")
+    def check_header(self, topic_client: str, header: ChunkHeader) -> int:
+        """Identity and round checks before the payload is even hashed; returns the submodel."""
+        if header.kind != "update":
+            raise Rejected("wrong_kind", f"{header.kind!r} message on an update topic")
+        if header.federation != self.name:
+            raise Rejected("wrong_federation", f"federation {header.federation!r}, this is {self.name!r}")
+        if header.client != topic_client:
+            raise Rejected("client_mismatch", f"payload says client {header.client!r}, topic says {topic_client!r}")
+        return self._check_task(topic_client, header.round, header.submodel)
+
+    def _check_task(self, client: str, index: int, k: int) -> int:
+        """An update must answer this client's task of the open round, once; returns the submodel."""
+        r = self.round
+        if r is None or index != r.index:
+            raise Rejected("stale_round", f"round {index}, open round is {r.index if r else None}")
+        if client not in r.assignments:
+            raise Rejected("unassigned", f"{client} is not a participant of round {r.index}")
+        if k != r.assignments[client]:
+            raise Rejected("submodel_mismatch", f"update for submodel {k + 1}, assigned {r.assignments[client] + 1}")
+        if client in r.received:
+            raise Rejected("duplicate_update", f"{client} already reported round {r.index}")
+        return k
+
+    def refused(self, client: str, index: int, reason: str) -> None:
+        """A participant's own (signed) update for this round was refused: the round stops waiting for it.
+        A later valid update from it still counts."""
+        r = self.round
+        if r is not None and r.index == index and client in r.assignments and client not in r.received:
+            r.refused.setdefault(client, reason)
+
+    def accept(self, u: Update) -> None:
+        """Shapes, norm bound, then into the round's aggregate (or held back, see `defer_direct`); raises
+        Rejected with the reason."""
+        k = self._check_task(u.client, u.round, u.submodel)
+        if u.samples < 1:
+            raise Rejected("bad_samples", f"sample count {u.samples}")
         try:
             # the wire decoder proved every value finite; the norm bound would refuse NaN/inf anyway
-            self.agg.check_shapes(k, delta)
-            if k not in self._reference:
-                self._reference[k] = reference_norm(self.state, self.layout, k)
-            delta, norm, clipped = self.guard.check(k, delta, self._reference[k])
-            self.agg.add_validated(k, delta, header["samples"], owned=True)
+            self.agg.check_shapes(k, u.delta)
+            delta, norm, clipped = self.guard.check(k, u.delta, self.weight_norm(k))
+            if self.defer_direct:
+                self.round.deferred[u.client] = (k, delta, u.samples)
+            else:
+                self.agg.add_validated(k, delta, u.samples, client=u.client, owned=True)
         except UpdateError as e:
             raise Rejected("tensor_mismatch", str(e)) from None
         except UpdateRejected as e:
             raise Rejected(e.reason, str(e)) from None
-        self.guard.record(k, norm)
-        self.round.received.add(topic_client)
-        metrics = header["metrics"]
-        self.round.client_metrics[topic_client] = {
-            "submodel": k + 1, "bytes": nbytes, "samples": header["samples"], "norm": round(norm, 6), "clipped": clipped,
+        r = self.round
+        r.received.add(u.client)
+        r.norms[u.client] = norm
+        metrics = u.metrics
+        r.client_metrics[u.client] = {
+            "submodel": k + 1, "bytes": u.nbytes, "samples": u.samples, "norm": round(norm, 6), "clipped": clipped,
             **{m: v for m, v in metrics.items() if isinstance(v, (int, float))},
             **({"selection": metrics["selection"][:200]} if isinstance(metrics.get("selection"), str) else {}),
         }
-        self.bytes_in += nbytes
+        self.bytes_in += u.nbytes
+
+    def fold_deferred(self, merged: set[str]) -> list[str]:
+        """Fold the updates held back this round into the aggregate, except those a worker's merged partial
+        holds already (a resend whose first copy reached a worker after all); returns the ones folded."""
+        r, folded = self.round, []
+        for c, (k, delta, samples) in sorted(r.deferred.items()):
+            if c not in merged:
+                self.agg.add_validated(k, delta, samples, client=c, owned=True)
+                folded.append(c)
+        r.deferred.clear()
+        return folded
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
@@ -289,7 +350,7 @@ class Federation:
         r = self.round
         now = time.monotonic() if now is None else now
         gone = set(self.gone_offline())
-        return [c for c in r.assignments if c not in r.received
+        return [c for c in r.assignments if c not in r.received and c not in r.refused
                 and (c not in gone or (c in self.clients and now - self.clients[c].last_seen < self.offline_grace_s))]
 
     def complete(self, now: float | None = None) -> bool:
@@ -300,21 +361,36 @@ class Federation:
         return not self.waiting_for(now) or now >= r.deadline
 
     def close_round(self) -> dict[str, Any]:
-        """Fold the aggregate into the global state (only with quorum); returns the round's facts."""
+        """Fold the aggregate into the global state (only with quorum); returns the round's facts.
+        The adaptive bound remembers the norms of the updates the rule kept, once they are committed."""
         r, agg = self.round, self.agg
         quorum = len(r.received) >= self.min_clients
+        held = agg.held_bytes
         problem = self._commit(agg) if quorum else "no quorum"
-        self._count_training(r.index, agg.updates if problem is None else [0] * len(agg.updates))
+        kept = sorted(c for c in r.received if c not in agg.dropped) if problem is None else []
+        for c in kept:
+            if c in r.norms:
+                self.guard.record(r.assignments[c], c, r.norms[c])
+        self._count_training(r.index, self._per_submodel(kept))
         facts = {
             "round": r.index, "quorum": quorum, "committed": problem is None, "not_committed": problem,
             "participants": sorted(r.assignments),
             "assigned": {c: k + 1 for c, k in sorted(r.assignments.items())},
             "reported": sorted(r.received), "declined": r.declined,
-            "went_offline": self.gone_offline(), "updates_per_submodel": list(agg.updates),
+            **({"refused": dict(sorted(r.refused.items()))} if r.refused else {}),
+            "went_offline": self.gone_offline(), "updates_per_submodel": self._per_submodel(r.received),
             UPDATES_TOTAL_KEY: list(self.trained_updates), "clients": r.client_metrics,
+            "aggregator": agg.name, "aggregate_held_bytes": held, **agg.facts(),
         }
         self.round, self.agg = None, None
         return facts
+
+    def _per_submodel(self, clients: Iterable[str]) -> list[int]:
+        """How many of these participants' updates each submodel got this round."""
+        counts = [0] * self.layout.num_submodels
+        for c in clients:
+            counts[self.round.assignments[c]] += 1
+        return counts
 
     def _count_training(self, index: int, committed: list[int]) -> None:
         """Cumulative updates per submodel, and a warning while one goes untrained: its weights stay
@@ -329,7 +405,7 @@ class Federation:
                         "train them", ", ".join(map(str, stale)), self.warn_untrained_after, self.assignment, fix,
                         extra={"round": index})
 
-    def _commit(self, agg: NeFedAvg) -> str | None:
+    def _commit(self, agg: RoundAggregate) -> str | None:
         """Make the aggregate the new state unless it is not finite and bounded; returns why not."""
         rb = self.robustness
         if rb.dp_noise_multiplier > 0:

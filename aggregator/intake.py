@@ -3,7 +3,9 @@
 
 Size cap, header parse, the device's signature, QoS 1 redelivery, identity and round checks, then
 reassembly and the Federation's shape / finite / norm checks: whoever runs it, an update is judged
-the same way. Raises WireError, MessageError or Rejected with the reason the caller counts.
+the same way. Raises WireError, MessageError or Rejected with the reason the caller counts. A refusal of
+an update that carried its participant's own signature also tells the Federation, which then stops
+holding the round for that participant (a forger cannot do that to it: its chunks fail the signature).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from aggregator.federation import Federation, Rejected
+from aggregator.federation import Federation, Rejected, Update
 from nefl.signing import parse_public_key, verify
-from nefl.wire import Assembled, Reassembler, WireError, parse_chunk, split_chunk
+from nefl.wire import Assembled, ChunkHeader, Reassembler, WireError, parse_chunk, split_chunk
 
 
 class DeviceKeys:
@@ -47,12 +49,21 @@ def take_update(fed: Federation, reasm: Reassembler, keys: DeviceKeys, client: s
     if reasm.is_duplicate(header):
         return None
     try:
+        return _judge(fed, reasm, client, header, payload)
+    except (Rejected, WireError) as e:
+        if key is not None:
+            fed.refused(client, header.round, e.reason)
+        raise
+
+
+def _judge(fed: Federation, reasm: Reassembler, client: str, header: ChunkHeader, payload: bytes) -> Assembled | None:
+    try:
         fed.check_header(client, header)
     except Rejected:
-        if header["index"] == 0:
+        if header.index == 0:
             raise
         return None
     done = reasm.feed(payload)
     if done is not None:
-        fed.accept(client, done.header, done.tensors, done.nbytes)
+        fed.accept(Update.from_wire(client, done))
     return done

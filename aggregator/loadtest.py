@@ -30,6 +30,7 @@ from nefl.mqtt import QOS, BrokerSettings, make_client, parse_broker
 from nefl.profile import ProfileError, load_profile
 from nefl.signing import split_signed
 from nefl.state import Layout
+from nefl.tensors import corner
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES, encode
 
@@ -38,12 +39,25 @@ log = logging.getLogger("aggregator.loadtest")
 
 def device_delta(layout: Layout, k: int, client: str, round_: int, scale: float = 1e-3, seed: int = 0,
                  pool: int = 0) -> dict[str, torch.Tensor]:
-    """The delta `client` sends for submodel k in `round_`: Gaussian * scale, seeded by what it names.
-    pool > 0 draws it from `pool` variants per submodel instead (cheap to cache in a load run)."""
+    """The delta `client` sends for submodel k in `round_`, seeded by what it names: the round's common
+    direction (one Gaussian of the global shapes, each submodel its corner, as honest devices that train
+    one model share a descent direction) plus as much Gaussian noise of its own, times `scale`. So the
+    fleet passes the server's centre check as honest devices do. pool > 0 draws the noise from `pool`
+    variants per submodel instead (cheap to cache in a load run)."""
     name = f"{seed}|{k}|{int(hashlib.sha256(f'{client}|{round_}'.encode()).hexdigest(), 16) % pool}" if pool \
         else f"{seed}|{k}|{client}|{round_}"
-    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big"))
-    return {n: torch.randn(s, generator=g).mul_(scale) for n, s in layout.upload_shapes(k).items()}
+    own = torch.Generator().manual_seed(_seed_of(name))
+    return {n: (_common(layout, n, seed, round_)[corner(s)] + torch.randn(s, generator=own)).mul_(scale)
+            for n, s in layout.upload_shapes(k).items()}
+
+
+def _common(layout: Layout, name: str, seed: int, round_: int) -> torch.Tensor:
+    """The round's shared direction of one global tensor (seeded per tensor, so every submodel cuts the same one)."""
+    return torch.randn(layout.global_shapes[name], generator=torch.Generator().manual_seed(_seed_of(f"{seed}|{round_}|{name}")))
+
+
+def _seed_of(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
 @dataclass(frozen=True)

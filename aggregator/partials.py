@@ -1,11 +1,15 @@
 """Partial aggregates across processes: a worker's NeFedAvg as tensors + a typed summary, and the
-coordinator's side of its workers and site relays (round plans, receipts, exact merge, losses).
+coordinator's side of its workers and site relays (round plans, receipts, checked merge, losses).
 
 NeFedAvg is a weighted sum and a total weight per submodel group, so partials merge exactly:
 the coordinator adds the workers' group sums (float32, the same dtype NeFedAvg sums in) and their
 float64 weights, then finalizes once. Only the order of float32 additions differs from one process
 summing every update, which docs/scale.md bounds. A worker that dies loses only the updates it
 held; they are counted in the round's metrics, and the round closes with everybody else's.
+
+Workers and relays are authenticated: every message on `worker/{id}/...` must be signed by the key the
+operator authorised for that id (aggregator/enrolment.py), or it is a counted rejection. And a partial is
+believed only as far as the coordinator can check it against the receipts it saw (`check_partial`).
 """
 
 from __future__ import annotations
@@ -21,50 +25,80 @@ import msgspec
 import torch
 
 from aggregator.federation import Federation, Rejected
-from nefl.aggregate import NeFedAvg
+from aggregator.intake import DeviceKeys
+from nefl.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
 from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BYTES, BoundSettings, PartialSummary, Receipt, RoundClose,
-                           WorkerRound, WorkerStatus)
+                           ScreenSettings, StatusBook, WorkerRound, WorkerStatus)
 from nefl.profile import Profile
-from nefl.robust import NormBound, reference_norm
-from nefl.signing import Signer
+from nefl.robust import NormBound, reference_norm, update_norm
+from nefl.robust_aggregate import AggregationConfig
+from nefl.signing import Signer, verify
 from nefl.state import Layout
 from nefl.topics import Topics
-from nefl.wire import Assembled, Reassembler, WireError, parse_chunk
+from nefl.wire import Assembled, Reassembler, WireError, parse_chunk, split_chunk
 
 log = logging.getLogger("aggregator.server")
 MAX_WORKERS = 1024  # workers and relays of one federation (a hostile id flood stops here)
-SEP = "/"  # partial tensor names: "{submodel}/{tensor name}"
+NORM_SLACK = 1e-4  # relative: float32 sums and float64 norms of the same numbers differ by ~1e-6
 
 
-def partial_tensors(agg: NeFedAvg) -> dict[str, torch.Tensor]:
-    """Every group sum of `agg`, keyed "{k}/{name}"."""
-    return {f"{k}{SEP}{n}": t for k, group in enumerate(agg.groups) for n, t in group.items()}
+@dataclass(frozen=True)
+class Held:
+    """What an (authenticated) accepted receipt told the coordinator about one update a worker holds."""
+
+    worker: str
+    submodel: int
+    weight: float  # what the update counts for in its group (uniform: 1; samples: its sample count)
+    norm: float  # its L2 norm as the worker's bound measured it (<= the bound, checked on receipt)
 
 
-def partial_from(layout: Layout, summary: PartialSummary, tensors: dict[str, torch.Tensor]) -> NeFedAvg:
-    """A worker's partial back as a NeFedAvg, refusing anything that is not exactly what a
-    NeFedAvg of `layout` could hold (group names and shapes, counts that agree with the weights)."""
+def check_partial(layout: Layout, summary: PartialSummary, tensors: dict[str, torch.Tensor], held: dict[str, Held],
+                  worker: str, weighting: Weighting = "uniform") -> tuple[NeFedAvg, dict[str, float]]:
+    """A worker's partial as a NeFedAvg, and the norms of its kept updates that the adaptive bound may
+    record; WireError("bad_partial") unless the partial is what the receipts the coordinator saw allow:
+    it names only clients the worker receipted, each submodel's count and weight are exactly those of
+    its kept updates, the tensors are exactly a NeFedAvg of the layout's, and each group sum's norm is
+    at most the weighted sum of its updates' receipted norms (triangle inequality, so no group carries
+    more than its updates; each receipted norm was checked against the bound on arrival). A group of
+    one update reveals that update: its norm is recomputed from the sum; in larger groups the receipted
+    norms are recorded as bounded above by the bound and, together, below by the sum."""
+    mine = {c: h for c, h in held.items() if h.worker == worker}
+    unknown = sorted(set(summary.clients) - set(mine))
+    if unknown:
+        raise WireError("bad_partial", f"{worker}'s partial names {unknown[:5]}, which it sent no accepted receipt for")
+    if not set(summary.dropped) <= set(summary.clients):
+        raise WireError("bad_partial", "the summary drops clients it does not name")
+    kept = [c for c in summary.clients if c not in summary.dropped]
     num = layout.num_submodels
-    if len(summary.weights) != num or len(summary.updates) != num or len(summary.norms) not in (0, num):
-        raise WireError("bad_partial", f"summary lists {len(summary.weights)} weights, {len(summary.updates)} counts "
-                                       f"and {len(summary.norms)} norm lists for {num} submodels")
-    if sum(summary.updates) != len(summary.clients):
-        raise WireError("bad_partial", f"{sum(summary.updates)} updates but {len(summary.clients)} clients")
-    agg = NeFedAvg(layout)
-    for name, t in tensors.items():
-        k, _, n = name.partition(SEP)
-        if not k.isdigit() or int(k) >= num:
-            raise WireError("bad_partial", f"tensor {name!r} names no submodel")
-        agg.groups[int(k)][n] = t
+    counts, weights = [0] * num, [0.0] * num
+    for c in kept:
+        counts[mine[c].submodel] += 1
+        weights[mine[c].submodel] += mine[c].weight
+    if len(summary.updates) != num or list(summary.updates) != counts:
+        raise WireError("bad_partial", f"{worker}'s partial counts {list(summary.updates)} updates per submodel, its "
+                                       f"receipts {counts}")
+    if len(summary.weights) != num or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+                                                for a, b in zip(summary.weights, weights)):
+        raise WireError("bad_partial", f"{worker}'s partial weighs its submodels {list(summary.weights)}, its receipts {weights}")
+    try:
+        agg = NeFedAvg.from_partial(layout, weights, counts, tensors, weighting)
+    except UpdateError as e:
+        raise WireError("bad_partial", str(e)) from None
+    norms = {}
     for k in range(num):
-        have, want = agg.groups[k], layout.upload_shapes(k) if summary.updates[k] else {}
-        if set(have) != set(want) or any(have[n].shape != want[n] for n in want):
-            raise WireError("bad_partial", f"submodel {k + 1}: partial tensors do not match its upload shapes")
-        if (summary.updates[k] > 0) != (summary.weights[k] > 0):
-            raise WireError("bad_partial", f"submodel {k + 1}: {summary.updates[k]} updates of weight {summary.weights[k]}")
-    agg.weights = torch.tensor(summary.weights, dtype=torch.float64)
-    agg.updates = list(summary.updates)
-    return agg
+        members = [c for c in kept if mine[c].submodel == k]
+        if not members:
+            continue
+        got = update_norm(agg.groups[k])
+        allowed = math.fsum(mine[c].weight * mine[c].norm for c in members)
+        if not got <= allowed * (1 + NORM_SLACK) + 1e-12:
+            raise WireError("bad_partial", f"{worker}'s submodel {k + 1} sum has norm {got:.4g}, more than its "
+                                           f"{len(members)} update(s) can add up to ({allowed:.4g})")
+        if len(members) == 1:
+            norms[members[0]] = got / mine[members[0]].weight
+        else:
+            norms.update((c, mine[c].norm) for c in members)
+    return agg, norms
 
 
 def partial_bytes_limit(layout: Layout) -> int:
@@ -78,6 +112,11 @@ def plan_bound(bound: NormBound) -> BoundSettings:
                          mode=bound.mode, window=bound.window, warmup=bound.warmup)
 
 
+def plan_screen(cfg: AggregationConfig) -> ScreenSettings:
+    return ScreenSettings(centre_check=cfg.centre_check, min_agree=cfg.min_agree, max_norm_ratio=cfg.max_norm_ratio,
+                          min_cover=cfg.min_cover, hold=cfg.hold, sketch=cfg.sketch)
+
+
 @dataclass
 class _Delivery:
     """What one worker sent for the closing round: its summary, its reassembled tensors, and the two
@@ -86,6 +125,8 @@ class _Delivery:
     summary: PartialSummary | None = None
     assembled: Assembled | None = None
     agg: NeFedAvg | None = None
+    norms: dict[str, float] = field(default_factory=dict)  # what its kept updates may add to the bound's history
+    refused: bool = False  # the partial failed its checks: nothing to wait for
 
 
 @dataclass
@@ -102,68 +143,98 @@ class WorkerPool:
     chunk_bytes: int
     max_update_bytes: int
     timeout_s: float = 30.0
+    worker_keys: Callable[[str], str | None] = lambda w: None  # the key the operator authorised for a worker id
+    device_keys: Callable[[str], str | None] = lambda c: None  # pinned device keys, for the round plan
+    stamp: Callable[[], dict[str, int]] = dict  # the incarnation and next sequence number of a signed message
     roles: dict[str, str] = field(default_factory=dict)  # online worker id -> "worker" | "relay"
-    held: dict[str, str] = field(default_factory=dict)  # client -> worker that accepted its update this round
+    held: dict[str, Held] = field(default_factory=dict)  # client -> what the receipt of its update said
     late: int = 0
     seen: set[str] = field(default_factory=set)  # workers ever online
     _deliveries: dict[str, _Delivery] = field(default_factory=dict)
+    _statuses: StatusBook = field(default_factory=StatusBook)  # each worker's newest signed status
     _run: str = ""
     _round: int = 0
     _plan: WorkerRound | None = None
 
     def __post_init__(self) -> None:
         self.reasm = Reassembler(max_bytes=partial_bytes_limit(self.fed.layout), timeout_s=self.timeout_s, max_pending=1)
+        self._keys = DeviceKeys(self.worker_keys)
 
     # -- inbound ----------------------------------------------------------------------------------
     def handle(self, worker: str, kind: str, payload: bytes) -> None:
-        """One message of worker `worker`; raises MessageError / WireError / Rejected like any handler."""
+        """One message of worker `worker`; raises MessageError / WireError / Rejected like any handler.
+        Nothing is read before its signature checks out against the key authorised for that id."""
+        key = self._keys(worker)
+        if key is None:
+            raise Rejected("unauthorised_worker", f"{kind} from {worker}, which has no authorised key "
+                                                  f"(`aggregator enroll {worker} --worker --key KEY`)")
+        if kind == "partial":
+            self._partial_chunk(worker, key, payload)
+            return
+        if not payload and kind == "status":
+            return  # a retained status cleared
+        body = verify(payload, key)
         if kind == "status":
-            status = WorkerStatus.from_json(payload) if payload else None
-            if status is not None and status.state == "online":
-                if worker not in self.roles and len(self.roles) >= MAX_WORKERS:
-                    raise Rejected("too_many_workers", f"{len(self.roles)} workers online already")
-                self.roles[worker] = status.role
-                if status.role == "worker" and len(self.seen) < MAX_WORKERS:
-                    self.seen.add(worker)
-            elif self.roles.pop(worker, None) == "worker" and self._plan is not None:
-                # a dead owner would swallow the multi-chunk updates forwarded to it: re-plan without it
-                self._plan = msgspec.structs.replace(self._plan, owners=self._owners())
-                self.publish(self.topics.workers_round, self.signer.sign(self._plan.to_json()), True)
+            self._status(worker, WorkerStatus.from_json(body))
+        elif not self.fed.aggregator.mergeable:
+            raise Rejected("not_mergeable", f"{kind} from {worker}: the {self.fed.aggregator.name} aggregator merges no partials")
         elif kind == "receipt":
-            self._receipt(worker, Receipt.from_json(payload, MAX_RECEIPT_BYTES))
+            self._receipt(worker, Receipt.from_json(body, MAX_RECEIPT_BYTES))
         elif kind == "summary":
-            summary = PartialSummary.from_json(payload, MAX_PLAN_BYTES)
+            summary = PartialSummary.from_json(body, MAX_PLAN_BYTES)
             if summary.run == self._run and summary.round == self._round:
                 self._deliveries.setdefault(worker, _Delivery()).summary = summary
                 self._try_assemble(worker, None)
-        elif kind == "partial":
-            self._partial_chunk(worker, payload)
+
+    def _status(self, worker: str, status: WorkerStatus) -> None:
+        if not self._statuses.newer(worker, status.seq, status.state):
+            return
+        if status.state == "online":
+            if worker not in self.roles and len(self.roles) >= MAX_WORKERS:
+                raise Rejected("too_many_workers", f"{len(self.roles)} workers online already")
+            self.roles[worker] = status.role
+            if status.role == "worker" and len(self.seen) < MAX_WORKERS:
+                self.seen.add(worker)
+        elif self.roles.pop(worker, None) == "worker" and self._plan is not None:
+            # a dead owner would swallow the multi-chunk updates forwarded to it: re-plan without it
+            self._plan = msgspec.structs.replace(self._plan, owners=self._owners(), **self.stamp())
+            self.publish(self.topics.workers_round, self.signer.sign(self._plan.to_json()), True)
 
     def _receipt(self, worker: str, rc: Receipt) -> None:
         r = self.fed.round
+        if rc.run != self._run:
+            raise Rejected("wrong_run", f"worker {worker}: a receipt of run {rc.run}, this is {self._run}")
         if rc.outcome != "accepted":
             self.late += rc.late
+            if rc.attributed and rc.client:  # the client's own signed update was refused: don't wait for it
+                self.fed.refused(rc.client, rc.round, rc.outcome)
             self.reject(rc.outcome, rc.client or "?", f"(worker {worker}) {rc.detail}")
             return
         if r is None or rc.round != r.index or rc.client not in r.assignments:
             raise Rejected("stale_receipt", f"worker {worker} accepted {rc.client} for round {rc.round}")
-        if rc.client in self.held or rc.client in r.received:
+        if rc.client in self.held or (rc.client in r.received and rc.client not in r.deferred):
             raise Rejected("duplicate_update", f"{rc.client} reported twice (worker {worker} and "
-                                               f"{self.held.get(rc.client, 'the coordinator')})")
-        self.held[rc.client] = worker
+                                               f"{self.held[rc.client].worker if rc.client in self.held else 'the coordinator'})")
+        k = r.assignments[rc.client]
+        bound, _ = self.fed.guard.limit(k, self.fed.weight_norm(k))
+        if rc.norm is None or rc.samples < 1 or rc.norm > bound * (1 + NORM_SLACK):
+            raise Rejected("bad_receipt", f"worker {worker} accepted {rc.client} with norm {rc.norm} and {rc.samples} "
+                                          f"samples; the bound is {bound:.4g}")
+        self.held[rc.client] = Held(worker, k, update_weight(self.fed.weighting, rc.samples), rc.norm)
         log.info(f"round {r.index}: update from {rc.client} accepted by {worker}",
                  extra={"round": r.index, "client": rc.client, "worker": worker})
         r.received.add(rc.client)
         r.client_metrics[rc.client] = {**rc.metrics, "worker": worker}
         self.fed.bytes_in += rc.nbytes
 
-    def _partial_chunk(self, worker: str, payload: bytes) -> None:
+    def _partial_chunk(self, worker: str, key: Any, payload: bytes) -> None:
         if len(payload) > self.chunk_bytes * 4:
             raise WireError("oversized", f"{len(payload)}-byte partial chunk from {worker}")
         header, _ = parse_chunk(payload)
-        if header["kind"] != "partial" or header["client"] != worker or header["federation"] != self.topics.federation:
-            raise Rejected("bad_partial", f"a {header['kind']} message of {header['client']} on {worker}'s partial topic")
-        if header["round"] != self._round:
+        verify(split_chunk(payload)[0], key)  # the header names the payload's sha256, so the sums are covered
+        if header.kind != "partial" or header.client != worker or header.federation != self.topics.federation:
+            raise Rejected("bad_partial", f"a {header.kind} message of {header.client} on {worker}'s partial topic")
+        if header.round != self._round:
             return  # a partial of a round already closed without it
         done = self.reasm.feed(payload)
         if done is not None:
@@ -173,12 +244,16 @@ class WorkerPool:
         d = self._deliveries.setdefault(worker, _Delivery())
         d.assembled = done or d.assembled
         s = d.summary
-        if s is None or d.agg is not None:
+        if s is None or d.agg is not None or d.refused:
             return
-        if s.sha256 is None:
-            d.agg = partial_from(self.fed.layout, s, {})
-        elif d.assembled is not None and d.assembled.header["sha256"] == s.sha256:
-            d.agg = partial_from(self.fed.layout, s, d.assembled.tensors)
+        if s.sha256 is not None and (d.assembled is None or d.assembled.header.sha256 != s.sha256):
+            return
+        try:
+            d.agg, d.norms = check_partial(self.fed.layout, s, d.assembled.tensors if s.sha256 else {}, self.held,
+                                           worker, self.fed.weighting)
+        except WireError:
+            d.refused = True
+            raise
 
     def workers_seen(self) -> int:
         """Workers that have been online at least once (a later death does not hold rounds back)."""
@@ -191,15 +266,16 @@ class WorkerPool:
         self._run, self._round = run, r.index
         self.held, self._deliveries, self.late = {}, {}, 0
         self.reasm.discard_rounds_before(r.index)
+        keys = {c: k for c in r.assignments if (k := self.device_keys(c)) is not None}
         plan = WorkerRound(
             federation=self.topics.federation, run=run, round=r.index, profile=self.profile.to_dict(),
-            profile_hash=layout.profile.hash, assignments=dict(r.assignments),
-            keys={c: fed.keys[c] for c in r.assignments if c in fed.keys},
+            profile_hash=layout.profile.hash, assignments=dict(r.assignments), keys=keys,
             references=[reference_norm(fed.state, layout, k) if k in r.assignments.values() else 0.0
                         for k in range(layout.num_submodels)],
-            norms=fed.guard.state_dict()["norms"], bound=plan_bound(fed.robustness.bound),
+            norms=[fed.guard.recent(k) for k in range(layout.num_submodels)], bound=plan_bound(fed.robustness.bound),
+            screen=plan_screen(fed.robustness.aggregation),
             deadline_s=fed.round_timeout, max_update_bytes=self.max_update_bytes, chunk_bytes=self.chunk_bytes,
-            owners=self._owners())
+            owners=self._owners(), **self.stamp())
         self.publish(self.topics.workers_round, self.signer.sign(plan.to_json()), True)
         self._plan = plan
 
@@ -207,36 +283,43 @@ class WorkerPool:
         return sorted(w for w, role in self.roles.items() if role == "worker")
 
     def close(self, pump: Callable[[float], None]) -> dict[str, Any]:
-        """Ask for every partial, wait for the online workers' (or the timeout), merge them into the
-        round's aggregate; returns the round's worker facts. Updates a worker accepted but never
-        delivered are taken out of the round's reported set and counted as lost."""
+        """Ask for every partial, wait for those of the online workers and of every worker that holds an
+        update of the round (or the timeout), check and merge them into the round's aggregate, then fold in
+        the updates this process held back (resends no worker had); returns the round's worker facts.
+        Updates a worker accepted but never delivered are taken out of the round's reported set and
+        counted as lost."""
         t0 = time.monotonic()
+        r = self.fed.round
         if not self.roles and not self.held:
+            self.fed.fold_deferred(set())
             return {}  # no worker or relay in this federation: nothing to ask for
-        close = RoundClose(federation=self.topics.federation, run=self._run, round=self._round)
+        close = RoundClose(federation=self.topics.federation, run=self._run, round=self._round, **self.stamp())
         self.publish(self.topics.workers_close, self.signer.sign(close.to_json()), False)
         deadline = t0 + self.timeout_s
+        awaited = set(self.roles) | {h.worker for h in self.held.values()}
         while time.monotonic() < deadline:  # an online worker that has not delivered: wait (a dead one never will)
-            if all(self._deliveries.get(w, _Delivery()).agg is not None for w in self.roles):
+            if all((d := self._deliveries.get(w)) is not None and (d.agg is not None or d.refused) for w in awaited):
                 break
             pump(deadline)
-        r, merged, clients = self.fed.round, [], set()
+        merged, clients = [], set()
         for w, d in sorted(self._deliveries.items()):
             if d.agg is not None:
                 self.fed.agg.merge(d.agg)
-                for k, norms in enumerate(d.summary.norms):
-                    for n in norms:
-                        self.fed.guard.record(k, n)
+                self.fed.agg.dropped.update(d.summary.dropped)
                 clients.update(d.summary.clients)
+                r.norms.update(d.norms)
                 merged.append(w)
-        lost = sorted(c for c, w in self.held.items() if c not in clients)
+        lost = sorted(c for c in self.held if c not in clients and c not in r.deferred)
         for c in lost:
             r.received.discard(c)
             r.client_metrics.pop(c, None)
-        lost_workers = sorted({self.held[c] for c in lost})
+        self.fed.fold_deferred(clients)
+        lost_workers = sorted({self.held[c].worker for c in lost})
         if lost:
             log.warning(f"round {self._round}: {len(lost)} update(s) lost with worker(s) {', '.join(lost_workers)}",
                         extra={"round": self._round})
+        refused = sorted(w for w, d in self._deliveries.items() if d.refused)
         self._round, self._plan = -1, None  # partials arriving from now on belong to no round
         return {"workers": {"merged": merged, "lost_workers": lost_workers, "lost_updates": len(lost), "lost_clients": lost,
+                            **({"refused_partials": refused} if refused else {}),
                             "collect_s": round(time.monotonic() - t0, 3)}}

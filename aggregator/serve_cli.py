@@ -1,8 +1,9 @@
 """`aggregator serve` and `aggregator key`: the command lines around the server (aggregator/server.py).
 
-Parses and checks the options, loads or refuses a checkpoint, starts the embedded broker when no
-`--broker` is given, and turns Ctrl-C / SIGTERM into a clean stop (exit code 0, a word on whether
-there is anything to resume).
+Parses and checks the options, loads or refuses a checkpoint, opens the federation's key directory
+(its server key, enrolment journal and run incarnation: aggregator/keys.py), starts the embedded broker
+when no `--broker` is given, and turns Ctrl-C / SIGTERM into a clean stop (exit code 0, a word on
+whether there is anything to resume).
 """
 
 from __future__ import annotations
@@ -16,19 +17,24 @@ import typer
 
 from aggregator.assignment import Assignment
 from aggregator.broker import EmbeddedBroker
-from aggregator.federation import ClientLimits, Robustness
+from aggregator import robust_options as ro
+from aggregator.enrolment import Enrolment, EnrolmentPolicy
+from aggregator.keys import KeyDir
+from aggregator.resends import Resends
+from aggregator.rollout import RolloutWatcher
 from aggregator.server import ServeConfig, Server, load_start
-from aggregator.worker import start_local_workers, stop_local_workers
+from aggregator.worker import local_worker_ids, start_local_workers, stop_local_workers
 from aggregator.web import DashboardServer, TokenRequired, start_http
 from nefl.checkpoint import CheckpointError
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption, ScheduleOption, WarmupOption)
+from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+                              PasswordOption, UsernameOption, ScheduleOption, WarmupOption)
 from nefl.listen import is_loopback, parse_listen
 from nefl.logs import setup_logging
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
-from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_RELATIVE, DPAccountant, NormBound
-from nefl.signing import KeyFileError, Signer
+from nefl.robust import DPAccountant
+from nefl.signing import KeyFileError
+from nefl.tokens import fingerprint
 from nefl.topics import Topics
 from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES
@@ -72,19 +78,28 @@ def serve_command(
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
     embedded_port: int = typer.Option(1883, help="Port of the embedded broker (127.0.0.1)."),
     seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
-    max_update_norm: float = typer.Option(None, min=0, help="Fixed bound on an update's L2 norm (docs/security.md)."),
-    update_norm_relative: float = typer.Option(DEFAULT_RELATIVE, min=0, help="Bound an update's norm by this multiple "
-                                               "of its submodel's weight norm; 0 turns it off."),
-    update_norm_k: float = typer.Option(DEFAULT_ADAPTIVE_K, min=0, help="Bound an update's norm by K x the median of the "
-                                        "submodel's recent accepted norms; 0 turns it off."),
-    clip: bool = typer.Option(False, "--clip/--reject", help="Scale oversized updates down to the bound, or refuse them."),
-    max_weight_abs: float = typer.Option(1e6, min=0, help="A round whose new weights exceed this magnitude (or are not "
-                                         "finite) is not committed."),
-    dp_noise_multiplier: float = typer.Option(0.0, min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm "
-                                              "(needs --clip); the spent epsilon is logged per round."),
+    max_update_norm: ro.MaxUpdateNorm = None,
+    update_norm_relative: ro.UpdateNormRelative = ro.D.relative,
+    update_norm_k: ro.UpdateNormK = ro.D.adaptive_k,
+    clip: ro.Clip = False,
+    max_weight_abs: ro.MaxWeightAbs = ro.D.max_weight_abs,
+    dp_noise_multiplier: ro.DPNoise = 0.0,
+    aggregator: ro.Rule = ro.D.rule,
+    trim: ro.Trim = ro.D.trim,
+    centre_check: ro.CentreCheck = None,
+    min_agree: ro.MinAgree = ro.D.min_agree,
+    max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
+    root_data: ro.RootData = None,
+    root_samples: ro.RootSamples = ro.D.root_samples,
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
-    require_device_keys: bool = typer.Option(False, help="Refuse devices that do not sign their announces and "
-                                             "updates (every edge-client signs; keys are pinned per client id)."),
+    require_device_keys: bool = typer.Option(False, help="Under open enrolment: refuse devices that do not sign their "
+                                             "announces and updates (every edge-client signs; keys are pinned per client id)."),
+    open_enrolment: bool = typer.Option(None, "--open-enrolment/--no-open-enrolment", help="Pin a device's key on its "
+                                        "first signed announce (trust on first use). Default: on until `aggregator "
+                                        "enroll` grants a device, then only enrolled devices take part."),
+    key_dir: KeyDirOption = None,
+    resend_after: float = typer.Option(Resends.after_s, min=0.1, help="Seconds after a device's notice that its update "
+                                       "is out before a missing update counts as lost and the device is asked to resend."),
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
                                           "announced: coverage (every submodel each round when the pool allows), "
                                           "largest (the bound), or paper (tier t picks among t-2..t+2)."),
@@ -109,9 +124,13 @@ def serve_command(
     setup_logging(log_level, log_format, context={"federation": federation})
     signal.signal(signal.SIGTERM, _stop)
     try:
-        bound = NormBound(max_norm=max_update_norm or None, relative=update_norm_relative or None,
-                          adaptive_k=update_norm_k or None, mode="clip" if clip else "reject")
-        robust = Robustness(bound, max_weight_abs, dp_noise_multiplier)
+        robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
+                               dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
+        if (workers or remote_workers) and not robust.aggregation.mergeable:
+            raise ValueError(f"--aggregator {aggregator} needs every update of a round in this process, and workers "
+                             "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")
+        if aggregator == "fltrust" and not (root_data or eval_dataset):
+            raise ValueError("--aggregator fltrust needs the server's root set: give --root-data DATASET or --eval-dataset")
         TrainConfig(schedule=lr_schedule, warmup_rounds=warmup_rounds)  # a bad schedule fails here, in one line
         if dp_noise_multiplier > 0:
             DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
@@ -132,12 +151,18 @@ def serve_command(
                       lr_schedule=lr_schedule, warmup_rounds=warmup_rounds,
                       batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
                       dp_delta=dp_delta, assignment=assignment, init_from=init_from,
-                      limits=ClientLimits(require_device_keys=require_device_keys), workers=workers,
-                      remote_workers=remote_workers, worker_timeout=worker_timeout)
+                      enrolment=EnrolmentPolicy(open=open_enrolment, require_device_keys=require_device_keys),
+                      resend_after=resend_after, workers=workers,
+                      remote_workers=remote_workers, worker_timeout=worker_timeout, root_data=root_data,
+                      root_samples=root_samples)
     try:
         Topics(federation)
         start = load_start(cfg)
-        signer = Signer.load_or_create(cfg.checkpoint_dir)
+        keys = KeyDir(federation, key_dir)
+        signer = keys.server_signer(cfg.checkpoint_dir)
+        enrolment = Enrolment(federation, cfg.enrolment, keys.journal)
+        enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(workers, federation)}
+        incarnation = keys.next_incarnation()
         embedded = None
         if broker is None:
             embedded = EmbeddedBroker("127.0.0.1", embedded_port)
@@ -145,7 +170,7 @@ def serve_command(
             broker = embedded.url
             log.info(f"started embedded MQTT broker on {broker} (amqtt, MQTT 3.1.1); clients join with --broker {broker}")
         settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError) as e:
+    except (CheckpointError, ProfileError, KeyFileError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     if start.next_round > rounds:
@@ -153,18 +178,23 @@ def serve_command(
         return
     if start.next_round > 1:
         log.info(f"resuming federation {federation!r} at round {start.next_round} from {cfg.checkpoint_dir}")
-    log.info(f"server key {signer.public_text} (devices: --server-key; `aggregator key` prints it)")
-    server = Server(cfg, settings, start, signer)
+    log.info(f"server key {signer.public_text}, fingerprint {fingerprint(signer.public_text)} (devices: --server-key or a "
+             f"join token; `aggregator key` prints it); keys in {keys.path}; run incarnation {incarnation}")
+    server = Server(cfg, settings, start, signer, enrolment, incarnation)
+    log.info("enrolment " + ("open: a device's first signed announce pins its key" if enrolment.open else
+                             "closed: only devices enrolled with `aggregator enroll` take part"))
+    watcher = RolloutWatcher(settings, federation, signer.public_text).start() if listen else None
     try:
-        web = start_http(server.observer, *listen, http_token) if listen else None
+        web = start_http(server.observer, *listen, http_token, watcher.snapshot) if watcher is not None else None
     except OSError as e:
+        watcher.close()  # only --http fails to bind, and then there is a watcher
         if embedded is not None:
             embedded.stop()
         print(f"error: --http {http}: {e.strerror or e} (is another process on that port? pick another)", file=sys.stderr)
         raise typer.Exit(2) from None
     if web is not None:
         log.info(f"dashboard on {web.url}, Prometheus metrics on {web.url}metrics")
-    local = start_local_workers(workers, settings, federation, signer.public_text, log_level) if workers else []
+    local = start_local_workers(workers, settings, federation, signer.public_text, keys, log_level) if workers else []
     try:
         server.run()
         _linger(web, http_linger)
@@ -178,6 +208,8 @@ def serve_command(
         stop_local_workers(local)
         if web is not None:
             web.close()
+        if watcher is not None:
+            watcher.close()
         if embedded is not None:
             embedded.stop()
 
@@ -194,11 +226,16 @@ def _linger(web: DashboardServer | None, seconds: float) -> None:
 
 
 def key_command(
-    checkpoint_dir: str = typer.Option(..., help="The federation's run directory (serve's --checkpoint-dir)."),
+    federation: str = typer.Option("default", help="Federation name (its keys live in KEY_DIR/FEDERATION)."),
+    key_dir: KeyDirOption = None,
+    checkpoint_dir: str = typer.Option(None, help="A run directory where an older version kept server.key: the key is "
+                                       "moved into the key directory first."),
 ) -> None:
-    """Print the aggregator's public key (created if missing), for devices' --server-key."""
+    """Print the aggregator's public key (created if missing), for devices' --server-key and workers."""
     try:
-        print(Signer.load_or_create(checkpoint_dir).public_text)
-    except (KeyFileError, OSError) as e:
+        signer = KeyDir(Topics(federation).federation, key_dir).server_signer(checkpoint_dir)
+    except (KeyFileError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
+    print(signer.public_text)
+    print(f"fingerprint {fingerprint(signer.public_text)}", file=sys.stderr)

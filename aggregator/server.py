@@ -4,6 +4,11 @@
 Threads: paho's network thread only enqueues (topic, payload); the main thread owns all state
 (membership, round, aggregate) and does the publishing, aggregation, evaluation and checkpoints.
 One consumer means no locks around the federation state and no message is handled twice at once.
+
+Who may speak is decided before what is said is believed: device announces, statuses and upload
+notices must carry the signature of the key enrolled for their id (aggregator/enrolment.py), worker
+and relay messages that of a key the operator authorised (aggregator/partials.py), and every message
+this server signs names its run incarnation and a sequence number, so none replays into another run.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import queue
 import secrets
 import time
 import traceback
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,26 +27,32 @@ import msgspec
 import paho.mqtt.client as mqtt
 
 from aggregator.assignment import Assignment
+from aggregator.enrolment import Enrolment, EnrolmentPolicy
 from aggregator.evaluation import Evaluator
-from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, state_digest
+from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, RoundState, state_digest
 from aggregator.metrics import Observer
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.partials import WorkerPool
-from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, append_metrics, has_checkpoint,
-                             load_checkpoint, read_metrics, replay_metrics, save_checkpoint)
+from aggregator.resends import Resends
+from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
+from aggregator.rounds import RoundDriver, RunPlan, Transport
+from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, has_checkpoint,
+                             load_checkpoint, read_metrics, replay_metrics)
 from nefl.fsio import atomic_write_text
-from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, ServerStatus, Task,
-                           TrainingSettings)
+from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, MessageError, Sent, ServerStatus, Task,
+                           StatusBook, TrainingSettings)
 from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import Profile, load_profile
-from nefl.robust import DPAccountant
+from nefl.data import load_dataset
+from nefl.robust_aggregate import AggregationRule
 from nefl.state import GlobalState, Layout
-from nefl.signing import Signer, split_signed, verify_self_signed
+from nefl.signing import Signer, split_signed, verify, verify_self_signed
 from nefl.topics import Topics
 from nefl.train import TrainConfig
 from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
 
 STATUS_FILE = "status.json"
+PENDING_STATUSES = 1_000  # statuses of ids invited to enrol, kept until their enrolling announce (oldest out)
 
 
 @dataclass
@@ -68,12 +79,17 @@ class ServeConfig:
     seed: int = 0
     robustness: Robustness = Robustness()
     limits: ClientLimits = ClientLimits()
+    enrolment: EnrolmentPolicy = EnrolmentPolicy()
+    resend_after: float = Resends.after_s  # a device's notice without its update for this long: ask for a resend
+    status_every: float = 15.0  # the signed status is published at least this often (devices tell the current run)
     dp_delta: float = 1e-5
     assignment: Assignment = "coverage"
     init_from: str | None = None  # torchvision state dict (.pth / .safetensors) for the fresh global model
     workers: int = 0  # > 0: updates go to aggregator workers (docs/scale.md), not to this process
     remote_workers: bool = False  # workers started elsewhere (`aggregator worker`) take the updates
     worker_timeout: float = 30.0  # seconds a round close waits for the online workers' partials
+    root_data: str | None = None  # FLTrust's root set: this dataset's test split (default: eval_dataset)
+    root_samples: int = DEFAULT_ROOT_SAMPLES
 
 
 @dataclass
@@ -90,22 +106,25 @@ class Start:
 log = logging.getLogger(__name__)
 
 
-class Server:
-    def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer) -> None:
+class Server(Transport):
+    def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer,
+                 enrolment: Enrolment | None = None, incarnation: int = 1) -> None:
+        """`enrolment`: the registry with its journal (default: none, open as the policy says);
+        `incarnation`: this run's number under the server key (aggregator/keys.py counts them)."""
         layout, next_round = start.layout, start.next_round
         self.cfg, self.settings, self.profile, self.layout = cfg, settings, start.profile, layout
         self.topics = Topics(cfg.federation)
+        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
+        self.evaluator, root = self._evaluation(cfg, layout)
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
-                              assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY))
+                              assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY),
+                              aggregator=AggregationRule(layout, cfg.robustness.aggregation, reference=root, seed=cfg.seed))
         if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
             self.fed.guard.load_state_dict(start.meta["update_guard"])
         self.next_round = next_round
-        self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
-                                     schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout)
-        self.evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root,
-                                               seed=cfg.seed) if cfg.eval_dataset else None
         self.out = Path(cfg.checkpoint_dir)
         # what --http shows (aggregator/metrics.py); a resumed run's charts start with its earlier rounds
         self.observer = Observer(cfg.federation, self.profile.name, layout.num_submodels, cfg.rounds, cfg.round_timeout,
@@ -117,20 +136,51 @@ class Server:
         self.accuracy: list[float] | None = None
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
+        self.incarnation, self._seq = incarnation, 0
         self.signer = signer
-        self._keys = DeviceKeys(lambda c: self.fed.keys.get(c))
-        pins = start.meta.get("client_keys")  # pins survive a restart
-        if isinstance(pins, dict):
-            self.fed.keys.update({c: k for c, k in pins.items() if isinstance(c, str) and isinstance(k, str)})
+        self.enrol = enrolment or Enrolment(cfg.federation, cfg.enrolment)
+        self.enrol.load_state_dict(start.meta.get("enrolment"), start.meta.get("client_keys"))  # pins survive a restart
+        self.enrol.reload()
+        self._keys = DeviceKeys(self.enrol.key)
+        self._statuses = StatusBook()  # each enrolled client's newest signed status
+        self._pending: OrderedDict[str, bytes] = OrderedDict()  # statuses of ids not enrolled (yet)
+        self.resends = Resends(cfg.resend_after)
+        self.fed.defer_direct = bool(cfg.workers or cfg.remote_workers)  # what reaches this process then is a resend
         self.conn = Connection(settings, f"nefl-aggregator-{cfg.federation}", self.topics.server_status,
                                ServerStatus(state="offline", federation=cfg.federation).to_json(), log)
         self.client = self.conn.client
         self.pool = WorkerPool(self.fed, self.profile, self.topics, signer, self.publish, self._reject,
-                               cfg.chunk_bytes, cfg.max_update_bytes, cfg.worker_timeout)
+                               cfg.chunk_bytes, cfg.max_update_bytes, cfg.worker_timeout, worker_keys=self.enrol.worker_key,
+                               device_keys=self.enrol.key, stamp=self._stamp)
+        self._worker_facts: dict[str, Any] = {}
+        self._listening_to_workers = False
+        self._status_at = self._housekept = 0.0
+        self.driver = RoundDriver(self.fed, self, RunPlan(cfg.rounds, dp_delta=cfg.dp_delta), self.evaluator, self.out,
+                                  meta=lambda: {"enrolment": self.enrol.state_dict(), "incarnation": self.incarnation})
+
+    def _evaluation(self, cfg: ServeConfig, layout: Layout) -> tuple[Evaluator | None, RootUpdates | None]:
+        """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset);
+        when both use one test split, the root images are left out of what evaluation scores."""
+        root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.rule == "fltrust" else None
+        test = load_dataset(cfg.eval_dataset, cfg.data_root, train=False) if cfg.eval_dataset else None
+        root = None
+        if root_name:
+            held, root_set = split_root(test if root_name == cfg.eval_dataset else
+                                        load_dataset(root_name, cfg.data_root, train=False), cfg.root_samples)
+            test = held if root_name == cfg.eval_dataset else test
+            root = RootUpdates(layout, root_set, self.train_cfg, cfg.rounds, cfg.root_samples, cfg.seed)
+        evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,
+                                          test=test) if test is not None else None
+        return evaluator, root
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self.client.publish(topic, payload, qos=QOS, retain=retain)
         self.bytes_out += len(payload)
+
+    def _stamp(self) -> dict[str, int]:
+        """The incarnation and the next sequence number, for a message this server signs."""
+        self._seq += 1
+        return {"incarnation": self.incarnation, "seq": self._seq}
 
     # -- status ---------------------------------------------------------------------------------
     def status(self, state: str) -> ServerStatus:
@@ -144,12 +194,13 @@ class Server:
             reported=sorted(r.received)[:MAX_LISTED] if r else [], accuracy=self.accuracy,
             rejected_total=dict(self.fed.rejected), time=time.time(),
             training=TrainingSettings(batch_size=self.cfg.batch_size, local_epochs=self.cfg.local_epochs,
-                                      round_timeout=self.cfg.round_timeout),
+                                      round_timeout=self.cfg.round_timeout), **self._stamp(),
         )
 
     def publish_status(self, state: str) -> mqtt.MQTTMessageInfo:
         """Signed and retained on the broker, and mirrored (unsigned, readable) in status.json."""
         status = self.status(state)
+        self._status_at = time.monotonic()
         self.observer.status(status)
         body = status.to_json()
         info = self.client.publish(self.topics.server_status, self.signer.sign(body), qos=QOS, retain=True)
@@ -164,6 +215,8 @@ class Server:
             if self.conn.just_connected():
                 self.client.subscribe([(t, QOS) for t in self._subscriptions()])
                 self._republish()
+            if time.monotonic() - self._housekept >= 1.0:
+                self._housekeeping()
             try:
                 self.handle(*self.conn.inbox.get(timeout=0.1))
             except queue.Empty:
@@ -177,7 +230,7 @@ class Server:
         t = self.topics
         client = "?"
         try:
-            if (client := t.client_of(topic, "update")) is not None:
+            if (client := t.client_of(topic, "update") or t.client_of(topic, "resend")) is not None:
                 self._handle_update(client, payload)
             elif (client := t.client_of(topic, "announce")) is not None:
                 if payload:  # an empty retained message clears the announce
@@ -186,30 +239,106 @@ class Server:
                 client = w[0]
                 self.pool.handle(*w, payload)
             elif (client := t.client_of(topic, "status")) is not None:
-                online = bool(payload) and ClientStatus.from_json(payload).state == "online"
-                self.fed.set_online(client, online)
-                self.observer.client_changed(self.fed.clients.get(client))
+                self._handle_status(client, payload)
+            elif (client := t.client_of(topic, "sent")) is not None:
+                self._handle_sent(client, payload)
         except (MessageError, Rejected, WireError) as e:
             self._reject(e.reason, client or "?", str(e))
         except Exception:  # a bug must not let one message end the federation: count it, keep the trace
             self._reject("internal_error", client or "?", traceback.format_exc(limit=3).strip().replace("\n", " | "))
 
     def _subscriptions(self) -> list[str]:
-        """Updates come in here unless workers take them; partials from workers and relays always may."""
+        """Updates come in here unless workers take them (resends always do); worker topics only while the
+        operator authorised a worker or relay (a plain `serve` does not listen to forged receipts)."""
         ingest = self.topics.server_subscriptions()
         if self.cfg.workers or self.cfg.remote_workers:
             ingest.remove(self.topics.update("+"))
-        return ingest + self.topics.coordinator_subscriptions()
+        self._listening_to_workers = self.enrol.has_workers()
+        return ingest + (self.topics.coordinator_subscriptions() if self._listening_to_workers else [])
+
+    def _housekeeping(self) -> None:
+        """Once a second: the operator's enrolment changes, expired pins, overdue updates, the status heartbeat."""
+        self._housekept = time.monotonic()
+        r = self.fed.round
+        for c in self.enrol.reload():
+            self.fed.forget(c, "its device key was revoked or replaced")
+            self._statuses.forget(c)
+        for c in self.enrol.expire(set(r.assignments) if r else set()):
+            log.info(f"{c}: its first-use pin expired without it ever training", extra={"client": c})
+            self.fed.forget(c, "pin expired")
+            self._statuses.forget(c)
+        if self.enrol.has_workers() and not self._listening_to_workers and self.conn.connected:
+            self.client.subscribe([(t, QOS) for t in self.topics.coordinator_subscriptions()])
+            self._listening_to_workers = True
+        if r is not None:
+            self._ask_resends(r)
+        if self._status_at and time.monotonic() - self._status_at >= self.cfg.status_every:
+            self.publish_status("training" if r else "waiting")
+
+    def _ask_resends(self, r: RoundState) -> None:
+        for c in self.resends.due(r.received | set(r.refused)):
+            log.info(f"round {r.index}: {c} sent its update {self.cfg.resend_after:g}s ago and none arrived "
+                     f"(lost_to_unknown): asking for a resend", extra={"round": r.index, "client": c})
+            self.publish(self.topics.task(c), self._task(r.index, r.assignments[c], resend=True), retain=True)
 
     def _open_announce(self, client: str, payload: bytes) -> Announce:
-        """A device signs its announce with the key it names: check that, then the key pinned for its id."""
-        if split_signed(payload) is None:
-            msg = Announce.from_json(payload)
-            self.fed.check_key(client, "")
+        """A device signs its announce with the key it names: check that, then that the key may speak for the
+        id (enrolment). An id that cannot be enrolled is refused before any signature is checked."""
+        parts = split_signed(payload)
+        msg = Announce.from_json(payload if parts is None else parts[0])
+        self.enrol.precheck(client, msg.token)
+        if parts is None:
+            self.enrol.admit(client, "", msg.token)
             return msg
         body, key = verify_self_signed(payload, lambda b: Announce.from_json(b).key)
-        self.fed.check_key(client, key)
-        return Announce.from_json(body)
+        msg = Announce.from_json(body)
+        new = self.enrol.key(client) is None
+        self.enrol.admit(client, key, msg.token)
+        if new and client in self._pending and self.enrol.key(client) is not None:
+            self._handle_status(client, self._pending.pop(client))  # its status came before its enrolment
+        return msg
+
+    def _handle_status(self, client: str, payload: bytes) -> None:
+        """A device's status: signed by its pinned key, newer than the last one. Under open enrolment an id
+        without a pin is trusted as before; under closed enrolment its status waits for its enrolment."""
+        key = self._keys(client)
+        if key is None:
+            if not self.enrol.open:
+                self._hold_status(client, payload)
+                return
+            parts = split_signed(payload) if payload else None
+            body = payload if parts is None else parts[0]
+            online = bool(body) and ClientStatus.from_json(body).state == "online"
+        else:
+            status = ClientStatus.from_json(verify(payload, key))
+            if not self._statuses.newer(client, status.seq, status.state):
+                return
+            online = status.state == "online"
+        self.fed.set_online(client, online)
+        self.observer.client_changed(self.fed.clients.get(client))
+
+    def _hold_status(self, client: str, payload: bytes) -> None:
+        """The status of an id invited to enrol (a token was issued for it), kept until its first announce; any
+        other id's is refused."""
+        if not self.enrol.expects(client):
+            raise Rejected("not_enrolled", f"status of {client}, which is not enrolled")
+        self._pending[client] = payload
+        self._pending.move_to_end(client)
+        if len(self._pending) > PENDING_STATUSES:
+            gone, _ = self._pending.popitem(last=False)
+            raise Rejected("not_enrolled", f"status of {gone}, which never enrolled")
+
+    def _handle_sent(self, client: str, payload: bytes) -> None:
+        """A device's notice that its update is out: the round then waits at most `resend_after` for it."""
+        key = self._keys(client)
+        parts = split_signed(payload)
+        body = verify(payload, key) if key is not None else payload if parts is None else parts[0]
+        msg = Sent.from_json(body)
+        r = self.fed.round
+        if msg.client != client:
+            raise Rejected("client_mismatch", f"notice of {msg.client!r} on {client!r}'s topic")
+        if r is not None and msg.run == self.run_id and msg.round == r.index and client in r.assignments:
+            self.resends.notice(client)
 
     def _handle_announce(self, client: str, msg: Announce) -> None:
         info = self.fed.announce(client, msg)
@@ -228,14 +357,14 @@ class Server:
         try:
             done = take_update(self.fed, self.reasm, self._keys, client, payload, self.cfg.chunk_bytes * 4)
         except Rejected as e:
-            self.late += e.reason == "stale_round" and parse_chunk(payload)[0]["round"] < self.next_round
+            self.late += e.reason == "stale_round" and parse_chunk(payload)[0].round < self.next_round
             raise
         if done is not None:  # the call that completed an update also validated, bounded and folded it
             self.aggregate_s += time.perf_counter() - t0
             self.observer.update_accepted(client)
-            log.info(f"round {done.header['round']}: update from {client} (submodel {done.header['submodel'] + 1}, "
-                f"{done.nbytes} bytes, {done.header['dtype']})",
-                extra={"round": done.header["round"], "client": client, "submodel": done.header["submodel"] + 1})
+            log.info(f"round {done.header.round}: update from {client} (submodel {done.header.submodel + 1}, "
+                f"{done.nbytes} bytes, {done.header.dtype})",
+                extra={"round": done.header.round, "client": client, "submodel": done.header.submodel + 1})
 
     def _reject(self, reason: str, client: str, msg: str) -> None:
         self.fed.reject(reason)
@@ -286,101 +415,88 @@ class Server:
             if c not in r.received:
                 self.client.publish(self.topics.task(c), self._task(r.index, k), qos=QOS, retain=True)
 
-    def _task(self, index: int, k: int) -> bytes:
+    def _task(self, index: int, k: int, resend: bool = False) -> bytes:
         model, _ = parse_chunk(self._published[k][0])
         return self.signer.sign(Task(
             federation=self.cfg.federation, run=self.run_id, round=index, submodel=k,
             lr=self.train_cfg.lr_at(index - 1, self.cfg.rounds), epochs=self.cfg.local_epochs,
             batch_size=self.cfg.batch_size, profile_hash=self.layout.profile.hash, deadline_s=self.cfg.round_timeout,
-            chunks=len(self._published[k]), model_sha256=model["sha256"], model_bytes=model["size"],
-        ).to_json())
+            chunks=len(self._published[k]), model_sha256=model.sha256, model_bytes=model.size, resend=resend,
+            **self._stamp()).to_json())
 
-    def run_round(self, index: int) -> dict[str, Any]:
-        t0 = time.monotonic()
+    # -- rounds: the Transport of the shared round driver (aggregator/rounds.py) ---------------------
+    def collect(self, fed: Federation, index: int) -> None:
+        """Publish the round's weights and tasks, take updates until the round can close, then merge
+        the workers' and relays' partials into its aggregate."""
+        self._t0 = time.monotonic()
         self.late = 0
         self.aggregate_s = 0.0
-        out0, in0 = self.bytes_out, self.fed.bytes_in
-        start_digest = state_digest(self.fed.state)
-        r = self.fed.open_round(index)
+        self._out0, self._in0 = self.bytes_out, fed.bytes_in
+        r = fed.round
         self.reasm.discard_rounds_before(index)
         self._published = {}
         for k in sorted(set(r.assignments.values())):
-            msgs = encode(self.fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
+            msgs = encode(fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
                           round=index, submodel=k, client="server", chunk_bytes=self.cfg.chunk_bytes)
             self._published[k] = msgs
             for i, m in enumerate(msgs):
                 self.publish(self.topics.model_chunk(k, i), m, retain=True)
         self.pool.open(self.run_id, self.layout)  # before the tasks: a worker knows the round before its updates come
+        self.resends.open_round()
         for c, k in r.assignments.items():
             self.publish(self.topics.task(c), self._task(index, k), retain=True)
         self.observer.round_opened(index, r.assignments, self.cfg.round_timeout)
         log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())),
                  extra={"round": index})
         self.publish_status("training")
-        while not self.fed.complete():
+        while not fed.complete():
             self.pump(r.deadline)
         if len(r.received) < len(r.assignments):
-            gone = self.fed.gone_offline()
+            gone = fed.gone_offline()
             why = f"without waiting for {', '.join(gone)} (went offline)" if gone else "at its deadline"
             log.info(f"round {index} closed {why}: {len(r.received)}/{len(r.assignments)} updates")
         for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
             self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
-        worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
+        self._worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
         self.late += self.pool.late
-        t_agg = time.perf_counter()
-        facts = self.fed.close_round()
-        facts.update(worker_facts)
-        self.aggregate_s += time.perf_counter() - t_agg
-        self.next_round = index + 1
-        rejected, self.round_rejects = dict(self.round_rejects), Counter()  # rejections since the last round closed
-        facts.update({
-            "start_sha256": start_digest, "bytes_out": self.bytes_out - out0, "bytes_in": self.fed.bytes_in - in0,
-            "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
-            "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - t0, 3),
-            "aggregate_s": round(self.aggregate_s, 4),
-        })
-        if not facts["committed"] and facts["quorum"]:
-            log.info(f"round {index} NOT committed, the previous weights stay: {facts['not_committed']}")
-        rb = self.cfg.robustness
-        if rb.dp_noise_multiplier > 0:
-            q = min(1.0, self.cfg.clients_per_round / max(1, len(self.fed.clients)))
-            facts["dp_epsilon"] = DPAccountant(rb.dp_noise_multiplier, q, self.cfg.dp_delta).epsilon(index)
-        if self.evaluator is not None:
-            self.publish_status("evaluating")
-            self.accuracy = self.evaluator.accuracy(self.fed.state)
-            facts["accuracy"] = self.accuracy
-        facts["wall_s"] = round(time.monotonic() - t0, 3)  # up to the commit: the saved line and the appended one agree
-        t_ckpt = time.perf_counter()
-        save_checkpoint(self.out, self.fed.state, self.layout,
-                        {"round": index, "rounds": self.cfg.rounds, "federation": self.cfg.federation,
-                         "accuracy": self.accuracy, "state_sha256": state_digest(self.fed.state),
-                         "update_guard": self.fed.guard.state_dict(), "client_keys": self.fed.keys,
-                         UPDATES_TOTAL_KEY: self.fed.trained_updates},
-                        metrics=facts)
-        self.observer.checkpoint_saved(time.perf_counter() - t_ckpt)
-        self.write_metrics(facts)
-        log.info(f"round {index} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
-            + (f", accuracy {self.accuracy}" if self.accuracy else ""), extra={"round": index})
-        return facts
 
-    def write_metrics(self, facts: dict[str, Any]) -> None:
-        append_metrics(self.out, facts)
+    def round_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
+        self.next_round = facts["round"] + 1
+        rejected, self.round_rejects = dict(self.round_rejects), Counter()  # rejections since the last round closed
+        if facts["committed"]:  # in this round's checkpoint: a pin of an id that trained never expires
+            self.enrol.trained([c for c in facts["reported"] if c not in facts.get("dropped", {})])
+        return {
+            **self._worker_facts, **self.resends.facts(),
+            "enrolment": {"open": self.enrol.open, "pinned": len(self.enrol.pins), "untrained_open_pins": self.enrol.unproven()},
+            "bytes_out": self.bytes_out - self._out0, "bytes_in": self.fed.bytes_in - self._in0,
+            "rejected": rejected, "late_updates": self.late, "inbox_dropped": self.conn.inbox_dropped,
+            "duplicates_dropped": self.reasm.duplicates, "train_wall_s": round(time.monotonic() - self._t0, 3),
+            "aggregate_s": round(self.aggregate_s + facts["close_s"], 4),
+        }
+
+    def evaluating(self) -> None:
+        self.publish_status("evaluating")
+
+    def recorded(self, facts: dict[str, Any], checkpoint_s: float) -> None:
+        self.accuracy = self.driver.accuracy
+        self.observer.checkpoint_saved(checkpoint_s)
         self.observer.metrics_line(facts)
+        log.info(f"round {facts['round']} done in {facts['wall_s']}s: reported {facts['reported']}, rejected {facts['rejected']}"
+                 + (f", accuracy {self.accuracy}" if "accuracy" in facts else ""), extra={"round": facts["round"]})
 
     def run(self) -> None:
         self.conn.start()
-        if self.evaluator is not None and self.next_round == 1:
-            self.accuracy = self.evaluator.accuracy(self.fed.state)
-            self.write_metrics({"round": 0, "accuracy": self.accuracy, "start_sha256": state_digest(self.fed.state)})
-            log.info(f"round 0 accuracy {self.accuracy}")
+        if self.next_round == 1 and (start := self.driver.evaluate_start()) is not None:
+            self.accuracy = self.driver.accuracy
+            self.observer.metrics_line(start)
         self.client.publish(self.topics.control, b"", qos=QOS, retain=True)  # forget an earlier run's "end"
         for index in range(self.next_round, self.cfg.rounds + 1):
             self.wait_for_clients()
-            self.run_round(index)
+            self.driver.run_round(index)
         self.finish()
 
     def finish(self) -> None:
-        end = Control(federation=self.cfg.federation, run=self.run_id, event="end")
+        end = Control(federation=self.cfg.federation, run=self.run_id, event="end", **self._stamp())
         self.client.publish(self.topics.control, self.signer.sign(end.to_json()), qos=QOS, retain=True)
         for k, msgs in self._published.items():
             for i in range(len(msgs)):

@@ -1,30 +1,38 @@
 """In-process research simulator: the paper's client tiers on a real dataset.
 
-The simulator is the server minus the transport: the same `Federation` picks participants, assigns
-submodels with the same policy code, guards and folds the updates and commits the round; every
-client trains a physically smaller submodel with the same `local_train` a device runs; the same
-`Evaluator` scores the submodels. That keeps simulated accuracy an honest preview of a real federation.
+The simulator is the server minus MQTT: the same round driver (aggregator/rounds.py) opens, closes,
+evaluates and checkpoints every round; the same `Federation` picks participants, assigns submodels,
+bounds and screens the updates and merges them with the configured rule; every client trains a
+physically smaller submodel with the same `local_train` a device runs. Only the transport differs:
+clients train here, one after the other. That keeps simulated accuracy an honest preview of a real
+federation, and lets the attack suite (`--attack`, nefl/attacks.py) run against every server option.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from aggregator.assignment import PAPER_WINDOW, Assignment
 from aggregator.evaluation import Evaluator
-from aggregator.federation import Federation, Rejected
-from nefl.checkpoint import UPDATES_TOTAL_KEY, save_checkpoint
+from aggregator.federation import Federation, Rejected, Robustness, Update
+from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
+from aggregator.rounds import RoundDriver, RunPlan, Transport
+from nefl.attacks import Attack, craft, poison_dataset, triggered_test
 from nefl.data import ArrayDataset, BatchLoader, load_dataset, partition_dirichlet, partition_iid
 from nefl.messages import Announce
 from nefl.methods import Method
 from nefl.profile import load_profile
+from nefl.robust_aggregate import AggregationRule
 from nefl.state import GlobalState, Layout
 from nefl.train import TrainConfig, local_train
 
@@ -45,17 +53,21 @@ class SimConfig:
     batch_size: int = 32
     lr: float = 0.1
     weighting: str = "uniform"
-    eval_every: int = 5
+    eval_every: int = 5  # 0: evaluate only after the last round (and not the initial state)
     eval_samples: int = 2000  # test images for intermediate evaluations
     final_eval_samples: int | None = None  # test images for the last evaluation (None: all)
     bn_calibration_samples: int = 2000  # training images for static-BN statistics (HeteroFL)
     max_samples_per_client: int | None = None
     data_root: str | None = None
-    out: str | None = None  # directory for metrics.jsonl and the final checkpoint
+    out: str | None = None  # directory for metrics.jsonl and the checkpoint (out/checkpoint, every round)
     device: str = "cpu"  # torch device for training and evaluation, e.g. "cuda" for the paper's protocol
     assignment: Assignment = "paper"  # the paper's tiers; "coverage" / "largest" as the server can
     lr_schedule: str = "step"  # nefl.train.Schedule
     warmup_rounds: int = 0
+    robustness: Robustness = Robustness()  # the server's bounds, clipping, DP and aggregation rule
+    root_samples: int = DEFAULT_ROOT_SAMPLES  # FLTrust's root set: the last test images (left out of evaluation)
+    attack: Attack | None = None  # what the hostile clients do
+    attackers: float = 0.0  # the share of clients that are hostile (a seeded draw)
 
 
 @dataclass
@@ -65,6 +77,7 @@ class SimResult:
     avg: float
     seconds: float
     rounds: list[dict] = field(default_factory=list)
+    backdoor: list[float] | None = None  # per submodel: triggered test images classified as the target
 
 
 def tier_of(client: int, num_clients: int, num_tiers: int) -> int:
@@ -84,14 +97,24 @@ def client_ids(num_clients: int) -> list[str]:
     return [f"c{c:0{width}d}" for c in range(num_clients)]
 
 
-def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int]) -> Federation:
+def attacker_ids(cfg: SimConfig) -> set[str]:
+    """round(attackers x clients) clients, drawn with the run's seed (spread over the tiers)."""
+    n = round(cfg.attackers * cfg.clients) if cfg.attack is not None else 0
+    order = torch.randperm(cfg.clients, generator=torch.Generator().manual_seed(cfg.seed + 104729))
+    ids = client_ids(cfg.clients)
+    return {ids[int(c)] for c in order[:n]}
+
+
+def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int],
+                         aggregator: AggregationRule | None = None) -> Federation:
     """The server's round state with every client online and announcing its tier's bound once, as
     a device does over MQTT; `samples` is each client's partition size."""
     k = layout.num_submodels
     ids = client_ids(cfg.clients)
     tiers = {cid: tier_of(c, cfg.clients, k) for c, cid in enumerate(ids)}
     fed = Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
-                     cfg.weighting, cfg.seed, assignment=cfg.assignment, tiers=tiers)
+                     cfg.weighting, cfg.seed, robustness=cfg.robustness, assignment=cfg.assignment, tiers=tiers,
+                     aggregator=aggregator)
     for cid, n in zip(ids, samples):
         fed.set_online(cid, True, now=0.0)
         fed.announce(cid, Announce(client=cid, samples=max(1, n), max_submodel=tier_bound(tiers[cid], k) + 1), now=0.0)
@@ -123,7 +146,7 @@ def check_device(name: str) -> torch.device:
     return device
 
 
-class Simulator:
+class Simulator(Transport):
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.device = str(check_device(cfg.device))
@@ -131,7 +154,7 @@ class Simulator:
         self.layout = Layout.build(profile, cfg.method)
         dataset = cfg.dataset or profile.dataset
         self.train = load_dataset(dataset, cfg.data_root, train=True)
-        self.test = load_dataset(dataset, cfg.data_root, train=False)
+        test = load_dataset(dataset, cfg.data_root, train=False)
         if tuple(self.train.images.shape[1:]) != profile.input_shape:
             raise ValueError(
                 f"{dataset} images are {tuple(self.train.images.shape[1:])}, profile {profile.name} expects "
@@ -142,74 +165,98 @@ class Simulator:
                                      schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
         self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
-        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts])
+        self.attackers = attacker_ids(cfg)
+        agg = cfg.robustness.aggregation
+        root = None
+        if agg.rule == "fltrust":  # the root set is held out of the evaluation, as on the server
+            test, root_set = split_root(test, cfg.root_samples)
+            root = RootUpdates(self.layout, root_set, self.train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, self.device)
+        self.test = test
+        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts],
+                                        AggregationRule(self.layout, agg, cfg.weighting, root, cfg.seed))
         self.evaluator = Evaluator(self.layout, self.test, self.train, calibration_samples=cfg.bn_calibration_samples,
                                    seed=cfg.seed, device=self.device)
+        self.backdoor = None
+        if cfg.attack is not None and cfg.attack.kind == "backdoor":
+            self.backdoor = Evaluator(self.layout, triggered_test(self.test, cfg.attack.target), self.train,
+                                      calibration_samples=cfg.bn_calibration_samples, seed=cfg.seed, device=self.device)
+        self._round: dict[str, Any] = {}
 
     @property
     def state(self) -> GlobalState:
         return self.fed.state
 
-    def run_round(self, r: int) -> dict:
-        cfg, layout, fed = self.cfg, self.layout, self.fed
+    # -- the transport: every participant trains here ------------------------------------------
+    def collect(self, fed: Federation, index: int) -> None:
+        """Train every participant (honest first: the omniscient ALIE attacker sees their updates),
+        turn the attackers' into attacks, and hand all of them to the Federation in id order."""
         t0 = time.perf_counter()
-        train_cfg = self.train_cfg.for_round(r, cfg.rounds)
-        rejected: dict[str, int] = {}
-        losses = []
-        for cid, k in sorted(fed.open_round(r, now=0.0).assignments.items()):
-            c = self.client_index[cid]
-            loader = BatchLoader(self.train, self.parts[c], cfg.batch_size, shuffle=True, augment=True,
-                                 seed=cfg.seed * 1_000_003 + r * 1009 + c)
-            res = local_train(self.modules[k], fed.state.extract(layout, k), loader, train_cfg,
-                              upload=layout.upload_shapes(k), device=self.device)
-            header = {"kind": "update", "federation": FEDERATION, "client": cid, "round": r, "submodel": k,
-                      "samples": res.num_samples,
-                      "metrics": {"loss": res.loss, "train_acc": res.accuracy, "train_s": res.seconds}}
+        train_cfg = self.train_cfg.for_round(index - 1, self.cfg.rounds)
+        trained: dict[str, tuple[int, Any]] = {}
+        for cid, k in sorted(fed.round.assignments.items()):
+            trained[cid] = (k, self._train(cid, k, index, train_cfg))
+        rejected: Counter[str] = Counter()
+        for cid, (k, res) in sorted(trained.items()):
+            delta = self._attack(cid, k, res.delta, trained) if cid in self.attackers else res.delta
+            update = Update(cid, index, k, res.num_samples, delta, sum(t.numel() * t.element_size() for t in delta.values()),
+                            {"loss": res.loss, "train_acc": res.accuracy, "train_s": res.seconds})
             try:
-                fed.accept(cid, header, res.delta, sum(t.numel() * t.element_size() for t in res.delta.values()))
+                fed.accept(update)
             except Rejected as e:  # the server's guard applies to simulated updates too
                 fed.reject(e.reason)
-                rejected[e.reason] = rejected.get(e.reason, 0) + 1
-            losses.append(res.loss)
-        facts = fed.close_round()
-        participants = [[self.client_index[cid], k - 1] for cid, k in facts["assigned"].items()]
-        return {"round": r, "lr": train_cfg.lr, "participants": participants,
-                "updates_per_submodel": facts["updates_per_submodel"], "committed": facts["committed"],
-                "rejected": rejected, "train_loss": sum(losses) / len(losses), "train_seconds": time.perf_counter() - t0}
+                rejected[e.reason] += 1
+        self._round = {"lr": train_cfg.lr, "rejected": dict(rejected), "train_s": round(time.perf_counter() - t0, 3),
+                       "train_loss": statistics.fmean(res.loss for _, res in trained.values()),
+                       "attackers": sorted(self.attackers & set(trained))}
 
+    def _train(self, cid: str, k: int, index: int, train_cfg: TrainConfig):
+        c = self.client_index[cid]
+        attack = self.cfg.attack
+        seed = self.cfg.seed * 1_000_003 + (index - 1) * 1009 + c
+        if cid in self.attackers and attack.on_data:
+            data = poison_dataset(self.train, self.parts[c], attack, self.layout.profile.num_classes, seed)
+            loader = BatchLoader(data, None, self.cfg.batch_size, shuffle=True, augment=True, seed=seed)
+        else:
+            loader = BatchLoader(self.train, self.parts[c], self.cfg.batch_size, shuffle=True, augment=True, seed=seed)
+        return local_train(self.modules[k], self.fed.state.extract(self.layout, k), loader, train_cfg,
+                           upload=self.layout.upload_shapes(k), device=self.device)
+
+    def _attack(self, cid: str, k: int, delta: dict[str, torch.Tensor], trained: dict) -> dict[str, torch.Tensor]:
+        honest = [res.delta for c, (kk, res) in sorted(trained.items()) if kk == k and c not in self.attackers]
+        weights = self.fed.state.extract(self.layout, k)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7_000_003 + self.client_index[cid] + 131 * len(trained))
+        return craft(self.cfg.attack, delta, weights, honest, len(trained), len(self.attackers & set(trained)), gen)
+
+    def round_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
+        return self._round
+
+    def scores(self, state: GlobalState, samples: int | None) -> dict[str, Any]:
+        """Under a backdoor attack: per submodel, the share of triggered test images it calls the target."""
+        return {"backdoor": self.backdoor.accuracy(state, samples)} if self.backdoor is not None else {}
+
+    # -- runs ----------------------------------------------------------------------------------
     def evaluate(self, max_samples: int) -> list[float]:
         return self.evaluator.accuracy(self.fed.state, max_samples)
 
     def run(self, on_round: Callable[[dict], None] | None = None) -> SimResult:
         cfg = self.cfg
         out = Path(cfg.out) if cfg.out else None
-        metrics_file = None
-        if out:
+        if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            metrics_file = (out / "metrics.jsonl").open("w")
-            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        plan = RunPlan(cfg.rounds, cfg.eval_every, cfg.eval_samples, cfg.final_eval_samples)
+        driver = RoundDriver(self.fed, self, plan, self.evaluator, out and out / "checkpoint", out,
+                             meta=lambda: {"dataset": cfg.dataset or self.layout.profile.dataset})
         t0 = time.perf_counter()
-        rows, accs = [], []
-        try:
-            for r in range(cfg.rounds):
-                row = self.run_round(r)
-                last = r == cfg.rounds - 1
-                if last or (cfg.eval_every and (r + 1) % cfg.eval_every == 0):
-                    n = min(cfg.final_eval_samples or len(self.test), len(self.test)) if last else cfg.eval_samples
-                    accs = self.evaluate(n)
-                    row.update(accuracy=accs, worst=min(accs), avg=sum(accs) / len(accs), eval_samples=n)
-                row["seconds"] = time.perf_counter() - t0
-                rows.append(row)
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if on_round:
-                    on_round(row)
-        finally:
-            if metrics_file:
-                metrics_file.close()
-        if out:
-            save_checkpoint(out / "checkpoint", self.fed.state, self.layout,
-                            {"round": cfg.rounds - 1, "accuracy": accs, "dataset": cfg.dataset or self.layout.profile.dataset,
-                             UPDATES_TOTAL_KEY: self.fed.trained_updates})
-        return SimResult(accs, min(accs), sum(accs) / len(accs), time.perf_counter() - t0, rows)
+        rows = []
+        driver.evaluate_start()
+        for r in range(1, cfg.rounds + 1):
+            row = driver.run_round(r)
+            row["seconds"] = round(time.perf_counter() - t0, 3)
+            rows.append(row)
+            if on_round:
+                on_round(row)
+        accs = driver.accuracy
+        return SimResult(accs, min(accs), sum(accs) / len(accs), time.perf_counter() - t0, rows,
+                         rows[-1].get("backdoor"))

@@ -11,9 +11,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from aggregator import robust_options as ro
 from aggregator.assignment import Assignment
 from aggregator.simulate import SimConfig, Simulator
 from nefl.aggregate import Weighting
+from nefl.attacks import Attack
 from nefl.cli_options import ScheduleOption, WarmupOption
 from nefl.data import DatasetUnavailable
 from nefl.profile import ProfileError
@@ -51,21 +53,42 @@ def simulate_command(
     init_from: Optional[str] = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, "
                                             "loaded with weights_only=True, or .safetensors) of the profile's "
                                             "architecture (docs/architectures.md)."),
+    max_update_norm: ro.MaxUpdateNorm = None,
+    update_norm_relative: ro.UpdateNormRelative = ro.D.relative,
+    update_norm_k: ro.UpdateNormK = ro.D.adaptive_k,
+    clip: ro.Clip = False,
+    max_weight_abs: ro.MaxWeightAbs = ro.D.max_weight_abs,
+    dp_noise_multiplier: ro.DPNoise = 0.0,
+    aggregator: ro.Rule = ro.D.rule,
+    trim: ro.Trim = ro.D.trim,
+    centre_check: ro.CentreCheck = None,
+    min_agree: ro.MinAgree = ro.D.min_agree,
+    max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
+    root_samples: ro.RootSamples = ro.D.root_samples,
+    attack: Optional[str] = typer.Option(None, help="What the hostile clients do: sign-flip, scaled-flip, neg-weights, "
+                                         "noise, label-flip, backdoor or alie (docs/security.md)."),
+    attackers: float = typer.Option(0.2, min=0, max=1, help="With --attack: the share of clients that are hostile."),
+    attack_scale: float = typer.Option(Attack.scale, min=0, help="scaled-flip: -SCALE x the honest delta; neg-weights: "
+                                       "-SCALE x the weights; noise: SCALE x the honest norm."),
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
     if per_round > clients:
         raise typer.BadParameter(f"--per-round {per_round} exceeds --clients {clients}")
     if threads:
         torch.set_num_threads(threads)
-    cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
-                    lr, weighting, eval_every, eval_samples, final_eval_samples, max_samples_per_client=max_samples_per_client,
-                    data_root=data_root, out=out, device=device, assignment=assignment, lr_schedule=lr_schedule,
-                    warmup_rounds=warmup_rounds)
     try:
+        robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
+                               dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
+        hostile = Attack(attack, attack_scale) if attack else None
+        cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
+                        lr, weighting, eval_every, eval_samples, final_eval_samples,
+                        max_samples_per_client=max_samples_per_client, data_root=data_root, out=out, device=device,
+                        assignment=assignment, lr_schedule=lr_schedule, warmup_rounds=warmup_rounds, robustness=robust,
+                        root_samples=root_samples, attack=hostile, attackers=attackers if hostile else 0.0)
         sim = Simulator(cfg)
         if init_from:  # before the first round, so round 1 trains from the pretrained weights
             sim.fed.state = GlobalState.pretrained(sim.layout, init_from, seed)
-    except (ProfileError, DatasetUnavailable, ValueError) as e:
+    except (ProfileError, DatasetUnavailable, ValueError, ImportError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     ladder = sim.layout.profile
@@ -96,3 +119,6 @@ def simulate_command(
     table.add_row("worst", "", "", "", f"{100 * result.worst:.2f}")
     table.add_row("avg", "", "", "", f"{100 * result.avg:.2f}")
     Console().print(table)
+    if result.backdoor is not None:
+        Console().print("backdoor success per submodel (triggered test images classified as the target): "
+                        + ", ".join(f"{100 * b:.1f}%" for b in result.backdoor))

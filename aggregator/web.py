@@ -2,6 +2,7 @@
 
     GET /            the dashboard page (static files from aggregator/dashboard/, no build step, no CDN)
     GET /api/state   what the page draws: aggregator.metrics.DashboardState as JSON (the page polls it)
+    GET /api/rollout which device runs which model version (aggregator/rollout.py RolloutWatcher)
     GET /metrics     Prometheus text format
     GET /health      {"status": "ok"}
 
@@ -55,7 +56,11 @@ def dashboard_files() -> dict[str, bytes]:
     return {path: (root / name).read_bytes() for path, (name, _) in STATIC.items()}
 
 
-def make_handler(observer: Observer, token: str | None, files: dict[str, bytes]) -> type[BaseHTTPRequestHandler]:
+NO_ROLLOUT = b'{"rollout": null, "devices": []}'
+
+
+def make_handler(observer: Observer, token: str | None, files: dict[str, bytes],
+                 rollout: Callable[[], dict[str, Any]] | None = None) -> type[BaseHTTPRequestHandler]:
     expected = token.encode() if token else None
 
     class Handler(BaseHTTPRequestHandler):
@@ -95,6 +100,7 @@ def make_handler(observer: Observer, token: str | None, files: dict[str, bytes])
             url = urlsplit(self.path)
             routes: dict[str, Callable[[], tuple[bytes, str]]] = {
                 "/api/state": lambda: (observer.snapshot_json(), "application/json"),
+                "/api/rollout": lambda: (json.dumps(rollout()).encode() if rollout else NO_ROLLOUT, "application/json"),
                 "/metrics": lambda: (generate_latest(observer.metrics.registry), CONTENT_TYPE_LATEST),
             }
             try:
@@ -161,9 +167,11 @@ class DashboardServer(ThreadingHTTPServer):
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
 
 
-def start_http(observer: Observer, host: str, port: int, token: str | None = None) -> DashboardServer:
-    """Serve in a background thread; port 0 picks a free one (see .url). Off loopback a token is required."""
+def start_http(observer: Observer, host: str, port: int, token: str | None = None,
+               rollout: Callable[[], dict[str, Any]] | None = None) -> DashboardServer:
+    """Serve in a background thread; port 0 picks a free one (see .url). Off loopback a token is required.
+    `rollout` gives /api/rollout its view (none: an empty one)."""
     if not is_loopback(host) and not token:
         raise TokenRequired(f"--http {host}:{port} would show the fleet to anyone who can reach that address: "
                             "give --http-token (or $NEFL_HTTP_TOKEN), or bind 127.0.0.1")
-    return DashboardServer((host, port), make_handler(observer, token, dashboard_files())).start()
+    return DashboardServer((host, port), make_handler(observer, token, dashboard_files(), rollout)).start()

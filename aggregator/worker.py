@@ -4,7 +4,10 @@ Workers subscribe to `$share/{group}/nefl/{federation}/update/+`, so the broker 
 message to one of them. Each checks it exactly as the server would (aggregator/intake.py: size,
 signature, identity, round, shapes, finite values, the norm bound of the coordinator's plan), folds
 it into its own partial NeFedAvg, tells the coordinator (a receipt), and at round close publishes
-the partial (aggregator/partials.py) for the coordinator to merge.
+the partial (aggregator/partials.py) for the coordinator to merge. Everything it sends the coordinator
+is signed with its own key (`--key`, default in the federation's key directory), which the operator
+authorises on the coordinator (`aggregator enroll ID --worker --key KEY`; `serve --workers N` does it
+for the workers it starts).
 
 Chunks of one update reach one worker (docs/scale.md): an update sent in one message trivially
 does; for a multi-chunk update the round plan names an owner per client (a stable hash over the
@@ -27,20 +30,22 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import typer
 
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
-from aggregator.partials import partial_tensors
-from nefl.cli_options import (ENV_PASSWORD, ENV_USERNAME, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+from aggregator.keys import KeyDir
+from nefl.cli_options import (ENV_PASSWORD, ENV_USERNAME, CaCertOption, CertfileOption, KeyDirOption, KeyfileOption,
+                              LogFormatOption, LogLevelOption, PasswordOption, UsernameOption)
 from nefl.logs import setup_logging
 from nefl.messages import MAX_PLAN_BYTES, MessageError, PartialSummary, Receipt, RoundClose, WorkerRound, WorkerStatus
 from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
 from nefl.profile import parse_profile
 from nefl.robust import NormBound
-from nefl.signing import parse_public_key, verify
+from nefl.robust_aggregate import AggregationConfig
+from nefl.signing import Signer, parse_public_key, verify
 from nefl.state import GlobalState, Layout
 from nefl.topics import Topics, check_name
 from nefl.wire import Reassembler, WireError, encode, parse_chunk
@@ -71,20 +76,22 @@ class Worker:
 
     role = "worker"
 
-    def __init__(self, cfg: WorkerConfig, upstream: BrokerSettings) -> None:
+    def __init__(self, cfg: WorkerConfig, upstream: BrokerSettings, key: Signer) -> None:
         self.cfg = cfg
         self.topics = Topics(cfg.federation)
         self.me = check_name("worker id", cfg.worker_id)
         self.server_key = parse_public_key(cfg.server_key) if cfg.server_key else None
-        offline = WorkerStatus(state="offline", role=self.role).to_json()
+        self.key = key
         self.up = Connection(upstream, f"nefl-{self.role}-{cfg.federation}-{self.me}",
-                             self.topics.worker(self.me, "status"), offline, log)
+                             self.topics.worker(self.me, "status"), lambda seq: self.status_message("offline", seq), log)
         self.sources: list[Connection] = [self.up]  # where updates come from
         self.plan: WorkerRound | None = None
         self.layout: Layout | None = None
         self.fed: Federation | None = None
         self.reasm: Reassembler | None = None
-        self.keys = DeviceKeys(lambda c: self.fed.keys.get(c) if self.fed else None)
+        self.pins: dict[str, str] = {}  # the plan's device keys
+        self.keys = DeviceKeys(self.pins.get)
+        self.incarnation = 0  # the newest incarnation of the coordinator seen (older plans are replays)
         self.sent: set[tuple[str, int]] = set()  # (run, round) partials already published
         self.early: list[tuple[str, bytes, bool]] = []  # updates of a round whose plan has not arrived yet
         self.bytes_up = 0  # what this process published to the coordinator's broker
@@ -95,6 +102,10 @@ class Worker:
     def publish_up(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self.up.client.publish(topic, payload, qos=QOS, retain=retain)
         self.bytes_up += len(payload)
+
+    def status_message(self, state: str, seq: int) -> bytes:
+        """This worker's status for the connection stamped `seq`, signed (the offline one is its last will)."""
+        return self.key.sign(WorkerStatus(state=state, role=self.role, seq=seq).to_json())
 
     def subscriptions(self, conn: Connection) -> list[str]:
         t = self.topics
@@ -114,8 +125,8 @@ class Worker:
             if conn.just_connected():
                 conn.client.subscribe([(t, QOS) for t in self.subscriptions(conn)])
                 if conn is self.up:
-                    self.publish_up(self.topics.worker(self.me, "status"),
-                                    WorkerStatus(state="online", role=self.role).to_json(), retain=True)
+                    self.publish_up(self.topics.worker(self.me, "status"), self.status_message("online", conn.stamp),
+                                    retain=True)
             for _ in range(200):
                 try:
                     topic, payload = conn.inbox.get_nowait()
@@ -131,7 +142,7 @@ class Worker:
     def route(self, conn: Connection, topic: str, payload: bytes) -> None:
         """The trust boundary: whatever arrives is judged, counted and answered; nothing raises past it."""
         t = self.topics
-        if conn in self.sources and (client := t.client_of(topic, "update")) is not None:
+        if conn in self.sources and (client := t.client_of(topic, "update") or t.client_of(topic, "resend")) is not None:
             self.judged(client, lambda: self.on_update(client, payload, forwarded=False))
         elif conn is self.up and topic == t.workers_round:
             self.judged(None, lambda: self.on_plan(payload))
@@ -139,7 +150,7 @@ class Worker:
             self.judged(None, lambda: self.on_close(payload))
         elif conn is self.up and topic == t.worker(self.me, "forward"):
             # the forwarding worker checked the header's client against the update topic
-            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0]["client"], payload, forwarded=True))
+            self.judged(None, lambda: self.on_update(parse_chunk(payload)[0].client, payload, forwarded=True))
 
     def judged(self, client: str | None, handle: Callable[[], None]) -> None:
         """Run a handler; a refusal (or a bug) becomes a receipt with its reason, never an exception."""
@@ -160,6 +171,9 @@ class Worker:
         plan = WorkerRound.from_json(self._signed(payload), MAX_PLAN_BYTES)
         if plan.federation != self.cfg.federation:
             raise Rejected("wrong_federation", f"plan of federation {plan.federation!r}")
+        if plan.incarnation < self.incarnation:
+            raise Rejected("stale_run", f"a plan of incarnation {plan.incarnation}, the coordinator is at {self.incarnation}")
+        self.incarnation = plan.incarnation
         if self.plan is not None and (plan.run, plan.round) == (self.plan.run, self.plan.round):
             self.plan = plan  # the open round re-planned (an owner left) or redelivered: keep the partial
             return
@@ -168,9 +182,12 @@ class Worker:
             if self.layout.profile.hash != plan.profile_hash:
                 raise Rejected("profile_mismatch", "the plan's profile does not hash to its profile_hash")
             self.fed = None
-        b = plan.bound
+        b, sc = plan.bound, plan.screen
         robust = Robustness(NormBound(max_norm=b.max_norm, relative=b.relative, adaptive_k=b.adaptive_k, mode=b.mode,
-                                      window=b.window, warmup=b.warmup))
+                                      window=b.window, warmup=b.warmup),
+                            aggregation=AggregationConfig(centre_check=sc.centre_check, min_agree=sc.min_agree,
+                                                          max_norm_ratio=sc.max_norm_ratio, min_cover=sc.min_cover,
+                                                          hold=sc.hold, sketch=sc.sketch))
         if self.fed is None or self.fed.robustness != robust:
             # a worker holds no weights: the plan's reference norms stand in for them
             empty = GlobalState({}, [{} for _ in range(self.layout.num_submodels)])
@@ -179,7 +196,8 @@ class Worker:
         self.fed.round_timeout = plan.deadline_s
         self.fed.adopt_round(plan.round, plan.assignments, plan.references)
         self.fed.guard.load_state_dict({"norms": plan.norms})
-        self.fed.keys = dict(plan.keys)
+        self.pins.clear()
+        self.pins.update(plan.keys)
         if self.reasm is None or self.reasm.max_bytes != plan.max_update_bytes:
             self.reasm = Reassembler(max_bytes=plan.max_update_bytes, timeout_s=plan.deadline_s)
         self.reasm.discard_rounds_before(plan.round)
@@ -206,17 +224,16 @@ class Worker:
         num = self.layout.num_submodels if self.layout else 0
         summary = PartialSummary(run=run, round=index, weights=[0.0] * num, updates=[0] * num)
         if fed is not None and fed.agg.total_updates:
-            agg, r = fed.agg, fed.round
-            msgs = encode(partial_tensors(agg), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
-                          client=self.me, chunk_bytes=self.plan.chunk_bytes)
+            agg, r = fed.agg.partial(), fed.round
+            msgs = encode(agg.partial_tensors(), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
+                          client=self.me, chunk_bytes=self.plan.chunk_bytes, sign=self.key.sign)
             for m in msgs:
                 self.publish_up(self.topics.worker(self.me, "partial"), m)
-            norms = [[] for _ in range(num)]
-            for c in sorted(r.received):
-                norms[r.assignments[c]].append(r.client_metrics[c]["norm"])
+            dropped = fed.agg.dropped
             summary = PartialSummary(run=run, round=index, weights=[float(w) for w in agg.weights], updates=list(agg.updates),
-                                     clients=sorted(r.received), norms=norms, sha256=parse_chunk(msgs[0])[0]["sha256"])
-        self.publish_up(self.topics.worker(self.me, "summary"), summary.to_json())
+                                     clients=sorted(r.received), dropped=dict(sorted(dropped.items())),
+                                     sha256=parse_chunk(msgs[0])[0].sha256)
+        self.publish_up(self.topics.worker(self.me, "summary"), self.key.sign(summary.to_json()))
         log.info(f"{self.me}: round {index}: partial of {len(summary.clients)} update(s) sent "
                  f"({self.bytes_up - self._up_mark} bytes up since the last one)")
         self._up_mark = self.bytes_up
@@ -226,41 +243,46 @@ class Worker:
         if self.fed is None or self.plan is None:
             raise Rejected("stale_round", "no round plan from the coordinator yet")
         header, _ = parse_chunk(payload)
-        if header["round"] > self.plan.round and len(self.early) < EARLY_MESSAGES:
+        if header.round > self.plan.round and len(self.early) < EARLY_MESSAGES:
             self.early.append((client, payload, forwarded))  # its plan is on the way: the coordinator sent it first
             return
-        if not forwarded and header["count"] > 1 and self.cfg.shared:
+        if not forwarded and header.count > 1 and self.cfg.shared:
             owner = owner_of(client, self.plan.owners)
             if owner is not None and owner != self.me:
-                if header["client"] != client:
-                    raise Rejected("client_mismatch", f"payload says client {header['client']!r}, topic says {client!r}")
+                if header.client != client:
+                    raise Rejected("client_mismatch", f"payload says client {header.client!r}, topic says {client!r}")
                 self.publish_up(self.topics.worker(owner, "forward"), payload)
                 return
         try:
             done = take_update(self.fed, self.reasm, self.keys, client, payload, self.plan.chunk_bytes * 4)
         except Rejected as e:
-            self.receipt(client, e.reason, str(e), late=e.reason == "stale_round" and header["round"] < self.plan.round)
+            r = self.fed.round
+            self.receipt(client, e.reason, str(e), late=e.reason == "stale_round" and header.round < self.plan.round,
+                         attributed=r is not None and r.refused.get(client) == e.reason)
             return
         if done is not None:
-            self.receipt(client, "accepted", "", nbytes=done.nbytes, metrics=self.fed.round.client_metrics[client])
-            log.info(f"{self.me}: round {done.header['round']}: update from {client} accepted "
-                     f"(submodel {done.header['submodel'] + 1}, {done.nbytes} bytes)")
+            r = self.fed.round
+            self.receipt(client, "accepted", "", nbytes=done.nbytes, metrics=r.client_metrics[client],
+                         samples=done.header.samples, norm=r.norms[client])
+            log.info(f"{self.me}: round {done.header.round}: update from {client} accepted "
+                     f"(submodel {done.header.submodel + 1}, {done.nbytes} bytes)")
 
     def receipt(self, client: str | None, outcome: str, detail: str, nbytes: int = 0, metrics: dict | None = None,
-                late: bool = False) -> None:
+                late: bool = False, attributed: bool = False, samples: int = 0, norm: float | None = None) -> None:
         """Tell the coordinator what became of an update: it counts rejections and waits for acceptances."""
         r = self.fed.round if self.fed else None
         index = r.index if r else (self.plan.round if self.plan else 0)
         if outcome != "accepted":
             log.info(f"rejected {outcome} from {client or '?'}: {detail}")
-        rc = Receipt(round=index, client=client, outcome=outcome[:64], detail=detail[:300], late=late, nbytes=nbytes,
+        rc = Receipt(run=self.plan.run if self.plan else "none", round=index, client=client, outcome=outcome[:64],
+                     detail=detail[:300], late=late, attributed=attributed, nbytes=nbytes, samples=samples, norm=norm,
                      metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))})
-        self.publish_up(self.topics.worker(self.me, "receipt"), rc.to_json())
+        self.publish_up(self.topics.worker(self.me, "receipt"), self.key.sign(rc.to_json()))
 
     def stop(self) -> None:
         self.stopping = True
         for conn in dict.fromkeys([*self.sources, self.up]):
-            last = (self.topics.worker(self.me, "status"), WorkerStatus(state="offline", role=self.role).to_json())
+            last = (self.topics.worker(self.me, "status"), self.status_message("offline", self.up.stamp))
             conn.stop(last if conn is self.up else None)
 
 
@@ -274,6 +296,11 @@ def worker_command(
                                 "broker without shared subscriptions)."),
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): "
                                    "round plans not signed by it are refused."),
+    key: Path = typer.Option(None, "--key", help="This worker's signing key (created 0600 if missing) [default: "
+                             "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator."),
+    key_dir: KeyDirOption = None,
+    print_key: bool = typer.Option(False, "--print-key", help="Print this worker's public key (for `aggregator enroll "
+                                   "ID --worker --key KEY` on the coordinator) and exit."),
     username: UsernameOption = None,
     password: PasswordOption = None,
     ca_cert: CaCertOption = None,
@@ -285,8 +312,24 @@ def worker_command(
     """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
     setup_logging(log_level, log_format)
     wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
+    signer = own_key(federation, wid, key, key_dir, print_key)
     run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
-                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile)))
+                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile), signer))
+
+
+def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, print_key: bool) -> Signer:
+    """A worker's or relay's key (exit 2 with the fix when unusable); --print-key prints it and exits 0."""
+    try:
+        signer = KeyDir(check_name("federation name", federation), key_dir).worker_signer(check_name("id", me), key)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    if print_key:
+        print(signer.public_text)
+        raise typer.Exit(0)
+    log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --key "
+             f"{signer.public_text})")
+    return signer
 
 
 def run_until_signalled(build: Callable[[], Worker]) -> None:
@@ -310,19 +353,25 @@ def run_until_signalled(build: Callable[[], Worker]) -> None:
     log.info(f"{w.role} {w.me} stopped")
 
 
-def start_local_workers(n: int, settings: BrokerSettings, federation: str, server_key: str,
+def local_worker_ids(n: int, federation: str) -> list[str]:
+    return [f"{federation}-w{i + 1}" for i in range(n)]
+
+
+def start_local_workers(n: int, settings: BrokerSettings, federation: str, server_key: str, keys: KeyDir,
                         log_level: str = "info") -> list[subprocess.Popen]:
     """`aggregator serve --workers N`: N worker processes on this host, sharing the update stream
-    (a lone worker takes it unshared, which also works on brokers without shared subscriptions)."""
+    (a lone worker takes it unshared, which also works on brokers without shared subscriptions); each
+    signs with its key in `keys`, which the caller authorised."""
     env = {**os.environ, "NEFL_SERVER_KEY": server_key}
     if settings.username:
         env.update({ENV_USERNAME: settings.username, ENV_PASSWORD: settings.password or ""})
     tls = [f"--{flag}={value}" for flag, value in (("ca-cert", settings.ca_cert), ("certfile", settings.certfile),
                                                  ("keyfile", settings.keyfile)) if value]
     return [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "worker",
-                              "--broker", settings.url, "--federation", federation, "--worker-id", f"{federation}-w{i + 1}",
-                              "--shared" if n > 1 else "--no-shared", "--log-level", log_level, *tls], env=env)
-            for i in range(n)]
+                              "--broker", settings.url, "--federation", federation, "--worker-id", wid,
+                              "--key", str(keys.worker_key_path(wid)), "--shared" if n > 1 else "--no-shared",
+                              "--log-level", log_level, *tls], env=env)
+            for wid in local_worker_ids(n, federation)]
 
 
 def stop_local_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:

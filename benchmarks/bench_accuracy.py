@@ -33,22 +33,19 @@ import datetime
 import json
 import os
 import platform
-import queue
 import re
 import shlex
 import sys
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from multiprocessing import Manager
 from pathlib import Path
 
 import psutil
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from aggregator.simulate import SimConfig, Simulator
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from sweep import run_sweep
 from nefl.cost import full_cost, submodel_cost
 from nefl.fsio import atomic_write_text
 from nefl.methods import Method, apply_method, get_method
@@ -129,6 +126,10 @@ class Job:
     def label(self) -> str:
         return f"{self.setting}/{self.variant}-seed{self.seed}"
 
+    @property
+    def rounds(self) -> int:
+        return self.budget.rounds
+
 
 DEFAULT_BUDGET = Budget(rounds=20, samples_per_client=300, eval_samples=2000)
 QUICK_BUDGET = Budget(rounds=2, samples_per_client=100, eval_samples=500)
@@ -154,7 +155,7 @@ def run_job(job: Job, progress_queue) -> dict:
                     eval_every=0, final_eval_samples=b.eval_samples, max_samples_per_client=b.samples_per_client,
                     out=job.checkpoint, batch_size=FAMILY_BATCH if job.variant in FAMILY_VARIANTS else 32)
     sim = Simulator(cfg)
-    res = sim.run(lambda row: progress_queue.put((job.label, row["round"] + 1)))
+    res = sim.run(lambda row: progress_queue.put((job.label, row["round"])))
     out = {
         "variant": v.name, "setting": job.setting, "seed": job.seed, "profile": v.profile,
         "method": dataclasses.asdict(sim.layout.method), "budget": dataclasses.asdict(b),
@@ -214,54 +215,6 @@ def load_result(path: Path, budget: Budget) -> dict | None:
         raise SystemExit(f"{path} was run with {result['budget']}, not {dataclasses.asdict(budget)}: "
                          "delete it or pass another --out")
     return result
-
-
-def run_sweep(jobs: list[Job], workers: int, budget: Budget) -> list[dict]:
-    results = [r for j in jobs if (r := load_result(Path(j.path), budget))]
-    todo = [j for j in jobs if not Path(j.path).exists()]
-    console.print(f"{len(jobs)} runs: {len(results)} already done, {len(todo)} to run with {workers} job(s)")
-    if not todo:
-        return results
-    failed: list[str] = []
-    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Manager() as manager, Progress(*columns, console=console) as progress, \
-            ProcessPoolExecutor(max_workers=workers) as pool:
-        rounds_q = manager.Queue()
-        overall = progress.add_task("[bold]sweep", total=len(todo))
-        tasks = {j.label: progress.add_task(j.label, total=budget.rounds, visible=False) for j in todo}
-        pending: dict[Future, Job] = {pool.submit(run_job, j, rounds_q): j for j in todo}
-        try:
-            while pending:
-                done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                _drain(rounds_q, progress, tasks)
-                for fut in done:
-                    job = pending.pop(fut)
-                    progress.update(tasks[job.label], visible=False)
-                    progress.advance(overall)
-                    try:
-                        result = fut.result()
-                    except Exception as exc:  # one broken run must not lose the others' hours
-                        failed.append(f"{job.label}: {type(exc).__name__}: {exc}")
-                        progress.console.print(f"[red]{failed[-1]}")
-                        continue
-                    results.append(result)
-                    progress.console.print(f"{job.label}: worst {100 * result['worst']:.2f} "
-                                           f"avg {100 * result['avg']:.2f} ({result['seconds']:.0f} s)")
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-    if failed:
-        raise SystemExit(f"{len(failed)} run(s) failed (finished runs are saved; rerun to resume):\n" + "\n".join(failed))
-    return results
-
-
-def _drain(rounds_q, progress: Progress, tasks: dict) -> None:
-    while True:
-        try:
-            label, done_rounds = rounds_q.get_nowait()
-        except queue.Empty:
-            return
-        progress.update(tasks[label], completed=done_rounds, visible=True)
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -550,7 +503,8 @@ def main() -> None:
         jobs.sort(key=lambda j: j.seed)
     ran = sum(not Path(j.path).exists() for j in jobs)
     started = datetime.datetime.now()
-    results = run_sweep(jobs, args.jobs, budget)
+    results = run_sweep(jobs, args.jobs, run_job, lambda j: load_result(Path(j.path), budget),
+                        lambda r: f"worst {100 * r['worst']:.2f} avg {100 * r['avg']:.2f} ({r['seconds']:.0f} s)", console)
     wall = (datetime.datetime.now() - started).total_seconds()
     command = "PYTHONPATH=. python benchmarks/bench_accuracy.py " + shlex.join(sys.argv[1:])
     if args.families:

@@ -28,3 +28,11 @@ def commit_label() -> str:
 def load_average() -> str:
     load = os.getloadavg()
     return f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+
+
+def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:
+    """Replace what lies between the `start` and `end` markers of `doc` with `lines` (markers included)."""
+    text = doc.read_text()
+    head, rest = text.split(start, 1)
+    doc.write_text(head + "\n".join([start, *lines, end]) + rest.split(end, 1)[1])
+    print(f"wrote {doc}")

@@ -8,36 +8,42 @@ messages and the clock; the unit tests feed it messages with fakes of both.
 Everything from the broker is untrusted: server messages must carry the pinned server key's
 signature (nefl/signing.py), weights must hash to what the signed task names, and any message
 that fails is dropped with a counted reason; nothing inbound can end the agent.
+
+Which key and which run: the server key comes from --server-key, from a join token (which names its
+fingerprint), or, on trust on first use, from the first running federation that sends this device a
+task (a status alone, replayed or forged, pins nothing). Every signed server message names its run
+incarnation and sequence number: the agent follows the newest incarnation it has seen (remembered per
+server key across restarts), refuses older ones, and ends only with a run it took part in.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from edge_client.device import Device
 from edge_client.select import Selection
-from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Message, MessageError, ServerStatus, Task,
-                           TrainingSettings)
+from nefl.fsio import atomic_write_text
+from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, MessageError, Sent, ServerStatus, Stamped,
+                           Task, TrainingSettings)
+from nefl.mqtt import Transport
 from nefl.profile import ProfileError, parse_profile
-from nefl.signing import KeyPin, Signer, public_key_arg, split_signed, verify, verify_self_signed
+from nefl.signing import KeyPin, Signer, parse_public_key, public_key_arg, split_signed, verify, verify_self_signed
 from nefl.state import Layout
+from nefl.tokens import fingerprint, parse_token, proof
 from nefl.topics import Topics
 from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
-CACHE = Path(os.environ.get("NEFL_CACHE_DIR", "~/.cache/nefl")).expanduser()
-PIN_DIR = CACHE / "servers"  # aggregator keys trusted on first use
-DEVICE_KEY_DIR = CACHE / "device-keys"  # this machine's device keys, one per client id
 UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
+LIVE = ("waiting", "training", "evaluating")  # states of a running federation (first use trusts no other)
+MAX_CANDIDATES = 8  # server keys seen on first use, before one of them sends this device a task
 log = logging.getLogger(__name__)
 
 
@@ -50,21 +56,15 @@ class AgentConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     server_key: str | None = None  # pinned aggregator public key (base64 or file); None: trust on first use
     pin_file: Path | None = None  # where a first-use key is remembered
-    device_key: Signer | None = None  # this device's key: signs its announces and update headers
+    device_key: Signer | None = None  # this device's key: signs its announces, statuses, notices and update headers
+    join_token: str | None = None  # `aggregator enroll`'s one-time token: enrols the device key, names the server key
+    run_file: Path | None = None  # the newest run incarnation seen, per server key (older runs are refused)
 
 
-class Transport(Protocol):
-    """What the agent needs of MQTT (paho's client satisfies it; tests record the calls)."""
-
-    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> object: ...
-
-    def subscribe(self, topic: str, qos: int = 0) -> object: ...
-
-    def unsubscribe(self, topic: str) -> object: ...
-
-
-def pin_file_for(pin_dir: Path, federation: str, host: str, port: int) -> Path:
-    return pin_dir / f"{federation}@{host}_{port}.pub"
+def status_message(key: Signer | None, state: str, seq: int) -> bytes:
+    """The device's status for the connection stamped `seq`, signed by its key (the offline one is its will)."""
+    body = ClientStatus(state=state, seq=seq).to_json()
+    return body if key is None else key.sign(body)
 
 
 def model_bytes_bound(layout: Layout, k: int) -> int:
@@ -79,12 +79,19 @@ class Agent:
         self.cfg, self.transport, self.device, self.clock = cfg, transport, device, clock
         self.topics = Topics(cfg.federation)
         self.pin = KeyPin(public_key_arg(cfg.server_key) if cfg.server_key else None, cfg.pin_file)
+        self.token = parse_token(cfg.join_token) if cfg.join_token else None  # (server key fingerprint, secret)
+        if self.token and self.pin.text and fingerprint(self.pin.text) != self.token[0]:
+            raise ValueError(f"the join token names server key {self.token[0]}, but --server-key (or the key pinned in "
+                             f"{cfg.pin_file}) is {fingerprint(self.pin.text)}: use this federation's token, or delete "
+                             "that pin file if the key in it was trusted by mistake")
+        self.candidates: dict[str, ServerStatus] = {}  # first use: key -> its newest live status
+        self.incarnation = self._remembered_incarnation()  # refuse runs older than this
+        self.stamp: tuple[int, int] = (self.incarnation, -1)  # (incarnation, seq) of the newest signed status
         self.layout: Layout | None = None
         self.profile_hash: str | None = None
         self.training = TrainingSettings()  # the server's batch size, local epochs and round timeout
         self.selection: Selection | None = None
         self.run_id: str | None = None  # the server run whose signed status we follow
-        self.status_time = 0.0  # time stamp of the newest signed status (older ones are replays)
         self.server_seen = False  # a trusted server status has arrived (for "no server" diagnostics)
         self.held: dict[str, bytes] = {}  # signed messages that arrived before the status they depend on
         self.task: Task | None = None
@@ -95,6 +102,7 @@ class Agent:
         self.models_in = Reassembler(max_bytes=1, timeout_s=1)  # sized by each task: no task, no buffering
         self.weights: dict[str, torch.Tensor] | None = None  # the current task's verified weights
         self.ended = False
+        self.said_not_joined = ""  # the run whose end was logged as not ours
         self.dropped: Counter[str] = Counter()
 
     # -- connection ---------------------------------------------------------------------------------
@@ -103,11 +111,12 @@ class Agent:
         subs = [self.topics.task(me), self.topics.control, self.topics.server_status]
         return subs + ([self.topics.model_all(self.model_sub)] if self.model_sub is not None else [])
 
-    def on_connected(self) -> None:
-        """(Re)connected: say we are here; a first connect announces once the profile is planned."""
+    def on_connected(self, seq: int = 0) -> None:
+        """(Re)connected (the connection stamped `seq`): say we are here; a first connect announces once the
+        profile is planned."""
         for topic in self.subscriptions():
             self.transport.subscribe(topic, qos=1)
-        self.transport.publish(self.topics.status(self.cfg.client_id), ClientStatus(state="online").to_json(),
+        self.transport.publish(self.topics.status(self.cfg.client_id), status_message(self.cfg.device_key, "online", seq),
                                qos=1, retain=True)
         if self.selection is not None:
             self._announce()
@@ -141,16 +150,43 @@ class Agent:
         if n & (n - 1) == 0:
             log.warning(f"dropped a message ({reason}, {n} so far): {detail[:300]}", extra={"reason": reason})
 
-    def _on_signed(self, topic: str, payload: bytes, cls: type[Message], handle: Callable) -> None:
-        """Verify against the pinned key and the current run; hold it until a status names the run."""
-        if self.pin.key is None or self.run_id is None:
-            self.held[topic] = payload  # the newest one per topic; replayed once the status is trusted
+    def _on_signed(self, topic: str, payload: bytes, cls: type[Stamped], handle: Callable) -> None:
+        """Verify against the pinned key and the current run; hold it until a status names the run. On first
+        use, a task signed by one of the candidate keys (for that key's run) pins that key."""
+        if self.pin.key is None:
+            found = self._candidate_for(payload)
+            if found is None:
+                self.held[topic] = payload  # the newest one per topic; replayed once a status makes sense of it
+                return
+            key, status = found
+            msg = cls.from_json(verify(payload, parse_public_key(key)))
+            if msg.federation != self.cfg.federation or msg.run != status.run or msg.incarnation != status.incarnation:
+                raise MessageError("wrong_run", f"{type(msg).__name__} of {msg.federation}/{msg.run}, that key's run "
+                                                f"is {status.run}")
+            if not isinstance(msg, Task):
+                return  # nothing but a task (this device chosen by that run) makes a first-use key trusted
+            self._pin(key, f"its run {status.run} sent this device a task")
+            self._adopt(status)
+        elif self.run_id is None:
+            self.held[topic] = payload
             return
-        msg = cls.from_json(verify(payload, self.pin.key))
-        if msg.federation != self.cfg.federation or msg.run != self.run_id:
-            raise MessageError("wrong_run", f"{type(msg).__name__} of {msg.federation}/{msg.run}, "
-                                            f"following {self.cfg.federation}/{self.run_id}")
+        else:
+            msg = cls.from_json(verify(payload, self.pin.key))
+            if msg.federation != self.cfg.federation or msg.run != self.run_id or msg.incarnation != self.incarnation:
+                raise MessageError("stale_run" if msg.incarnation < self.incarnation else "wrong_run",
+                                   f"{type(msg).__name__} of {msg.federation}/{msg.run} (incarnation {msg.incarnation}), "
+                                   f"following {self.cfg.federation}/{self.run_id} (incarnation {self.incarnation})")
         handle(msg)
+
+    def _candidate_for(self, payload: bytes) -> tuple[str, ServerStatus] | None:
+        """The candidate key (and its status) that signed `payload`, if any."""
+        for key, status in self.candidates.items():
+            try:
+                verify(payload, parse_public_key(key))
+            except MessageError:
+                continue
+            return key, status
+        return None
 
     def _on_status(self, payload: bytes) -> None:
         if split_signed(payload) is None:
@@ -159,7 +195,8 @@ class Agent:
                 return
             raise MessageError("unsigned", "server status without a signature")
         if self.pin.key is None:
-            self._trust_on_first_use(payload)
+            self._first_use(payload)
+            return
         try:
             body = verify(payload, self.pin.key)
         except MessageError as e:
@@ -168,24 +205,85 @@ class Agent:
         status = ServerStatus.from_json(body, MAX_STATUS_BYTES)
         if status.federation != self.cfg.federation or status.run is None:
             raise MessageError("wrong_run", f"status of federation {status.federation}, joined {self.cfg.federation}")
-        if status.time < self.status_time:
-            raise MessageError("replayed", f"status from {status.time:.0f}, newer one seen at {self.status_time:.0f}")
+        if status.incarnation < self.incarnation:
+            raise MessageError("stale_run", f"status of run incarnation {status.incarnation}, this device saw "
+                                            f"{self.incarnation} (an old run replayed)")
+        if status.stamp() < self.stamp:
+            raise MessageError("replayed", f"status #{status.seq} of incarnation {status.incarnation}, newer one seen: "
+                                           f"#{self.stamp[1]} of {self.stamp[0]}")
+        self._adopt(status)
+
+    def _adopt(self, status: ServerStatus) -> None:
+        """Follow `status`'s run (a newer incarnation replaces the old one, remembered across restarts)."""
         if not self.server_seen or status.run != self.run_id:
-            log.info(f"aggregator found: federation {status.federation}, run {status.run}, {status.state}, "
-                     f"round {status.round}/{status.rounds}")
-        self.status_time, self.run_id, self.server_seen = status.time, status.run, True
+            log.info(f"aggregator found: federation {status.federation}, run {status.run} (incarnation "
+                     f"{status.incarnation}), {status.state}, round {status.round}/{status.rounds}")
+        if status.incarnation > self.incarnation:
+            self._remember_incarnation(status.incarnation)
+        self.stamp, self.incarnation, self.run_id, self.server_seen = status.stamp(), status.incarnation, status.run, True
         self.training = status.training
         self._adopt_profile(status)
         held, self.held = self.held, {}
         for topic, message in held.items():
             self.dispatch(topic, message)
 
-    def _trust_on_first_use(self, payload: bytes) -> None:
-        """No key pinned: adopt the key a self-consistent signed status names, and say so loudly."""
-        _, key = verify_self_signed(payload, lambda body: ServerStatus.from_json(body, MAX_STATUS_BYTES).key)
+    def _first_use(self, payload: bytes) -> None:
+        """No key pinned. With a join token: pin the key it names. Otherwise remember the key as a candidate
+        (only a live status of this federation counts), plan from its profile, and pin it once its run sends
+        this device a task: a replayed or forged status alone pins nothing."""
+        body, key = verify_self_signed(payload, lambda b: ServerStatus.from_json(b, MAX_STATUS_BYTES).key)
+        status = ServerStatus.from_json(body, MAX_STATUS_BYTES)
+        if status.federation != self.cfg.federation or status.run is None:
+            raise MessageError("wrong_run", f"status of federation {status.federation}, joined {self.cfg.federation}")
+        if self.token is not None:
+            if fingerprint(key) != self.token[0]:
+                raise MessageError("wrong_server_key", f"status signed by server key {fingerprint(key)}, the join "
+                                                       f"token names {self.token[0]}")
+            self._pin(key, "the join token names it")
+            self._on_status(payload)
+            return
+        if status.state not in LIVE:
+            raise MessageError("not_live", f"a {status.state} status: first use trusts only a running federation")
+        if key not in self.candidates and len(self.candidates) >= MAX_CANDIDATES:
+            raise MessageError("too_many_keys", f"{len(self.candidates)} server keys claim federation {status.federation}")
+        old = self.candidates.get(key)
+        if old is not None and status.stamp() < old.stamp():
+            raise MessageError("replayed", f"an older status of candidate key {fingerprint(key)}")
+        if old is None:
+            others = ", ".join(fingerprint(k) for k in self.candidates)
+            log.warning(f"server key {fingerprint(key)} claims federation {status.federation} (run {status.run}); "
+                        "trusted once its run sends this device a task"
+                        + (f". Other keys claim it too: {others} -- pass --server-key or a join token" if others else ""))
+        self.candidates[key] = status
+        self.training, self.server_seen = status.training, True
+        self._adopt_profile(status)
+        held, self.held = self.held, {}
+        for topic, message in held.items():
+            self.dispatch(topic, message)
+
+    def _pin(self, key: str, why: str) -> None:
         self.pin.learn(key)
-        log.warning(f"trusting server key {key} on first use (remembered in {self.pin.pin_file}); "
-                    "pass --server-key to pin it explicitly")
+        self.candidates.clear()
+        self.incarnation = self._remembered_incarnation()
+        self.stamp = (self.incarnation, -1)
+        log.warning(f"trusting server key {key} (fingerprint {fingerprint(key)}) on first use: {why}; remembered in "
+                    f"{self.pin.pin_file}. Check the fingerprint with `aggregator key`, or pass --server-key")
+
+    def _remembered_incarnation(self) -> int:
+        """The newest run incarnation this device saw under the pinned key (0: none, or another key's)."""
+        f, key = self.cfg.run_file, self.pin.text
+        if f is None or key is None:
+            return 0
+        try:
+            fp, number = f.read_text().split()
+            return int(number) if fp == fingerprint(key) else 0
+        except (OSError, ValueError):
+            return 0
+
+    def _remember_incarnation(self, incarnation: int) -> None:
+        if self.cfg.run_file is not None and self.pin.text is not None:
+            self.cfg.run_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.cfg.run_file, f"{fingerprint(self.pin.text)} {incarnation}\n")
 
     def _adopt_profile(self, status: ServerStatus) -> None:
         if not status.profile_hash or status.profile_hash == self.profile_hash or status.profile is None:
@@ -199,18 +297,32 @@ class Agent:
         self.plan()
 
     def _on_control(self, msg: Control) -> None:
-        self.ended = msg.event == "end"
+        """The end of the run this device follows, which ends the device only if it trained in that run: an
+        end replayed from an earlier run (or one this device never took part in) leaves it waiting."""
+        if msg.event != "end":
+            return
+        if self.last_task[0] == msg.run:
+            self.ended = True
+        elif self.said_not_joined != msg.run:
+            self.said_not_joined = msg.run
+            log.info(f"run {msg.run} of federation {msg.federation} ended; this device took no task in it, so it "
+                     "stays for the next run")
 
     def _take_task(self, task: Task) -> None:
         """Remember a new task and subscribe to its submodel's (retained) weights, or decline it."""
         r, k = task.round, task.submodel
         key = (task.run, r)
         if key == self.last_task and self.last_upload[0] == key:
-            # the task is still open after a reconnect: the broker may have lost our upload in a restart;
+            # the task is still open after a reconnect (the broker may have lost our upload in a restart), or the
+            # server asks for it (it never reached the server: on `resend/`, which no shared subscription reads);
             # resending is safe, the server drops chunks it already has
-            self._publish_update(self.last_upload[1])
-            log.info(f"round {r}: task redelivered, resent the update", extra={"round": r, "submodel": k + 1})
+            topic = self.topics.resend if task.resend else self.topics.update
+            self._publish_update(self.last_upload[1], topic(self.cfg.client_id))
+            log.info(f"round {r}: " + ("the server asked for the update again" if task.resend else "task redelivered")
+                     + ", resent it", extra={"round": r, "submodel": k + 1})
             return
+        if task.resend:
+            return  # a resend request for an upload this device has not made (yet): nothing to resend
         if key == self.last_task or (key[0] == self.last_task[0] and r < self.last_task[1]):
             return  # a retained task seen again after a reconnect
         if self.layout is None or task.profile_hash != self.profile_hash or k >= self.layout.num_submodels:
@@ -242,8 +354,8 @@ class Agent:
         if task is None or self.weights is not None:
             return
         h, _ = parse_chunk(payload)  # checked before a byte is buffered: forged chunks cost nothing
-        if h["kind"] != "model" or (h["round"], h["submodel"], h["sha256"]) != (task.round, task.submodel, task.model_sha256):
-            raise MessageError("model_mismatch", f"weights for round {h['round']} submodel {h['submodel'] + 1} "
+        if h.kind != "model" or (h.round, h.submodel, h.sha256) != (task.round, task.submodel, task.model_sha256):
+            raise MessageError("model_mismatch", f"weights for round {h.round} submodel {h.submodel + 1} "
                                                  f"do not match the signed task")
         done = self.models_in.feed(payload)
         if done is not None:
@@ -272,7 +384,9 @@ class Agent:
         key = self.cfg.device_key
         msg = Announce(client=self.cfg.client_id, samples=max(1, self.device.samples), max_submodel=can,
                        selection="" if sel is None else sel.reason[:300], device=self.device.summary(),
-                       key="" if key is None else key.public_text)
+                       key="" if key is None else key.public_text,
+                       token="" if key is None or self.token is None else
+                       proof(self.token[1], self.cfg.federation, self.cfg.client_id, key.public_text))
         payload = msg.to_json() if key is None else key.sign(msg.to_json())
         self.transport.publish(self.topics.announce(self.cfg.client_id), payload, qos=1, retain=True)
         log.info(f"announced {self.device.samples} samples, submodel <= {can}" + ("" if sel is None else f": {sel.reason}"),
@@ -309,14 +423,23 @@ class Agent:
                                "train_s": round(res.seconds, 2), **res.metrics, **why},
                       chunk_bytes=self.cfg.chunk_bytes,
                       sign=None if self.cfg.device_key is None else self.cfg.device_key.sign)
-        self._publish_update(msgs)
+        self._publish_update(msgs, self.topics.update(self.cfg.client_id))
         self.last_upload = (self.last_task, msgs)
+        self._notify_sent(task, msgs)
         cut = f", {res.metrics['steps']} steps (time budget {budget_s:.0f}s)" if res.metrics.get("budget_cut") else ""
         log.info(f"round {r}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s{cut} "
                  f"(loss {res.loss:.3f}), uploading {sum(map(len, msgs))} bytes in {len(msgs)} chunks",
                  extra={"round": r, "submodel": k + 1})
         self.plan()  # the next round's choice, from the device's state now
 
-    def _publish_update(self, msgs: list[bytes]) -> None:
+    def _publish_update(self, msgs: list[bytes], topic: str) -> None:
         for m in msgs:
-            self.transport.publish(self.topics.update(self.cfg.client_id), m, qos=1)
+            self.transport.publish(topic, m, qos=1)
+
+    def _notify_sent(self, task: Task, msgs: list[bytes]) -> None:
+        """Tell the server (directly: never a shared subscription) that the update is out, so that one lost on
+        the way costs a resend, not the round."""
+        notice = Sent(client=self.cfg.client_id, run=task.run, round=task.round, submodel=task.submodel,
+                      sha256=parse_chunk(msgs[0])[0].sha256).to_json()
+        key = self.cfg.device_key
+        self.transport.publish(self.topics.sent(self.cfg.client_id), notice if key is None else key.sign(notice), qos=1)

@@ -16,6 +16,11 @@ stdlib http.server (no extra dependency on a device), with the limits a listenin
 
 Every failure a client can cause is a JSON 4xx with a message; anything else is a JSON 500 and the
 server keeps serving.
+
+The runtime comes from a `Serving` (edge_client/serving.py): each request takes the version serving
+at its start and keeps it to the end, so `edge-client serve --follow` swaps models between requests
+and no request sees half of each. Until a followed device has its first version, /predict and
+/health answer 503.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from edge_client.metrics import InferenceMetrics
 from edge_client.runtime import MAX_IMAGE_PIXELS, AdaptiveRuntime, ImageError, ImageTooLarge
+from edge_client.serving import Active, Serving
 
 MAX_BODY_BYTES = 4 << 20
 WORKERS = 8
@@ -107,7 +113,10 @@ class _DeadlineReader(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-def make_handler(runtime: AdaptiveRuntime, limits: Limits, metrics: InferenceMetrics) -> type[BaseHTTPRequestHandler]:
+NO_MODEL_YET = "no model yet: this device follows a rollout and has not received a version; retry later"
+
+
+def make_handler(serving: Serving, limits: Limits, metrics: InferenceMetrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "nefl-edge"
         protocol_version = "HTTP/1.0"  # one request per connection: an idle kept-alive one would hold a worker
@@ -173,11 +182,19 @@ def make_handler(runtime: AdaptiveRuntime, limits: Limits, metrics: InferenceMet
         def _path(self) -> str:
             return self.path.split("?", 1)[0]
 
+        def _active(self) -> Active:
+            active = serving.current()
+            if active is None:
+                raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, NO_MODEL_YET)
+            return active
+
         def _get(self) -> dict[str, Any]:
             if self._path() == "/health":
-                return {"status": "ok", "submodels": len(runtime.submodels)}
+                active = self._active()
+                return {"status": "ok", "submodels": len(active.runtime.submodels), "version": active.version}
             if self._path() == "/models":
-                return runtime.describe()
+                active = self._active()
+                return active.runtime.describe() | {"version": active.version}
             raise _unknown(self.command, self._path())
 
         def _post(self) -> dict[str, Any]:
@@ -201,9 +218,18 @@ def make_handler(runtime: AdaptiveRuntime, limits: Limits, metrics: InferenceMet
             if len(body) < size:
                 raise ApiError(HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {size} bytes; "
                                "send the whole image")
-            answer = result_json(runtime, body, limits.max_pixels)
-            metrics.answered(answer["submodel"], time.perf_counter() - started)
-            return answer
+            active = self._active()
+            try:
+                answer = result_json(active.runtime, body, limits.max_pixels)
+            except ImageError:
+                raise  # the client's input, not the model's health
+            except Exception:
+                serving.observe(active, False, time.perf_counter() - started)
+                raise
+            seconds = time.perf_counter() - started
+            serving.observe(active, True, seconds)
+            metrics.answered(answer["submodel"], seconds)
+            return answer | {"version": active.version}  # which rollout version answered (None: a plain --models)
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self._path() == "/metrics":  # Prometheus text, not JSON
@@ -385,11 +411,13 @@ class _Lingerer:
 
 
 def make_server(
-    runtime: AdaptiveRuntime, host: str = "127.0.0.1", port: int = 8080, max_body: int = MAX_BODY_BYTES, *,
+    runtime: AdaptiveRuntime | Serving, host: str = "127.0.0.1", port: int = 8080, max_body: int = MAX_BODY_BYTES, *,
     max_pixels: int = MAX_IMAGE_PIXELS, workers: int = WORKERS, queue_size: int = QUEUE_SIZE,
     timeout_s: float = REQUEST_TIMEOUT_S, metrics: InferenceMetrics | None = None,
 ) -> EdgeHTTPServer:
     """Bound but not yet serving; port 0 picks a free port (see server.server_address). GET /metrics
-    serves `metrics` (a fresh registry when not given)."""
+    serves `metrics` (a fresh registry when not given). A runtime serves for the process's life; a
+    Serving is what `--follow` swaps versions in."""
+    serving = runtime if isinstance(runtime, Serving) else Serving(Active(runtime, None))
     limits = Limits(max_body, max_pixels, workers, queue_size, timeout_s)
-    return EdgeHTTPServer((host, port), make_handler(runtime, limits, metrics or InferenceMetrics()), limits)
+    return EdgeHTTPServer((host, port), make_handler(serving, limits, metrics or InferenceMetrics()), limits)

@@ -1,20 +1,31 @@
-"""`edge-client infer` and `edge-client serve`: the adaptive ONNX runtime from the command line."""
+"""`edge-client infer` and `edge-client serve`: the adaptive ONNX runtime from the command line.
+
+`serve --follow` also takes the models the aggregator rolls out (edge_client/follow.py); the MQTT
+client is imported only then, so plain `infer` and `serve` start as fast as before.
+"""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import typer
 from rich.console import Console
 
 from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, REQUEST_TIMEOUT_S, WORKERS, make_server
-from edge_client.runtime import AdaptiveRuntime, ImageError, ModelsError
+from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ModelsError, Probe
+from edge_client.serving import Active, Serving
+from edge_client.store import followed_current
+from nefl.cli_options import CaCertOption, CertfileOption, KeyfileOption, PasswordOption, UsernameOption
 from nefl.logs import setup_logging
+from nefl.units import parse_size
 
 console = Console()
 
-MODELS = typer.Option(..., "--models", help="Export directory with manifest.json (from `nefl-export onnx`).")
+MODELS = typer.Option(..., "--models", help="Export directory with manifest.json (from `nefl-export onnx`), or a "
+                      "directory `serve --follow` keeps (its current version is used).")
 BUDGET = typer.Option(20.0, "--latency-budget-ms", min=0.0, help="Per-request latency budget; the runtime picks "
                       "the largest submodel predicted to meet it under the current load.")
 THREADS = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default: half the cores).")
@@ -23,12 +34,13 @@ UNTRAINED = typer.Option(False, "--include-untrained", help="Also use submodels 
                          "or no better than chance (skipped by default, with a warning).")
 
 
-def _runtime(models: Path, budget: float, threads: int | None, precision: str, include_untrained: bool) -> AdaptiveRuntime:
+def _runtime(models: Path, budget: float, threads: int | None, precision: str, include_untrained: bool,
+             probe: Probe | None = None) -> AdaptiveRuntime:
     setup_logging("info")
     try:
         with console.status("loading and calibrating submodels..."):
-            return AdaptiveRuntime(models, latency_budget_ms=budget, threads=threads, precision=precision,
-                                   include_untrained=include_untrained)
+            return AdaptiveRuntime(followed_current(models), probe=probe, latency_budget_ms=budget, threads=threads,
+                                   precision=precision, include_untrained=include_untrained)
     except (ModelsError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
@@ -58,7 +70,10 @@ def infer_command(
 
 
 def serve_command(
-    models: Path = MODELS, port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port (0: any free)."),
+    models: Optional[Path] = typer.Option(None, "--models", help="Export directory with manifest.json (from `nefl-export "
+                                          "onnx`); with --follow, the directory the followed versions are kept in "
+                                          "(default: $NEFL_CACHE_DIR/deploy/FEDERATION)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port (0: any free)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes it to the network."),
     latency_budget_ms: float = BUDGET, threads: int | None = THREADS, precision: str = PRECISION,
     include_untrained: bool = UNTRAINED,
@@ -70,21 +85,77 @@ def serve_command(
                                    "beyond this the server answers 503 at once."),
     request_timeout: float = typer.Option(REQUEST_TIMEOUT_S, "--request-timeout", min=0.001, help="Seconds a client "
                                           "has to send the whole request (headers and body)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Emulate a device with this much free "
+                                                "memory (e.g. 300MB): the submodel choice per request, and which "
+                                                "submodels --follow fetches, see at most this much."),
+    follow: Optional[str] = typer.Option(None, "--follow", help="mqtt://HOST:PORT of a federation's broker: take the "
+                                         "models its aggregator rolls out (`aggregator publish`), swapping them in "
+                                         "while serving. docs/deploy.md"),
+    federation: str = typer.Option("default", "--federation", help="With --follow: the federation (topics nefl/NAME/)."),
+    server_key: Optional[str] = typer.Option(None, "--server-key", envvar="NEFL_SERVER_KEY", help="With --follow: the "
+                                             "aggregator's public key (`aggregator key` prints it) or a file holding "
+                                             "it; default: the key `edge-client join` pinned for this broker."),
+    client_id: Optional[str] = typer.Option(None, "--client-id", help="With --follow: this device's id in rollout "
+                                            "reports and canary lists (default: edge-HOSTNAME)."),
+    device_key: Optional[Path] = typer.Option(None, "--device-key", help="With --follow: the key reports are signed "
+                                              "with (default: the one `edge-client join` uses for --client-id)."),
+    keep_free: str = typer.Option("64MiB", "--keep-free", help="With --follow: disk space a download must leave free."),
+    username: UsernameOption = None,
+    password: PasswordOption = None,
+    ca_cert: CaCertOption = None,
+    certfile: CertfileOption = None,
+    keyfile: KeyfileOption = None,
 ) -> None:
     """Serve POST /predict (image bytes -> JSON), GET /health and GET /models over HTTP."""
-    runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained)
+    setup_logging("info")
     try:
-        server = make_server(runtime, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
+        probe = _budgeted_probe(memory_budget)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    stop, follower_thread = threading.Event(), None
+    if follow is None:
+        if models is None:
+            console.print("[red]error:[/red] give --models DIR (an export directory), or --follow mqtt://HOST:PORT")
+            raise typer.Exit(2)
+        runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained, probe)
+        serving, what = Serving(Active(runtime, None)), f"{runtime.manifest.profile} ({len(runtime.submodels)} submodels)"
+    else:
+        from edge_client.follow_cli import start_following  # paho only when following
+
+        serving, follower_thread, what = start_following(
+            stop, follow, federation, models, server_key, client_id, device_key, keep_free, include_untrained, probe,
+            lambda d: AdaptiveRuntime(d, probe=probe, latency_budget_ms=latency_budget_ms, threads=threads,
+                                      include_untrained=include_untrained),
+            (username, password, ca_cert, certfile, keyfile), precision)
+    try:
+        server = make_server(serving, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
                              queue_size=queue_size, timeout_s=request_timeout)
     except OSError as e:
+        stop.set()
         console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e}); choose another --port")
         raise typer.Exit(2) from None
     bound_host, bound_port = server.server_address[:2]
-    console.print(f"serving {runtime.manifest.profile} ({len(runtime.submodels)} submodels) "
-                  f"on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
+    console.print(f"serving {what} on http://{bound_host}:{bound_port}  (POST /predict, GET /health, GET /models)")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        stop.set()
+        if follower_thread is not None:
+            follower_thread.join(10)
         server.server_close()
+
+
+def _budgeted_probe(memory_budget: str | None) -> Probe | None:
+    """The runtime's load probe with available memory capped at --memory-budget (None: the default probe)."""
+    if memory_budget is None:
+        return None
+    cap, probe = parse_size(memory_budget), ExternalLoadProbe()
+
+    def budgeted() -> tuple[float | None, int | None]:
+        cpu, available = probe()
+        return cpu, cap if available is None else min(available, cap)
+
+    return budgeted

@@ -21,18 +21,17 @@ from types import FrameType
 import torch
 import typer
 
-from edge_client.agent import DEVICE_KEY_DIR, PIN_DIR, Agent, AgentConfig, pin_file_for
+from edge_client.agent import Agent, AgentConfig, status_message
 from edge_client.costmodel import CACHE_DIR
 from edge_client.device import DataConfig, DeviceConfig, LocalDevice
+from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
 from edge_client.metrics import instrument
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.data import DatasetUnavailable, parse_partition
 from nefl.listen import parse_listen
 from nefl.logs import setup_logging
-from nefl.messages import ClientStatus
 from nefl.mqtt import BrokerSettings, Connection, parse_broker
-from nefl.signing import Signer
 from nefl.topics import Topics, check_name
 from nefl.wire import DEFAULT_CHUNK_BYTES
 
@@ -56,7 +55,7 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
     try:
         while not agent.ended:
             if conn.just_connected():
-                agent.on_connected()
+                agent.on_connected(conn.stamp)
             try:
                 agent.dispatch(*conn.inbox.get(timeout=0.5))
             except queue.Empty:
@@ -72,7 +71,7 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
     except (KeyboardInterrupt, Stop) as e:
         log.info(f"stopping ({e or 'interrupted'}); the server will not wait for this device")
     finally:
-        conn.stop((agent.topics.status(agent.cfg.client_id), ClientStatus(state="offline").to_json()))
+        conn.stop((agent.topics.status(agent.cfg.client_id), status_message(agent.cfg.device_key, "offline", conn.stamp)))
     return 0
 
 
@@ -109,6 +108,8 @@ def join_command(
                                         "without it the first key seen is trusted and remembered, with a warning."),
     device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
                                     "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator pins it."),
+    join_token: str = typer.Option(None, envvar="NEFL_JOIN_TOKEN", help="The one-time token `aggregator enroll "
+                                   "CLIENT_ID` printed: enrols this device's key and tells it the server key."),
     http: str = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe "
                              "readings, the selection and its binding limit, step time, upload bytes."),
     log_level: LogLevelOption = "info",
@@ -132,11 +133,12 @@ def join_command(
         local = LocalDevice(DataConfig(dataset, partition, data_root, data_dir, max_samples),
                             DeviceConfig(max_submodel, memory_budget, cpu_budget, calibrate_costs, seed, device, recalibrate,
                                          cache_dir))
-        key_path = device_key or DEVICE_KEY_DIR / f"{cid}.key"
-        cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key,
-                          pin_file_for(PIN_DIR, federation, settings.host, settings.port),
-                          Signer.load_or_create(key_path.parent, key_path.name))
-        conn = Connection(settings, cid, Topics(federation).status(cid), ClientStatus(state="offline").to_json(), log)
+        signer = device_signer(cid, device_key)
+        pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
+        cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key, pin, signer, join_token,
+                          run_file_for(pin))
+        conn = Connection(settings, cid, Topics(federation).status(cid), lambda seq: status_message(signer, "offline", seq),
+                          log)
         transport, dev = (conn.client, local) if listen is None else \
             instrument(conn.client, local, Topics(federation).update(cid), *listen)
         agent = Agent(cfg, transport, dev)

@@ -26,7 +26,7 @@ from edge_client.probe import Prober
 if TYPE_CHECKING:
     import torch
 
-    from edge_client.agent import Transport
+    from nefl.mqtt import Transport
     from edge_client.device import Device
     from edge_client.select import Selection
     from nefl.messages import DeviceSummary, Task, TrainingSettings

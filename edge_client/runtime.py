@@ -30,6 +30,7 @@ MIN_FREE_CORES = 0.1  # a fully loaded CPU still gives us a time slice; avoids d
 MAX_IMAGE_PIXELS = 2048 * 2048  # decoded size cap, checked on the header: a 65 KB PNG can declare 4096x4096 RGBA
 IMAGE_FORMATS = ("PNG", "JPEG", "PPM", "BMP", "GIF", "WEBP")  # PIL would also try EPS (ghostscript), TIFF, ...
 FORMATS_HINT = "send PNG, JPEG, PPM/PGM, BMP, GIF or WebP bytes"
+MEMORY_RESERVE_BYTES = 64 << 20  # available memory a request's submodel must leave untouched
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
@@ -58,8 +59,21 @@ class Submodel:
     activation_bytes_per_sample: int
     flops: int
 
+    @classmethod
+    def from_entry(cls, entry: SubmodelEntry, file: str) -> "Submodel":
+        return cls(entry.index, entry.gamma, file, entry.weight_bytes, entry.activation_bytes_per_sample, entry.flops)
+
     def memory_bytes(self, batch: int) -> int:
         return self.weight_bytes + batch * self.activation_bytes_per_sample
+
+    def fits(self, batch: int, headroom: int | None) -> bool:
+        """The memory rule of the choice per request, and of which submodels a followed rollout fetches."""
+        return headroom is None or self.memory_bytes(batch) <= headroom
+
+
+def memory_headroom(available: int | None, reserve: int) -> int | None:
+    """Bytes a submodel may take now: available memory less the reserve (None: unknown, nothing is refused)."""
+    return None if available is None else available - reserve
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,7 @@ class AdaptiveRuntime:
     def __init__(
         self, models_dir: str | Path, probe: Probe | None = None, latency_budget_ms: float = 20.0,
         threads: int | None = None, enable_cpu_mem_arena: bool = True, precision: str = "fp32",
-        memory_reserve_bytes: int = 64 << 20, ema_alpha: float = 0.2, calibration_runs: int = 7,
+        memory_reserve_bytes: int = MEMORY_RESERVE_BYTES, ema_alpha: float = 0.2, calibration_runs: int = 7,
         probe_interval_s: float = 0.25, include_untrained: bool = False,
     ) -> None:
         if precision not in ("fp32", "int8"):
@@ -171,8 +185,7 @@ class AdaptiveRuntime:
         self._mean = np.asarray(inp.mean, dtype=np.float32).reshape(1, -1, 1, 1)
         self._std = np.asarray(inp.std, dtype=np.float32).reshape(1, -1, 1, 1)
         self.class_names: list[str] | None = self.manifest.output.class_names
-        self.submodels = [Submodel(e.index, e.gamma, file, e.weight_bytes, e.activation_bytes_per_sample, e.flops)
-                          for e, file, _ in models]
+        self.submodels = [Submodel.from_entry(e, file) for e, file, _ in models]
         opts = session_options(self.threads, enable_cpu_mem_arena)
         self._sessions = [ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"]) for _, _, data in models]
         self.calibrated_ms = [self._calibrate(sess, calibration_runs) for sess in self._sessions]
@@ -212,11 +225,11 @@ class AdaptiveRuntime:
         """(position in self.submodels, predicted ms, why) for a request of `batch` images."""
         cpu, available = self.load()
         factor = self.load_factor(cpu) * self.correction
-        headroom = None if available is None else available - self.memory_reserve_bytes
+        headroom = memory_headroom(available, self.memory_reserve_bytes)
         load = f"cpu {cpu:.0f}%" if cpu is not None else "cpu unknown"
         for pos in range(len(self.submodels) - 1, -1, -1):
             predicted = self.calibrated_ms[pos] * batch * factor
-            fits = headroom is None or self.submodels[pos].memory_bytes(batch) <= headroom
+            fits = self.submodels[pos].fits(batch, headroom)
             if predicted <= self.latency_budget_ms and fits:
                 return pos, predicted, f"largest within {self.latency_budget_ms:g} ms budget and memory ({load}, x{factor:.2f})"
         predicted = self.calibrated_ms[0] * batch * factor

@@ -21,10 +21,11 @@ import torch
 
 from export.fold import fold, fold_error
 from export.parity import (
-    PARITY_ATOL, PARITY_BATCHES, PARITY_RTOL, ParityError, ReferenceData, normalisation, parity, reference_data, top1,
+    PARITY_ATOL, PARITY_BATCHES, PARITY_FILE, PARITY_RTOL, ParityError, ReferenceData, normalisation, parity,
+    reference_data, top1, torch_logits, write_reference,
 )
 from export.quantize import quantize_int8
-from nefl.checkpoint import UPDATES_TOTAL_KEY, Checkpoint, load_checkpoint
+from nefl.checkpoint import STATE_FILE, UPDATES_TOTAL_KEY, Checkpoint, checkpoint_files, load_checkpoint
 from nefl.cost import submodel_cost
 from nefl.manifest import (
     InputSpec, Int8File, Manifest, OutputSpec, ParitySpec, SubmodelEntry, sha256_file, untrained_reason, write_manifest,
@@ -149,7 +150,8 @@ def export_checkpoint(
         raise ValueError(f"int8 needs the {profile.dataset} test split to calibrate and measure accuracy; "
                          "pass --data-root DIR holding it")
     example = torch.from_numpy(data.inputs[:2])
-    entries = []
+    parity_inputs = data.inputs[:PARITY_IMAGES]
+    entries, references = [], {}
     for k in indices:
         on_step(f"submodel {k + 1}: fold + export")
         model = submodel_module(ckpt, k)
@@ -161,7 +163,7 @@ def export_checkpoint(
         path = out / f"submodel-{k + 1}.onnx"
         export_onnx(folded, path, example, _metadata(ckpt, k))
         on_step(f"submodel {k + 1}: parity")
-        check = parity(path, model, data.inputs[:PARITY_IMAGES])
+        check = parity(path, model, parity_inputs)
         if not check.ok:
             raise ParityError(f"submodel {k + 1}: onnxruntime differs from torch by {check.max_diff:.2e}, over the "
                               f"bound {check.bound:.2e} = {PARITY_ATOL:g} + {PARITY_RTOL:g} x largest logit "
@@ -171,16 +173,19 @@ def export_checkpoint(
             on_step(f"submodel {k + 1}: int8")
             int8 = _quantize(path, data)
         entries.append(_submodel_entry(ckpt, k, path, check.max_diff, int8))
+        references[k] = torch_logits(model, parity_inputs)
+    reference = write_reference(out / PARITY_FILE, parity_inputs, references)
     norm = normalisation(profile)
     manifest = Manifest(
         profile=profile.name, profile_hash=profile.hash, method=ckpt.layout.method.name,
-        dataset=profile.dataset, source_round=ckpt.meta.get("round"),
+        dataset=profile.dataset, source_round=ckpt.meta.get("round"), source_checkpoint=str(checkpoint_dir),
+        source_state_sha256=sha256_file(checkpoint_files(checkpoint_dir) / STATE_FILE),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         input=InputSpec(name=INPUT_NAME, shape=list(profile.input_shape), mean=list(norm.mean), std=list(norm.std)),
         output=OutputSpec(name=OUTPUT_NAME, num_classes=profile.num_classes,
                           class_names=list(norm.class_names) if norm.class_names else None),
         parity=ParitySpec(tolerance=PARITY_ATOL, rtol=PARITY_RTOL, inputs=data.source,
-                          batch_sizes=list(PARITY_BATCHES)),
+                          batch_sizes=list(PARITY_BATCHES), file=reference.name, sha256=sha256_file(reference)),
         submodels=entries,
     )
     write_manifest(out, manifest)

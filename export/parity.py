@@ -17,11 +17,14 @@ import torch
 from torch import nn
 
 from nefl.data import DatasetUnavailable, get_dataset_info, load_dataset
+from nefl.fsio import atomic_write
+from nefl.manifest import parity_bound
 from nefl.profile import Profile
 
 PARITY_ATOL = 1e-4  # logits near zero
 PARITY_RTOL = 1e-5  # float32 keeps ~7 digits: at logits ~300 a correct export already differs by ~1e-4
 PARITY_BATCHES = (1, 8)
+PARITY_FILE = "parity.npz"  # the inputs and torch's logits, for a device to repeat the check (docs/deploy.md)
 
 
 class ParityError(RuntimeError):
@@ -95,7 +98,7 @@ class Parity:
 
     @property
     def bound(self) -> float:
-        return PARITY_ATOL + PARITY_RTOL * self.ref_max
+        return parity_bound(PARITY_ATOL, PARITY_RTOL, self.ref_max)
 
     @property
     def ok(self) -> bool:
@@ -107,14 +110,30 @@ def compare(outputs: np.ndarray, reference: np.ndarray) -> Parity:
 
 
 @torch.no_grad()
+def torch_logits(model: nn.Module, inputs: np.ndarray) -> np.ndarray:
+    return model(torch.from_numpy(inputs)).numpy()
+
+
 def parity(path: str | Path, model: nn.Module, inputs: np.ndarray) -> Parity:
     """ORT vs torch logits over the parity batch sizes, worst case of each."""
     sess = session(path)
     results = []
     for b in PARITY_BATCHES:
         x = inputs[:b]
-        results.append(compare(run_onnx(sess, x), model(torch.from_numpy(x)).numpy()))
+        results.append(compare(run_onnx(sess, x), torch_logits(model, x)))
     return Parity(max(r.max_diff for r in results), max(r.ref_max for r in results))
+
+
+def write_reference(path: Path, inputs: np.ndarray, logits: dict[int, np.ndarray]) -> Path:
+    """The parity inputs and torch's logits of each submodel (0-based K as `logits_K`), as a plain npz
+    that numpy reads without pickles, so a device can repeat the parity check with its onnxruntime."""
+    arrays = {"inputs": inputs.astype(np.float32)} | {f"logits_{k}": v.astype(np.float32) for k, v in logits.items()}
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to the temp name
+            np.savez(f, **arrays)
+
+    return atomic_write(path, write)
 
 
 def top1(path: str | Path, inputs: np.ndarray, labels: np.ndarray) -> float:

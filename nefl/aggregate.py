@@ -1,11 +1,19 @@
-"""NeFedAvg: the one place where submodel updates become the new global state.
+"""NeFedAvg and the aggregation seam: the one place where submodel updates become the new global state.
 
 Consistent tensors: each element is averaged over exactly the updates whose submodel contains it
 (width prefix and block present); an element nobody covered keeps its value. Inconsistent tensors:
 FedAvg within each submodel, untouched when nobody trained it. Updates are deltas
-(trained - received), so averaging deltas equals the paper's averaging of weights.
+(trained - received), so averaging deltas equals the paper's averaging of weights. `coverage_mean` is
+that rule written once, for any windows; NeFedAvg's nested-corner path is its fast special case, and
+FedRolex's rolling windows (nefl/rolling.py) and FedJigsaw's source averaging (nefl/jigsaw/symbio.py)
+call it.
 
-The aggregator streams: each update is summed into its submodel's group, a contiguous buffer of
+The seam: a round's aggregate is a `RoundAggregate` (begin: an `Aggregator`'s begin_round; then add,
+merge, finalize); the round engine, the workers and the simulator hold one without knowing which
+rule it is. NeFedAvg is the default and the only one that merges partials exactly; the robust rules
+(nefl/robust_aggregate.py) hold the round's updates.
+
+NeFedAvg streams: each update is summed into its submodel's group, a contiguous buffer of
 exactly the update's shapes, so add() is one dense add per tensor (no strided writes into corners of
 the global tensors) and memory is O(sum of submodel sizes), at most K models, however many clients
 report. finalize() folds the K groups into the global tensors once per round. Two partial aggregates
@@ -15,7 +23,9 @@ merge exactly (group sums and weights add), which is what hierarchical / multi-s
 from __future__ import annotations
 
 import math
-from typing import Literal
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -25,26 +35,66 @@ from nefl.tensors import first_non_finite, ring
 
 # uniform: every update counts once, as the paper; samples: an update counts its client's sample count
 Weighting = Literal["uniform", "samples"]
+# per dimension of a global tensor: the indices a part covers (a slice, an index tensor, or None = all)
+Window = tuple[slice | torch.Tensor | None, ...]
+PARTIAL_SEP = "/"  # partial tensor names: "{submodel}/{tensor name}"
 
 
 class UpdateError(ValueError):
     """An update that does not fit its submodel (names, shapes, dtype or values)."""
 
 
-def _count_shape(shape: torch.Size) -> tuple[int, ...]:
-    """Coverage only varies along the output/input channel dims; kernels are never sliced."""
-    return tuple(shape[:2]) + (1,) * max(0, len(shape) - 2)
+def _indices(size: int, w: slice | torch.Tensor | None) -> torch.Tensor:
+    if w is None:
+        return torch.arange(size)
+    if isinstance(w, slice):
+        return torch.arange(size)[w]
+    return w
 
 
-class NeFedAvg:
+def coverage_mean(old: torch.Tensor, parts: Iterable[tuple[Window, torch.Tensor, float]]) -> torch.Tensor:
+    """The coverage-average rule: every element of `old` moves by the sum of the delta sums that cover
+    it divided by their total weight; an element no part covers is `old`'s element bit for bit.
+    `parts`: (window of `old`, weighted sum of deltas shaped like old[window], total weight of that sum).
+    Sums in float64, so the order of parts does not matter to float32 precision."""
+    total = torch.zeros(old.shape, dtype=torch.float64)
+    cover = torch.zeros(old.shape, dtype=torch.float64)
+    for window, delta_sum, weight in parts:
+        if len(window) != old.dim():
+            raise ValueError(f"a window for {len(window)} dims on a {old.dim()}-dim tensor")
+        grid = torch.meshgrid(*(_indices(n, w) for n, w in zip(old.shape, window)), indexing="ij") if old.dim() else ()
+        total.index_put_(grid, delta_sum.to(torch.float64), accumulate=True)
+        cover.index_put_(grid, torch.full(delta_sum.shape, float(weight), dtype=torch.float64), accumulate=True)
+    new = (old.to(torch.float64) + total / cover.clamp_min(1e-300)).to(old.dtype)
+    return torch.where(cover > 0, new, old)
+
+
+def update_weight(weighting: Weighting, samples: int) -> float:
+    """What one update counts for under `weighting`."""
+    w = float(samples) if weighting == "samples" else 1.0
+    if w <= 0:
+        raise UpdateError(f"sample count must be positive, got {samples}")
+    return w
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class RoundAggregate(ABC):
+    """One round's aggregate under some rule. Updates reach it validated (names, shapes, finite values)
+    and bounded; finalize makes the new global state once."""
+
+    name: ClassVar[str]
+    mergeable: ClassVar[bool] = False  # partial aggregates of several processes merge into one exactly
+
     def __init__(self, layout: Layout, weighting: Weighting = "uniform") -> None:
-        check_choice(Weighting, weighting, "NeFedAvg weighting")
+        check_choice(Weighting, weighting, "aggregation weighting")
         self.layout = layout
         self.weighting = weighting
-        # per submodel: weighted sum of its updates (every tensor it uploads) and the total weight
-        self.groups: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
-        self.weights = torch.zeros(layout.num_submodels, dtype=torch.float64)
-        self.updates = [0] * layout.num_submodels
+        self.updates = [0] * layout.num_submodels  # updates added per submodel
+        # client -> why the rule left its update out of the new state (filtered, zero trust); finalize fills it
+        self.dropped: dict[str, str] = {}
         self._finalized = False
 
     def validate(self, k: int, delta: dict[str, torch.Tensor]) -> None:
@@ -67,21 +117,92 @@ class NeFedAvg:
             if not t.is_floating_point():
                 raise UpdateError(f"{n}: dtype {t.dtype} is not floating point")
 
-    def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, owned: bool = False) -> None:
+    def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
+            owned: bool = False) -> None:
         self.validate(k, delta)
-        self.add_validated(k, delta, num_samples, owned=owned)
+        self.add_validated(k, delta, num_samples, client=client, owned=owned)
 
-    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *,
+    @abstractmethod
+    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:
-        """`add` for a caller that ran `validate` itself (the server validates before bounding the
-        norm, and a clipped delta is the validated one scaled): the finite checks are not repeated.
-        owned=True hands the tensors over (an update just decoded off the wire, dropped after this
-        call): the first update of a submodel becomes its group sum in place instead of a copy, and
-        later ones may be summed into; the caller must not use them afterwards."""
+        """`add` for a caller that ran `validate` itself. owned=True hands the tensors over (an update
+        just decoded off the wire, dropped after this call): the aggregate may keep or sum into them."""
+
+    def merge(self, other: RoundAggregate) -> None:
+        raise ValueError(f"the {self.name} aggregator holds every update of a round in one process and cannot "
+                         "merge partial aggregates: run it without --workers and relays, or use nefedavg")
+
+    def partial(self) -> NeFedAvg:
+        """The exact sums a worker ships to its coordinator (mergeable rules only)."""
+        raise ValueError(f"the {self.name} aggregator has no partial sums to ship: only nefedavg runs in workers")
+
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        raise ValueError(f"DP noise is calibrated to NeFedAvg's sums; the {self.name} aggregator does not take it: "
+                         "use --aggregator nefedavg with --dp-noise-multiplier")
+
+    @abstractmethod
+    def finalize(self, state: GlobalState) -> GlobalState:
+        """New global state; `state` (the one the deltas were computed from) is not modified. Once."""
+
+    @property
+    @abstractmethod
+    def held_bytes(self) -> int:
+        """Tensor memory this aggregate holds now: what a round costs beside the model."""
+
+    @property
+    def total_updates(self) -> int:
+        return sum(self.updates)
+
+    def facts(self) -> dict[str, Any]:
+        """What the rule decided about the round's updates, for the metrics line (empty: all kept as sent)."""
+        return {"dropped": dict(sorted(self.dropped.items()))} if self.dropped else {}
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise RuntimeError(f"this {self.name} aggregate was finalized (its sums became the new state): start a new one")
+
+
+class Aggregator(Protocol):
+    """An aggregation rule, chosen once per federation: it begins each round's aggregate. What the
+    round engine, the workers and the simulator are given instead of building NeFedAvg themselves."""
+
+    name: str
+    mergeable: bool
+
+    def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
+                    weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
+        """A fresh aggregate for round `index`, which starts from `state` with these (client -> submodel) tasks;
+        `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them)."""
+        ...
+
+
+def _count_shape(shape: torch.Size) -> tuple[int, ...]:
+    """Coverage only varies along the output/input channel dims; kernels are never sliced."""
+    return tuple(shape[:2]) + (1,) * max(0, len(shape) - 2)
+
+
+class NeFedAvg(RoundAggregate):
+    """The paper's NeFedAvg, streaming: per submodel, the weighted sum of its updates and their weight."""
+
+    name = "nefedavg"
+    mergeable = True
+
+    def __init__(self, layout: Layout, weighting: Weighting = "uniform") -> None:
+        super().__init__(layout, weighting)
+        # per submodel: weighted sum of its updates (every tensor it uploads) and the total weight
+        self.groups: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
+        self.weights = torch.zeros(layout.num_submodels, dtype=torch.float64)
+
+    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
+                      owned: bool = False) -> None:
+        """The server validates before bounding the norm, and a clipped delta is the validated one scaled,
+        so the finite checks are not repeated here. An owned update's tensors become its submodel's group
+        sum in place (no copy) when it is the first; later ones are summed into."""
+        self.add_weighted(k, delta, update_weight(self.weighting, num_samples), owned=owned)
+
+    def add_weighted(self, k: int, delta: dict[str, torch.Tensor], w: float, *, owned: bool = False) -> None:
+        """A validated update counted with weight `w` > 0 (its sample count, or a robust rule's trust)."""
         self._check_open()
-        w = float(num_samples) if self.weighting == "samples" else 1.0
-        if w <= 0:
-            raise UpdateError(f"sample count must be positive, got {num_samples}")
         group = self.groups[k]
         if group:
             names = list(group)
@@ -96,12 +217,13 @@ class NeFedAvg:
         self.weights[k] += w
         self.updates[k] += 1
 
-    def merge(self, other: "NeFedAvg") -> None:
+    def merge(self, other: RoundAggregate) -> None:
         """Fold another partial aggregate (same layout) into this one."""
         self._check_open()
         other._check_open()
-        if other.layout.global_shapes != self.layout.global_shapes or other.weighting != self.weighting:
-            raise ValueError("cannot merge aggregates of different profiles or weightings")
+        if not isinstance(other, NeFedAvg) or other.layout.global_shapes != self.layout.global_shapes \
+                or other.weighting != self.weighting:
+            raise ValueError("cannot merge aggregates of different rules, profiles or weightings")
         for group, theirs in zip(self.groups, other.groups):
             for n, t in theirs.items():
                 if n in group:
@@ -110,6 +232,41 @@ class NeFedAvg:
                     group[n] = t.clone()
         self.weights += other.weights
         self.updates = [a + b for a, b in zip(self.updates, other.updates)]
+
+    def partial(self) -> NeFedAvg:
+        return self
+
+    def partial_tensors(self) -> dict[str, torch.Tensor]:
+        """Every group sum, keyed "{k}/{name}": what a worker ships to its coordinator."""
+        return {f"{k}{PARTIAL_SEP}{n}": t for k, group in enumerate(self.groups) for n, t in group.items()}
+
+    @classmethod
+    def from_partial(cls, layout: Layout, weights: list[float], updates: list[int],
+                     tensors: dict[str, torch.Tensor], weighting: Weighting = "uniform") -> NeFedAvg:
+        """A partial aggregate back from `partial_tensors` and its weights and counts, refusing anything
+        a NeFedAvg of `layout` could not hold (UpdateError): group names and shapes, counts that agree
+        with the weights, finite sums."""
+        num = layout.num_submodels
+        if len(weights) != num or len(updates) != num:
+            raise UpdateError(f"{len(weights)} weights and {len(updates)} counts for {num} submodels")
+        agg = cls(layout, weighting)
+        for name, t in tensors.items():
+            k, _, n = name.partition(PARTIAL_SEP)
+            if not k.isdigit() or int(k) >= num:
+                raise UpdateError(f"tensor {name!r} names no submodel")
+            agg.groups[int(k)][n] = t
+        for k in range(num):
+            have, want = agg.groups[k], layout.upload_shapes(k) if updates[k] else {}
+            if set(have) != set(want) or any(have[n].shape != want[n] for n in want):
+                raise UpdateError(f"submodel {k + 1}: partial tensors do not match its upload shapes")
+            if (updates[k] > 0) != (weights[k] > 0) or not (math.isfinite(weights[k]) and weights[k] >= 0):
+                raise UpdateError(f"submodel {k + 1}: {updates[k]} updates of weight {weights[k]}")
+            bad = first_non_finite(have)
+            if bad is not None:
+                raise UpdateError(f"submodel {k + 1}: {bad}: non-finite sums")
+        agg.weights = torch.tensor(weights, dtype=torch.float64)
+        agg.updates = list(updates)
+        return agg
 
     def add_noise(self, std: float, generator: torch.Generator) -> None:
         """DP-FedAvg: N(0, std^2) on every element of every group sum that has updates (std = noise
@@ -128,8 +285,8 @@ class NeFedAvg:
                 t.add_(torch.randn(t.shape, generator=generator, dtype=t.dtype), alpha=std)
 
     @property
-    def total_updates(self) -> int:
-        return sum(self.updates)
+    def held_bytes(self) -> int:
+        return tensor_bytes(t for g in self.groups for t in g.values())
 
     def coverage(self, name: str) -> torch.Tensor:
         """Per element of consistent tensor `name`: the total weight of the updates that contain it.
@@ -174,13 +331,8 @@ class NeFedAvg:
 
     def _general_update(self, name: str, old: torch.Tensor) -> torch.Tensor:
         """Any set of corners (a hand-written ladder whose widths are not monotone in its depth)."""
-        total = torch.zeros(self.layout.global_shapes[name], dtype=torch.float32)
-        for g in self.groups:
-            if name in g:
-                total[corner(g[name].shape)] += g[name]
-        cover = self.coverage(name)
-        new = total.div_(cover.clamp_min(1e-12)).add_(old)
-        return torch.where(cover > 0, new.to(old.dtype), old)
+        return coverage_mean(old, ((corner(g[name].shape), g[name], float(self.weights[k]))
+                                   for k, g in enumerate(self.groups) if name in g))
 
     def finalize(self, state: GlobalState) -> GlobalState:
         """New global state; `state` (the one the deltas were computed from) is not modified. The group
@@ -197,7 +349,3 @@ class NeFedAvg:
             })
         self._finalized = True
         return GlobalState(consistent, inconsistent)
-
-    def _check_open(self) -> None:
-        if self._finalized:
-            raise RuntimeError("this NeFedAvg was finalized (its sums became the new state): start a new one")

@@ -22,6 +22,11 @@ CaCertOption = Annotated[Optional[str], typer.Option("--ca-cert", help="CA certi
 CertfileOption = Annotated[Optional[str], typer.Option("--certfile", help="Client certificate (PEM) for mutual TLS.")]
 KeyfileOption = Annotated[Optional[str], typer.Option("--keyfile", help="Key of --certfile.")]
 
+# the aggregator side's private keys (aggregator/keys.py): one directory per federation, outside the run directories
+KeyDirOption = Annotated[Optional[str], typer.Option(
+    "--key-dir", envvar="NEFL_KEY_DIR", help="Where private keys, enrolment and the run incarnation are kept, one "
+                                              "subdirectory per federation [default: ~/.config/nefl/keys].")]
+
 # the learning-rate schedule of a federation (nefl.train.TrainConfig.lr_at); plain strings, so this module needs no torch
 ScheduleOption = Annotated[str, typer.Option(
     "--lr-schedule", help="step: lr x0.1 at 1/2 and 3/4 of the rounds (the paper's ResNet protocol); cosine: "

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 FULL_INSTALL = "pip install 'nefl-edge[full]'"
 # top-level modules that only the `full` extra installs
-FULL_ONLY_MODULES = frozenset({"torch", "torchvision", "safetensors", "paho", "amqtt", "onnx", "onnxscript"})
+FULL_ONLY_MODULES = frozenset({"torch", "torchvision", "safetensors", "amqtt", "onnx", "onnxscript"})
 
 
 def missing_full_module(error: ModuleNotFoundError) -> str | None:

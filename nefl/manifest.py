@@ -7,7 +7,8 @@ imports this on devices that have no torch.
 FORMAT_VERSION changes whenever a field the runtime relies on changes meaning. Fields a newer
 exporter adds are ignored by an older runtime, so adding one needs no new version.
 
-The manifest is not signed: each sha256 vouches only for its own file. A manifest naming
+The manifest on disk is not signed: each sha256 vouches only for its own file (a rollout signs it
+inside its release message, nefl/messages.py `Release`). A manifest naming
 `../elsewhere/evil.onnx` together with evil's hash would load anything on the disk, so every file
 it names must stay inside the export directory, checked on the name and again after symlinks.
 """
@@ -123,13 +124,32 @@ class OutputSpec(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
 
 
-class ParitySpec(msgspec.Struct, kw_only=True, frozen=True):
+def parity_bound(atol: float, rtol: float, ref_max: float) -> float:
+    """How far ONNX logits may be from the reference: absolute for logits near zero, relative for large
+    ones (float32 keeps ~7 digits). The exporter and a device checking a rollout use this one bound."""
+    return atol + rtol * ref_max
+
+
+class ParitySpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """Bound the export checked: max|onnx - torch| <= tolerance + rtol * max|torch logit|."""
 
     tolerance: NonNegative  # the absolute part (the field's name predates rtol)
     rtol: NonNegative = 0.0  # exports written before the relative bound used none
     inputs: str
     batch_sizes: list[Positive]
+    # the parity inputs and torch's logits for them (npz: `inputs`, `logits-K` per 0-based submodel K), so a
+    # device can repeat the check on its own onnxruntime; exports written before it have none
+    file: FileName | None = None
+    sha256: Sha256 | None = None
+
+    def __post_init__(self) -> None:
+        if self.file is not None:
+            _check_relative(self.file)
+        if (self.file is None) != (self.sha256 is None):
+            raise ValueError("parity file and its sha256 go together")
+
+    def bound(self, ref_max: float) -> float:
+        return parity_bound(self.tolerance, self.rtol, ref_max)
 
 
 class Manifest(msgspec.Struct, kw_only=True, frozen=True):
@@ -139,6 +159,8 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True):
     method: str
     dataset: str
     source_round: Count | None
+    source_checkpoint: str | None = None  # the run directory the checkpoint came from (as given to the exporter)
+    source_state_sha256: Sha256 | None = None  # of that checkpoint's state.safetensors: exactly which weights
     created: str
     input: InputSpec
     output: OutputSpec

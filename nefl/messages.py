@@ -6,9 +6,12 @@ no NaN/Infinity (msgspec's JSON is strict), integers and floats range-checked by
 any failure becomes a `MessageError` with a short reason code that the caller counts. Nothing
 from inbound bytes can raise anything else.
 
-Server-to-device messages (task, control, server status) are signed (nefl/signing.py); the
-signature covers the whole body, which names its type, federation, run and round, so a signed
-task cannot be replayed as a status or into another run.
+Server-to-device messages (task, control, server status) and the coordinator's messages to its
+workers are signed (nefl/signing.py) and `Stamped`: the signature covers the whole body, which names
+its type, federation, run, the run's incarnation and the message's sequence number, so a signed task
+cannot be replayed as a status, into another run, or into a later incarnation of the same federation.
+Devices sign their announces, statuses and upload notices; workers and relays sign everything they send
+the coordinator (docs/security.md, "What each signature binds").
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+
+from nefl.manifest import Manifest
 
 VERSION = 1
 MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
@@ -83,17 +88,66 @@ class Announce(Message, frozen=True, tag="announce", tag_field="type"):
     device: DeviceSummary = DeviceSummary()
     dataset: Short = ""
     key: KeyText = ""  # the device's Ed25519 public key (base64); the announce is then signed with it
+    token: Annotated[str, msgspec.Meta(max_length=64)] = ""  # enrolment proof (nefl/tokens.py), not the token
 
 
 class ClientStatus(Message, frozen=True, tag="client_status", tag_field="type"):
-    """Client -> server, retained; the broker publishes the "offline" one as the client's last will."""
+    """Client -> server, retained, signed by the device key; the broker publishes the "offline" one as the
+    client's last will (signed in advance). `seq` stamps the connection (it grows from one connection to the
+    next), so a replayed status of an earlier connection is refused."""
 
     state: Literal["online", "offline"]
+    seq: Count = 0
 
 
-class Task(Message, frozen=True, tag="task", tag_field="type"):
+class StatusBook:
+    """The newest signed status (connection stamp, state) per sender, of clients or workers. A connection
+    says "online" and its last will says "offline" with the same stamp; a later connection's stamp is
+    larger, so a status replayed from an earlier connection is refused."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, str]] = {}
+
+    def newer(self, who: str, seq: int, state: str) -> bool:
+        """True: a status to act on; False: the newest one again (a retained copy); MessageError("replayed")."""
+        last = self.last.get(who)
+        if last is not None and (seq, state) == last:
+            return False
+        if last is not None and (seq < last[0] or (seq == last[0] and state == "online")):
+            raise MessageError("replayed", f"{who}: a {state} status of an earlier connection")
+        self.last[who] = (seq, state)
+        return True
+
+    def forget(self, who: str) -> None:
+        self.last.pop(who, None)
+
+
+class Sent(Message, frozen=True, kw_only=True, tag="sent", tag_field="type"):
+    """Client -> server on `sent/{client}`, signed by the device key: "I published my update for this task".
+    The server asks for a resend when no update (or worker receipt) for it follows within a bound."""
+
+    client: Name
+    run: Name
+    round: Round
+    submodel: Submodel
+    sha256: Hex64
+
+
+class Stamped(Message, frozen=True, kw_only=True):
+    """A signed message of the aggregator: the run incarnation that sent it (it grows with every start,
+    --resume included, per server key) and its place in that incarnation's sequence."""
+
+    incarnation: Count = 0
+    seq: Count = 0
+
+    def stamp(self) -> tuple[int, int]:
+        return self.incarnation, self.seq
+
+
+class Task(Stamped, frozen=True, tag="task", tag_field="type"):
     """Server -> one client, retained, signed: train `submodel` (0-based) of `round` from the weights
-    whose safetensors payload hashes to `model_sha256`."""
+    whose safetensors payload hashes to `model_sha256`. `resend`: the server got no update for this task
+    although the device said it sent one: publish it again on `resend/{client}`."""
 
     federation: Name
     run: Name
@@ -107,9 +161,10 @@ class Task(Message, frozen=True, tag="task", tag_field="type"):
     chunks: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
     model_sha256: Hex64
     model_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
+    resend: bool = False
 
 
-class Control(Message, frozen=True, tag="control", tag_field="type"):
+class Control(Stamped, frozen=True, tag="control", tag_field="type"):
     """Server -> all, retained, signed: the federation's run `run` is over."""
 
     federation: Name
@@ -123,7 +178,7 @@ class TrainingSettings(msgspec.Struct, kw_only=True, frozen=True):
     round_timeout: Seconds = 120.0
 
 
-class ServerStatus(Message, frozen=True, tag="server_status", tag_field="type"):
+class ServerStatus(Stamped, frozen=True, tag="server_status", tag_field="type"):
     """Server -> all, retained, signed (except the broker-published last will, which only says
     "offline" and is never trusted for anything else)."""
 
@@ -214,11 +269,23 @@ class BoundSettings(msgspec.Struct, kw_only=True, frozen=True):
     relative: Bound | None = None
     adaptive_k: Bound | None = None
     mode: Literal["reject", "clip"] = "reject"
-    window: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 20
-    warmup: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 5
+    window: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
+    warmup: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
 
 
-class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_field="type"):
+class ScreenSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """The coordinator's centre check (nefl/robust_aggregate.py AggregationConfig), so every worker screens
+    its share of the updates the same way."""
+
+    centre_check: bool
+    min_agree: Annotated[float, msgspec.Meta(ge=0, le=1)]
+    max_norm_ratio: Annotated[float, msgspec.Meta(ge=1, le=1e6)]
+    min_cover: Annotated[int, msgspec.Meta(ge=3, le=1_000_000)]
+    hold: Annotated[int, msgspec.Meta(ge=1, le=MAX_ROUND_CLIENTS)]
+    sketch: Annotated[int, msgspec.Meta(ge=16, le=1 << 24)]
+
+
+class WorkerRound(Stamped, frozen=True, kw_only=True, tag="worker_round", tag_field="type"):
     """Coordinator -> workers, retained, signed: everything a worker needs to check and sum round
     `round`'s updates as the coordinator would (who trains what, pinned device keys, the norm bound
     with its reference norms and adaptive history), and which workers own multi-chunk updates."""
@@ -232,14 +299,15 @@ class WorkerRound(Message, frozen=True, kw_only=True, tag="worker_round", tag_fi
     keys: Annotated[dict[Name, KeyText], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}
     references: Annotated[list[NormValue], msgspec.Meta(max_length=256)]  # weight norm per submodel
     norms: Annotated[list[Annotated[list[NormValue], msgspec.Meta(max_length=10_000)]], msgspec.Meta(max_length=256)]
-    bound: BoundSettings = BoundSettings()
+    bound: BoundSettings
+    screen: ScreenSettings
     deadline_s: Seconds
     max_update_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 34)]
     chunk_bytes: Annotated[int, msgspec.Meta(ge=8192, le=1 << 28)]
     owners: Annotated[list[Name], msgspec.Meta(max_length=1024)] = []  # workers of the shared group, sorted
 
 
-class RoundClose(Message, frozen=True, tag="round_close", tag_field="type"):
+class RoundClose(Stamped, frozen=True, tag="round_close", tag_field="type"):
     """Coordinator -> workers, signed: round `round` is over, publish your partial."""
 
     federation: Name
@@ -248,27 +316,36 @@ class RoundClose(Message, frozen=True, tag="round_close", tag_field="type"):
 
 
 class WorkerStatus(Message, frozen=True, tag="worker_status", tag_field="type"):
-    """Worker/relay -> coordinator, retained; the broker publishes the "offline" one as its last will."""
+    """Worker/relay -> coordinator, retained, signed by the worker's key; the broker publishes the "offline"
+    one (signed in advance) as its last will. `seq` stamps the connection, as a client status's does."""
 
     state: Literal["online", "offline"]
     role: Literal["worker", "relay"] = "worker"
+    seq: Count = 0
 
 
 class Receipt(Message, frozen=True, kw_only=True, tag="receipt", tag_field="type"):
-    """Worker -> coordinator: one update accepted into the worker's partial (outcome "accepted", with
-    the client's round metrics) or refused (outcome = the reason code the server would have counted)."""
+    """Worker -> coordinator, signed: one update accepted into the worker's partial (outcome "accepted",
+    with its sample count, its norm and the client's round metrics) or refused (outcome = the reason code
+    the server would have counted; `attributed`: the update carried the client's own signature, so the
+    client, not a forger, sent what was refused)."""
 
+    run: Name
     round: Round
     client: Name | None = None  # None: the message named no usable client
     outcome: Short
     detail: Reason = ""
     late: bool = False  # a stale update of an earlier round (the server's late_updates)
+    attributed: bool = False
     nbytes: Count = 0
+    samples: Count = 0
+    norm: NormValue | None = None
     metrics: Annotated[dict[Short, float | int | bool | Reason], msgspec.Meta(max_length=64)] = {}
 
 
 class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", tag_field="type"):
-    """Worker -> coordinator: what its partial NeFedAvg of round `round` holds; the group sums
+    """Worker -> coordinator, signed: what its partial NeFedAvg of round `round` holds (and which of its clients'
+    updates its centre check left out); the group sums
     travel as chunked safetensors (kind "partial") whose payload hashes to `sha256`."""
 
     run: Name
@@ -276,6 +353,119 @@ class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", 
     weights: Annotated[list[NormValue], msgspec.Meta(max_length=256)]
     updates: Annotated[list[Count], msgspec.Meta(max_length=256)]
     clients: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
-    norms: Annotated[list[Annotated[list[NormValue], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)]],
-                     msgspec.Meta(max_length=256)] = []
+    dropped: Annotated[dict[Name, Short], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = {}  # by the worker's centre check
     sha256: Hex64 | None = None  # None when it holds no update (no tensors follow)
+
+
+# -- model rollout: aggregator -> devices that follow it (docs/deploy.md) --------------------------------
+MAX_RELEASE_BYTES = 4 << 20  # a release lists every chunk's sha256: 60k chunks (15 GB at 256 KiB) fit
+MAX_FILES = 256  # a file's position in its release is the `submodel` field of its wire chunks
+Version = Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]  # never a path
+Millis = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+
+
+class ReleaseFile(msgspec.Struct, kw_only=True, frozen=True):
+    """One file of a release: the device checks every chunk against `chunks` as it arrives, so a forged
+    or corrupted chunk is dropped on its own and a transfer resumes from the chunks already staged."""
+
+    name: FileName
+    sha256: Hex64
+    size: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
+    chunks: Annotated[list[Hex64], msgspec.Meta(min_length=1, max_length=1 << 16)]
+
+
+class Release(Message, frozen=True, kw_only=True, tag="release", tag_field="type"):
+    """Server -> devices, retained on deploy/release/{version}, signed: one exported ladder, where it
+    came from (checkpoint, round, weights), its manifest (per submodel: sha256, sizes, accuracy; the
+    parity reference) and how its files travel (chunk i of a file is bytes [i*chunk_bytes, (i+1)*chunk_bytes))."""
+
+    federation: Name
+    version: Version
+    created: Short
+    source_checkpoint: Reason = ""
+    source_round: Round | None = None
+    source_state_sha256: Hex64 | None = None
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 28)]
+    manifest: Manifest
+    files: Annotated[list[ReleaseFile], msgspec.Meta(min_length=1, max_length=MAX_FILES)]
+
+    def __post_init__(self) -> None:
+        by_name = {f.name: f for f in self.files}
+        if len(by_name) != len(self.files):
+            raise ValueError("file names repeat")
+        for f in self.files:
+            if len(f.chunks) != math.ceil(f.size / self.chunk_bytes):
+                raise ValueError(f"{f.name}: {len(f.chunks)} chunk hashes for {f.size} bytes in chunks of {self.chunk_bytes}")
+        parity = self.manifest.parity
+        named = [(e.file, e.sha256) for e in self.manifest.submodels] + [(parity.file, parity.sha256)]
+        for name, sha in named:
+            if name is None or name not in by_name or by_name[name].sha256 != sha:
+                raise ValueError(f"the manifest names {name or 'no parity file'}, which the release does not carry with that sha256")
+
+    def file(self, name: str) -> tuple[int, ReleaseFile]:
+        """(position, file): the position is what the file's wire chunks carry as `submodel`."""
+        return next((i, f) for i, f in enumerate(self.files) if f.name == name)
+
+
+class Rollout(Message, frozen=True, kw_only=True, tag="rollout", tag_field="type"):
+    """Server -> devices, retained on deploy/rollout, signed: which version each device should run.
+    `seq` only grows, so an older rollout replayed is refused; a device goes back to an older version
+    only when the version it runs is in `revoked` (the operator's signed rollback)."""
+
+    federation: Name
+    seq: Annotated[int, msgspec.Meta(ge=1, le=2**53)]
+    stable: Version | None = None
+    canary: Version | None = None
+    canary_devices: Annotated[list[Name], msgspec.Meta(max_length=MAX_ROUND_CLIENTS)] = []
+    revoked: Annotated[list[Version], msgspec.Meta(max_length=4096)] = []
+    reason: Reason = ""  # why the last change: published, promoted, rolled back because ...
+    time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.canary is None) != (not self.canary_devices):
+            raise ValueError("a canary version and its devices go together")
+        if {self.stable, self.canary} & set(self.revoked):
+            raise ValueError("a revoked version cannot be stable or canary")
+
+    def target(self, client: str) -> int | None:
+        """The version `client` should run."""
+        return self.canary if self.canary is not None and client in self.canary_devices else self.stable
+
+
+class VersionStats(msgspec.Struct, kw_only=True, frozen=True):
+    """Requests one version answered on a device: since the swap to it, or its last window before the next."""
+
+    version: Version
+    requests: Count = 0
+    errors: Count = 0  # answered 5xx
+    p50_ms: Millis | None = None
+    p95_ms: Millis | None = None
+
+
+class Refusal(msgspec.Struct, kw_only=True, frozen=True):
+    version: Version | None = None
+    reason: Reason
+
+
+class DeployReport(Message, frozen=True, kw_only=True, tag="deploy_report", tag_field="type"):
+    """Device -> server, retained on deploy/status/{client}, signed by the device key it names in `key`
+    (the broker-published last will, unsigned, only says "offline")."""
+
+    client: Name
+    state: Literal["waiting", "staging", "serving", "offline"]
+    federation: Name | None = None
+    key: KeyText = ""
+    version: Version | None = None  # serving now
+    previous: Version | None = None  # kept on disk for a rollback
+    target: Version | None = None  # what the newest rollout asks of this device
+    health: Literal["ok", "failing", "unknown"] = "unknown"
+    current: VersionStats | None = None  # the serving version, since the swap
+    before: VersionStats | None = None  # the version before, over its last requests
+    event: Reason = ""  # the last swap, refusal or rollback, in words
+    refused: Annotated[list[Refusal], msgspec.Meta(max_length=32)] = []  # versions this device will not run, and why
+    fetched_bytes: Count = 0  # downloaded for the serving version
+    release_bytes: Count = 0  # that release's files together
+    submodels: Annotated[list[Submodel], msgspec.Meta(max_length=256)] = []  # 0-based, of the serving version
+    swap_ms: Millis | None = None  # requests waited this long for the last swap
+    time: float = 0.0  # the device's clock: a report older than the newest seen is a replay

@@ -10,7 +10,10 @@ import os
 import queue
 import ssl
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -18,6 +21,16 @@ import paho.mqtt.client as mqtt
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 
 QOS = 1
+
+
+class Transport(Protocol):
+    """What a device's logic needs of MQTT (paho's client satisfies it; tests record the calls)."""
+
+    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> object: ...
+
+    def subscribe(self, topic: str, qos: int = 0) -> object: ...
+
+    def unsubscribe(self, topic: str) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -54,9 +67,10 @@ def parse_broker(url: str, username: str | None = None, password: str | None = N
                           password or parsed.password or os.environ.get(ENV_PASSWORD), ca_cert, certfile, keyfile)
 
 
-def make_client(settings: BrokerSettings, client_id: str, will_topic: str, will_payload: bytes,
+def make_client(settings: BrokerSettings, client_id: str, will_topic: str | None, will_payload: bytes,
                 keepalive_backoff: tuple[int, int] = (1, 30)) -> mqtt.Client:
-    """A paho client with retained last will, QoS 1 queueing while offline and reconnect backoff.
+    """A paho client with retained last will (none for a one-shot command: will_topic None), QoS 1
+    queueing while offline and reconnect backoff.
 
     clean_session=True: subscriptions are redone in on_connect, which also covers brokers that
     lost their sessions in a restart.
@@ -68,23 +82,39 @@ def make_client(settings: BrokerSettings, client_id: str, will_topic: str, will_
     if settings.tls:
         client.tls_set(ca_certs=settings.ca_cert, certfile=settings.certfile, keyfile=settings.keyfile,
                        cert_reqs=ssl.CERT_REQUIRED)
-    client.will_set(will_topic, will_payload, qos=QOS, retain=True)
+    if will_topic is not None:
+        client.will_set(will_topic, will_payload, qos=QOS, retain=True)
     client.reconnect_delay_set(*keepalive_backoff)
     client.max_queued_messages_set(0)  # unbounded: QoS 1 publishes wait out a broker restart
     client.max_inflight_messages_set(20)
     return client
 
 
+def next_stamp(previous: int) -> int:
+    """A connection's stamp: microseconds of wall time, strictly above the previous one, so it grows from one
+    connection to the next, across restarts too (a replayed status of an earlier connection is older)."""
+    return max(previous + 1, time.time_ns() // 1000)
+
+
 class Connection:
     """A paho client whose connection state is said out loud, on the server and on the device:
     connecting to URL, unreachable (retrying in N s), connected, lost. Inbound messages go to a
     bounded queue the main thread drains, and a (re)connect is a flag it polls (`just_connected`):
-    the network thread never touches the application's state."""
+    the network thread never touches the application's state.
 
-    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str, will_payload: bytes,
-                 log: logging.Logger, backoff: tuple[int, int] = (1, 30), inbox_messages: int = 10_000) -> None:
+    `will_payload` may be a function of the connection's stamp: each connection then carries its own
+    last will (a status signed in advance, naming that connection), and `stamp` is the current one."""
+
+    def __init__(self, settings: BrokerSettings, client_id: str, will_topic: str | None,
+                 will_payload: bytes | Callable[[int], bytes], log: logging.Logger, backoff: tuple[int, int] = (1, 30),
+                 inbox_messages: int = 10_000) -> None:
         self.settings, self.log, self.backoff = settings, log, backoff
-        self.client = make_client(settings, client_id, will_topic, will_payload, backoff)
+        self._will_topic = will_topic
+        self._will = will_payload if callable(will_payload) else None
+        self._next = next_stamp(0)  # the stamp of the next connection (its will names it)
+        self.stamp = 0  # the current connection's
+        first = self._will(self._next) if self._will else will_payload
+        self.client = make_client(settings, client_id, will_topic, first, backoff)
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=inbox_messages)
         self.inbox_dropped = 0
         self.connected = False
@@ -129,6 +159,9 @@ class Connection:
                            f"(check --username/--password); retrying in {self._retry_in()} s")
             return
         self._failures, self.connected = 0, True
+        self.stamp, self._next = self._next, next_stamp(self._next)
+        if self._will is not None and self._will_topic is not None:  # the next connection's own will
+            client.will_set(self._will_topic, self._will(self._next), qos=QOS, retain=True)
         self.log.info(f"connected to {self.settings.url}")
         self._fresh.set()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from nefl.tensors import corner
 DEFAULT_RELATIVE = 10.0
 DEFAULT_ADAPTIVE_K = 10.0
 DEFAULT_WINDOW = 20
-DEFAULT_WARMUP = 5
+DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes one attacker
 # The largest |w| measured in trained states was 7.7 (a BatchNorm running variance): 1e6 trips only
 # on a broken state, never on training.
 DEFAULT_MAX_ABS = 1e6
@@ -94,7 +94,8 @@ class NormBound:
 
     max_norm: fixed (the operator's --max-update-norm). relative: a multiple of the norm of the
     submodel's current weights, scale-free, so it works out of the box for any model. adaptive_k: a
-    multiple of the median of the submodel's last `window` accepted norms, once `warmup` of them exist.
+    multiple of the median of the latest kept norms of the submodel's `window` most recent clients (one
+    vote per client), once `warmup` clients have one.
     mode "clip" scales an oversized update down to the bound instead of refusing it.
     """
 
@@ -121,16 +122,21 @@ class NormBound:
 
 
 class UpdateGuard:
-    """Applies a NormBound per submodel, keeping the accepted-norm history the adaptive bound needs."""
+    """Applies a NormBound per submodel, keeping the history the adaptive bound needs.
+
+    The history is one vote per client: each submodel remembers the latest kept norm of its `window`
+    most recent clients, and the adaptive bound is k x the median over those clients. An attacker (one
+    id) thus moves the median by at most one rank however often its updates are accepted, so it
+    cannot ratchet the bound up round after round; only updates the round's rule kept are recorded."""
 
     def __init__(self, bound: NormBound, num_submodels: int) -> None:
         self.bound = bound
-        self.history: list[deque[float]] = [deque(maxlen=bound.window) for _ in range(num_submodels)]
+        self.history: list[OrderedDict[str, float]] = [OrderedDict() for _ in range(num_submodels)]
 
     def median(self, k: int) -> float | None:
-        """Median of submodel k's recent accepted norms; None until the warmup is reached."""
+        """Median of submodel k's recent clients' norms; None until `warmup` clients have one."""
         h = self.history[k]
-        return statistics.median(h) if len(h) >= self.bound.warmup else None
+        return statistics.median(h.values()) if len(h) >= self.bound.warmup else None
 
     def limit(self, k: int, reference: float | None) -> tuple[float, str]:
         """The tightest active bound for submodel k and a short description of where it comes from."""
@@ -145,14 +151,14 @@ class UpdateGuard:
             limits.append((b.relative * reference, f"{b.relative:g} x the weight norm {reference:.3g}"))
         median = self.median(k) if b.adaptive_k is not None else None
         if median is not None:
-            limits.append((b.adaptive_k * median, f"{b.adaptive_k:g} x the recent median {median:.3g}"))
+            limits.append((b.adaptive_k * median, f"{b.adaptive_k:g} x the median of recent clients' norms {median:.3g}"))
         return min(limits, key=lambda lim: lim[0])
 
     def check(self, k: int, delta: dict[str, torch.Tensor],
               reference: float | None = None) -> tuple[dict[str, torch.Tensor], float, bool]:
         """(delta to aggregate, its norm, whether it was clipped); raises UpdateRejected.
 
-        The norm returned is that of the delta returned (the bound when clipped), so record(k, norm)
+        The norm returned is that of the delta returned (the bound when clipped), so record(k, client, norm)
         never lets an outlier into the median the adaptive bound is built on."""
         norm = update_norm(delta)
         if norm == math.inf:
@@ -166,27 +172,39 @@ class UpdateGuard:
         clipped = {n: t.to(torch.float64).mul_(scale).to(t.dtype) for n, t in delta.items()}
         return clipped, bound, True
 
-    def record(self, k: int, norm: float) -> None:
-        """Remember an accepted update's norm (call only once it is really in the aggregate)."""
+    def record(self, k: int, client: str, norm: float) -> None:
+        """Remember a kept update's norm as its client's latest (call once it is in the new state)."""
         if math.isfinite(norm) and norm >= 0:
-            self.history[k].append(float(norm))
+            h = self.history[k]
+            h.pop(client, None)
+            h[client] = float(norm)
+            while len(h) > self.bound.window:
+                h.popitem(last=False)
+
+    def recent(self, k: int) -> list[float]:
+        """Submodel k's remembered norms, one per recent client (a worker's copy needs only these)."""
+        return list(self.history[k].values())
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON types, so a resumed server keeps its adaptive bounds."""
-        return {"norms": [list(h) for h in self.history]}
+        return {"norms": [list(h.values()) for h in self.history], "clients": [list(h) for h in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Also takes a history without client ids (a worker's plan, or a checkpoint from before votes were
+        per client): each norm then counts as a client of its own."""
         norms = state.get("norms") if isinstance(state, dict) else None
         if not isinstance(norms, list) or len(norms) != len(self.history):
             got = len(norms) if isinstance(norms, list) else "no"
             raise ValueError(f"update-guard history has {got} submodels, the profile has {len(self.history)}: "
                              "resume with the profile the checkpoint was written with")
+        clients = state.get("clients") or [[f"#{i}" for i in range(len(h) if isinstance(h, list) else 0)] for h in norms]
         history = []
-        for k, h in enumerate(norms):
-            if not isinstance(h, list) or not all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in h):
-                raise ValueError(f"update-guard history of submodel {k + 1} is not a list of finite norms: "
+        for k, (h, ids) in enumerate(zip(norms, clients)):
+            if not isinstance(h, list) or not all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in h) \
+                    or not isinstance(ids, list) or len(ids) != len(h) or not all(isinstance(c, str) for c in ids):
+                raise ValueError(f"update-guard history of submodel {k + 1} is not a list of finite norms per client: "
                                  "the checkpoint's guard state is corrupt")
-            history.append(deque((float(x) for x in h), maxlen=self.bound.window))
+            history.append(OrderedDict(list(zip(ids, (float(x) for x in h)))[-self.bound.window:]))
         self.history = history
 
 

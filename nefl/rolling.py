@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-Window = tuple[torch.Tensor | None, ...]  # one entry per dimension
+from nefl.aggregate import coverage_mean
+
+Window = tuple[torch.Tensor | None, ...]  # one entry per dimension (nefl.aggregate.Window without slices)
 
 
 def rolled_window(size: int, keep: int, offset: int) -> torch.Tensor:
@@ -21,13 +23,6 @@ def rolled_window(size: int, keep: int, offset: int) -> torch.Tensor:
     if not 1 <= keep <= size:
         raise ValueError(f"need 1 <= keep <= size, got keep={keep}, size={size}")
     return (torch.arange(keep) + offset) % size
-
-
-def _grid(shape: torch.Size, window: Window) -> tuple[torch.Tensor, ...]:
-    if len(window) != len(shape):
-        raise ValueError(f"a window for {len(shape)} dims has {len(window)} entries")
-    axes = [torch.arange(n) if w is None else w for n, w in zip(shape, window)]
-    return torch.meshgrid(*axes, indexing="ij") if axes else ()
 
 
 def extract(tensor: torch.Tensor, window: Window) -> torch.Tensor:
@@ -46,17 +41,7 @@ def aggregate_windows(
     global_state: dict[str, torch.Tensor], updates: Sequence[tuple[dict[str, torch.Tensor], dict[str, Window]]],
 ) -> dict[str, torch.Tensor]:
     """New global state: each element the mean of the updated values of the submodels covering it;
-    uncovered elements (and tensors no update carries) keep their value."""
-    out = {}
-    for name, old in global_state.items():
-        total = torch.zeros_like(old, dtype=torch.float64)
-        count = torch.zeros_like(old, dtype=torch.float64)
-        for values, windows in updates:
-            if name not in windows:
-                continue
-            grid = _grid(old.shape, windows[name])
-            total.index_put_(grid, values[name].double(), accumulate=True)
-            count.index_put_(grid, torch.ones_like(values[name], dtype=torch.float64), accumulate=True)
-        covered = count > 0
-        out[name] = torch.where(covered, total / count.clamp(min=1), old.double()).to(old.dtype)
-    return out
+    uncovered elements (and tensors no update carries) keep their value (nefl/aggregate.py's rule)."""
+    return {name: coverage_mean(old, [(windows[name], values[name] - extract(old, windows[name]), 1.0)
+                                      for values, windows in updates if name in windows])
+            for name, old in global_state.items()}

@@ -5,7 +5,8 @@ signature covers the body bytes exactly as sent (without that field), so nothing
 or canonicalised: the receiver cuts the fixed-length suffix, verifies, and only then parses.
 The body names its type, federation, run and round, which binds the signature to them.
 
-The aggregator's key lives beside its checkpoints (`server.key`, mode 0600). Devices pin the
+The aggregator's key lives in its key directory (`server.key`, mode 0600, aggregator/keys.py), apart
+from its checkpoints. Devices pin the
 public key: given with `--server-key`, or trusted on first use and remembered in a pin file.
 The same scheme runs the other way: each device has a key of its own, signs its announce and every
 update chunk's header, and the aggregator pins the key of each client id on its first announce, so
@@ -30,6 +31,7 @@ KEY_FILE = "server.key"
 _SIG_OPEN = b',"sig":"'
 _SIG_B64 = 88  # base64 of a 64-byte Ed25519 signature
 _SIG_SUFFIX = len(_SIG_OPEN) + _SIG_B64 + 2  # + '"}'
+SIGNATURE_OVERHEAD = _SIG_SUFFIX - 1  # bytes signing adds to a message (its closing brace is reused)
 
 
 class KeyFileError(ValueError):
@@ -75,7 +77,7 @@ class Signer:
             if not isinstance(key, Ed25519PrivateKey):
                 raise KeyFileError(f"{path}: not an Ed25519 key")
             return cls(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a fresh key directory is private
         key = Ed25519PrivateKey.generate()
         pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())

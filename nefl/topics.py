@@ -8,11 +8,23 @@ ACL can confine a client to `.../{client}` leaves (docs/security.md). MQTT 3.1.1
     task/{client}         server -> client  retained  round, submodel, lr, epochs
     model/{sub}/{chunk}   server -> all     retained  submodel weights, once per round (broker fans out)
     update/{client}       client -> server            chunked delta of the assigned submodel
+    sent/{client}         client -> server            signed notice: "my update for (run, round) is out"
+    resend/{client}       client -> server            the same update again, when the server asks (never shared)
     control               server -> all     retained  {"event": "end"} when the federation is over
     server/status         server -> all     retained  live state; last will "offline"
 
+Model rollout (docs/deploy.md, "Rolling out a trained model"): the aggregator publishes exported
+models to devices that follow them with `edge-client serve --follow`.
+
+    deploy/rollout                  server -> devices  retained  signed: stable and canary version, canary devices, revoked
+    deploy/release/{version}        server -> devices  retained  signed: the export's manifest, files, sizes, chunk hashes
+    deploy/file/{version}/{f}/{i}   server -> devices  retained  chunk i of file f of that release (wire kind "file")
+    deploy/status/{client}          device -> server   retained  signed by the device key: version, health, latency;
+                                                                 last will "offline"
+
 Scale-out (docs/scale.md): aggregator workers and site relays talk to the coordinator under
-`workers/` and `worker/{id}/`; a broker ACL should let only server-side accounts use them.
+`workers/` and `worker/{id}/`; a broker ACL should let only server-side accounts use them, and the
+coordinator takes worker messages only signed by a key the operator authorised (docs/security.md).
 
     workers/round         coordinator -> workers  retained  signed round plan (assignments, bounds)
     workers/close         coordinator -> workers            signed "send your partial for round r"
@@ -56,6 +68,12 @@ class Topics:
     def update(self, client: str) -> str:
         return f"{self.root}/update/{client}"
 
+    def sent(self, client: str) -> str:
+        return f"{self.root}/sent/{client}"
+
+    def resend(self, client: str) -> str:
+        return f"{self.root}/resend/{client}"
+
     def model_chunk(self, submodel: int, index: int) -> str:
         return f"{self.root}/model/{submodel}/{index}"
 
@@ -71,7 +89,7 @@ class Topics:
         return f"{self.root}/server/status"
 
     def server_subscriptions(self) -> list[str]:
-        return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "update")]
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "update", "sent", "resend")]
 
     def update_shared(self, group: str) -> str:
         """The MQTT 3.1.1 shared subscription that spreads updates over a group of workers: the broker
@@ -110,7 +128,28 @@ class Topics:
 
     def relay_up(self) -> list[str]:
         """What a site relay copies from its site to the coordinator's broker (updates it sums itself)."""
-        return [f"{self.root}/{kind}/+" for kind in ("announce", "status")]
+        return [f"{self.root}/{kind}/+" for kind in ("announce", "status", "sent")]
+
+    @property
+    def deploy_rollout(self) -> str:
+        return f"{self.root}/deploy/rollout"
+
+    def deploy_release(self, version: int) -> str:
+        return f"{self.root}/deploy/release/{version}"
+
+    def deploy_file(self, version: int, file: int, index: int) -> str:
+        return f"{self.root}/deploy/file/{version}/{file}/{index}"
+
+    def deploy_file_chunks(self, version: int, file: int) -> str:
+        """Every chunk of one file of a release (a subscription)."""
+        return f"{self.root}/deploy/file/{version}/{file}/+"
+
+    def deploy_status(self, client: str) -> str:
+        return f"{self.root}/deploy/status/{client}"
+
+    @property
+    def deploy_statuses(self) -> str:
+        return f"{self.root}/deploy/status/+"
 
     def is_model(self, topic: str) -> bool:
         return topic.startswith(f"{self.root}/model/")

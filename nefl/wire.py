@@ -1,9 +1,13 @@
 """The wire format: tensors as safetensors bytes behind a small JSON header, in bounded chunks.
 
 One MQTT message = b"NEFL" + 4-byte big-endian header length + JSON header + a slice of the
-payload. The payload is a safetensors file of the whole tensor dict (never a pickle); the header
+payload. The payload is a safetensors file of the whole tensor dict (never a pickle), or, for kind
+"file" (dtype "raw"), the bytes of one file of a model release (docs/deploy.md); the header
 repeats in every chunk so each message is self-describing, and carries the payload's sha256 so a
 reassembled set is verified before a single byte is parsed as tensors.
+
+Framing needs no torch: a device on the small install (`edge-client serve --follow`) parses file
+chunks with `parse_chunk`; only the tensor functions import torch, when called.
 
 Everything received is untrusted: the Reassembler caps sizes, counts and time, drops QoS 1
 redeliveries by (kind, round, client, submodel, payload sha256, chunk index), and raises WireError carrying a
@@ -19,34 +23,33 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from nefl.messages import Count, Hex64, Message, MessageError, Name, Reason, Round, Short, Submodel, decode
-from nefl.tensors import all_finite
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"NEFL"
 DEFAULT_CHUNK_BYTES = 256 * 1024
 MAX_HEADER_BYTES = 4096
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-KINDS = ("model", "update", "partial")
+DTYPES = ("fp32", "fp16")  # tensor payloads; "raw" is a file's bytes (kind "file")
+KINDS = ("model", "update", "partial", "file")
 _PREFIX = struct.Struct(">4sI")
 
 
 class ChunkHeader(Message, frozen=True):
     """The JSON header every chunk repeats; parsed by the same strict loader as control messages."""
 
-    kind: Literal["model", "update", "partial"]  # partial: a worker's sums (aggregator/partials.py)
-    federation: Name
+    kind: Literal["model", "update", "partial", "file"]  # partial: a worker's sums (aggregator/partials.py)
+    federation: Name  # file: one file of release `round` (the version), `submodel` its position in the release
     round: Round
     submodel: Submodel
     client: Name
     sha256: Hex64
-    dtype: Literal["fp32", "fp16"]
+    dtype: Literal["fp32", "fp16", "raw"]
     samples: Count
     metrics: Annotated[dict[Short, float | int | Reason | None], msgspec.Meta(max_length=32)]
     size: Count
@@ -67,15 +70,32 @@ class WireError(ValueError):
 class Assembled:
     """A complete, verified tensor message."""
 
-    header: dict[str, Any]
+    header: ChunkHeader  # of the set (index 0)
     tensors: dict[str, torch.Tensor]  # float32, whatever dtype travelled
     nbytes: int  # payload bytes received (what the wire carried, headers excluded)
 
 
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
+    return {"fp32": torch.float32, "fp16": torch.float16}[name]
+
+
 def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> bytes:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return st_save({n: t.detach().to(DTYPES[dtype]).contiguous() for n, t in tensors.items()})
+    from safetensors.torch import save as st_save
+
+    want = _torch_dtype(dtype)
+    return st_save({n: t.detach().to(want).contiguous() for n, t in tensors.items()})
+
+
+def chunk_room(chunk_bytes: int) -> int:
+    """Payload bytes per message when no message may exceed `chunk_bytes` (the header's worst case counted)."""
+    room = chunk_bytes - _PREFIX.size - MAX_HEADER_BYTES
+    if room < 1024:
+        raise ValueError(f"chunk size {chunk_bytes} too small: needs at least {_PREFIX.size + MAX_HEADER_BYTES + 1024} bytes")
+    return room
 
 
 def encode(
@@ -85,10 +105,18 @@ def encode(
 ) -> list[bytes]:
     """Messages (each at most chunk_bytes long) carrying `tensors`; `sign` (a device's key) signs
     every chunk's header, which names the payload's sha256, so the payload is covered too."""
-    payload = encode_tensors(tensors, dtype)
-    room = chunk_bytes - _PREFIX.size - MAX_HEADER_BYTES
-    if room < 1024:
-        raise ValueError(f"chunk size {chunk_bytes} too small: needs at least {_PREFIX.size + MAX_HEADER_BYTES + 1024} bytes")
+    return frame(encode_tensors(tensors, dtype), kind=kind, federation=federation, round=round, submodel=submodel,
+                 client=client, dtype=dtype, samples=samples, metrics=metrics, chunk_bytes=chunk_bytes, sign=sign)
+
+
+def frame(
+    payload: bytes, *, kind: str, federation: str, round: int, submodel: int, client: str, dtype: str,
+    samples: int = 0, metrics: dict[str, float] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    sign: Callable[[bytes], bytes] | None = None,
+) -> list[bytes]:
+    """`payload` (safetensors bytes, or a file's bytes with dtype "raw") cut into messages of at most
+    chunk_bytes; chunk i carries payload[i * chunk_room(chunk_bytes):][:chunk_room(chunk_bytes)]."""
+    room = chunk_room(chunk_bytes)
     count = max(1, math.ceil(len(payload) / room))
     header = dict(kind=kind, federation=federation, round=round, submodel=submodel, client=client,
                   sha256=hashlib.sha256(payload).hexdigest(), dtype=dtype, samples=samples,
@@ -115,7 +143,7 @@ def split_chunk(message: bytes) -> tuple[bytes, bytes]:
     return message[_PREFIX.size:_PREFIX.size + hlen], message[_PREFIX.size + hlen:]
 
 
-def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
+def parse_chunk(message: bytes) -> tuple[ChunkHeader, bytes]:
     """Header and data slice of one message, with every header field type-checked."""
     head, data = split_chunk(message)
     try:
@@ -124,22 +152,29 @@ def parse_chunk(message: bytes) -> tuple[dict[str, Any], bytes]:
         raise WireError("bad_version" if e.reason == "bad_version" else "malformed_header", e.detail) from None
     if parsed.index >= parsed.count:
         raise WireError("malformed_header", f"chunk {parsed.index} of {parsed.count}")
-    return msgspec.structs.asdict(parsed), data
+    return parsed, data
 
 
-def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Tensor]:
+def decode_payload(header: ChunkHeader, payload: bytes) -> dict[str, torch.Tensor]:
     """Verified payload -> float32 tensors; never unpickles, refuses other dtypes and non-finite values."""
-    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+    import torch
+    from safetensors.torch import load as st_load
+
+    from nefl.tensors import all_finite
+
+    if hashlib.sha256(payload).hexdigest() != header.sha256:
         raise WireError("sha256_mismatch", "payload does not match the sha256 in its header")
+    if header.dtype not in DTYPES:
+        raise WireError("bad_dtype", f"a {header.kind} message of dtype {header.dtype} carries no tensors")
     try:
         tensors = st_load(payload)
     except Exception as e:  # the safetensors parser's error types vary by version; all mean "bad bytes"
         raise WireError("malformed_payload", f"not a safetensors payload ({type(e).__name__})") from None
-    want = DTYPES[header["dtype"]]
+    want = _torch_dtype(header.dtype)
     out = {}
     for n, t in tensors.items():
         if t.dtype != want:
-            raise WireError("bad_dtype", f"{n}: {t.dtype}, header says {header['dtype']}")
+            raise WireError("bad_dtype", f"{n}: {t.dtype}, header says {header.dtype}")
         if not all_finite(t):
             raise WireError("non_finite", f"{n}: non-finite values")
         out[n] = t.to(torch.float32)
@@ -148,7 +183,7 @@ def decode_payload(header: dict[str, Any], payload: bytes) -> dict[str, torch.Te
 
 @dataclass
 class _Pending:
-    header: dict[str, Any]
+    header: ChunkHeader  # chunk 0's: every chunk of the set must carry the same header but for its index
     started: float
     parts: dict[int, bytes] = field(default_factory=dict)
     received: int = 0
@@ -170,15 +205,15 @@ class Reassembler:
         self.duplicates = 0
 
     @staticmethod
-    def key(header: dict[str, Any]) -> tuple:
+    def key(header: ChunkHeader) -> tuple:
         """Redeliveries share it; a different payload under the same identity is a different set."""
-        return header["kind"], header["round"], header["client"], header["submodel"], header["sha256"]
+        return header.kind, header.round, header.client, header.submodel, header.sha256
 
-    def is_duplicate(self, header: dict[str, Any]) -> bool:
+    def is_duplicate(self, header: ChunkHeader) -> bool:
         """A QoS 1 redelivery of a chunk already held, or of a set already completed."""
         key = self.key(header)
         pending = self._pending.get(key)
-        if key in self._done or (pending is not None and header["index"] in pending.parts):
+        if key in self._done or (pending is not None and header.index in pending.parts):
             self.duplicates += 1
             return True
         return False
@@ -189,38 +224,39 @@ class Reassembler:
         if len(message) > self.max_bytes:
             raise WireError("oversized", f"message of {len(message)} bytes exceeds {self.max_bytes}")
         header, data = parse_chunk(message)
-        if header["size"] > self.max_bytes or header["count"] > self.max_chunks:
-            raise WireError("oversized", f"{header['size']} bytes in {header['count']} chunks exceeds the caps "
+        if header.size > self.max_bytes or header.count > self.max_chunks:
+            raise WireError("oversized", f"{header.size} bytes in {header.count} chunks exceeds the caps "
                                          f"({self.max_bytes} bytes, {self.max_chunks} chunks)")
         key = self.key(header)
         if key in self._done:
             self.duplicates += 1
             return None
         pending = self._pending.get(key)
-        sender = header["client"]
+        sender = header.client
+        first = msgspec.structs.replace(header, index=0)
         if pending is None:
             if self._count(sender) >= self.max_pending:
                 raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
-            pending = self._pending[key] = _Pending({k: v for k, v in header.items() if k != "index"}, now)
-        elif {k: v for k, v in header.items() if k != "index"} != pending.header:
+            pending = self._pending[key] = _Pending(first, now)
+        elif first != pending.header:
             self._pending.pop(key)
-            raise WireError("inconsistent_chunks", f"chunk {header['index']} header differs from earlier chunks")
-        if header["index"] in pending.parts:
+            raise WireError("inconsistent_chunks", f"chunk {header.index} header differs from earlier chunks")
+        if header.index in pending.parts:
             self.duplicates += 1
             return None
         if self._buffered(sender) + len(data) > self.max_buffered:
             raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across {sender}'s incomplete chunk sets")
-        pending.parts[header["index"]] = data
+        pending.parts[header.index] = data
         pending.received += len(data)
-        if pending.received > header["size"]:
+        if pending.received > header.size:
             self._pending.pop(key)
-            raise WireError("oversized", f"chunks carry more than the {header['size']} bytes announced")
-        if len(pending.parts) < header["count"]:
+            raise WireError("oversized", f"chunks carry more than the {header.size} bytes announced")
+        if len(pending.parts) < header.count:
             return None
         self._pending.pop(key)
-        payload = b"".join(pending.parts[i] for i in range(header["count"]))
-        if len(payload) != header["size"]:
-            raise WireError("size_mismatch", f"{len(payload)} bytes received, header says {header['size']}")
+        payload = b"".join(pending.parts[i] for i in range(header.count))
+        if len(payload) != header.size:
+            raise WireError("size_mismatch", f"{len(payload)} bytes received, header says {header.size}")
         tensors = decode_payload(header, payload)
         self._remember_done(key)  # only verified sets: a corrupted copy must not shadow the real one
         return Assembled(pending.header, tensors, len(payload))

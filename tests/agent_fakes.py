@@ -11,7 +11,7 @@ import torch
 
 from edge_client.agent import Agent, AgentConfig
 from edge_client.select import Selection
-from nefl.messages import DeviceSummary, ServerStatus, Task, TrainingSettings
+from nefl.messages import Control, DeviceSummary, ServerStatus, Task, TrainingSettings
 from nefl.profile import load_profile
 from nefl.signing import Signer
 from nefl.state import Layout
@@ -64,20 +64,28 @@ class FakeDevice:
 
 
 class FakeServer:
-    """Signs what the aggregator would send: status, tasks, weights."""
+    """Signs what the aggregator would send: status, tasks, weights (each message stamped with the run
+    incarnation and the next sequence number, as the aggregator's are)."""
 
-    def __init__(self, directory: Path, run: str = "run1") -> None:
+    def __init__(self, directory: Path, run: str = "run1", incarnation: int = 1) -> None:
         self.signer = Signer.load_or_create(directory)
-        self.run = run
+        self.run, self.incarnation, self.seq = run, incarnation, 0
         profile = load_profile(PROFILE)
         self.layout = Layout.build(profile)
         self.profile = profile
 
+    def stamp(self) -> dict[str, int]:
+        self.seq += 1
+        return {"incarnation": self.incarnation, "seq": self.seq}
+
     def status(self, **kw) -> bytes:
         args = dict(state="training", federation="t", run=self.run, round=1, rounds=3, profile=self.profile.to_dict(),
                     method=self.profile.method, profile_hash=self.layout.profile.hash, key=self.signer.public_text,
-                    time=1000.0, training=TrainingSettings(batch_size=16, round_timeout=60))
+                    time=1000.0, training=TrainingSettings(batch_size=16, round_timeout=60), **self.stamp())
         return self.signer.sign(ServerStatus(**{**args, **kw}).to_json())
+
+    def end(self, **kw) -> bytes:
+        return self.signer.sign(Control(**{**dict(federation="t", run=self.run, event="end", **self.stamp()), **kw}).to_json())
 
     def weights(self, k: int = 0, round: int = 1, scale: float = 0.0) -> list[bytes]:
         shapes = self.layout.sub_shapes[k]
@@ -89,7 +97,7 @@ class FakeServer:
         header = json.loads(w[0][8:8 + int.from_bytes(w[0][4:8], "big")])
         args = dict(federation="t", run=self.run, round=round, submodel=k, lr=0.1, epochs=1, batch_size=16,
                     profile_hash=self.layout.profile.hash, deadline_s=60.0, chunks=len(w),
-                    model_sha256=header["sha256"], model_bytes=header["size"])
+                    model_sha256=header["sha256"], model_bytes=header["size"], **self.stamp())
         return Task(**{**args, **kw})
 
     def task(self, k: int = 0, round: int = 1, **kw) -> bytes:
@@ -97,11 +105,14 @@ class FakeServer:
 
 
 def make_agent(tmp: Path, server: FakeServer | None = None, device: FakeDevice | None = None,
-               clock=None) -> tuple[Agent, FakeTransport, FakeDevice]:
-    """An agent that has trusted `server` (first use) and adopted its profile."""
+               clock=None, pinned: bool = True, **cfg_kw) -> tuple[Agent, FakeTransport, FakeDevice]:
+    """An agent that pins `server`'s key (unless `pinned` is False: trust on first use) and has adopted
+    its profile from its status."""
     transport, device = FakeTransport(), device or FakeDevice()
-    cfg = AgentConfig("c1", federation="t", pin_file=tmp / "pins" / "t.pub",
-                      device_key=Signer.load_or_create(tmp / "device-keys", "c1.key"))
+    key = cfg_kw.pop("server_key", server.signer.public_text if server is not None and pinned else None)
+    cfg = AgentConfig("c1", federation="t", pin_file=tmp / "pins" / "t.pub", server_key=key,
+                      device_key=Signer.load_or_create(tmp / "device-keys", "c1.key"), run_file=tmp / "pins" / "t.run",
+                      **cfg_kw)
     agent = Agent(cfg, transport, device, **({"clock": clock} if clock else {}))
     if server is not None:
         agent.dispatch(T.server_status, server.status())

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from nefl.messages import Announce, ClientStatus
+from edge_client.agent import status_message
+from nefl.messages import Announce, ClientStatus, Sent
 from nefl.signing import parse_public_key, split_signed, verify
 from nefl.wire import Reassembler, split_chunk
 from tests.agent_fakes import FakeDevice, FakeServer, T, make_agent
@@ -30,7 +31,7 @@ def test_connect_subscribes_and_says_online(tmp_path):
     agent, transport, _ = make_agent(tmp_path)
     agent.on_connected()
     assert set(transport.subscribed) == {T.task("c1"), T.control, T.server_status}
-    assert ClientStatus.from_json(transport.on(T.status("c1"))[-1]).state == "online"
+    assert ClientStatus.from_json(split_signed(transport.on(T.status("c1"))[-1])[0]).state == "online"
     assert not announces(transport)  # nothing to say before the profile is known
 
 
@@ -60,8 +61,8 @@ def test_task_weights_train_upload(tmp_path):
     r = Reassembler()
     for m in updates:
         done = r.feed(m) or done
-    assert done.header["client"] == "c1" and done.header["round"] == 1 and done.header["submodel"] == 1
-    assert done.header["metrics"]["steps"] == 4 and set(done.tensors) == set(server.layout.upload_shapes(1))
+    assert done.header.client == "c1" and done.header.round == 1 and done.header.submodel == 1
+    assert done.header.metrics["steps"] == 4 and set(done.tensors) == set(server.layout.upload_shapes(1))
     device_key = parse_public_key(announces(transport)[0].key)
     for m in updates:  # every chunk header carries the device's signature
         verify(split_chunk(m)[0], device_key)
@@ -126,3 +127,35 @@ def test_a_new_server_run_restarts_the_rounds(tmp_path):
         agent.dispatch(T.model_chunk(0, 0), m)
     agent.tick()
     assert [(r, k) for r, k, _ in device.trained] == [(3, 0), (1, 0)]
+
+
+def test_an_upload_is_announced_and_resent_on_request_where_no_worker_listens(tmp_path):
+    """After its update the device says so on `sent/` (signed); when the server asks (a task with resend), it
+    publishes the same chunks on `resend/`, which the coordinator reads itself."""
+    server = FakeServer(tmp_path / "s")
+    agent, transport, _ = make_agent(tmp_path, server)
+    agent.dispatch(T.task("c1"), server.task())
+    for m in server.weights():
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    first = transport.on(T.update("c1"))
+    (notice,) = transport.on(T.sent("c1"))
+    key = parse_public_key(announces(transport)[0].key)
+    sent = Sent.from_json(verify(notice, key))
+    done = Reassembler().feed(first[0])
+    assert (sent.run, sent.round, sent.submodel, sent.sha256) == ("run1", 1, 0, done.header.sha256)
+    agent.dispatch(T.task("c1"), server.task(resend=True))
+    assert transport.on(T.resend("c1")) == first and transport.on(T.update("c1")) == first
+    other = FakeServer(tmp_path / "s")  # a resend request for a round this device did not upload: nothing happens
+    agent.dispatch(T.task("c1"), other.task(round=2, resend=True))
+    assert agent.task is None and transport.on(T.resend("c1")) == first
+
+
+def test_statuses_are_signed_and_stamped_by_the_connection(tmp_path):
+    agent, transport, _ = make_agent(tmp_path)
+    agent.on_connected(seq=1234)
+    key = agent.cfg.device_key
+    status = ClientStatus.from_json(verify(transport.on(T.status("c1"))[-1], parse_public_key(key.public_text)))
+    assert (status.state, status.seq) == ("online", 1234)
+    will = status_message(key, "offline", 1235)
+    assert ClientStatus.from_json(verify(will, parse_public_key(key.public_text))).seq == 1235

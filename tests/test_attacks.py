@@ -35,6 +35,8 @@ topic readwrite nefl/t/#
 pattern write nefl/t/announce/%u
 pattern write nefl/t/status/%u
 pattern write nefl/t/update/%u
+pattern write nefl/t/sent/%u
+pattern write nefl/t/resend/%u
 pattern read  nefl/t/task/%u
 pattern read  nefl/t/model/#
 pattern read  nefl/t/control

@@ -19,6 +19,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aggregator.keys import KeyDir
+from nefl.messages import DeployReport, Rollout, VersionStats
+from nefl.signing import Signer
 from nefl.topics import Topics
 
 from tests.test_federation import (ROOT, Procs, client_args, free_port, metrics, port_open, serve_args, server_state,
@@ -58,6 +61,8 @@ def federation(tmp_path_factory):
         bad.loop_start()
         # retained, so the server counts it whenever it subscribes: one rejection in round 1
         bad.publish(Topics("t").update("mallory"), b"not a NEFL chunk", qos=1, retain=True).wait_for_publish(10)
+        for topic, payload in _followed_fleet(tmp):  # what a model rollout leaves on the broker
+            bad.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
         bad.disconnect()
         bad.loop_stop()
         procs.client("c1", broker, client_args(1, 320, 1, "--http", str(device_port), "--log-format", "json"))
@@ -70,6 +75,20 @@ def federation(tmp_path_factory):
         yield tmp, url, device, procs
     finally:
         procs.stop_all()
+
+
+def _followed_fleet(tmp) -> list[tuple[str, bytes]]:
+    """A signed rollout (v2 stable, v3 on canary d8) and the signed reports of two following devices."""
+    t, server = Topics("t"), KeyDir("t", tmp / "keys").server_signer()  # the running aggregator's key
+    messages = [(t.deploy_rollout, server.sign(Rollout(federation="t", seq=4, stable=2, canary=3,
+                                                       canary_devices=["d8"]).to_json()))]
+    for name, version in (("d8", 3), ("d9", 2)):
+        key = Signer.load_or_create(tmp / "devices", f"{name}.key")
+        report = DeployReport(client=name, federation="t", key=key.public_text, state="serving", version=version,
+                              target=version, health="ok", time=time.time(), fetched_bytes=1000, release_bytes=3000,
+                              current=VersionStats(version=version, requests=40, errors=0, p95_ms=3.25))
+        messages.append((t.deploy_status(name), key.sign(report.to_json())))
+    return messages
 
 
 def _scraped_after_upload(url: str) -> dict | None:
@@ -144,6 +163,15 @@ def chromium(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+def test_api_rollout_shows_which_device_runs_which_version(federation):
+    _, url, _, _ = federation
+    view = wait_for(lambda: (v := json.loads(urllib.request.urlopen(url + "api/rollout", timeout=10).read()))["devices"]
+                    and v, 30, "the rollout view")
+    assert view["rollout"]["stable"] == 2 and view["rollout"]["canary_devices"] == ["d8"]
+    assert {d["client"]: d["version"] for d in view["devices"]} == {"d8": 3, "d9": 2}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_dashboard_in_headless_chromium(federation):
     if CHROMIUM is None:
@@ -165,6 +193,9 @@ def test_dashboard_in_headless_chromium(federation):
         assert points == {"0", "1", "2"}, (k, points)
     assert set(re.findall(r'<tr data-round="(\d+)"', dom)) == {"1", "2"}
     assert re.search(r'<tr data-reason="[a-z_]+">', dom), "rejections by reason are not shown"
+    followers = dict(re.findall(r'<tr data-follower="([^"]+)">(.*?)</tr>', dom))
+    assert set(followers) == {"d8", "d9"} and "<td>v3</td>" in followers["d8"] and "3.3" in followers["d9"], followers
+    assert "rollout #4: stable v2, canary v3 on d8" in dom
     shot = ARTIFACTS / "dashboard.png"
     shot.unlink(missing_ok=True)
     chromium("--screenshot=" + str(shot), "--window-size=1400,1700", url)

@@ -4,7 +4,7 @@ scoring and kept in the federation's state, so checkpoints and exports carry the
 import torch
 
 from aggregator.evaluation import Evaluator
-from aggregator.federation import Federation, state_digest
+from aggregator.federation import Federation, state_digest, Update
 from nefl.checkpoint import load_checkpoint, save_checkpoint
 from nefl.data import BatchLoader
 from nefl.messages import Announce
@@ -27,9 +27,7 @@ def _trained_federation(method: str) -> Federation:
     for c, k in fed.open_round(1, now=0.0).assignments.items():
         res = local_train(layout.module(k), fed.state.extract(layout, k), BatchLoader(data, None, 32, True, False, 0),
                           TrainConfig(), upload=layout.upload_shapes(k))
-        header = {"kind": "update", "federation": "t", "client": c, "round": 1, "submodel": k,
-                  "samples": res.num_samples, "metrics": {}}
-        fed.accept(c, header, res.delta, 0)
+        fed.accept(Update(c, 1, k, res.num_samples, res.delta, 0))
     assert fed.close_round()["committed"]
     return fed
 

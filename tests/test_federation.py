@@ -46,7 +46,8 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, {}
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "NEFL_CACHE_DIR": str(tmp / "cache")}  # pinned server keys and calibrations stay per test
+                    # pinned server keys, calibrations and the aggregator's private keys stay per test
+                    "NEFL_CACHE_DIR": str(tmp / "cache"), "NEFL_KEY_DIR": str(tmp / "keys")}
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")

@@ -111,6 +111,12 @@ def test_help_and_probe_import_no_full_install_module(tmp_path: Path) -> None:
     assert _imported_full_modules(["probe", "--json", "--interval", "0"], tmp_path) == []
 
 
+def test_following_a_rollout_needs_no_full_install_module(tmp_path: Path) -> None:
+    block = "; ".join(f"sys.modules[{m!r}] = None" for m in sorted(FULL_ONLY_MODULES))
+    out = _run([sys.executable, "-c", f"import sys; {block}; import edge_client.follow_cli"], tmp_path, PYTHONPATH=str(ROOT))
+    assert out.returncode == 0, out.stderr
+
+
 def test_listed_help_of_training_commands_is_their_docstring() -> None:
     for module, function, listed in TRAINING_COMMANDS.values():
         assert inspect.getdoc(getattr(importlib.import_module(module), function)) == listed

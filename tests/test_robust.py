@@ -146,47 +146,67 @@ def test_clip_mode_still_rejects_non_finite_updates() -> None:
 
 def test_adaptive_bound_after_warmup_and_over_the_window() -> None:
     guard = UpdateGuard(NormBound(adaptive_k=3.0, window=5, warmup=3, relative=None), 2)
-    for _ in range(2):
-        guard.record(0, 1.0)
-    guard.check(0, {"w": torch.tensor([1e6])})  # warmup not reached: only the (absent) other bounds apply
-    guard.record(0, 1.0)
+    for c in ("a", "b"):
+        guard.record(0, c, 1.0)
+    guard.check(0, {"w": torch.tensor([1e6])})  # warmup (3 clients) not reached: only the (absent) other bounds apply
+    guard.record(0, "c", 1.0)
     guard.check(0, {"w": torch.tensor([2.9])})
-    with pytest.raises(UpdateRejected, match="3 x the recent median 1"):
+    with pytest.raises(UpdateRejected, match="3 x the median of recent clients' norms 1"):
         guard.check(0, {"w": torch.tensor([3.1])})
     guard.check(1, {"w": torch.tensor([3.1])})  # per submodel: submodel 2 has no history yet
-    for _ in range(3):
-        guard.record(0, 100.0)  # the window keeps the last 5: median now 100
-    assert guard.median(0) == 100.0
+    for c in ("d", "e", "f"):
+        guard.record(0, c, 100.0)  # the window keeps the last 5 clients: a, then b, leave; median now 100
+    assert guard.median(0) == 100.0 and list(guard.history[0]) == ["b", "c", "d", "e", "f"]
+    assert sorted(guard.recent(0)) == [1.0, 1.0, 100.0, 100.0, 100.0]
     guard.check(0, {"w": torch.tensor([250.0])})
+
+
+def test_one_client_cannot_ratchet_the_adaptive_bound() -> None:
+    """Honest clients near norm 1; an attacker whose accepted updates sit at the bound every round.
+    Per-update history: each accepted update raised the median and so the next bound. One vote per
+    client: the attacker's latest norm is one value among the clients', the median stays honest."""
+    guard = UpdateGuard(NormBound(adaptive_k=10.0, window=20, warmup=3, relative=None), 1)
+    for c in ("h1", "h2", "h3"):
+        guard.record(0, c, 1.0)
+    for _ in range(50):
+        bound, _ = guard.limit(0, None)
+        guard.record(0, "attacker", bound)  # the most it can get accepted
+        for c in ("h1", "h2", "h3"):
+            guard.record(0, c, 1.0)
+    assert guard.limit(0, None)[0] == 10.0
 
 
 def test_tightest_bound_wins_and_clipped_norm_is_what_gets_recorded() -> None:
     guard = UpdateGuard(NormBound(max_norm=10.0, relative=2.0, adaptive_k=4.0, mode="clip", window=4, warmup=1), 1)
-    guard.record(0, 1.0)
+    guard.record(0, "a", 1.0)
     assert guard.limit(0, 100.0)[0] == 4.0  # adaptive 4 < fixed 10 < relative 200
     assert guard.limit(0, 1.0)[0] == 2.0  # relative 2 < adaptive 4
     _, norm, clipped = guard.check(0, {"w": torch.tensor([300.0, 400.0])}, 100.0)
     assert clipped and norm == 4.0
-    guard.record(0, norm)
-    assert max(guard.history[0]) == 4.0
+    guard.record(0, "b", norm)
+    assert max(guard.recent(0)) == 4.0
 
 
 def test_state_dict_round_trips_through_json() -> None:
     bound = NormBound(adaptive_k=2.0, window=3, warmup=2)
     guard = UpdateGuard(bound, 3)
     for k, norms in enumerate([[1.0, 2.0, 3.0, 4.0], [0.5], []]):
-        for x in norms:
-            guard.record(k, x)
-    guard.record(2, math.inf)  # never recorded
+        for i, x in enumerate(norms):
+            guard.record(k, f"c{i}", x)
+    guard.record(0, "c3", 5.0)  # a client's newer norm replaces its older one
+    guard.record(2, "c0", math.inf)  # never recorded
     saved = json.loads(json.dumps(guard.state_dict()))
-    assert saved["norms"] == [[2.0, 3.0, 4.0], [0.5], []]
+    assert saved["norms"] == [[2.0, 3.0, 5.0], [0.5], []] and saved["clients"][0] == ["c1", "c2", "c3"]
     resumed = UpdateGuard(bound, 3)
     resumed.load_state_dict(saved)
-    assert [list(h) for h in resumed.history] == saved["norms"]
+    assert resumed.state_dict() == saved
     assert resumed.limit(0, 1.0) == guard.limit(0, 1.0)
     smaller = UpdateGuard(NormBound(window=2, warmup=1), 3)
-    smaller.load_state_dict(saved)  # a shorter window on resume keeps the most recent norms
-    assert list(smaller.history[0]) == [3.0, 4.0]
+    smaller.load_state_dict(saved)  # a shorter window on resume keeps the most recent clients
+    assert smaller.recent(0) == [3.0, 5.0]
+    older = UpdateGuard(bound, 3)
+    older.load_state_dict({"norms": saved["norms"]})  # a history without ids: each norm a client of its own
+    assert older.recent(0) == [2.0, 3.0, 5.0] and older.median(0) == 3.0
 
 
 @pytest.mark.parametrize("bad", [{"norms": [[1.0]]}, {"norms": [[1.0], ["x"], []]}, {"norms": [[1.0], [-1.0], []]},

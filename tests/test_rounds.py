@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aggregator.assignment import Candidate, assign_coverage, assign_paper, coverage_order, paper_window
-from aggregator.federation import ClientLimits, Federation, Rejected
+from aggregator.federation import ClientLimits, Federation, Rejected, Update
 from nefl.checkpoint import UPDATES_TOTAL_KEY
 from nefl.messages import Announce
 from nefl.profile import load_profile
@@ -30,9 +30,8 @@ def join(fed: Federation, client: str, msg: Announce) -> None:
 
 def _update(fed: Federation, client: str) -> None:
     k = fed.round.assignments[client]
-    header = {"kind": "update", "federation": "t", "client": client, "round": fed.round.index, "submodel": k,
-              "samples": 10, "metrics": {"loss": 1.0, "selection": "submodel 2/5: memory binds"}}
-    fed.accept(client, header, {n: torch.zeros(s) for n, s in fed.layout.upload_shapes(k).items()}, 100)
+    fed.accept(Update(client, fed.round.index, k, 10, {n: torch.zeros(s) for n, s in fed.layout.upload_shapes(k).items()},
+                      100, {"loss": 1.0, "selection": "submodel 2/5: memory binds"}))
 
 
 def _round(fed: Federation, index: int) -> dict:

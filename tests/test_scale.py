@@ -22,17 +22,19 @@ from hypothesis import strategies as st
 
 from aggregator.federation import state_digest
 from aggregator.loadtest import device_delta
-from aggregator.partials import partial_from, partial_tensors
+from aggregator.partials import Held, check_partial, plan_bound, plan_screen
 from aggregator.worker import Worker, WorkerConfig, owner_of
 from nefl.aggregate import NeFedAvg
 from nefl.checkpoint import load_checkpoint
 from nefl.messages import MessageError, PartialSummary, Receipt, RoundClose, WorkerRound
 from nefl.mqtt import BrokerSettings
 from nefl.profile import load_profile
-from nefl.signing import Signer
+from nefl.robust import NormBound, update_norm
+from nefl.robust_aggregate import AggregationConfig
+from nefl.signing import Signer, parse_public_key, verify
 from nefl.state import GlobalState, Layout
 from nefl.topics import Topics
-from nefl.wire import Reassembler, WireError, encode
+from nefl.wire import Reassembler, encode, split_chunk
 from tests.helpers import random_ladder
 from tests.test_federation import ROOT, finish, free_port, metrics, needs_mosquitto, wait_for
 
@@ -47,15 +49,16 @@ def dyadic_delta(layout: Layout, k: int, rng: random.Random) -> dict[str, torch.
     return {n: torch.randint(-64, 65, s, generator=g).float() / 16 for n, s in layout.upload_shapes(k).items()}
 
 
-def through_the_wire(layout: Layout, part: NeFedAvg, clients: list[str], worker: str) -> NeFedAvg:
-    """A partial as a worker publishes it and the coordinator reads it back (chunked safetensors + summary)."""
-    msgs = encode(partial_tensors(part), kind="partial", federation="t", round=1, submodel=0, client=worker,
+def through_the_wire(layout: Layout, part: NeFedAvg, held: dict[str, Held], worker: str) -> NeFedAvg:
+    """A partial as a worker publishes it and the coordinator reads it back (chunked safetensors + summary),
+    checked against the receipts `held`."""
+    msgs = encode(part.partial_tensors(), kind="partial", federation="t", round=1, submodel=0, client=worker,
                   chunk_bytes=64 * 1024)
     reasm = Reassembler(max_bytes=64 << 20)
     done = [d for m in msgs if (d := reasm.feed(m)) is not None][0]
     summary = PartialSummary(run="r", round=1, weights=[float(w) for w in part.weights], updates=list(part.updates),
-                             clients=clients, sha256=done.header["sha256"])
-    return partial_from(layout, PartialSummary.from_json(summary.to_json()), done.tensors)
+                             clients=sorted(c for c, h in held.items() if h.worker == worker), sha256=done.header.sha256)
+    return check_partial(layout, PartialSummary.from_json(summary.to_json()), done.tensors, held, worker)[0]
 
 
 @settings(max_examples=12, deadline=None)
@@ -66,44 +69,23 @@ def test_merging_partials_in_any_order_gives_the_single_process_state(seed, part
     state = GlobalState.init(layout, seed)
     single = NeFedAvg(layout)
     workers = [NeFedAvg(layout) for _ in range(parts)]
-    held: list[list[str]] = [[] for _ in range(parts)]
+    held: dict[str, Held] = {}
     for i in range(updates):
         k = rng.randrange(layout.num_submodels)
         delta = dyadic_delta(layout, k, rng)
         single.add(k, delta)
         w = rng.randrange(parts)  # the broker's choice of worker
         workers[w].add(k, delta)
-        held[w].append(f"c{i}")
+        held[f"c{i}"] = Held(f"w{w}", k, 1.0, update_norm(delta))
     expected = state_digest(single.finalize(state))
     for _ in range(3):
         order = rng.sample(range(parts), parts)
         coordinator = NeFedAvg(layout)
         for w in order:
-            coordinator.merge(through_the_wire(layout, workers[w], held[w], f"w{w}"))
+            coordinator.merge(through_the_wire(layout, workers[w], held, f"w{w}"))
         assert coordinator.updates == single.updates
         assert torch.equal(coordinator.weights, single.weights)
         assert state_digest(coordinator.finalize(state)) == expected
-
-
-def test_a_partial_that_does_not_fit_the_profile_is_refused():
-    layout = Layout.build(load_profile(PROFILE))
-    agg = NeFedAvg(layout)
-    agg.add(1, device_delta(layout, 1, "c", 1))
-    tensors = partial_tensors(agg)
-    good = dict(weights=[0.0, 1.0, 0.0, 0.0, 0.0], updates=[0, 1, 0, 0, 0], clients=["c"], run="r", round=1)
-    assert partial_from(layout, PartialSummary(**good), tensors).updates == [0, 1, 0, 0, 0]
-    name = next(iter(tensors))
-    cases = [
-        ({**good, "clients": []}, tensors),  # counts disagree with the clients named
-        ({**good, "weights": [0.0, 0.0, 0.0, 0.0, 0.0]}, tensors),  # an update of weight 0
-        ({**good, "updates": [1, 0, 0, 0, 0]}, tensors),  # tensors of another submodel
-        (good, {**tensors, name: torch.zeros(3)}),  # a wrong shape
-        (good, {**tensors, "9/x": torch.zeros(1)}),  # a submodel the profile lacks
-        ({**good, "weights": [1.0]}, tensors),  # another profile's length
-    ]
-    for summary, t in cases:
-        with pytest.raises(WireError, match="bad_partial"):
-            partial_from(layout, PartialSummary(**summary), t)
 
 
 def test_owners_of_multi_chunk_updates_are_stable_and_spread():
@@ -123,7 +105,7 @@ def test_worker_topics_and_messages_are_strict():
         t.update_shared("a/b")
     plan = WorkerRound(federation="fed", run="r1", round=3, profile={}, profile_hash="h", assignments={"c1": 2},
                        references=[1.0, 2.0], norms=[[], [0.5]], deadline_s=10, max_update_bytes=1 << 20,
-                       chunk_bytes=1 << 16)
+                       chunk_bytes=1 << 16, bound=plan_bound(NormBound()), screen=plan_screen(AggregationConfig()))
     assert WorkerRound.from_json(plan.to_json(), 1 << 20) == plan
     for bad in (plan.to_json().replace(b'"c1":2', b'"c1":-2'), plan.to_json().replace(b'"references":[1.0', b'"references":[-1.0')):
         with pytest.raises(MessageError):
@@ -136,14 +118,16 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
     """In process, the broker replaced by a list: the worker's trust boundary and its partial."""
     profile = load_profile(PROFILE)
     layout = Layout.build(profile)
-    signer = Signer(Ed25519PrivateKey.generate())
-    w = Worker(WorkerConfig("t", "w1", server_key=signer.public_text), BrokerSettings("127.0.0.1", 1))
+    signer, mine = Signer(Ed25519PrivateKey.generate()), Signer(Ed25519PrivateKey.generate())
+    w = Worker(WorkerConfig("t", "w1", server_key=signer.public_text), BrokerSettings("127.0.0.1", 1), mine)
+    own = parse_public_key(mine.public_text)
     sent: list[tuple[str, bytes]] = []
     w.publish_up = lambda topic, payload, retain=False: sent.append((topic, payload))
     t = Topics("t")
     plan = WorkerRound(federation="t", run="r1", round=1, profile=profile.to_dict(), profile_hash=layout.profile.hash,
                        assignments={"a": 0, "b": 1}, references=[10.0] * 5, norms=[[]] * 5, deadline_s=30,
-                       max_update_bytes=1 << 24, chunk_bytes=1 << 20)
+                       max_update_bytes=1 << 24, chunk_bytes=1 << 20, bound=plan_bound(NormBound()),
+                       screen=plan_screen(AggregationConfig()))
 
     def update(client: str, k: int, topic_client: str | None = None) -> tuple[str, bytes]:
         msg = encode(device_delta(layout, k, client, 1), kind="update", federation="t", round=1, submodel=k, client=client,
@@ -158,15 +142,22 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
         w.route(w.up, topic, payload)
     w.route(w.up, t.workers_close, signer.sign(RoundClose(federation="t", run="r1", round=1).to_json()))
     w.route(w.up, *update("b", 1))  # after the close: late
-    receipts = [Receipt.from_json(p) for topic, p in sent if topic == t.worker("w1", "receipt")]
+    receipts = [Receipt.from_json(verify(p, own)) for topic, p in sent if topic == t.worker("w1", "receipt")]
     assert [(r.client, r.outcome) for r in receipts] == [
         (None, "unsigned"), ("a", "accepted"), ("b", "malformed_header"), ("c", "unassigned"), ("b", "client_mismatch"),
         ("b", "submodel_mismatch"), ("b", "stale_round")]
-    summary = PartialSummary.from_json(next(p for topic, p in sent if topic == t.worker("w1", "summary")), 1 << 20)
+    accepted = receipts[1]
+    assert accepted.run == "r1" and accepted.samples == 5 and accepted.norm == update_norm(device_delta(layout, 0, "a", 1))
+    summary = PartialSummary.from_json(verify(next(p for topic, p in sent if topic == t.worker("w1", "summary")), own),
+                                       1 << 20)
     assert summary.clients == ["a"] and summary.updates == [1, 0, 0, 0, 0] and summary.run == "r1"
     reasm = Reassembler(max_bytes=64 << 20)
-    done = [d for topic, p in sent if topic == t.worker("w1", "partial") and (d := reasm.feed(p)) is not None][0]
-    got = partial_from(layout, summary, done.tensors)
+    chunks = [p for topic, p in sent if topic == t.worker("w1", "partial")]
+    for p in chunks:  # every chunk header of the partial carries the worker's signature
+        verify(split_chunk(p)[0], own)
+    done = [d for p in chunks if (d := reasm.feed(p)) is not None][0]
+    got, norms = check_partial(layout, summary, done.tensors, {"a": Held("w1", 0, 1.0, accepted.norm)}, "w1")
+    assert norms == {"a": pytest.approx(accepted.norm, rel=1e-6)}
     want = NeFedAvg(layout)
     want.add(0, device_delta(layout, 0, "a", 1))
     assert all(torch.equal(got.groups[0][n], want.groups[0][n]) for n in want.groups[0])
@@ -265,9 +256,17 @@ def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     procs.mosquitto(central)
     procs.mosquitto(site)
     up, down = f"mqtt://127.0.0.1:{central}", f"mqtt://127.0.0.1:{site}"
-    serve(procs, up, 1, 3)
-    procs.start("relay", [sys.executable, "-c", "from aggregator.cli import app; app()", "relay", "--site-broker", down,
-                          "--upstream", up, "--federation", "t", "--relay-id", "site-a"])
+    relay = [sys.executable, "-c", "from aggregator.cli import app; app()", "relay", "--site-broker", down,
+             "--upstream", up, "--federation", "t", "--relay-id", "site-a"]
+    # the operator authorises the relay's key on the coordinator (with its own key directory, as on another host)
+    relay_env = {**procs.env, "NEFL_KEY_DIR": str(tmp_path / "relay-keys")}
+    relay_key = subprocess.run([*relay, "--print-key"], env=relay_env, capture_output=True, text=True, timeout=60).stdout.strip()
+    subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "enroll", "site-a", "--worker", "--key",
+                    relay_key, "--federation", "t"], env=procs.env, check=True, capture_output=True, timeout=60)
+    serve(procs, up, 1, 3)  # authorising a worker leaves device enrolment open
+    procs.env, env = relay_env, procs.env
+    procs.start("relay", relay)
+    procs.env = env
     fleet(procs, "site", down, 2, "--prefix", "site")
     fleet(procs, "direct", up, 1, "--prefix", "dir")
     finish(procs, "agg", 120)

@@ -17,9 +17,10 @@ from edge_client.cli import app
 from edge_client.costmodel import (THROTTLED_SLOWDOWN, CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path,
                                    calibrate, slowdown)
 from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
-from edge_client.select import DeviceBudget, parse_size, select_submodel
+from edge_client.select import DeviceBudget, select_submodel
 from nefl.profile import load_profile
 from nefl.state import Layout
+from nefl.units import parse_size
 
 MB = 2**20
 ROOT = Path(__file__).resolve().parent.parent

@@ -57,16 +57,18 @@ def test_short_simulation_trains_every_submodel_on_real_fashion_mnist(tmp_path) 
     ])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == list(range(6))
-    assert "accuracy" in rows[2] and "accuracy" not in rows[3]
+    assert [r["round"] for r in rows] == list(range(7))  # round 0: the initial state's accuracy
+    assert "accuracy" in rows[3] and "accuracy" not in rows[4]
+    rows = rows[1:]
     final = rows[-1]
     assert final["eval_samples"] == 2000 and len(final["accuracy"]) == 5
     # chance is 0.1; 6 short rounds land at about 0.35-0.55 (float summation order moves it a point or so)
     assert min(final["accuracy"]) > 0.25 and final["avg"] > 0.4, final["accuracy"]
     assert final["worst"] == min(final["accuracy"])
     assert all(r["committed"] and r["rejected"] == {} for r in rows), "the server's guard refused an honest update"
+    assert not any(r.get("dropped") for r in rows), "the centre check left out an honest update"
     ck = load_checkpoint(out / "checkpoint")
-    assert ck.meta["round"] == 5 and ck.meta["accuracy"] == final["accuracy"]
+    assert ck.meta["round"] == 6 and ck.meta["accuracy"] == final["accuracy"]
     assert ck.meta[UPDATES_TOTAL_KEY] == [sum(n) for n in zip(*(r["updates_per_submodel"] for r in rows))]
     assert "worst" in result.output and "avg" in result.output
 
@@ -93,3 +95,33 @@ def test_device_errors_name_the_fix(monkeypatch) -> None:
     with pytest.raises(ValueError, match="only 1 CUDA GPU"):
         check_device("cuda:3")
     assert check_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.skipif(not SYSTEM_FASHION_MNIST_DIR.exists(), reason="needs apt-get install dataset-fashion-mnist")
+def test_the_attack_suite_runs_every_server_option_in_the_simulator(tmp_path) -> None:
+    """The simulator runs the server's round driver: attackers are drawn, the default centre check drops
+    their flipped updates, DP and robust rules are the server's options, metrics lines have its fields."""
+    common = ["simulate", "--profile", "resnet8-fmnist-w", "--clients", "10", "--per-round", "10", "--rounds", "2",
+              "--max-samples-per-client", "64", "--eval-every", "0", "--final-eval-samples", "200", "--threads", "1",
+              "--batch-size", "16"]
+    out = tmp_path / "flip"
+    r = CliRunner().invoke(app, [*common, "--attack", "scaled-flip", "--attackers", "0.2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    attackers = set(rows[0]["attackers"])
+    assert len(attackers) == 2 and all(set(row["dropped"]) == attackers for row in rows), rows
+    assert all(row["aggregator"] == "nefedavg" and row["committed"] for row in rows)
+    out = tmp_path / "median-dp"
+    r = CliRunner().invoke(app, [*common, "--aggregator", "median", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["aggregator"] == "median"
+    r = CliRunner().invoke(app, [*common, "--aggregator", "median", "--dp-noise-multiplier", "1", "--max-update-norm", "1",
+                                 "--clip"])
+    assert r.exit_code == 2 and "DP noise is calibrated to plain NeFedAvg" in r.output
+    out = tmp_path / "dp"
+    r = CliRunner().invoke(app, [*common, "--dp-noise-multiplier", "0.5", "--max-update-norm", "5", "--clip", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["dp_epsilon"] > 0 and "agreement" not in last  # DP turns the centre check off

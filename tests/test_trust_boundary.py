@@ -12,15 +12,18 @@ import json
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
-from nefl.messages import Announce, ClientStatus, Control
+from aggregator.enrolment import Enrolment
+from nefl.messages import Announce, ClientStatus, Control, Receipt
 from nefl.mqtt import parse_broker
 from nefl.profile import load_profile
-from nefl.signing import Signer
+from nefl.signing import Signer, split_signed
+from nefl.tokens import new_token, parse_token, proof
 from nefl.state import GlobalState, Layout
 from nefl.topics import Topics
 from nefl.wire import encode
@@ -62,13 +65,21 @@ def layout() -> Layout:
 
 @pytest.fixture
 def server(tmp_path, layout) -> Server:
+    """A server with one (unsigned, open-enrolment) participant "raw" and one authorised worker, "w1"."""
     cfg = ServeConfig(profile=PROFILE, federation="t", checkpoint_dir=str(tmp_path), clients_per_round=3, round_timeout=60)
+    enrol = Enrolment("t")
+    enrol.local_workers = {"w1": WORKER.public_text}
     srv = Server(cfg, parse_broker("mqtt://127.0.0.1:1"), Start(layout.profile, layout, GlobalState.init(layout, 0), 1),
-                 Signer.load_or_create(tmp_path))
+                 Signer.load_or_create(tmp_path), enrol)
+    srv.publish = lambda topic, payload, retain=False: None
     srv.handle(T.status("raw"), ClientStatus(state="online").to_json())
     srv.handle(T.announce("raw"), Announce(client="raw", samples=10, max_submodel=1).to_json())
     srv.fed.open_round(1)
+    srv.pool.open(srv.run_id, layout)
     return srv
+
+
+WORKER = Signer(Ed25519PrivateKey.generate())
 
 
 def update(layout: Layout, scale: float = 0.0, **kw) -> bytes:
@@ -100,7 +111,7 @@ def _signed_server(tmp_path, layout) -> tuple[Server, Signer]:
 
 def test_a_device_key_is_pinned_on_first_announce(tmp_path, layout):
     srv, device = _signed_server(tmp_path, layout)
-    assert srv.fed.keys == {"dev": device.public_text} and srv.fed.round.assignments == {"dev": 0}
+    assert srv.enrol.key("dev") == device.public_text and srv.fed.round.assignments == {"dev": 0}
     impostor = Signer.load_or_create(tmp_path / "imp", "dev.key")
     srv.handle(T.announce("dev"), impostor.sign(Announce(client="dev", samples=10, max_submodel=5,
                                                          key=impostor.public_text).to_json()))
@@ -127,12 +138,20 @@ def test_updates_under_a_pinned_id_must_carry_its_signature(tmp_path, layout):
 @given(data=st.data())
 def test_server_handle_never_raises(server, data):
     topic = data.draw(st.sampled_from([T.announce("raw"), T.status("raw"), T.update("raw"), T.announce("other"),
-                                       T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y"]))
-    kind = data.draw(st.sampled_from(["bytes", "json", "announce", "status", "update"]))
+                                       T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y",
+                                       T.sent("raw"), T.resend("raw"), *(T.worker(w, k) for w in ("w1", "w2")
+                                                                        for k in ("status", "receipt", "summary", "partial"))]))
+    kind = data.draw(st.sampled_from(["bytes", "json", "worker-signed-json", "announce", "status", "update", "receipt"]))
     if kind == "bytes":
         payload = data.draw(st.binary(max_size=3000))
     elif kind == "json":
         payload = json.dumps(data.draw(json_values)).encode()
+    elif kind == "worker-signed-json":  # validly signed by the authorised worker, hostile body
+        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
+        payload = WORKER.sign(json.dumps({"v": 1, **value}).encode())
+    elif kind == "receipt":
+        payload = WORKER.sign(mutate(data, Receipt(run=server.run_id, round=1, client="raw", outcome="accepted",
+                                                   samples=10, norm=1.0).to_json()))
     elif kind == "announce":
         payload = mutate(data, Announce(client="raw", samples=10, max_submodel=2).to_json())
     elif kind == "status":
@@ -157,26 +176,34 @@ def agent(tmp_path, server_side) -> Agent:
     return a
 
 
-def test_first_use_pins_the_key_and_a_new_key_is_refused(agent, server_side, tmp_path):
-    pinned = next((tmp_path / "pins").glob("*.pub")).read_text().strip()
-    assert pinned == server_side.signer.public_text
-    impostor = FakeServer(tmp_path / "impostor", run="evil")
-    agent.dispatch(T.server_status, impostor.status(time=2000.0))
+def test_a_pinned_key_refuses_another(agent, server_side, tmp_path):
+    impostor = FakeServer(tmp_path / "impostor", run="evil", incarnation=9)
+    agent.dispatch(T.server_status, impostor.status())
     assert agent.run_id == "run1" and agent.dropped["bad_signature"] == 1
 
 
 def test_unsigned_forged_and_replayed_server_messages_are_dropped(agent, server_side, tmp_path):
     signer = server_side.signer
+    take_a_task(agent, server_side)
     agent.dispatch(T.control, Control(federation="t", run="run1", event="end").to_json())  # unsigned
     impostor = FakeServer(tmp_path / "impostor").signer
-    agent.dispatch(T.control, impostor.sign(Control(federation="t", run="run1", event="end").to_json()))
-    agent.dispatch(T.control, signer.sign(Control(federation="t", run="old-run", event="end").to_json()))
+    agent.dispatch(T.control, impostor.sign(Control(federation="t", run="run1", event="end", incarnation=1).to_json()))
+    agent.dispatch(T.control, signer.sign(Control(federation="t", run="old-run", event="end", incarnation=1).to_json()))
+    agent.dispatch(T.control, server_side.end(incarnation=0))  # the same run id under an older incarnation
     assert not agent.ended
     assert agent.dropped["unsigned"] == 1 and agent.dropped["bad_signature"] == 1 and agent.dropped["wrong_run"] == 1
-    agent.dispatch(T.server_status, server_side.status(time=10.0))  # an old status replayed
+    assert agent.dropped["stale_run"] == 1
+    agent.dispatch(T.server_status, server_side.status(seq=0))  # an older status replayed
     assert agent.dropped["replayed"] == 1
-    agent.dispatch(T.control, signer.sign(Control(federation="t", run="run1", event="end").to_json()))
+    agent.dispatch(T.control, server_side.end())
     assert agent.ended
+
+
+def take_a_task(agent, server, round: int = 1) -> None:
+    agent.dispatch(T.task("c1"), server.task(round=round))
+    for m in server.weights(round=round):
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
 
 
 def test_hostile_tasks_are_dropped(agent, server_side):
@@ -203,10 +230,63 @@ def test_weights_must_match_the_signed_task(agent, server_side):
 
 def test_tasks_before_the_status_wait_for_it(tmp_path, server_side):
     a, _, _ = make_agent(tmp_path)
-    a.dispatch(T.control, server_side.signer.sign(Control(federation="t", run="run1", event="end").to_json()))
-    assert not a.ended  # no key pinned yet: held, not trusted
+    a.dispatch(T.task("c1"), server_side.task())
+    assert a.task is None  # no key pinned yet: held, not trusted
     a.dispatch(T.server_status, server_side.status())
-    assert a.ended
+    assert a.task is not None and a.cfg.pin_file.read_text().strip() == server_side.signer.public_text
+
+
+# -- which key, which run ----------------------------------------------------------------------------
+
+def test_first_use_trusts_the_run_that_sends_a_task_not_the_first_status(tmp_path, server_side):
+    """An attacker's own signed status (or a replayed finished one) comes first: nothing is pinned until a
+    run sends this device a task, and the key of that run is pinned (and logged with its fingerprint)."""
+    a, _, _ = make_agent(tmp_path)
+    evil = FakeServer(tmp_path / "evil", run="evil")
+    a.dispatch(T.server_status, evil.status())
+    a.dispatch(T.server_status, server_side.status(state="finished"))  # not a running federation: no candidate
+    a.dispatch(T.server_status, server_side.status())
+    assert a.pin.key is None and len(a.candidates) == 2 and a.dropped["not_live"] == 1
+    a.dispatch(T.control, evil.end())  # a candidate's end pins nothing and ends nothing
+    take_a_task(a, server_side)
+    assert a.pin.text == server_side.signer.public_text and a.cfg.pin_file.read_text().strip() == a.pin.text
+    a.dispatch(T.server_status, evil.status())
+    assert a.dropped["bad_signature"] == 1 and a.run_id == "run1" and not a.ended
+
+
+def test_a_join_token_names_the_server_key(tmp_path, server_side):
+    token, _ = new_token(server_side.signer.public_text)
+    a, transport, _ = make_agent(tmp_path, join_token=token)
+    a.dispatch(T.server_status, FakeServer(tmp_path / "evil").status())
+    assert a.pin.key is None and a.dropped["wrong_server_key"] == 1
+    a.dispatch(T.server_status, server_side.status())
+    assert a.pin.text == server_side.signer.public_text and a.run_id == "run1"
+    announce = Announce.from_json(split_signed(transport.on(T.announce("c1"))[-1])[0])
+    _, secret = parse_token(token)
+    assert announce.token == proof(secret, "t", "c1", announce.key)  # the proof, never the token itself
+    assert token not in json.dumps([p.decode("latin1") for _, p, _ in transport.published])
+
+
+def test_an_earlier_runs_end_replayed_does_not_end_a_fresh_device(tmp_path):
+    """A resumed federation (same key): the old run's finished status and end, replayed to a device that
+    never took part, leave it waiting; the new incarnation takes over, and the old one is refused for good
+    (also after a restart: the device remembers the newest incarnation per server key)."""
+    old = FakeServer(tmp_path / "s", run="old", incarnation=1)
+    finished, end = old.status(state="finished"), old.end()
+    new = FakeServer(tmp_path / "s", run="new", incarnation=2)
+    a, _, _ = make_agent(tmp_path, new)  # adopted the new run's status...
+    a2, _, _ = make_agent(tmp_path / "fresh", pinned=False, server_key=new.signer.public_text)
+    a2.dispatch(T.server_status, finished)  # ...a fresh one sees only the replay first
+    a2.dispatch(T.control, end)
+    assert not a2.ended and a2.run_id == "old"
+    a2.dispatch(T.server_status, new.status())
+    a2.dispatch(T.control, end)
+    assert not a2.ended and a2.run_id == "new" and a2.dropped["stale_run"] == 1
+    a.dispatch(T.server_status, finished)
+    assert a.dropped["stale_run"] == 1 and a.run_id == "new"
+    restarted, _, _ = make_agent(tmp_path, None, server_key=new.signer.public_text)  # the same run file
+    restarted.dispatch(T.server_status, finished)
+    assert restarted.dropped["stale_run"] == 1 and restarted.run_id is None
 
 
 @fuzz
@@ -222,9 +302,9 @@ def test_agent_dispatch_never_raises(agent, server_side, data):
         value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
         payload = server_side.signer.sign(json.dumps({"v": 1, **value}).encode())
     elif kind == "task":
-        payload = mutate(data, server_side.task())
+        payload = mutate(data, server_side.task(seq=50))
     elif kind == "status":
-        payload = mutate(data, server_side.status(time=5000.0))
+        payload = mutate(data, server_side.status(seq=5000))
     else:
         payload = mutate(data, server_side.weights()[0])
     agent.dispatch(topic, payload)

@@ -32,7 +32,7 @@ def test_roundtrip_chunked_and_bounded():
     results = [r.feed(m) for m in out]
     assert all(x is None for x in results[:-1])
     done = results[-1]
-    assert done.header["client"] == "c1" and done.header["round"] == 3 and done.header["samples"] == 7
+    assert done.header.client == "c1" and done.header.round == 3 and done.header.samples == 7
     for n, t in tensors().items():
         assert torch.equal(done.tensors[n], t)
 
@@ -54,7 +54,7 @@ def test_fp16_halves_the_payload_and_decodes_to_float32():
     assert sum(map(len, half)) < 0.6 * sum(map(len, full))
     r = Reassembler()
     done = [r.feed(m) for m in half][-1]
-    assert done.header["dtype"] == "fp16"
+    assert done.header.dtype == "fp16"
     for n, t in tensors().items():
         assert done.tensors[n].dtype == torch.float32
         assert torch.allclose(done.tensors[n], t, atol=1e-2, rtol=1e-3)

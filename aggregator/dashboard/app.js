@@ -192,13 +192,44 @@ function draw(state) {
   drawStarving(state);
 }
 
+// which device runs which model version (`aggregator publish`, `edge-client serve --follow`)
+function drawRollout(view) {
+  const r = view.rollout;
+  document.getElementById("rollout-summary").textContent = r
+    ? `rollout #${r.seq}: stable v${r.stable ?? "-"}` + (r.canary ? `, canary v${r.canary} on ${r.canary_devices.join(", ")}` : "")
+      + (r.revoked.length ? `, revoked ${r.revoked.map((v) => `v${v}`).join(", ")}` : "") + (r.reason ? ` (${r.reason})` : "")
+    : "nothing published";
+  const v = (x) => (x == null ? "-" : `v${x}`);
+  const ms = (x) => (x == null ? "-" : x.toFixed(1));
+  const rows = view.devices.map((d) => {
+    const now = d.current || {}, before = d.before;
+    return el("tr", { "data-follower": d.client },
+      el("td", {}, d.client),
+      el("td", { class: d.state === "offline" ? "offline" : "online" }, d.state),
+      el("td", {}, v(d.version)),
+      el("td", {}, v(d.target)),
+      el("td", {}, d.health),
+      el("td", {}, `${now.requests ?? 0} (${now.errors ?? 0})`),
+      el("td", {}, ms(now.p95_ms)),
+      el("td", {}, before ? `${v(before.version)} (${ms(before.p95_ms)})` : "-"),
+      el("td", {}, `${bytes(d.fetched_bytes || 0)} / ${bytes(d.release_bytes || 0)}`),
+      el("td", { class: "reason" }, d.event || "-"));
+  });
+  fill(document.querySelector("#rollout tbody"), rows, "no device follows a rollout", 10);
+}
+
+async function getJson(path) {
+  const response = await fetch(path, { headers: token ? { Authorization: `Bearer ${token}` } : {}, cache: "no-store" });
+  if (!response.ok) throw new Error(response.status === 401 ? "this server needs its token: open the page with ?token=TOKEN"
+    : `${path} answered ${response.status}`);
+  return response.json();
+}
+
 async function poll() {
   const error = document.getElementById("error");
   try {
-    const response = await fetch("api/state", { headers: token ? { Authorization: `Bearer ${token}` } : {}, cache: "no-store" });
-    if (!response.ok) throw new Error(response.status === 401 ? "this server needs its token: open the page with ?token=TOKEN"
-      : `api/state answered ${response.status}`);
-    draw(await response.json());
+    draw(await getJson("api/state"));
+    drawRollout(await getJson("api/rollout"));
     error.hidden = true;
   } catch (e) {
     error.textContent = `${e.message} (retrying)`;

@@ -20,6 +20,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 import torch
 
+from nefl.aggregate import coverage_mean
 from nefl.jigsaw.zoo import ModuleMeta
 from nefl.messages import Message, MessageError, Name, Round, decode
 from nefl.tensors import first_non_finite
@@ -85,7 +86,9 @@ def source_average(copies: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
     """Eq. 2: the element-wise mean of the copies a source received back for one module."""
     if not copies:
         raise ValueError("nothing to average: a module nobody borrowed keeps its parameters")
-    return {name: torch.stack([c[name].float() for c in copies]).mean(0).to(copies[0][name].dtype) for name in copies[0]}
+    first = copies[0]
+    return {name: coverage_mean(first[name], [((None,) * first[name].dim(), c[name] - first[name], 1.0) for c in copies])
+            for name in first}
 
 
 class ModuleExchange(Protocol):

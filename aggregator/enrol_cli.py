@@ -1,0 +1,78 @@
+"""`aggregator enroll` and `aggregator revoke`: the operator's say on who takes part (docs/security.md,
+"Enrolment"). Both append to the federation's enrolment journal in its key directory; a running
+`aggregator serve` picks the change up within a second.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import typer
+
+from aggregator.enrolment import EnrolmentPolicy, Grant, Revoke, append
+from aggregator.keys import KeyDir
+from nefl.cli_options import KeyDirOption
+from nefl.signing import KeyFileError, parse_public_key
+from nefl.tokens import new_token
+from nefl.topics import check_name
+
+FEDERATION = typer.Option("default", "--federation", help="Federation name (its keys live in KEY_DIR/FEDERATION).")
+
+
+def _key_dir(federation: str, key_dir: str | None, client: str) -> KeyDir:
+    try:
+        check_name("id", client)
+        return KeyDir(check_name("federation name", federation), key_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+
+
+def enroll_command(
+    client_id: str = typer.Argument(..., help="The device's --client-id (or, with --worker, the worker's or relay's id)."),
+    key: str = typer.Option(None, "--key", help="Enrol this public key now instead of printing a join token (a device "
+                            "whose key you know; required for --worker: what `aggregator worker --print-key` prints)."),
+    worker: bool = typer.Option(False, "--worker", help="Authorise an aggregator worker or site relay, not a device."),
+    valid_hours: float = typer.Option(EnrolmentPolicy.token_ttl_s / 3600, "--valid-hours", min=0.01,
+                                      help="How long the join token may be used."),
+    federation: str = FEDERATION,
+    key_dir: KeyDirOption = None,
+) -> None:
+    """Enrol a device (prints a one-time join token for `edge-client join --join-token`) or authorise a worker's key.
+    Enrolling an id that is already pinned rotates its key once the device presents the new token."""
+    keys = _key_dir(federation, key_dir, client_id)
+    now = time.time()
+    try:
+        if key is not None:
+            parse_public_key(key)
+            append(keys.journal, Grant(client=client_id, role="worker" if worker else "device", created=now, key=key.strip()))
+            print(f"{'worker' if worker else 'device'} {client_id} enrolled with key {key.strip()[:12]}...", file=sys.stderr)
+            return
+        if worker:
+            raise ValueError("a worker is authorised by its key: give --key (`aggregator worker --print-key` prints it)")
+        token, verifier = new_token(keys.server_signer().public_text)
+        append(keys.journal, Grant(client=client_id, created=now, verifier=verifier, expires=now + valid_hours * 3600))
+    except (KeyFileError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    print(token)
+    print(f"one-time join token for {client_id}, valid {valid_hours:g} h: edge-client join --client-id {client_id} "
+          f"--join-token TOKEN (or $NEFL_JOIN_TOKEN); it also tells the device the server key", file=sys.stderr)
+
+
+def revoke_command(
+    client_id: str = typer.Argument(..., help="The device's (or, with --worker, the worker's) id."),
+    worker: bool = typer.Option(False, "--worker", help="Revoke a worker's or relay's key, not a device's."),
+    federation: str = FEDERATION,
+    key_dir: KeyDirOption = None,
+) -> None:
+    """Revoke an id's key: its messages are refused from now on, also in a running federation (a device comes back
+    only with a new `aggregator enroll`)."""
+    keys = _key_dir(federation, key_dir, client_id)
+    try:
+        append(keys.journal, Revoke(client=client_id, role="worker" if worker else "device", time=time.time()))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    print(f"{'worker' if worker else 'device'} {client_id} revoked", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""The robustness options `aggregator serve` and `aggregator simulate` share: update bounds, clipping,
+DP-FedAvg and the aggregation rule (docs/security.md). Declared once, so a simulated federation runs
+exactly the server's options; defaults come from the config dataclasses, never restated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import typer
+
+from aggregator.federation import Robustness
+from aggregator.rootdata import DEFAULT_ROOT_SAMPLES
+from nefl.robust import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, NormBound
+from nefl.robust_aggregate import AggregationConfig
+
+_A = AggregationConfig()
+
+MaxUpdateNorm = Annotated[Optional[float], typer.Option(
+    "--max-update-norm", min=0, help="Fixed bound on an update's L2 norm (docs/security.md).")]
+UpdateNormRelative = Annotated[float, typer.Option(
+    "--update-norm-relative", min=0, help="Bound an update's norm by this multiple of its submodel's weight norm; 0 turns it off.")]
+UpdateNormK = Annotated[float, typer.Option(
+    "--update-norm-k", min=0, help="Bound an update's norm by K x the median of the latest norms of the submodel's recent "
+                                   "clients (one vote per client, so no client can ratchet it); 0 turns it off.")]
+Clip = Annotated[bool, typer.Option("--clip/--reject", help="Scale oversized updates down to the bound, or refuse them.")]
+MaxWeightAbs = Annotated[float, typer.Option(
+    "--max-weight-abs", min=0, help="A round whose new weights exceed this magnitude (or are not finite) is not committed.")]
+DPNoise = Annotated[float, typer.Option(
+    "--dp-noise-multiplier", min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm (needs --clip, "
+                                         "--aggregator nefedavg; turns the centre check off); epsilon is logged per round.")]
+Rule = Annotated[str, typer.Option(
+    "--aggregator", help="How a round's updates merge: nefedavg (streaming, exact; the only one with --workers), median, "
+                         "trimmed-mean, krum (multi-Krum on the parts all updates share) or fltrust (root data on the "
+                         "server); each over exactly the updates that cover an element (docs/security.md).")]
+Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-mean: the fraction cut at each end.")]
+CentreCheck = Annotated[Optional[bool], typer.Option(
+    "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a positive "
+                                             "cosine with fewer than --min-agreement of the others) and clip ones far "
+                                             "larger than the median; default on, "
+                                             "off under DP.", show_default=False)]
+MinAgree = Annotated[float, typer.Option(
+    "--min-agreement", min=0, max=1, help="Centre check: the least share of the round's other updates an update must "
+                                          "point the same way as.")]
+MaxNormRatio = Annotated[float, typer.Option(
+    "--max-norm-ratio", min=1, help="Centre check (and thin coverage): clip an update above this x the round's median "
+                                    "relative norm.")]
+RootData = Annotated[Optional[str], typer.Option(
+    "--root-data", help="fltrust: the dataset whose test split holds the server's root set (default: the evaluation "
+                        "dataset; its root images are left out of evaluation).")]
+RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
+
+
+@dataclass(frozen=True)
+class RobustDefaults:
+    """The defaults the options show, read from the config dataclasses."""
+
+    relative: float = DEFAULT_RELATIVE
+    adaptive_k: float = DEFAULT_ADAPTIVE_K
+    max_weight_abs: float = DEFAULT_MAX_ABS
+    rule: str = _A.rule
+    trim: float = _A.trim
+    min_agree: float = _A.min_agree
+    max_norm_ratio: float = _A.max_norm_ratio
+    root_samples: int = DEFAULT_ROOT_SAMPLES
+
+
+D = RobustDefaults()
+
+
+def robustness(max_update_norm: float | None, relative: float, adaptive_k: float, clip: bool, max_weight_abs: float,
+               dp_noise_multiplier: float, rule: str, trim: float, centre_check: bool | None, min_agree: float,
+               max_norm_ratio: float) -> Robustness:
+    """The options as a Robustness; raises ValueError with a one-line reason for a combination that
+    cannot work."""
+    if centre_check is None:
+        centre_check = _A.centre_check and not dp_noise_multiplier
+    bound = NormBound(max_norm=max_update_norm or None, relative=relative or None, adaptive_k=adaptive_k or None,
+                      mode="clip" if clip else "reject")
+    agg = AggregationConfig(rule=rule, trim=trim, centre_check=centre_check, min_agree=min_agree,
+                            max_norm_ratio=max_norm_ratio)
+    return Robustness(bound, max_weight_abs, dp_noise_multiplier, aggregation=agg)

@@ -1,0 +1,126 @@
+"""The one round loop of `aggregator serve` and `aggregator simulate`: open the round (participants,
+assignment), let the transport collect the updates, close it (the aggregator's rule, the commit
+check, DP noise), evaluate, checkpoint and write the metrics line.
+
+The two commands differ only in how a round's tasks reach the clients and their updates come back:
+MQTT for the server (aggregator/server.py), training in-process for the simulator
+(aggregator/simulate.py). Everything else runs here, so every server option (bounds, clipping, DP,
+robust rules) also runs in the simulator, and a simulated round's metrics line has the server's fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from aggregator.evaluation import Evaluator
+from aggregator.federation import Federation, state_digest
+from nefl.checkpoint import UPDATES_TOTAL_KEY, append_metrics, save_checkpoint
+from nefl.robust import DPAccountant
+from nefl.state import GlobalState
+
+log = logging.getLogger(__name__)
+
+
+class Transport(ABC):
+    """How a round's tasks reach clients and their updates reach the Federation. The hooks let a
+    transport tell its world what the driver is doing; the defaults do nothing."""
+
+    @abstractmethod
+    def collect(self, fed: Federation, index: int) -> None:
+        """Deliver the open round's tasks and feed every update to `fed.accept` until `fed.complete()`."""
+
+    def round_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
+        """The transport's own facts for the round's metrics line (the round is closed)."""
+        return {}
+
+    def evaluating(self) -> None:
+        """The driver is about to evaluate the new state."""
+
+    def scores(self, state: GlobalState, samples: int | None) -> dict[str, Any]:
+        """Scores of the new state beside the evaluator's accuracy (the simulator's backdoor success)."""
+        return {}
+
+    def recorded(self, facts: dict[str, Any], checkpoint_s: float) -> None:
+        """The round's checkpoint is committed and its metrics line written."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the driver does around the rounds."""
+
+    rounds: int
+    eval_every: int = 1  # evaluate after every N-th round (0: only after the last); always after the last
+    eval_samples: int | None = None  # test images per evaluation (None: the evaluator's)
+    final_eval_samples: int | None = None  # test images after the last round (None: eval_samples)
+    dp_delta: float = 1e-5  # the delta of the reported (epsilon, delta)-DP
+
+
+class RoundDriver:
+    """Runs rounds of one Federation over one Transport; commits every round to `checkpoint_dir` and
+    appends its metrics line to `metrics_dir`/metrics.jsonl (no files when `checkpoint_dir` is None:
+    a simulation that only reports)."""
+
+    def __init__(self, fed: Federation, transport: Transport, plan: RunPlan, evaluator: Evaluator | None,
+                 checkpoint_dir: str | Path | None, metrics_dir: str | Path | None = None,
+                 meta: Callable[[], dict[str, Any]] = dict) -> None:
+        self.fed, self.transport, self.plan, self.evaluator = fed, transport, plan, evaluator
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.metrics_dir = Path(metrics_dir) if metrics_dir else self.checkpoint_dir
+        self.meta = meta  # extra checkpoint metadata (the simulator's dataset, say)
+        self.accuracy: list[float] | None = None
+
+    def evaluate_start(self) -> dict[str, Any] | None:
+        """Round 0: the initial state's accuracy (learning curves start at the initialisation)."""
+        if self.evaluator is None or not self.plan.eval_every:
+            return None
+        facts = {"round": 0, **self._scores(self.plan.eval_samples), "start_sha256": state_digest(self.fed.state)}
+        if self.metrics_dir is not None:
+            self.metrics_dir.mkdir(parents=True, exist_ok=True)
+            append_metrics(self.metrics_dir, facts)
+        log.info(f"round 0 accuracy {self.accuracy}")
+        return facts
+
+    def run_round(self, index: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        fed, plan = self.fed, self.plan
+        start_digest = state_digest(fed.state)
+        fed.open_round(index)
+        self.transport.collect(fed, index)
+        t_close = time.perf_counter()
+        facts = fed.close_round()
+        facts["close_s"] = round(time.perf_counter() - t_close, 4)
+        facts["start_sha256"] = start_digest
+        facts.update(self.transport.round_facts(facts))
+        if not facts["committed"] and facts["quorum"]:
+            log.info(f"round {index} NOT committed, the previous weights stay: {facts['not_committed']}")
+        rb = fed.robustness
+        if rb.dp_noise_multiplier > 0:
+            q = min(1.0, fed.clients_per_round / max(1, len(fed.clients)))
+            facts["dp_epsilon"] = DPAccountant(rb.dp_noise_multiplier, q, plan.dp_delta).epsilon(index)
+        last = index == plan.rounds
+        if self.evaluator is not None and (last or (plan.eval_every and index % plan.eval_every == 0)):
+            self.transport.evaluating()
+            facts.update(self._scores((plan.final_eval_samples or plan.eval_samples) if last else plan.eval_samples))
+        facts["wall_s"] = round(time.monotonic() - t0, 3)  # up to the commit: the saved line and the appended one agree
+        t_ckpt = time.perf_counter()
+        if self.checkpoint_dir is not None:
+            save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,
+                            {"round": index, "rounds": plan.rounds, "federation": fed.name, "accuracy": self.accuracy,
+                             "state_sha256": state_digest(fed.state), "update_guard": fed.guard.state_dict(),
+                             UPDATES_TOTAL_KEY: fed.trained_updates, **self.meta()},
+                            metrics=facts)
+            append_metrics(self.metrics_dir, facts)
+        self.transport.recorded(facts, time.perf_counter() - t_ckpt)
+        return facts
+
+    def _scores(self, samples: int | None) -> dict[str, Any]:
+        acc = self.evaluator.accuracy(self.fed.state, samples)
+        self.accuracy = acc
+        n = min(samples or self.evaluator.n, len(self.evaluator.test))
+        return {"accuracy": acc, "worst": min(acc), "avg": round(sum(acc) / len(acc), 4), "eval_samples": n,
+                **self.transport.scores(self.fed.state, samples)}

@@ -1,0 +1,65 @@
+"""`edge-client serve --follow`: the options turned into a running follower (edge_client/follow.py).
+
+Imported only when --follow is given: it brings in paho-mqtt. Every user error (broker URL, key,
+client id, sizes) exits 2 with one line naming the fix, before anything listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from edge_client.follow import FollowConfig, Follower, RuntimeFactory, offline_report, run
+from edge_client.identity import CACHE, PIN_DIR, device_signer, pin_file_for
+from edge_client.runtime import ExternalLoadProbe, Probe
+from edge_client.serving import Serving
+from edge_client.store import Store, StoreError
+from nefl.mqtt import Connection, parse_broker
+from nefl.signing import KeyFileError, public_key_arg
+from nefl.topics import Topics, check_name
+from nefl.units import parse_size
+
+log = logging.getLogger("edge_client.follow")
+console = Console(stderr=True)
+
+
+def start_following(
+    stop: threading.Event, broker: str, federation: str, models: Path | None, server_key: str | None,
+    client_id: str | None, device_key: Path | None, keep_free: str, include_untrained: bool, probe: Probe | None,
+    build: RuntimeFactory, credentials: tuple[str | None, ...], precision: str,
+) -> tuple[Serving, threading.Thread, str]:
+    """Load what the directory holds, connect, and follow in a daemon thread until `stop` is set.
+    Returns the Serving the HTTP server answers from, the thread, and a line saying what serves."""
+    cid = client_id or f"edge-{socket.gethostname()}"
+    try:
+        if precision != "fp32":
+            raise ValueError("--follow rolls out fp32 submodels only: drop --precision int8")
+        check_name("client id", cid)
+        topics = Topics(federation)
+        settings = parse_broker(broker, *credentials)
+        pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
+        if server_key is None and not pin.is_file():
+            raise ValueError("--follow needs the aggregator's public key to check what it rolls out: pass --server-key "
+                             "KEY (`aggregator key --checkpoint-dir DIR` prints it)")
+        cfg = FollowConfig(cid, federation, public_key_arg(server_key or str(pin)), device_signer(cid, device_key),
+                           include_untrained=include_untrained, keep_free_bytes=parse_size(keep_free))
+        store = Store(models or CACHE / "deploy" / federation)
+    except (ValueError, KeyFileError, StoreError, OSError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    memory_probe = probe or ExternalLoadProbe()
+    conn = Connection(settings, f"{cid}-serve", topics.deploy_status(cid), offline_report(cid), log)
+    serving = Serving()
+    follower = Follower(cfg, conn.client, store, serving, build, lambda: memory_probe()[1])
+    with console.status("loading and calibrating the current version..."):
+        follower.load_current()
+    thread = threading.Thread(target=run, args=(follower, conn, stop), name="edge-follow", daemon=True)
+    thread.start()
+    what = (f"v{follower.version}" if follower.version is not None else "nothing yet") + \
+        f" of federation {federation!r} as {cid}, following {settings.url} (models in {store.root})"
+    return serving, thread, what

@@ -1,0 +1,459 @@
+"""Robust aggregation that respects nesting: median, trimmed mean, multi-Krum and FLTrust over exactly
+the updates that cover each element, and a centre check that screens updates for any rule.
+
+In a nested ladder each element of a global tensor is covered by a different subset of the round's
+updates: the corner of submodel 1 by every update, the outer ring of the largest submodel by that
+submodel's updates only. So a coordinate-wise statistic is taken per *cell*: the boxes between the
+channel cuts of the covering submodels, each with its own covering set (`coverage_cells`), and per
+submodel for the inconsistent tensors (BN, steps), which only that submodel's updates carry.
+
+Where coverage is too thin for the statistic to be robust (fewer than `min_cover` updates: a median
+of two is their mean), the step is bounded: each covering update is clipped, on that cell, to
+`max_norm_ratio` times the per-element size of the robust step of the same tensor (or of the round,
+when the tensor has no well-covered cell), then averaged. A round with fewer than `min_cover` updates
+in all has no robust statistic anywhere and is the plain mean. docs/security.md has what each rule
+costs and what still gets through.
+
+These rules hold every update of the round (memory: the sum of the updates' sizes, `held_bytes`), so
+they do not merge partials across processes: with aggregator workers only NeFedAvg runs, screened by
+the centre check in each worker (a two-level scheme: each worker judges its share against the
+centre of what it saw).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from nefl.aggregate import NeFedAvg, RoundAggregate, Weighting, tensor_bytes, update_weight
+from nefl.choices import check_choice
+from nefl.robust import reference_norm, update_norm
+from nefl.state import GlobalState, Layout
+from nefl.tensors import corner
+
+RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
+# the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
+ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
+Cell = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """Which rule merges a round's updates, and the centre check that screens them first."""
+
+    rule: RuleName = "nefedavg"
+    trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
+    krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
+    centre_check: bool = True  # drop updates pointing away from the round's majority, clip outsized ones
+    min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
+    max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
+    min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
+    hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
+    sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
+
+    def __post_init__(self) -> None:
+        check_choice(RuleName, self.rule, "aggregator")
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
+        if not 0 <= self.krum_fraction < 0.5:
+            raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
+        if not 0 <= self.min_agree <= 1:
+            raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
+        if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
+            raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
+        if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
+            raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether partial aggregates of several processes merge exactly (workers and relays)."""
+        return self.rule == "nefedavg"
+
+
+def coverage_cells(global_shape: torch.Size, shapes: list[torch.Size]) -> list[tuple[Cell, list[int]]]:
+    """The boxes of a global tensor that the same updates cover, each with the indices of the corners
+    in `shapes` that contain it. Widths cut only the two channel dims; a box no corner reaches is left
+    out (its elements keep their value)."""
+    dims = min(2, len(global_shape))
+    cuts = [sorted({0, *(s[d] for s in shapes)}) for d in range(dims)]
+    rest = tuple(slice(0, n) for n in global_shape[dims:])
+    cells = []
+    for box in itertools.product(*(zip(c, c[1:]) for c in cuts)):
+        covering = [i for i, s in enumerate(shapes) if all(s[d] >= hi for d, (_, hi) in enumerate(box))]
+        if covering:
+            cells.append((tuple(slice(lo, hi) for lo, hi in box) + rest, covering))
+    return cells
+
+
+def shared_core(layout: Layout, submodels: Iterable[int]) -> dict[str, Cell]:
+    """The consistent tensors every one of these submodels uploads, each cut to the corner all of them
+    hold: where their updates can be compared element by element."""
+    ks = sorted(set(submodels))
+    if not ks:
+        return {}
+    shapes = [layout.upload_shapes(k) for k in ks]
+    names = set.intersection(*({n for n in s if n not in layout.inconsistent} for s in shapes))
+    return {n: corner(tuple(min(s[n][d] for s in shapes) for d in range(len(shapes[0][n])))) for n in sorted(names)}
+
+
+class Sketch:
+    """A fixed random subset of the shared core's elements: cosines and distances between updates at a
+    cost independent of the model's size (a few thousand elements estimate them to about 1/sqrt(n))."""
+
+    def __init__(self, core: dict[str, Cell], size: int, seed: int) -> None:
+        self.core = core
+        total = sum(math.prod(s.stop for s in cell) for cell in core.values())
+        gen = torch.Generator().manual_seed(seed)
+        self.index = torch.randperm(total, generator=gen)[:size].sort().values if total > size else None
+        self.size = min(total, size)
+
+    def __call__(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not self.core:
+            return torch.zeros(0)
+        flat = torch.cat([delta[n][cell].reshape(-1).to(torch.float32) for n, cell in self.core.items()])
+        return flat if self.index is None else flat[self.index]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    return float(torch.dot(a, b)) / (na * nb) if na > 0 and nb > 0 else 0.0
+
+
+def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
+    """Element-wise median over dim 0, the mean of the two middle values for an even count."""
+    s = stack.sort(dim=0).values
+    n = s.shape[0]
+    return (s[(n - 1) // 2] + s[n // 2]) / 2
+
+
+def trimmed_mean(stack: torch.Tensor, trim: float) -> torch.Tensor:
+    """Element-wise mean over dim 0 after cutting floor(trim * n) values at each end."""
+    n = stack.shape[0]
+    cut = min(int(trim * n), (n - 1) // 2)
+    return stack.sort(dim=0).values[cut:n - cut].mean(0)
+
+
+class Held(NamedTuple):
+    client: str
+    k: int
+    delta: dict[str, torch.Tensor]
+    samples: int
+
+
+class Buffered(RoundAggregate):
+    """Holds the round's updates (float32) until finalize: what every robust statistic needs."""
+
+    def __init__(self, layout: Layout, weighting: Weighting, cfg: AggregationConfig) -> None:
+        super().__init__(layout, weighting)
+        self.cfg = cfg
+        self.held: list[Held] = []
+
+    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
+                      owned: bool = False) -> None:
+        self._check_open()
+        update_weight(self.weighting, num_samples)  # the same refusal of a bad count as NeFedAvg's
+        kept = {n: t.to(torch.float32, copy=not owned) for n, t in delta.items()}
+        self.held.append(Held(client, k, kept, num_samples))
+        self.updates[k] += 1
+
+    @property
+    def held_bytes(self) -> int:
+        return tensor_bytes(t for h in self.held for t in h.delta.values())
+
+    def finalize(self, state: GlobalState) -> GlobalState:
+        self._check_open()
+        new = self._aggregate(state)
+        self._finalized = True
+        self.held = []
+        return new
+
+    def _aggregate(self, state: GlobalState) -> GlobalState:
+        raise NotImplementedError
+
+    def _nefedavg(self, state: GlobalState, kept: Iterable[tuple[Held, float]]) -> GlobalState:
+        """NeFedAvg over the updates a filter kept, each with its weight (its own under `samples` weighting
+        times the filter's)."""
+        agg = NeFedAvg(self.layout, self.weighting)
+        for h, weight in kept:
+            agg.add_weighted(h.k, h.delta, weight * update_weight(self.weighting, h.samples), owned=True)
+        return agg.finalize(state)
+
+
+class CoordinateWise(Buffered):
+    """Median or trimmed mean per element over the updates covering it, with bounded steps where thin."""
+
+    def __init__(self, layout: Layout, weighting: Weighting, cfg: AggregationConfig, name: str,
+                 stat: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(layout, weighting, cfg)
+        self.name = name
+        self._stat = stat
+
+    def _aggregate(self, state: GlobalState) -> GlobalState:
+        robust = sum(self.updates) >= self.cfg.min_cover
+        thin: list[tuple[torch.Tensor, Cell, list[torch.Tensor], str]] = []
+        scale: dict[str, tuple[float, int]] = {}  # tensor -> (sum of squares, elements) of its robust steps
+        consistent = {}
+        for name, old in state.consistent.items():
+            ups = [h.delta[name] for h in self.held if name in h.delta]
+            consistent[name] = out = old.clone()
+            for cell, covering in coverage_cells(old.shape, [u.shape for u in ups]):
+                self._cell(out, cell, [ups[i][cell] for i in covering], name, robust, thin, scale)
+        inconsistent = []
+        for k, old_k in enumerate(state.inconsistent):
+            own = {n: t.clone() for n, t in old_k.items()}
+            inconsistent.append(own)
+            mine = [h.delta for h in self.held if h.k == k]
+            for name in old_k:
+                if mine:
+                    self._cell(own[name], corner(own[name].shape), [d[name] for d in mine], name, robust, thin, scale)
+        self._bounded_steps(thin, scale)
+        return GlobalState(consistent, inconsistent)
+
+    def _cell(self, out: torch.Tensor, cell: Cell, slices: list[torch.Tensor], name: str, robust: bool,
+              thin: list, scale: dict[str, tuple[float, int]]) -> None:
+        if not robust:  # too few updates in the whole round: nothing can be robust, take their mean
+            out[cell] += torch.stack(slices).mean(0).to(out.dtype)
+        elif len(slices) < self.cfg.min_cover:
+            thin.append((out, cell, slices, name))
+        else:
+            step = self._stat(torch.stack(slices))
+            out[cell] += step.to(out.dtype)
+            sq, n = scale.get(name, (0.0, 0))
+            scale[name] = (sq + float(step.double().square().sum()), n + step.numel())
+
+    def _bounded_steps(self, thin: list, scale: dict[str, tuple[float, int]]) -> None:
+        """Thin cells: each covering update clipped to max_norm_ratio x the robust per-element step of its
+        tensor (of the round, when the tensor has none), then averaged."""
+        sq, n = (sum(v) for v in zip(*scale.values())) if scale else (0.0, 0)
+        everywhere = math.sqrt(sq / n) if n else 0.0
+        for out, cell, slices, name in thin:
+            tsq, tn = scale.get(name, (0.0, 0))
+            rms = math.sqrt(tsq / tn) if tn else everywhere
+            limit = self.cfg.max_norm_ratio * rms * math.sqrt(slices[0].numel())
+            clipped = [s * min(1.0, limit / norm) if (norm := float(torch.linalg.vector_norm(s))) > 0 else s
+                       for s in slices]
+            out[cell] += torch.stack(clipped).mean(0).to(out.dtype)
+
+
+class MultiKrum(Buffered):
+    """Multi-Krum (Blanchard et al. 2017) on the shared core: keep the n - f updates whose nearest
+    n - f - 2 neighbours are closest, then NeFedAvg over them; f = krum_fraction of the round, capped at
+    (n - 3) / 2, the most Krum can tell apart."""
+
+    name = "krum"
+
+    def __init__(self, layout: Layout, weighting: Weighting, cfg: AggregationConfig, seed: int) -> None:
+        super().__init__(layout, weighting, cfg)
+        self.seed = seed
+
+    def _aggregate(self, state: GlobalState) -> GlobalState:
+        n = len(self.held)
+        f = min(int(self.cfg.krum_fraction * n), max(0, (n - 3) // 2))
+        if f == 0:
+            return self._nefedavg(state, ((h, 1.0) for h in self.held))
+        sketch = Sketch(shared_core(self.layout, (h.k for h in self.held)), self.cfg.sketch, self.seed)
+        points = torch.stack([sketch(h.delta) for h in self.held])
+        dist = torch.cdist(points, points).square()
+        scores = dist.sort(dim=1).values[:, 1:n - f - 1].sum(1)  # column 0 is the distance to itself
+        keep = set(scores.argsort()[:n - f].tolist())
+        self.dropped = {h.client: "krum" for i, h in enumerate(self.held) if i not in keep}
+        return self._nefedavg(state, ((h, 1.0) for i, h in enumerate(self.held) if i in keep))
+
+
+class FLTrust(Buffered):
+    """FLTrust (Cao et al. 2021) per submodel: the server trains each submodel on its own small root set;
+    an update's trust is ReLU(cosine to that root update of the same submodel), its norm is scaled to the
+    root update's, and NeFedAvg weights it by its trust. Every update is judged on its whole submodel, so
+    thin coverage does not weaken it; elements only zero-trust updates cover keep their value."""
+
+    name = "fltrust"
+
+    def __init__(self, layout: Layout, weighting: Weighting, cfg: AggregationConfig, reference: ReferenceUpdate,
+                 index: int) -> None:
+        super().__init__(layout, weighting, cfg)
+        self.reference, self.index = reference, index
+        self.trust: dict[str, float] = {}
+
+    def _aggregate(self, state: GlobalState) -> GlobalState:
+        kept = []
+        for k in sorted({h.k for h in self.held}):
+            root = self.reference(state, k, self.index)
+            root_norm = update_norm(root)
+            names = sorted(root)
+            r = torch.cat([root[n].reshape(-1) for n in names])
+            for h in (h for h in self.held if h.k == k):
+                d = torch.cat([h.delta[n].reshape(-1) for n in names])
+                trust = max(0.0, cosine(d, r))
+                self.trust[h.client] = round(trust, 4)
+                norm = float(torch.linalg.vector_norm(d))
+                if trust <= 0 or norm == 0:
+                    self.dropped[h.client] = "zero_trust"
+                    continue
+                scaled = {n: t.mul_(root_norm / norm) for n, t in h.delta.items()}
+                kept.append((Held(h.client, k, scaled, h.samples), trust))
+        return self._nefedavg(state, kept)
+
+    def facts(self) -> dict[str, Any]:
+        return {**super().facts(), **({"trust": dict(sorted(self.trust.items()))} if self.trust else {})}
+
+
+class Screened(RoundAggregate):
+    """The centre check in front of any rule: a majority vote on direction, and a bound on size.
+
+    Each update is reduced to its relative norm (to its submodel's weight norm) and a sketch of the
+    round's shared core. An update must point the same way (a positive cosine) as at least `min_agree`
+    of the round's other updates, or it is dropped: with fewer than half of the updates hostile, an
+    honest update agrees with the honest majority and a flipped or foreign one does not, whatever its
+    size (a median centre of three sketches, one of them 9x the others, follows the large one where the
+    two honest ones differ). The vote acts only while at least half of the updates reach `min_agree`:
+    honest updates can point apart, and then no update is dropped for its direction. One larger than `max_norm_ratio` x the round's median relative norm is
+    clipped to that. The first `hold` updates are judged together, later ones on arrival against the
+    `compare` most recent (streaming: memory is `hold` updates plus one sketch per update). With fewer
+    than `min_cover` updates in the round there is no majority and nothing is screened."""
+
+    compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
+
+    def __init__(self, inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
+                 assignments: Mapping[str, int], seed: int) -> None:
+        super().__init__(inner.layout, inner.weighting)
+        self.inner, self.cfg, self.weight_norm = inner, cfg, weight_norm
+        self.name = inner.name
+        self.mergeable = inner.mergeable
+        self.hold = max(1, min(cfg.hold, len(assignments)))
+        self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
+        self.sketches: list[torch.Tensor] = []
+        self.ratios: list[float] = []
+        self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
+        self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
+        self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
+        self.judged = self.agreed = 0  # updates voted on, and those that reached `min_agree`
+
+    def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
+                      owned: bool = False) -> None:
+        self._check_open()
+        update_weight(self.weighting, num_samples)
+        delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
+        ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
+        self.sketches.append(self.sketch(delta))
+        self.ratios.append(ratio)
+        self.updates[k] += 1
+        self.pending.append((Held(client, k, delta, num_samples), len(self.sketches) - 1, ratio))
+        if len(self.sketches) >= self.hold:
+            self._judge_pending()
+
+    def agrees(self, i: int) -> float:
+        """The share of the other sketches (the `compare` most recent) with a positive dot product with sketch i."""
+        lo = max(0, len(self.sketches) - self.compare - 1)
+        others = [self.sketches[j] for j in range(lo, len(self.sketches)) if j != i][-self.compare:]
+        return float(((torch.stack(others) @ self.sketches[i]) > 0).float().mean())
+
+    def _outvoted(self, pending: list[tuple[Held, int, float]]) -> set[int]:
+        """Sketch indices to drop: those short of `min_agree`, but only while at least half of the round's
+        updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
+        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the
+        size bound alone applies."""
+        if len(self.sketches) < self.cfg.min_cover or not self.sketch.size:
+            return set()
+        short = set()
+        for h, i, _ in pending:
+            share = self.agreement[h.client] = round(self.agrees(i), 4)
+            if share < self.cfg.min_agree:
+                short.add(i)
+        self.judged += len(pending)
+        self.agreed += len(pending) - len(short)
+        return short if 2 * self.agreed >= self.judged else set()
+
+    def _judge_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        outvoted = self._outvoted(pending)
+        median_ratio = float(torch.tensor(self.ratios).median()) if len(self.ratios) >= self.cfg.min_cover else math.inf
+        for h, i, ratio in pending:
+            if i in outvoted:
+                self.dropped[h.client] = "against_centre"
+                continue
+            delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
+            if ratio > limit:
+                self.clipped[h.client] = factor = limit / ratio
+                delta = {n: t.mul_(factor) for n, t in delta.items()}
+            self.inner.add_validated(h.k, delta, h.samples, client=h.client, owned=True)
+
+    def merge(self, other: RoundAggregate) -> None:
+        self._judge_pending()
+        self.inner.merge(other.inner if isinstance(other, Screened) else other)
+        self.updates = [a + b for a, b in zip(self.updates, other.updates)]
+
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        self._judge_pending()
+        self.inner.add_noise(std, generator)
+
+    def partial(self) -> NeFedAvg:
+        """Judge what is still held, then the inner rule's sums (a worker ships them)."""
+        self._judge_pending()
+        return self.inner.partial()
+
+    @property
+    def held_bytes(self) -> int:
+        return (self.inner.held_bytes + tensor_bytes(t for h, _, _ in self.pending for t in h.delta.values())
+                + tensor_bytes(self.sketches))
+
+    def finalize(self, state: GlobalState) -> GlobalState:
+        self._check_open()
+        self._judge_pending()
+        new = self.inner.finalize(state)
+        self.dropped = {**self.dropped, **self.inner.dropped}
+        self._finalized = True
+        return new
+
+    def facts(self) -> dict[str, Any]:
+        clipped = {c: round(f, 4) for c, f in sorted(self.clipped.items())}
+        return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
+                **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {})}
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """The Aggregator (nefl/aggregate.py) of a config: begins each round's aggregate, screened when asked."""
+
+    layout: Layout
+    cfg: AggregationConfig
+    weighting: Weighting = "uniform"
+    reference: ReferenceUpdate | None = None  # FLTrust's root updates
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cfg.rule == "fltrust" and self.reference is None:
+            raise ValueError("--aggregator fltrust needs root data on the server: give --root-data DATASET "
+                             "(or --eval-dataset, whose test split it uses by default)")
+
+    @property
+    def name(self) -> str:
+        return self.cfg.rule
+
+    @property
+    def mergeable(self) -> bool:
+        return self.cfg.mergeable
+
+    def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
+                    weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
+        seed = self.seed * 1_000_003 + index
+        inner = self._rule(seed, index)
+        if not self.cfg.centre_check:
+            return inner
+        return Screened(inner, self.cfg, weight_norm or (lambda k: reference_norm(state, self.layout, k)), assignments, seed)
+
+    def _rule(self, seed: int, index: int) -> RoundAggregate:
+        c, layout, w = self.cfg, self.layout, self.weighting
+        if c.rule == "nefedavg":
+            return NeFedAvg(layout, w)
+        if c.rule == "median":
+            return CoordinateWise(layout, w, c, "median", coordinate_median)
+        if c.rule == "trimmed-mean":
+            return CoordinateWise(layout, w, c, "trimmed-mean", lambda x: trimmed_mean(x, c.trim))
+        if c.rule == "krum":
+            return MultiKrum(layout, w, c, seed)
+        return FLTrust(layout, w, c, self.reference, index)

@@ -1,0 +1,292 @@
+"""Robust rules over nested submodels (nefl/robust_aggregate.py) against element-by-element brute force,
+the centre check, and the aggregation seam: every rule is begun, fed and finalized the same way."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nefl.aggregate import NeFedAvg
+from nefl.robust_aggregate import (AggregationConfig, AggregationRule, Screened, coordinate_median, coverage_cells,
+                                   shared_core, trimmed_mean)
+from nefl.state import GlobalState, Layout
+from tests.helpers import random_ladder, tiny_profile
+from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates
+
+NO_CHECK = AggregationConfig(centre_check=False)
+
+
+def begin(layout: Layout, state: GlobalState, cfg: AggregationConfig, assignments=None, reference=None):
+    rule = AggregationRule(layout, cfg, reference=reference)
+    return rule.begin_round(state, assignments or {"x": 0}, 1)
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=5))
+def test_cells_partition_the_covered_elements_with_their_exact_covering_sets(corners) -> None:
+    shape = torch.Size((6, 6, 3))
+    shapes = [torch.Size((a, b, 3)) for a, b in corners]
+    hits = torch.zeros(shape, dtype=torch.int64)
+    for cell, covering in coverage_cells(shape, shapes):
+        hits[cell] += 1
+        region = torch.zeros(shape, dtype=torch.bool)
+        region[cell] = True
+        for i, s in enumerate(shapes):  # a corner covers the whole cell or none of it, and is listed iff it does
+            inside = region[:s[0], :s[1]].sum() == region.sum()
+            assert inside == (i in covering)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for s in shapes:
+        covered[:s[0], :s[1]] = True
+    assert torch.equal(hits, covered.long())
+
+
+def covering(layout: Layout, ups, name: str, idx: tuple[int, ...]) -> list[float]:
+    return [float(d[name][idx]) for k, d, _ in ups
+            if name in layout.upload_shapes(k) and all(i < n for i, n in zip(idx, layout.upload_shapes(k)[name]))]
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
+@pytest.mark.parametrize("seed", range(4))
+def test_coordinate_rules_match_brute_force_where_coverage_is_robust(rule: str, seed: int) -> None:
+    rng = random.Random(seed)
+    layout = Layout.build(random_ladder(rng, n=4))
+    state = GlobalState.init(layout, seed=seed)
+    ups = random_updates(layout, [rng.randint(1, 4) for _ in range(4)], torch.Generator().manual_seed(seed))
+    cfg = AggregationConfig(rule=rule, trim=0.25, centre_check=False)
+    agg = begin(layout, state, cfg)
+    for k, d, ns in ups:
+        agg.add(k, d, ns)
+    new = agg.finalize(state)
+
+    def stat(values: list[float]) -> float:
+        v = sorted(values)
+        if rule == "median":
+            return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
+        cut = min(int(0.25 * len(v)), (len(v) - 1) // 2)
+        return sum(v[cut:len(v) - cut]) / (len(v) - 2 * cut)
+
+    checked = 0
+    for name, old in state.consistent.items():
+        for idx in itertools.product(*(range(n) for n in old.shape)):
+            values = covering(layout, ups, name, idx)
+            if len(values) >= cfg.min_cover:
+                assert math.isclose(float(new.consistent[name][idx]), float(old[idx]) + stat(values), abs_tol=1e-5)
+                checked += 1
+            elif not values:
+                assert float(new.consistent[name][idx]) == float(old[idx])  # uncovered: untouched
+    assert checked > 0
+
+
+def test_thin_coverage_takes_a_bounded_step() -> None:
+    """Submodel 2's outer ring is covered by one update only: a huge value there moves it by at most
+    max_norm_ratio x the robust per-element step of the same tensor, not by the attacker's size."""
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    cfg = AggregationConfig(rule="median", centre_check=False)
+    agg = begin(layout, state, cfg)
+    small = {n: torch.full(s, 0.01) for n, s in layout.upload_shapes(0).items()}
+    for _ in range(3):
+        agg.add(0, small)
+    agg.add(1, {n: torch.full(s, 1e3) for n, s in layout.upload_shapes(1).items()})
+    new = agg.finalize(state)
+    name = "stages.1.0.conv1.weight"
+    inner = layout.upload_shapes(0)[name]
+    step = new.consistent[name] - state.consistent[name]
+    ring = step.clone()
+    ring[:inner[0], :inner[1]] = 0
+    robust_rms = 0.01  # the 4 covering updates' median in the inner corner
+    limit = cfg.max_norm_ratio * robust_rms * math.sqrt(ring.numel())  # the ring's cells together, loosely
+    assert 0 < float(ring.norm()) <= limit * 1.01
+    assert torch.allclose(step[:inner[0], :inner[1]], torch.tensor(0.01))  # median of 0.01, 0.01, 0.01, 1e3
+
+
+def test_a_round_too_small_for_robustness_is_the_plain_mean() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    ups = random_updates(layout, [2], torch.Generator().manual_seed(0))
+    agg = begin(layout, state, AggregationConfig(rule="median", centre_check=False))
+    for k, d, ns in ups:
+        agg.add(k, d, ns)
+    assert_state_close(agg.finalize(state), brute_force(layout, state, ups, "uniform"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nefedavg_through_the_seam_is_exact(seed: int) -> None:
+    """The default rule without the centre check is NeFedAvg, bit for bit, begun by the rule."""
+    rng = random.Random(seed)
+    layout = Layout.build(random_ladder(rng, n=4))
+    state = GlobalState.init(layout, seed=seed)
+    ups = random_updates(layout, [rng.randint(0, 3) for _ in range(4)], torch.Generator().manual_seed(seed))
+    agg = begin(layout, state, NO_CHECK)
+    assert isinstance(agg, NeFedAvg) and agg.mergeable
+    for k, d, ns in ups:
+        agg.add(k, d, ns)
+    assert_state_close(agg.finalize(state), brute_force(layout, state, ups, "uniform"))
+
+
+def honest_and_hostile(layout: Layout, k: int, n: int, seed: int, noise: float = 0.5):
+    """n honest deltas around one direction (devices training one model agree on a descent direction)."""
+    g = torch.Generator().manual_seed(seed)
+    base = {name: torch.randn(s, generator=g) for name, s in layout.upload_shapes(k).items()}
+    return [{name: t + noise * torch.randn(t.shape, generator=g) for name, t in base.items()} for _ in range(n)], base
+
+
+def test_krum_drops_the_update_far_from_the_rest() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    honest, base = honest_and_hostile(layout, 0, 6, seed=1)
+    agg = begin(layout, state, AggregationConfig(rule="krum", centre_check=False))
+    for i, d in enumerate(honest):
+        agg.add(0, d, client=f"h{i}")
+    agg.add(0, {n: -5 * t for n, t in base.items()}, client="evil")
+    new = agg.finalize(state)
+    assert agg.dropped["evil"] == "krum" and len(agg.dropped) <= 2
+    moved = sum(float((new.consistent[n] - state.consistent[n]).flatten() @ base[n].flatten()) for n in state.consistent)
+    assert moved > 0  # the step still follows the honest direction
+
+
+def test_fltrust_trusts_by_cosine_to_the_root_update_of_the_same_submodel() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    honest, base = honest_and_hostile(layout, 1, 2, seed=2, noise=0.1)
+    root = {n: 0.5 * t for n, t in base.items()}
+    calls = []
+
+    def reference(s: GlobalState, k: int, index: int) -> dict[str, torch.Tensor]:
+        calls.append((k, index))
+        return {n: t.clone() for n, t in root.items()}
+
+    agg = begin(layout, state, AggregationConfig(rule="fltrust", centre_check=False), reference=reference)
+    agg.add(1, honest[0], client="a")
+    agg.add(1, {n: -3 * t for n, t in base.items()}, client="evil")
+    new = agg.finalize(state)
+    assert calls == [(1, 1)] and agg.dropped == {"evil": "zero_trust"} and 0.9 < agg.trust["a"] <= 1
+    # the one trusted update, rescaled to the root update's norm, is the whole step
+    norm = lambda d: math.sqrt(sum(float(t.square().sum()) for t in d.values()))  # noqa: E731
+    scale = norm(root) / norm(honest[0])
+    for n in layout.upload_shapes(1):
+        if n in layout.inconsistent:
+            torch.testing.assert_close(new.inconsistent[1][n], state.inconsistent[1][n] + honest[0][n] * scale)
+
+
+@pytest.mark.parametrize("arrival", ["attacker_first", "attacker_last"])
+def test_centre_check_drops_a_flipped_update_and_clips_an_outsized_one(arrival: str) -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    honest, base = honest_and_hostile(layout, 1, 8, seed=3)
+    cfg = AggregationConfig(hold=4)  # four judged together, the rest one by one
+    assignments = {f"h{i}": 1 for i in range(8)} | {"flip": 1, "big": 1}
+    agg = AggregationRule(layout, cfg).begin_round(state, assignments, 1)
+    assert isinstance(agg, Screened)
+    hostile = [("flip", {n: -9 * t for n, t in base.items()}), ("big", {n: 30 * t for n, t in base.items()})]
+    sends = [(f"h{i}", d) for i, d in enumerate(honest)]
+    sends = hostile + sends if arrival == "attacker_first" else sends + hostile
+    for c, d in sends:
+        agg.add(1, d, client=c)
+    agg.finalize(state)
+    assert agg.dropped == {"flip": "against_centre"}
+    assert set(agg.clipped) == {"big"} and agg.clipped["big"] < 0.2
+    assert all(agg.agreement[f"h{i}"] > 0.5 for i in range(8)) and agg.agreement["flip"] <= 0.2
+
+
+def test_centre_check_passes_everything_when_too_few_updates_for_a_centre() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    honest, base = honest_and_hostile(layout, 0, 1, seed=4)
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0}, 1)
+    agg.add(0, honest[0], client="a")
+    agg.add(0, {n: -t for n, t in base.items()}, client="b")
+    agg.finalize(state)
+    assert agg.dropped == {}
+
+
+def test_a_screened_worker_ships_the_sums_of_what_it_kept() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    honest, base = honest_and_hostile(layout, 0, 4, seed=5)
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {f"c{i}": 0 for i in range(5)}, 1)
+    for i, d in enumerate(honest):
+        agg.add(0, d, client=f"c{i}")
+    agg.add(0, {n: -9 * t for n, t in base.items()}, client="c4")
+    sums = agg.partial()
+    want = NeFedAvg(layout)
+    for d in honest:
+        want.add(0, d)
+    assert sums.updates == [4] and agg.dropped == {"c4": "against_centre"}
+    assert all(torch.allclose(sums.groups[0][n], want.groups[0][n]) for n in want.groups[0])
+
+
+def test_non_mergeable_rules_refuse_partials_and_dp() -> None:
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    agg = begin(layout, state, AggregationConfig(rule="median", centre_check=False))
+    with pytest.raises(ValueError, match="cannot merge partial aggregates"):
+        agg.merge(NeFedAvg(layout))
+    with pytest.raises(ValueError, match="DP noise"):
+        agg.add_noise(0.1, torch.Generator())
+    with pytest.raises(ValueError, match="--root-data"):
+        AggregationRule(layout, AggregationConfig(rule="fltrust"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 9), st.floats(0, 0.45))
+def test_statistics_match_sorted_definitions(n: int, trim: float) -> None:
+    x = torch.randn(n, 3, generator=torch.Generator().manual_seed(n))
+    s = x.sort(0).values
+    assert torch.allclose(coordinate_median(x), (s[(n - 1) // 2] + s[n // 2]) / 2)
+    cut = min(int(trim * n), (n - 1) // 2)
+    assert torch.allclose(trimmed_mean(x, trim), s[cut:n - cut].mean(0))
+
+
+def test_shared_core_is_the_corner_every_assigned_submodel_holds() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, ((1.0, 0.0), (1.0, 1.0))), (1.0, 1.0, FULL)]))
+    core = shared_core(layout, [0, 1])
+    assert "stages.0.1.conv1.weight" not in core  # submodel 1 skips that block
+    name = "stages.1.0.conv1.weight"
+    assert core[name] == tuple(slice(0, n) for n in layout.upload_shapes(0)[name])
+    assert all(n not in layout.inconsistent for n in core)
+
+
+def test_a_big_flipped_update_among_three_is_outvoted_not_followed() -> None:
+    """Three updates, one hostile at 9x: a median centre of three sketches follows the big one wherever the two
+    honest ones differ (the e2e attack slipped through that way); the majority vote on direction does not."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    dropped = 0
+    for seed in range(20):
+        honest, _ = honest_and_hostile(layout, 0, 3, seed=100 + seed, noise=2.0)  # pairwise cosine about 0.2
+        agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+        agg.add(0, honest[0], client="a")
+        agg.add(0, honest[1], client="b")
+        agg.add(0, {n: -9 * t for n, t in honest[2].items()}, client="evil")
+        agg.finalize(state)
+        assert not {"a", "b"} & set(agg.dropped)
+        dropped += agg.dropped.get("evil") == "against_centre"
+    assert dropped >= 19
+
+
+def test_when_no_update_has_a_majority_none_is_dropped_for_its_direction() -> None:
+    """Honest updates can point apart (pairwise negative: non-IID shards, submodels of different size): then
+    nobody agrees with half of the others, the vote has nothing to go by (the e2e run dropped an honest update
+    that way), and only the size bound applies."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    e1, e2 = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(2))
+    # a and b point apart (cosine about -0.1); evil is -9 x their sum, which both of them agree with
+    a = e1
+    b = {n: e2[n] - 0.1 * e1[n] for n in e1}
+    shared = {n: a[n] + b[n] for n in e1}
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg.add(0, a, client="a")
+    agg.add(0, b, client="b")
+    agg.add(0, {n: -9 * t for n, t in shared.items()}, client="evil")
+    agg.finalize(state)
+    assert agg.facts()["agreement"] == {"a": 0.0, "b": 0.0, "evil": 0.0}
+    assert agg.dropped == {}
+    assert set(agg.facts()["clipped_to_centre"]) == {"evil"}
