@@ -2,15 +2,17 @@
 writes docs/fedjigsaw.md's generated section and docs/img/fedjigsaw-curves.png.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_fedjigsaw.py [--quick] [--jobs 2] [--seeds 3] [--rounds 40]
-        [--policy-rounds 20] [--samples 300] [--out DIR] [--note TEXT]
+        [--policy-rounds 20] [--samples 300] [--test-samples 300] [--proxy-samples 160] [--eval-every 4] [--out DIR]
+        [--note TEXT] [--render]
 
 The sweep: Dirichlet(1.0) ("low non-IID") and Dirichlet(0.1) ("high non-IID") x the six methods of `aggregator
 jigsaw` x the seeds; 10 clients whose base architectures follow from their memory budgets, all active every round,
 as the paper's protocol, scaled to 2 cores: the methods with a policy first run the policy phase on the proxy task
 (--policy-rounds, the critic's values counting after its warm-up), then every method trains --rounds rounds on its task
-shard (300 images per client, 10% of them the reward's validation split), scored on 300 local test images per
-client drawn with its own label distribution, every 4 rounds. Resumable: every finished run is
-<out>/<setting>/<method>-seed<S>.json and is skipped when present. Also measures the decision overhead (the
+shard (--samples images per client, 10% of them the reward's validation split), scored on --test-samples local test
+images per client drawn with its own label distribution, every --eval-every rounds. Resumable: every finished run is
+<out>/<setting>/<method>-seed<S>.json (<out> named after the budget) and is skipped when present; --render writes
+the doc from the runs finished so far. Also measures the decision overhead (the
 paper's Table 2) in fresh processes: `_overhead client` (one client's policy: execute with the switching rule, and
 a policy-phase assemble + REINFORCE update) and `_overhead server` (CoRe-Tune's step for 10 clients).
 --quick: 2 + 2 rounds, 60 images per client, one seed, Dir(1.0) only, into runs/bench-fedjigsaw-quick.
@@ -39,7 +41,7 @@ import torch
 from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
 from nefl.fsio import atomic_write_text
 from nefl.jigsaw.methods import METHODS, JigsawMethod
-from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from provenance import commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "fedjigsaw.md"
@@ -323,16 +325,18 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f}"
 
 
-def report(results: list[dict], overheads: list[dict], budget: Budget, seeds: int, command: str, wall: float,
-           img: Path, img_link: str, note: str) -> str:
+def report(results: list[dict], overheads: list[dict], budget: Budget, planned: int, command: str,
+           img: Path, img_link: str, note: str) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         groups.setdefault((r["setting"], r["method"]), []).append(r)
     plot(groups, img)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [START, "", f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), "
-             f"commit {commit_label()}; sweep wall time {wall / 60:.0f} min.",
-             f"Budget: {budget.clients} clients, {seeds} seeds; the methods with a policy first run {budget.policy_rounds} "
+    seeds = sorted({r["seed"] for r in results})
+    lines = ["", f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), "
+             f"commit {commit_label()}; {len(results)} of {planned} planned runs finished, "
+             f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.",
+             f"Budget: {budget.clients} clients, seeds {', '.join(map(str, seeds))}; the methods with a policy first run {budget.policy_rounds} "
              f"policy-phase rounds on the proxy task ({budget.proxy_samples} rotated images per client; the critic's "
              f"values drive the advantages after {budget.critic_warmup}), then every method trains {budget.rounds} rounds "
              f"on {budget.samples_per_client} task images per client (modules freshly initialised), scored every "
@@ -415,16 +419,7 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, seeds: in
         pt = groups.get((setting, "pt-heterofl"))
         if pt and pt[0]["widths"]:
             lines.append(f"\nHeteroFL / FedRolex (PT) widths of CNN-6 per client from the same budgets: {pt[0]['widths']}.")
-    lines += ["", END]
-    return "\n".join(lines)
-
-
-def write_section(doc: Path, text: str) -> None:
-    old = doc.read_text() if doc.exists() else f"{START}\n{END}\n"
-    if START not in old or END not in old:
-        raise SystemExit(f"{doc} lacks the {START} / {END} markers")
-    head, rest = old.split(START, 1)
-    atomic_write_text(doc, head + text + rest.split(END, 1)[1])
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -437,7 +432,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=Budget.rounds)
     ap.add_argument("--policy-rounds", type=int, default=Budget.policy_rounds)
-    ap.add_argument("--samples", type=int, default=Budget.samples_per_client)
+    ap.add_argument("--samples", type=int, default=Budget.samples_per_client, help="Task images per client (10% validation).")
+    ap.add_argument("--test-samples", type=int, default=Budget.test_per_client, help="Local test images per client.")
+    ap.add_argument("--proxy-samples", type=int, default=Budget.proxy_samples, help="Proxy-task images per client.")
+    ap.add_argument("--eval-every", type=int, default=Budget.eval_every, help="Model-training rounds between evaluations.")
+    ap.add_argument("--render", action="store_true",
+                    help="Write the doc from this budget's finished runs only (a sweep still running, or one cut short).")
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default="2 cores shared with other engineers' work", help="How the machine was used.")
     args = ap.parse_args()
@@ -448,14 +448,19 @@ def main() -> None:
         out, doc, img = ROOT / (args.out or "runs/bench-fedjigsaw-quick"), None, None
     else:
         budget = Budget(rounds=args.rounds, policy_rounds=args.policy_rounds, critic_warmup=min(Budget.critic_warmup, args.policy_rounds),
-                        samples_per_client=args.samples)
+                        samples_per_client=args.samples, test_per_client=args.test_samples, proxy_samples=args.proxy_samples,
+                        eval_every=args.eval_every)
         seeds, settings = args.seeds, list(SETTINGS)
         # one directory per budget: a finished run is reused only by a sweep of the same budget
-        out = ROOT / (args.out or f"runs/bench-fedjigsaw-p{budget.policy_rounds}-r{budget.rounds}-n{budget.samples_per_client}")
+        out = ROOT / (args.out or f"runs/bench-fedjigsaw-p{budget.policy_rounds}-r{budget.rounds}-n{budget.samples_per_client}"
+                              f"-t{budget.test_per_client}-q{budget.proxy_samples}-e{budget.eval_every}")
         doc, img = DOC, ROOT / "docs" / "img" / "fedjigsaw-curves.png"
     jobs = [Job(s, m, seed, str(out / s / f"{m}-seed{seed}.json"), budget) for seed in range(seeds) for s in settings for m in METHODS]
-    t0 = time.perf_counter()
-    results = run_sweep(jobs, args.jobs, budget)
+    if args.render:
+        results = [r for j in jobs if (r := load_result(Path(j.path), budget))]
+        print(f"{len(results)} of {len(jobs)} runs finished")
+    else:
+        results = run_sweep(jobs, args.jobs, budget)
     overheads = measure_overheads()
     command = "benchmarks/bench_fedjigsaw.py" if sys.argv[1:] else "make bench-fedjigsaw"
     if doc is None:
@@ -463,10 +468,9 @@ def main() -> None:
         link = "fedjigsaw-curves.png"
     else:
         link = "img/fedjigsaw-curves.png"
-    text = report(results, overheads, budget, seeds, command + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""),
-                  time.perf_counter() - t0, img, link, args.note)
-    write_section(doc, text)
-    print(f"wrote {doc}")
+    lines = report(results, overheads, budget, len(jobs), command + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""),
+                   img, link, args.note)
+    write_section(doc, START, END, lines)
 
 
 if __name__ == "__main__":
