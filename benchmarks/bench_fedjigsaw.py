@@ -315,6 +315,35 @@ def _groups(groups: dict, keep: Callable[[JigsawMethod], bool]) -> Iterator[tupl
                 yield setting, method, groups[(setting, method)]
 
 
+def sharing_effect(groups: dict) -> list[str]:
+    """Where module sharing helps or hurts: each client's accuracy minus its own accuracy under local-only (same
+    seed, same data, same base), split by whether its final chain borrows blocks, and for chains with a block
+    that another client trains too (whose copy Eq. 2 averages with its own)."""
+    lines = ["| setting | method | clients | own blocks only: n, vs local-only | with borrowed blocks: n, vs local-only "
+             "| a block co-trained with another client: n, vs local-only |", "|---|---|---|---|---|---|"]
+    for setting, method, runs in _groups(groups, lambda m: m.assemble):
+        local = {r["seed"]: r for r in groups.get((setting, "local-only"), [])}
+        parts: dict[str, list[float]] = {"own": [], "borrowed": [], "co-trained": []}
+        for r in runs:
+            if r["seed"] not in local:
+                continue
+            blocks = [[d.split(":")[0] for d in arch[:-1]] for arch in r["architectures"]]
+            users: dict[str, int] = {}
+            for chain in blocks:
+                for k in chain:
+                    users[k] = users.get(k, 0) + 1
+            for c, chain in enumerate(blocks):
+                diff = 100 * (r["accuracy"][c] - local[r["seed"]]["accuracy"][c])
+                parts["own" if all(k.startswith(f"c{c}.") for k in chain) else "borrowed"].append(diff)
+                if any(users[k] > 1 for k in chain):
+                    parts["co-trained"].append(diff)
+        if parts["own"] or parts["borrowed"]:
+            cells = [f"{len(v)}, {statistics.fmean(v):+.1f}" if v else "0, -" for v in parts.values()]
+            lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | {len(parts['own']) + len(parts['borrowed'])} | "
+                         + " | ".join(cells) + " |")
+    return lines
+
+
 def _phase_mean(runs: list[dict], key: str, part: slice) -> str:
     """Mean of a policy-phase series over the rounds in `part`, all seeds."""
     xs = [p[key] for r in runs for p in r["policy_phase"][part] if p[key] is not None]
@@ -366,6 +395,9 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, planned: 
                      + (f"{100 * statistics.fmean(pol):.0f}%" if pol else "-")
                      + f" | {100 * whole:.1f}% | {100 * statistics.fmean(r['chain_changes_last_quarter'] for r in runs):.1f}% "
                      f"| {statistics.fmean(r['own_share'] for r in runs):.2f} | {statistics.fmean(r['users_per_module'] for r in runs):.2f} |")
+    lines += ["", "Module sharing, client by client (final chains, all seeds pooled): each client's accuracy minus its "
+              "own under local-only (points), by whether its chain borrows blocks, and for chains with a block that "
+              "another client's chain uses too (so Eq. 2 averages their copies).", "", *sharing_effect(groups)]
     lines += ["", "Policy phase (FedJigsaw and its ablations, mean over seeds and clients): accuracy on the proxy "
               "task's validation split, the critic's mean |V - return| and the mean |advantage|, over the first and "
               "the last five rounds.", "",
