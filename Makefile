@@ -64,7 +64,7 @@ bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations
 	$(PY) benchmarks/bench_accuracy.py
 	$(PY) benchmarks/bench_accuracy.py --families
 
-bench-fedjigsaw: env system-deps  ## FedJigsaw vs HeteroFL/FedRolex and its ablations on Fashion-MNIST, about an hour, resumable -> docs/fedjigsaw.md
+bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRolex and its ablations on Fashion-MNIST, about 4 h on 2 free cores at the default budget, resumable -> docs/fedjigsaw.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_fedjigsaw.py
 

@@ -1,17 +1,21 @@
-"""FedJigsaw against HeteroFL and FedRolex (and its two ablations) on Fashion-MNIST; writes docs/fedjigsaw.md's
-generated section and docs/img/fedjigsaw-curves.png.
+"""FedJigsaw against local training and the partial-training baselines (and its two ablations) on Fashion-MNIST;
+writes docs/fedjigsaw.md's generated section and docs/img/fedjigsaw-curves.png.
 
-    PYTHONPATH=. python benchmarks/bench_fedjigsaw.py [--quick] [--jobs 2] [--seeds 2] [--rounds 40] [--out DIR]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_fedjigsaw.py [--quick] [--jobs 2] [--seeds 3] [--rounds 40]
+        [--policy-rounds 20] [--samples 300] [--test-samples 300] [--proxy-samples 160] [--eval-every 4] [--out DIR]
+        [--note TEXT] [--render]
 
-The sweep: Dirichlet(1.0) ("low non-IID") and Dirichlet(0.1) ("high non-IID") x five methods x the seeds; 10
-clients with CNN-2/3/4/6 round-robin, all active every round, as the paper's protocol, scaled to 2 cores: 40
-rounds (the first 20 are FedJigsaw's CoRe-Tune phase), 300 images per client (10% of them the reward's validation
-split), 300 local test images per client drawn with its own label distribution, evaluation every 4 rounds. With 2
-jobs on the 2-core machine a run takes about 2 minutes and the 20 runs about 21 minutes (--rounds 16 with other
-work loading the machine to 6-15: 22 minutes). Resumable: every finished run is <out>/<setting>/<method>-seed<S>.json
-and is skipped when present. Also measures the decision overhead (the paper's Table 2) in fresh processes:
-`_overhead client` (one client's policy: assemble + REINFORCE update) and `_overhead server` (the critic).
---quick: 2 rounds, 60 images per client, one seed, IID-ish Dir(1.0) only, into runs/bench-fedjigsaw-quick.
+The sweep: Dirichlet(1.0) ("low non-IID") and Dirichlet(0.1) ("high non-IID") x the six methods of `aggregator
+jigsaw` x the seeds; 10 clients whose base architectures follow from their memory budgets, all active every round,
+as the paper's protocol, scaled to 2 cores: the methods with a policy first run the policy phase on the proxy task
+(--policy-rounds, the critic's values counting after its warm-up), then every method trains --rounds rounds on its task
+shard (--samples images per client, 10% of them the reward's validation split), scored on --test-samples local test
+images per client drawn with its own label distribution, every --eval-every rounds. Resumable: every finished run is
+<out>/<setting>/<method>-seed<S>.json (<out> named after the budget) and is skipped when present; --render writes
+the doc from the runs finished so far. Also measures the decision overhead (the
+paper's Table 2) in fresh processes: `_overhead client` (one client's policy: execute with the switching rule, and
+a policy-phase assemble + REINFORCE update) and `_overhead server` (CoRe-Tune's step for 10 clients).
+--quick: 2 + 2 rounds, 60 images per client, one seed, Dir(1.0) only, into runs/bench-fedjigsaw-quick.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -33,23 +38,31 @@ from pathlib import Path
 
 import torch
 
-from aggregator.jigsaw_sim import METHOD_TITLES, METHODS, JigsawConfig, JigsawSimulator, policy_parameters
+from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
 from nefl.fsio import atomic_write_text
-from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
+from nefl.jigsaw.methods import METHODS, JigsawMethod
+from provenance import commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "fedjigsaw.md"
 START, END = "<!-- bench-fedjigsaw:start -->", "<!-- bench-fedjigsaw:end -->"
 SETTINGS = {"dir-1.0": 1.0, "dir-0.1": 0.1}
 SETTING_TITLES = {"dir-1.0": "Low non-IID, Dir(1.0)", "dir-0.1": "High non-IID, Dir(0.1)"}
+TITLES = {name: m.title for name, m in METHODS.items()}
+# the issue's "done when": FedJigsaw ahead of training alone at both skews, of the PT baselines at Dir(0.1)
+CLAIMS = [("dir-1.0", "local-only"), ("dir-0.1", "local-only"), ("dir-0.1", "pt-heterofl"), ("dir-0.1", "pt-fedrolex"),
+          ("dir-1.0", "pt-heterofl"), ("dir-1.0", "pt-fedrolex")]
 
 
 @dataclass(frozen=True)
 class Budget:
-    rounds: int = 40
+    rounds: int = JigsawConfig.rounds  # model-training rounds
+    policy_rounds: int = JigsawConfig.policy_rounds
+    critic_warmup: int = JigsawConfig.critic_warmup
     samples_per_client: int = 300
     test_per_client: int = 300
-    clients: int = 10
+    proxy_samples: int = JigsawConfig.proxy_samples
+    clients: int = JigsawConfig.clients
     eval_every: int = 4
 
 
@@ -66,33 +79,60 @@ class Job:
         return f"{self.setting} {self.method} seed {self.seed}"
 
 
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def summarise(sim: JigsawSimulator, rows: list[dict]) -> dict:
+    """What the report needs of one run: accuracy, curves, chain changes, decision cost, memory, traffic."""
+    train = [r for r in rows if r["phase"] == "train"]
+    policy = [r for r in rows if r["phase"] == "policy"]
+    last = train[-1]
+    quarter = train[-max(1, len(train) // 4):]
+    decisions = [s for r in train for s in r["decision_seconds"]]
+    changes = [r["chain_changes"] for r in train if "chain_changes" in r]
+    final = [[d.split(":")[0] for d in arch] for arch in last["architectures"]]
+    blocks = [[k for k in chain[:-1]] for chain in final]  # the head is always the client's own
+    users: dict[str, set[int]] = {}
+    for c, chain in enumerate(blocks):
+        for k in chain:
+            users.setdefault(k, set()).add(c)
+    return {
+        "accuracy": last["accuracy"], "mean": last["mean"], "std": last["std"],
+        "trained_accuracy": last["trained_accuracy"], "trained_mean": last["trained_mean"], "trained_std": last["trained_std"],
+        "curve": [{"round": r["train_round"] + 1, "mean": r["mean"], "std": r["std"], "trained_mean": r["trained_mean"]}
+                  for r in train if "mean" in r],
+        "chain_changes": changes, "chain_changes_last_quarter": _mean([r["chain_changes"] for r in quarter if "chain_changes" in r]),
+        "policy_chain_changes": _mean([r["chain_changes"] for r in policy[1:]]),
+        "decision_seconds": {"mean": statistics.fmean(decisions), "max": max(decisions)},
+        "policy_decision_seconds": _mean([s for r in policy for s in r["decision_seconds"]]),
+        "policy_update_seconds": _mean([r["policy_update_seconds"] for r in policy]),
+        "critic_seconds": _mean([r["critic_seconds"] for r in policy if "critic_seconds" in r]),
+        "peak_mib": {"mean": statistics.fmean(last["peak_mib"]), "max": max(last["peak_mib"])},
+        "policy_phase": [{"round": r["round"] + 1, "proxy_accuracy": statistics.fmean(r["val_accuracy"]),
+                          "reward": statistics.fmean(r["reward"]), "advantage_abs": r["advantage_abs"],
+                          "critic_abs_error": r.get("critic_abs_error"), "critic_warm": r.get("critic_warm")} for r in policy],
+        "own_share": statistics.fmean(sum(k.startswith(f"c{c}.") for k in chain) / len(chain) for c, chain in enumerate(blocks)),
+        "users_per_module": statistics.fmean(len(u) for u in users.values()),
+        "bytes_per_round": {k: statistics.fmean(r["bytes"][k] for r in train) for k in train[0]["bytes"]},
+        "architectures": [sim.fed.describe(c) for c in range(sim.cfg.clients)], "bases": [b.name for b in sim.bases],
+        "budgets_mib": [x / 2**20 for x in sim.budgets], "widths": last.get("widths"),
+        "parameters": dict(zip(("actor", "critic"), sim.fed.policy_parameters())),
+    }
+
+
 def run_job(job: Job) -> dict:
     """Worker: one federation with one torch thread; the summary lands atomically in job.path."""
     torch.set_num_threads(1)
     b = job.budget
-    cfg = JigsawConfig(method=job.method, clients=b.clients, rounds=b.rounds, non_iid=SETTINGS[job.setting],
-                       seed=job.seed, max_samples_per_client=b.samples_per_client, test_per_client=b.test_per_client,
-                       eval_every=b.eval_every, out=str(Path(job.path).with_suffix("")))
+    cfg = JigsawConfig(method=job.method, clients=b.clients, rounds=b.rounds, policy_rounds=b.policy_rounds,
+                       critic_warmup=b.critic_warmup, non_iid=SETTINGS[job.setting], seed=job.seed,
+                       max_samples_per_client=b.samples_per_client, test_per_client=b.test_per_client,
+                       proxy_samples=b.proxy_samples, eval_every=b.eval_every, out=str(Path(job.path).with_suffix("")))
     sim = JigsawSimulator(cfg)
     res = sim.run()
-    rows = res.rounds
-    decisions = [s for r in rows for s in r.get("decision_seconds", [])]
-    out = {
-        "setting": job.setting, "method": job.method, "seed": job.seed, "budget": dataclasses.asdict(b),
-        "accuracy": res.accuracy, "mean": res.mean, "std": res.std, "seconds": res.seconds,
-        "trained_accuracy": rows[-1]["trained_accuracy"], "trained_mean": rows[-1]["trained_mean"],
-        "trained_std": rows[-1]["trained_std"],
-        "curve": [{"round": r["round"] + 1, "mean": r["mean"], "std": r["std"], "trained_mean": r["trained_mean"],
-                   "trained_std": r["trained_std"]} for r in rows if "mean" in r],
-        "architectures": res.architectures, "bases": [base.name for base in sim.bases],
-        "budgets_mib": [x / 2**20 for x in sim.budgets],
-        "widths": getattr(sim, "widths", None),
-        "bytes_per_round": {k: statistics.fmean(r["bytes"][k] for r in rows) for k in rows[0]["bytes"]},
-        "decision_seconds": {"mean": statistics.fmean(decisions), "max": max(decisions)} if decisions else None,
-        "policy_update_seconds": statistics.fmean(r["policy_update_seconds"] for r in rows) if decisions else None,
-        "critic_seconds": statistics.fmean(r["critic_seconds"] for r in rows if r.get("coretune")) if sim.cfg.coretune_rounds() else None,
-        "parameters": dict(zip(("actor", "critic"), policy_parameters(sim))),
-    }
+    out = {"setting": job.setting, "method": job.method, "seed": job.seed, "budget": dataclasses.asdict(b),
+           "seconds": res.seconds, **summarise(sim, res.rounds)}
     path = Path(job.path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(out, indent=1))
@@ -141,43 +181,54 @@ def _rss_mib() -> float:
 
 
 def overhead(side: str) -> dict:
-    """Peak-RSS growth and latency of one client's policy per round (assemble + REINFORCE update) or of
-    the server's critic per round (values + update for 10 clients), after torch and the zoo are loaded."""
-    from nefl.jigsaw.coretune import ServerCritic, observation
-    from nefl.jigsaw.policy import Agent, assemble, returns
+    """Peak-RSS growth and latency per round of one client's decision (execution: greedy assembly and the
+    switching rule; policy phase: sampled assembly + REINFORCE update) or of CoRe-Tune's server step for 10
+    clients, after torch and the zoo are loaded."""
+    from nefl.jigsaw.coretune import CoReTune, PolicyReport, observation
+    from nefl.jigsaw.observations import ObservationLog
+    from nefl.jigsaw.policy import TOKEN_FEATURES, Agent, assemble, chain_log_prob, tokens_for
     from nefl.jigsaw.zoo import Zoo, load_base, peak_bytes
 
     torch.set_num_threads(1)
     bases = [load_base(n) for n in ("cnn-2", "cnn-3", "cnn-4", "cnn-6")]
     mods = [m for c in range(10) for m in bases[c % 4].metas(c)]
     zoo = Zoo.build(mods, (1, 28, 28), 32, 7)
-    budget = peak_bytes(bases[3].metas(0), (1, 28, 28), 32) * 1.0 + 2**24
+    budget = peak_bytes(bases[3].metas(0), (1, 28, 28), 32) * 1.05
+    log, data, gen = ObservationLog(), torch.rand(10), torch.Generator().manual_seed(0)
     base_rss = _rss_mib()
     base_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    gen = torch.Generator().manual_seed(0)
-    times = []
+    times: dict[str, list[float]] = {"execute": [], "explore": []}
+    agent = Agent(10)
     if side == "client":
-        agent = Agent(10)
-        for _ in range(30):
+        current = bases[3].metas(0)
+        for r in range(30):
+            tokens = tokens_for(0, log, r)
             t0 = time.perf_counter()
-            ep = assemble(agent.policy, zoo, 0, torch.rand(10), budget, generator=gen)
+            ep = assemble(agent.policy, zoo, tokens, data, budget, 0, temperature=0.0)
+            chain_log_prob(agent.policy, zoo, tokens, data, budget, 0, ep.metas)
+            chain_log_prob(agent.policy, zoo, tokens, data, budget, 0, current)
+            times["execute"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ep = assemble(agent.policy, zoo, tokens, data, budget, 0, generator=gen)
             agent.update(ep, 0.5)
-            times.append(time.perf_counter() - t0)
+            times["explore"].append(time.perf_counter() - t0)
+            log.record([m.key for m in ep.metas], 0.5, r)
         params = sum(p.numel() for p in agent.policy.parameters())
     else:
-        agent = Agent(10)
-        episodes = [assemble(agent.policy, zoo, c, torch.rand(10), budget, generator=gen) for c in range(10)]
-        obs = [torch.stack([observation(torch.rand(10), h, c, 7) for h in ep.history]) for c, ep in enumerate(episodes)]
-        critic = ServerCritic(obs[0].shape[1])
+        episodes = [assemble(agent.policy, zoo, tokens_for(c, log, 0), data, budget, c, generator=gen) for c in range(10)]
+        reports = [PolicyReport(federation="f", client=c, round=0, accuracy=0.5, cap=0.5, data_feature=data.tolist(),
+                                chain=[(m.source, m.position) for m in ep.metas],
+                                observations=[observation(data, s.state, 7).tolist() for s in ep.steps])
+                   for c, ep in enumerate(episodes)]
+        server = CoReTune("f", 10 + TOKEN_FEATURES + 1, 0.9, 0.1, 0.95, warmup_rounds=0)
         for _ in range(30):
             t0 = time.perf_counter()
-            critic.values(obs)
-            critic.update(obs, [returns(0.5, len(ep.steps), 0.95) for ep in episodes])
-            times.append(time.perf_counter() - t0)
-        params = sum(p.numel() for p in critic.critic.parameters())
+            server.step(reports)
+            times["explore"].append(time.perf_counter() - t0)
+        params = sum(p.numel() for p in server.critic.critic.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"side": side, "parameters": params, "seconds_mean": statistics.fmean(times[5:]), "seconds_max": max(times[5:]),
-            "rss_base_mib": base_rss, "peak_growth_mib": max(0.0, peak - max(base_peak, base_rss))}
+    return {"side": side, "parameters": params, "peak_growth_mib": max(0.0, peak - max(base_peak, base_rss)),
+            "rss_base_mib": base_rss, **{f"{k}_ms": 1000 * statistics.fmean(v[5:]) for k, v in times.items() if v}}
 
 
 def measure_overheads() -> list[dict]:
@@ -193,12 +244,35 @@ def measure_overheads() -> list[dict]:
 
 # -- report ---------------------------------------------------------------------------------------------
 
+def _spread(runs: list[dict], key: str = "mean") -> tuple[float, float, float]:
+    """Mean over seeds of the clients' mean accuracy (points), and the lowest and highest seed."""
+    xs = [100 * r[key] for r in runs]
+    return statistics.fmean(xs), min(xs), max(xs)
+
+
 def _cell(runs: list[dict], prefix: str = "") -> str:
     """Mean local accuracy (%) ± std across clients, each averaged over seeds; seed range in brackets."""
-    means = [100 * r[prefix + "mean"] for r in runs]
-    stds = [r[prefix + "std"] for r in runs]
-    rng = f" [{min(means):.1f}-{max(means):.1f}]" if len(runs) > 1 else ""
-    return f"{statistics.fmean(means):.2f} ± {statistics.fmean(stds):.4f}{rng}"
+    mean, lo, hi = _spread(runs, prefix + "mean")
+    std = statistics.fmean(r[prefix + "std"] for r in runs)
+    return f"{mean:.2f} ± {std:.4f}" + (f" [{lo:.1f}-{hi:.1f}]" if len(runs) > 1 else "")
+
+
+def verdicts(groups: dict) -> list[str]:
+    """The issue's claims, per seed: FedJigsaw's mean minus the other method's (same seed, same partition), and
+    whether the mean difference beats the seed spread (the wider seed range of the two methods)."""
+    lines = ["| setting | FedJigsaw vs | difference per seed (points) | mean difference | seed spread | ahead by more than the spread? |",
+             "|---|---|---|---|---|---|"]
+    for setting, other in CLAIMS:
+        a, b = groups.get((setting, "fedjigsaw")), groups.get((setting, other))
+        if not a or not b:
+            continue
+        by_seed = {r["seed"]: r for r in b}
+        diffs = [100 * (r["mean"] - by_seed[r["seed"]]["mean"]) for r in a if r["seed"] in by_seed]
+        spread = max(_spread(a)[2] - _spread(a)[1], _spread(b)[2] - _spread(b)[1])
+        mean = statistics.fmean(diffs)
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[other]} | {', '.join(f'{d:+.1f}' for d in diffs)} | {mean:+.2f} "
+                     f"| {spread:.2f} | {'yes' if mean > spread else 'no'} |")
+    return lines
 
 
 def plot(groups: dict, path: Path) -> None:
@@ -207,7 +281,7 @@ def plot(groups: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(SETTINGS), figsize=(5 * len(SETTINGS), 6.5), squeeze=False)
+    fig, axes = plt.subplots(3, len(SETTINGS), figsize=(5.5 * len(SETTINGS), 9.5), squeeze=False)
     for col, setting in enumerate(SETTINGS):
         for method in METHODS:
             runs = groups.get((setting, method))
@@ -216,93 +290,168 @@ def plot(groups: dict, path: Path) -> None:
             xs = [p["round"] for p in runs[0]["curve"]]
             acc = [statistics.fmean(100 * r["curve"][i]["mean"] for r in runs) for i in range(len(xs))]
             var = [statistics.fmean(r["curve"][i]["std"] ** 2 for r in runs) for i in range(len(xs))]
-            line = axes[0][col].plot(xs, acc, marker="o", label=METHOD_TITLES[method])[0]
-            trained = [statistics.fmean(100 * r["curve"][i]["trained_mean"] for r in runs) for i in range(len(xs))]
-            axes[0][col].plot(xs, trained, linestyle=":", color=line.get_color())
-            axes[1][col].plot(xs, var, marker="o", label=METHOD_TITLES[method])
+            axes[0][col].plot(xs, acc, marker="o", markersize=3, label=TITLES[method])
+            axes[1][col].plot(xs, var, marker="o", markersize=3, label=TITLES[method])
+            if runs[0]["chain_changes"]:
+                n = len(runs[0]["chain_changes"])
+                changes = [statistics.fmean(100 * r["chain_changes"][i] for r in runs) for i in range(n)]
+                axes[2][col].plot(range(1, n + 1), changes, label=TITLES[method])
         axes[0][col].set_title(SETTING_TITLES[setting])
         axes[0][col].set_ylabel("mean local accuracy (%)")
         axes[1][col].set_ylabel("variance across clients")
-        axes[1][col].set_xlabel("round")
+        axes[2][col].set_ylabel("chains changed (% of clients)")
+        axes[2][col].set_xlabel("model-training round")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("solid: after aggregation · dotted: after local training", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
-def report(results: list[dict], overheads: list[dict], budget: Budget, seeds: int, command: str, wall: float,
-           img: Path, img_link: str) -> str:
+def _groups(groups: dict, keep: Callable[[JigsawMethod], bool]) -> Iterator[tuple[str, str, list[dict]]]:
+    """(setting, method, runs) for every measured pair whose method `keep` accepts, settings first."""
+    for setting in SETTINGS:
+        for method, m in METHODS.items():
+            if keep(m) and groups.get((setting, method)):
+                yield setting, method, groups[(setting, method)]
+
+
+def sharing_effect(groups: dict) -> list[str]:
+    """Where module sharing helps or hurts: each client's accuracy minus its own accuracy under local-only (same
+    seed, same data, same base), split by whether its final chain borrows blocks, and for chains with a block
+    that another client trains too (whose copy Eq. 2 averages with its own)."""
+    lines = ["| setting | method | clients | own blocks only: n, vs local-only | with borrowed blocks: n, vs local-only "
+             "| a block co-trained with another client: n, vs local-only |", "|---|---|---|---|---|---|"]
+    for setting, method, runs in _groups(groups, lambda m: m.assemble):
+        local = {r["seed"]: r for r in groups.get((setting, "local-only"), [])}
+        parts: dict[str, list[float]] = {"own": [], "borrowed": [], "co-trained": []}
+        for r in runs:
+            if r["seed"] not in local:
+                continue
+            blocks = [[d.split(":")[0] for d in arch[:-1]] for arch in r["architectures"]]
+            users: dict[str, int] = {}
+            for chain in blocks:
+                for k in chain:
+                    users[k] = users.get(k, 0) + 1
+            for c, chain in enumerate(blocks):
+                diff = 100 * (r["accuracy"][c] - local[r["seed"]]["accuracy"][c])
+                parts["own" if all(k.startswith(f"c{c}.") for k in chain) else "borrowed"].append(diff)
+                if any(users[k] > 1 for k in chain):
+                    parts["co-trained"].append(diff)
+        if parts["own"] or parts["borrowed"]:
+            cells = [f"{len(v)}, {statistics.fmean(v):+.1f}" if v else "0, -" for v in parts.values()]
+            lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | {len(parts['own']) + len(parts['borrowed'])} | "
+                         + " | ".join(cells) + " |")
+    return lines
+
+
+def _phase_mean(runs: list[dict], key: str, part: slice) -> str:
+    """Mean of a policy-phase series over the rounds in `part`, all seeds."""
+    xs = [p[key] for r in runs for p in r["policy_phase"][part] if p[key] is not None]
+    return f"{statistics.fmean(xs):.3f}" if xs else "-"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f}"
+
+
+def report(results: list[dict], overheads: list[dict], budget: Budget, planned: int, command: str,
+           img: Path, img_link: str, note: str) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         groups.setdefault((r["setting"], r["method"]), []).append(r)
     plot(groups, img)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [START, "", f"Measured {now} by `{command}` on {cpu_name()} (2 cores; shared with other work: load "
-             f"{load_average()} at the end), commit {commit_label()}; sweep wall time {wall / 60:.0f} min.",
-             f"Budget: {budget.clients} clients (CNN-2/3/4/6 round-robin), {budget.rounds} rounds, "
-             f"{budget.samples_per_client} training images per client, {budget.test_per_client} local test images per "
-             f"client, {seeds} seeds; FedJigsaw's CoRe-Tune phase is the first {budget.rounds // 2} rounds.", "",
-             "Table 1 (ours): mean local top-1 (%) ± standard deviation across the 10 clients (as a fraction, as the "
+    seeds = sorted({r["seed"] for r in results})
+    lines = ["", f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), "
+             f"commit {commit_label()}; {len(results)} of {planned} planned runs finished, "
+             f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.",
+             f"Budget: {budget.clients} clients, seeds {', '.join(map(str, seeds))}; the methods with a policy first run {budget.policy_rounds} "
+             f"policy-phase rounds on the proxy task ({budget.proxy_samples} rotated images per client; the critic's "
+             f"values drive the advantages after {budget.critic_warmup}), then every method trains {budget.rounds} rounds "
+             f"on {budget.samples_per_client} task images per client (modules freshly initialised), scored every "
+             f"{budget.eval_every} rounds on {budget.test_per_client} local test images per client.", "",
+             "Table 1 (ours): mean local top-1 (%) ± standard deviation across the clients (as a fraction, as the "
              "paper), averaged over seeds; [lowest-highest seed mean]. *After aggregation*: each client's model with "
              "the round's aggregated parameters (BN statistics recomputed on its shard); *after local training*: the "
-             "model each client holds right after its last local epoch, before anything is sent back.", "",
+             "model each client holds right after its local epoch, before anything is sent back.", "",
              "| method | " + " | ".join(f"{SETTING_TITLES[s]}, after aggregation | after local training" for s in SETTINGS)
              + " |", "|---|" + "---|---|" * len(SETTINGS)]
     for method in METHODS:
         cells = [f"{_cell(groups[(s, method)])} | {_cell(groups[(s, method)], 'trained_')}" if (s, method) in groups else "- | -"
                  for s in SETTINGS]
-        lines.append(f"| {METHOD_TITLES[method]} | " + " | ".join(cells) + " |")
-    lines += ["", f"![accuracy and cross-client variance over rounds]({img_link})", ""]
-    lines += ["Table 2 (ours): decision overhead per round, excluding local training, one torch thread, measured in "
-              "fresh processes (RSS growth over a process that already imported torch and built the zoo).", "",
-              "| component | parameters | latency per round (mean / max) | peak memory growth | process RSS before |",
-              "|---|---|---|---|---|"]
+        lines.append(f"| {TITLES[method]} | " + " | ".join(cells) + " |")
+    lines += ["", "The issue's claims, seed by seed (after aggregation, the last evaluation):", "", *verdicts(groups), "",
+              f"![accuracy, cross-client variance and chain changes over the model-training rounds]({img_link})", "",
+              "Stability and what the policies chose (mean over seeds): chains changed per round, as a share of the "
+              "clients (policy phase: sampling; model training: execution with the switching rule), the share of a "
+              "client's blocks (head excluded) that are its own at the end, and how many clients use each module "
+              "that is used at all.", "",
+              "| setting | method | chains changed, policy phase | chains changed, model training | last quarter | "
+              "own blocks | clients per used module |", "|---|---|---|---|---|---|---|"]
+    for setting, method, runs in _groups(groups, lambda m: m.family == "modules"):
+        pol = [r["policy_chain_changes"] for r in runs if r["policy_chain_changes"] is not None]
+        whole = statistics.fmean(statistics.fmean(r["chain_changes"]) for r in runs)
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | "
+                     + (f"{100 * statistics.fmean(pol):.0f}%" if pol else "-")
+                     + f" | {100 * whole:.1f}% | {100 * statistics.fmean(r['chain_changes_last_quarter'] for r in runs):.1f}% "
+                     f"| {statistics.fmean(r['own_share'] for r in runs):.2f} | {statistics.fmean(r['users_per_module'] for r in runs):.2f} |")
+    lines += ["", "Module sharing, client by client (final chains, all seeds pooled): each client's accuracy minus its "
+              "own under local-only (points), by whether its chain borrows blocks, and for chains with a block that "
+              "another client's chain uses too (so Eq. 2 averages their copies).", "", *sharing_effect(groups)]
+    lines += ["", "Policy phase (FedJigsaw and its ablations, mean over seeds and clients): accuracy on the proxy "
+              "task's validation split, the critic's mean |V - return| and the mean |advantage|, over the first and "
+              "the last five rounds.", "",
+              "| setting | method | proxy accuracy, first 5 / last 5 | critic abs. error, first 5 / last 5 | "
+              "abs. advantage, first 5 / last 5 |", "|---|---|---|---|---|"]
+    for setting, method, runs in _groups(groups, lambda m: m.assemble):
+        cells = [f"{_phase_mean(runs, key, slice(0, 5))} / {_phase_mean(runs, key, slice(-5, None))}"
+                 for key in ("proxy_accuracy", "critic_abs_error", "advantage_abs")]
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | " + " | ".join(cells) + " |")
+    lines += ["", "Table 2 (ours, the paper's columns): decision latency per client per round, measured inside the "
+              "federations while the machine trained (model-training phase; policy phase in brackets), and the "
+              "kit's training-peak estimate of the models the clients train (mean / max over clients; the "
+              "framework's fixed ~170 MiB included), both skews and all seeds pooled.", "",
+              "| method | decision latency, ms (policy phase) | client model training peak, MiB (mean / max) | "
+              "policy / critic parameters |", "|---|---|---|---|"]
+    for method, m in METHODS.items():
+        runs = [r for s in SETTINGS for r in groups.get((s, method), [])]
+        if not runs:
+            continue
+        pol = [r["policy_decision_seconds"] for r in runs if r["policy_decision_seconds"] is not None]
+        lines.append(f"| {TITLES[method]} | {_ms(statistics.fmean(r['decision_seconds']['mean'] for r in runs))}"
+                     + (f" ({_ms(statistics.fmean(pol))})" if pol else "")
+                     + f" | {statistics.fmean(r['peak_mib']['mean'] for r in runs):.1f} / {max(r['peak_mib']['max'] for r in runs):.1f} "
+                     f"| {runs[0]['parameters']['actor']:,} / {runs[0]['parameters']['critic']:,} |")
+    lines += ["", "Decision overhead measured alone, in fresh processes on one thread (RSS growth over a process "
+              "that already imported torch and built a 10-client zoo):", "",
+              "| component | parameters | latency per round | peak memory growth | process RSS before |", "|---|---|---|---|---|"]
     for o in overheads:
-        what = "client policy (assemble + REINFORCE update)" if o["side"] == "client" else "server critic (10 clients: values + update)"
-        lines.append(f"| {what} | {o['parameters']:,} | {1000 * o['seconds_mean']:.1f} ms / {1000 * o['seconds_max']:.1f} ms "
-                     f"| {o['peak_growth_mib']:.1f} MiB | {o['rss_base_mib']:.0f} MiB |")
-    for setting in SETTINGS:
-        runs = groups.get((setting, "fedjigsaw"), [])
-        if runs and runs[0]["decision_seconds"]:
-            d = [r["decision_seconds"]["mean"] for r in runs]
-            c = [r["critic_seconds"] for r in runs if r["critic_seconds"]]
-            lines.append(f"\nInside the federations ({SETTING_TITLES[setting]}, while the machine trained): decision "
-                         f"{1000 * statistics.fmean(d):.1f} ms per client per round, REINFORCE update "
-                         f"{1000 * statistics.fmean(r['policy_update_seconds'] for r in runs):.1f} ms"
-                         + (f", server critic {1000 * statistics.fmean(c):.1f} ms per round" if c else "") + ".")
-    lines += ["", "Traffic per round (mean over rounds, seed 0, MB = 10^6 bytes): what moved, against every client "
+        if o["side"] == "client":
+            what = "client policy"
+            lat = f"execute (greedy + switching rule) {o['execute_ms']:.1f} ms; explore (sample + REINFORCE) {o['explore_ms']:.1f} ms"
+        else:
+            what, lat = "CoRe-Tune server step (10 clients: Exp, values, critic update)", f"{o['explore_ms']:.1f} ms"
+        lines.append(f"| {what} | {o['parameters']:,} | {lat} | {o['peak_growth_mib']:.1f} MiB | {o['rss_base_mib']:.0f} MiB |")
+    lines += ["", "Traffic per model-training round (mean, seed 0, MB = 10^6 bytes): what moved, against every client "
               "downloading and uploading a whole model.", "", "| setting | method | moved | whole models |", "|---|---|---|---|"]
-    for setting in SETTINGS:
-        for method in METHODS:
-            runs = groups.get((setting, method))
-            if runs:
-                b = runs[0]["bytes_per_round"]
-                moved = sum(v for k, v in b.items() if k != "whole_models")
-                lines.append(f"| {SETTING_TITLES[setting]} | {METHOD_TITLES[method]} | {moved / 1e6:.1f} MB | {b['whole_models'] / 1e6:.1f} MB |")
+    for setting, method, runs in _groups(groups, lambda m: True):
+        b = runs[0]["bytes_per_round"]
+        moved = sum(v for k, v in b.items() if k != "whole_models")
+        lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | {moved / 1e6:.1f} MB | {b['whole_models'] / 1e6:.1f} MB |")
     for setting in SETTINGS:
         runs = groups.get((setting, "fedjigsaw"))
         if not runs:
             continue
         r = runs[0]
-        lines += ["", f"Assembled architectures after the last round, FedJigsaw, {SETTING_TITLES[setting]}, seed {r['seed']} "
+        lines += ["", f"Chains after the last round, FedJigsaw, {SETTING_TITLES[setting]}, seed {r['seed']} "
                   "(cS.mP = client S's module at position P; type > output channels):", "",
-                  "| client | base | budget MiB | local top-1 | model |", "|---|---|---|---|---|"]
+                  "| client | base | budget MiB | local top-1 | chain |", "|---|---|---|---|---|"]
         for c, arch in enumerate(r["architectures"]):
             lines.append(f"| {c} | {r['bases'][c]} | {r['budgets_mib'][c]:.1f} | {100 * r['accuracy'][c]:.1f} | {' '.join(arch)} |")
-        base = groups.get((setting, "heterofl"))
-        if base and base[0]["widths"]:
-            lines.append(f"\nHeteroFL / FedRolex widths of CNN-6 per client from the same budgets: {base[0]['widths']}.")
-    lines += ["", END]
-    return "\n".join(lines)
-
-
-def write_section(doc: Path, text: str) -> None:
-    old = doc.read_text() if doc.exists() else f"{START}\n{END}\n"
-    if START not in old or END not in old:
-        raise SystemExit(f"{doc} lacks the {START} / {END} markers")
-    head, rest = old.split(START, 1)
-    atomic_write_text(doc, head + text + rest.split(END, 1)[1])
+        pt = groups.get((setting, "pt-heterofl"))
+        if pt and pt[0]["widths"]:
+            lines.append(f"\nHeteroFL / FedRolex (PT) widths of CNN-6 per client from the same budgets: {pt[0]['widths']}.")
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -312,22 +461,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=Budget.rounds)
-    ap.add_argument("--samples", type=int, default=Budget.samples_per_client)
+    ap.add_argument("--policy-rounds", type=int, default=Budget.policy_rounds)
+    ap.add_argument("--samples", type=int, default=Budget.samples_per_client, help="Task images per client (10% validation).")
+    ap.add_argument("--test-samples", type=int, default=Budget.test_per_client, help="Local test images per client.")
+    ap.add_argument("--proxy-samples", type=int, default=Budget.proxy_samples, help="Proxy-task images per client.")
+    ap.add_argument("--eval-every", type=int, default=Budget.eval_every, help="Model-training rounds between evaluations.")
+    ap.add_argument("--render", action="store_true",
+                    help="Write the doc from this budget's finished runs only (a sweep still running, or one cut short).")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--note", default="2 cores shared with other engineers' work", help="How the machine was used.")
     args = ap.parse_args()
     if args.quick:
-        budget, seeds, settings = Budget(rounds=2, samples_per_client=60, test_per_client=100, eval_every=1), 1, ["dir-1.0"]
+        budget = Budget(rounds=2, policy_rounds=2, critic_warmup=1, samples_per_client=60, test_per_client=100, proxy_samples=40,
+                        eval_every=1)
+        seeds, settings = 1, ["dir-1.0"]
         out, doc, img = ROOT / (args.out or "runs/bench-fedjigsaw-quick"), None, None
     else:
-        budget, seeds, settings = Budget(rounds=args.rounds, samples_per_client=args.samples), args.seeds, list(SETTINGS)
+        budget = Budget(rounds=args.rounds, policy_rounds=args.policy_rounds, critic_warmup=min(Budget.critic_warmup, args.policy_rounds),
+                        samples_per_client=args.samples, test_per_client=args.test_samples, proxy_samples=args.proxy_samples,
+                        eval_every=args.eval_every)
+        seeds, settings = args.seeds, list(SETTINGS)
         # one directory per budget: a finished run is reused only by a sweep of the same budget
-        out = ROOT / (args.out or f"runs/bench-fedjigsaw-r{budget.rounds}-n{budget.samples_per_client}")
+        out = ROOT / (args.out or f"runs/bench-fedjigsaw-p{budget.policy_rounds}-r{budget.rounds}-n{budget.samples_per_client}"
+                              f"-t{budget.test_per_client}-q{budget.proxy_samples}-e{budget.eval_every}")
         doc, img = DOC, ROOT / "docs" / "img" / "fedjigsaw-curves.png"
-    jobs = [Job(s, m, seed, str(out / s / f"{m}-seed{seed}.json"), budget) for seed in range(seeds) for s in settings for m in METHODS]
-    t0 = time.perf_counter()
-    results = run_sweep(jobs, args.jobs, budget)
+    # the claims' methods over every seed first, the ablations after: a sweep cut short still answers the done-when
+    claimed = ["fedjigsaw", *dict.fromkeys(other for _, other in CLAIMS)]
+    order = [claimed, [m for m in METHODS if m not in claimed]]
+    jobs = [Job(s, m, seed, str(out / s / f"{m}-seed{seed}.json"), budget)
+            for group in order for seed in range(seeds) for s in settings for m in group]
+    if args.render:
+        results = [r for j in jobs if (r := load_result(Path(j.path), budget))]
+        print(f"{len(results)} of {len(jobs)} runs finished")
+    else:
+        results = run_sweep(jobs, args.jobs, budget)
     overheads = measure_overheads()
     command = "benchmarks/bench_fedjigsaw.py" if sys.argv[1:] else "make bench-fedjigsaw"
     if doc is None:
@@ -335,10 +504,9 @@ def main() -> None:
         link = "fedjigsaw-curves.png"
     else:
         link = "img/fedjigsaw-curves.png"
-    text = report(results, overheads, budget, seeds, command + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""),
-                  time.perf_counter() - t0, img, link)
-    write_section(doc, text)
-    print(f"wrote {doc}")
+    lines = report(results, overheads, budget, len(jobs), command + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""),
+                   img, link, args.note)
+    write_section(doc, START, END, lines)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ from hypothesis import strategies as st
 
 from nefl.cost import training_peak_bytes
 from nefl.jigsaw.baselines import WIDTH_LEVELS, scaled_metas, submodel_windows, width_for_budget
-from nefl.jigsaw.coretune import ServerCritic, exploration_bonus, observation
-from nefl.jigsaw.policy import META_FEATURES, Agent, AttenAssemble, assemble, meta_features, returns
+from nefl.jigsaw.coretune import CoReTune, PolicyReport, ServerCritic, exploration_bonus, observation
+from nefl.jigsaw.observations import ObservationLog
+from nefl.jigsaw.policy import (
+    TOKEN_FEATURES, Agent, AttenAssemble, assemble, chain_log_prob, log_probs, returns, tokens_for,
+)
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, neighbours, source_average
 from nefl.jigsaw.zoo import (
     BASES_DIR, ArchError, ModuleMeta, Zoo, build_model, check_chain, list_bases, load_base, model_cost, parse_base, peak_bytes,
@@ -24,6 +27,7 @@ from nefl.rolling import aggregate_windows, extract, extract_state, rolled_windo
 from nefl.state import load_module_state, module_state
 
 MIB = 2**20
+TOKENS = tokens_for(0, None, 0)  # client 0 before it has observed anything
 torch.set_num_threads(1)  # tiny tensors: threads only add contention on a shared machine
 
 
@@ -95,18 +99,80 @@ def test_assembly_never_mismatches_dims_and_never_exceeds_the_budget(ints, sourc
     gen = torch.Generator().manual_seed(seed)
     if math.isinf(smallest):  # no chain from the input to a head: refused with the reason, never a broken model
         with pytest.raises(ValueError, match="no model fits"):
-            assemble(policy, zoo, 0, torch.rand(10), 1e12, generator=gen)
+            assemble(policy, zoo, TOKENS, torch.rand(10), 1e12, 0, generator=gen)
         return
     budget = smallest + slack * 2 * MIB
     for _ in range(3):
-        ep = assemble(policy, zoo, 0, torch.rand(10), budget, generator=gen)
+        ep = assemble(policy, zoo, TOKENS, torch.rand(10), budget, 0, generator=gen)
         check_chain(ep.metas)
         assert ep.metas[0].d_in == (1, 8, 8)
         assert len(ep.metas) - 1 <= max_blocks
         assert peak_bytes(ep.metas, (1, 8, 8), 16) <= budget
         assert len(ep.steps) == len(ep.metas)  # one decision per block, plus STOP
+        assert len({m.key for m in ep.metas[:-1]}) == len(ep.metas) - 1  # no module placed twice
     model = build_model(ep.metas)
     assert model(torch.zeros(1, 1, 8, 8)).shape == (1, 10)
+
+
+LATTICE = [(1, 8, 8), (4, 8, 8), (4, 4, 4), (8, 4, 4), (6, 1, 1)]  # dims a dense random zoo's modules connect
+
+
+def _dense_zoo(specs: list[tuple[int, int, int]]) -> list[ModuleMeta]:
+    """Blocks from lattice dims i to j >= i (square ones included), a channel-reducing way back from (8,4,4) to
+    (4,4,4) so chains can revisit dims, and heads on two of the dims: many chains."""
+    mods = [ModuleMeta(source=9, position=0, type="head", d_in=LATTICE[-1], d_out=(10, 1, 1)),
+            ModuleMeta(source=9, position=1, type="head", d_in=LATTICE[3], d_out=(10, 1, 1))]
+    for pos, (i, j, src) in enumerate(specs, start=2):
+        i, j = i % (len(LATTICE) - 1), j % len(LATTICE)
+        j = j if (i, j) == (3, 2) else max(j, i + (i == 0))
+        kind = "fc" if LATTICE[j][1] == 1 else "conv"
+        mods.append(ModuleMeta(source=src % 3, position=pos, type=kind, d_in=LATTICE[i], d_out=LATTICE[j]))
+    return mods
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 2)), min_size=3, max_size=9),
+       st.integers(1, 4), st.floats(0.0, 1.0), st.data())
+def test_valid_actions_are_exactly_the_blocks_some_complete_chain_within_budget_starts_with(specs, max_blocks, slack, data) -> None:
+    """Against brute force: every chain of distinct blocks (at most `max_blocks`) from the input to a head."""
+    mods = _dense_zoo(specs)
+    zoo = Zoo.build(mods, (1, 8, 8), 16, max_blocks)
+    if math.isinf(zoo.smallest_peak()):
+        return
+    budget = zoo.smallest_peak() + slack * 0.05 * MIB
+    blocks = [m for m in mods if m.kind != "head"]
+
+    def chains(prefix: list[ModuleMeta]):
+        current = prefix[-1].d_out if prefix else (1, 8, 8)
+        head = zoo.head_for(current, 0)
+        if prefix and head is not None and peak_bytes(prefix + [head], (1, 8, 8), 16) <= budget:
+            yield prefix
+        if len(prefix) < max_blocks:
+            for m in blocks:
+                if m.d_in == current and m not in prefix:
+                    yield from chains(prefix + [m])
+
+    complete = list(chains([]))
+    prefix: list[ModuleMeta] = []
+    while True:
+        valid, stop = zoo.valid_actions(prefix, budget)
+        n = len(prefix)
+        want = {c[n].key for c in complete if len(c) > n and c[:n] == prefix}
+        assert {zoo.modules[i].key for i in valid} == want
+        assert stop == any(c == prefix for c in complete)
+        if not valid:
+            break
+        prefix = prefix + [zoo.modules[data.draw(st.sampled_from(valid))]]
+
+
+def test_a_block_is_not_offered_when_only_a_placed_module_could_complete_the_chain() -> None:
+    m0 = ModuleMeta(source=0, position=0, type="conv", d_in=(1, 8, 8), d_out=(4, 4, 4))
+    up = ModuleMeta(source=0, position=1, type="conv", d_in=(4, 4, 4), d_out=(8, 4, 4))
+    back = ModuleMeta(source=1, position=0, type="conv", d_in=(8, 4, 4), d_out=(4, 4, 4))
+    head = ModuleMeta(source=0, position=2, type="head", d_in=(8, 4, 4), d_out=(10, 1, 1))
+    zoo = Zoo.build([m0, up, back, head], (1, 8, 8), 8, 4)
+    valid, stop = zoo.valid_actions([m0, up], math.inf)
+    assert valid == [] and stop  # `back` would need `up` a second time to reach the head
 
 
 def test_assembly_respects_a_memory_budget_and_refuses_one_nothing_fits() -> None:
@@ -117,10 +183,10 @@ def test_assembly_respects_a_memory_budget_and_refuses_one_nothing_fits() -> Non
     gen = torch.Generator().manual_seed(0)
     for budget in (zoo.smallest_peak(), zoo.smallest_peak() + 2 * MIB, peak_bytes(bases[0].metas(0), (1, 28, 28), 32)):
         for _ in range(10):
-            ep = assemble(policy, zoo, 0, torch.rand(10), budget, generator=gen)
+            ep = assemble(policy, zoo, TOKENS, torch.rand(10), budget, 0, generator=gen)
             assert peak_bytes(ep.metas, (1, 28, 28), 32) <= budget
     with pytest.raises(ValueError, match="no model fits a budget"):
-        assemble(policy, zoo, 0, torch.rand(10), zoo.smallest_peak() - 1)
+        assemble(policy, zoo, TOKENS, torch.rand(10), zoo.smallest_peak() - 1, 0)
 
 
 def test_the_peak_formula_is_the_device_cost_model() -> None:
@@ -146,15 +212,15 @@ def test_the_peak_formula_is_the_device_cost_model() -> None:
 def test_pointer_handles_any_number_of_candidates_and_masked_ones_do_not_count(k, n_state, seed) -> None:
     torch.manual_seed(seed)
     policy = AttenAssemble(10)
-    data, state = torch.rand(10), torch.rand(n_state, META_FEATURES)
-    cands = torch.rand(k, META_FEATURES)
+    data, state = torch.rand(10), torch.rand(n_state, TOKEN_FEATURES)
+    cands = torch.rand(k, TOKEN_FEATURES)
     valid = torch.rand(k) < 0.6
     valid[torch.randint(k, (1,))] = True
     probs = policy.logits(data, state, cands, valid).softmax(0)
     assert probs.shape == (k,) and torch.allclose(probs.sum(), torch.tensor(1.0))
     assert bool((probs[~valid] == 0).all()) and bool((probs[valid] > 0).all())
     other = cands.clone()
-    other[~valid] = torch.rand(int((~valid).sum()), META_FEATURES) * 5  # masked tokens: any content
+    other[~valid] = torch.rand(int((~valid).sum()), TOKEN_FEATURES) * 5  # masked tokens: any content
     assert torch.allclose(policy.logits(data, state, other, valid).softmax(0), probs, atol=1e-6)
     with pytest.raises(ValueError, match="no valid action"):
         policy.logits(data, state, cands, torch.zeros(k, dtype=torch.bool))
@@ -163,7 +229,7 @@ def test_pointer_handles_any_number_of_candidates_and_masked_ones_do_not_count(k
 def test_temperature_flattens_the_distribution() -> None:
     torch.manual_seed(0)
     policy = AttenAssemble(10)
-    args = (torch.rand(10), torch.rand(2, META_FEATURES), torch.rand(6, META_FEATURES), torch.ones(6, dtype=torch.bool))
+    args = (torch.rand(10), torch.rand(2, TOKEN_FEATURES), torch.rand(6, TOKEN_FEATURES), torch.ones(6, dtype=torch.bool))
     sharp = policy.logits(*args).softmax(0)
     policy.tau = 50.0
     flat = policy.logits(*args).softmax(0)
@@ -187,15 +253,90 @@ def test_reinforce_moves_probability_toward_the_rewarded_module() -> None:
     gen = torch.Generator().manual_seed(0)
 
     def p_neighbour_first() -> float:
-        state, cands = torch.zeros(0, META_FEATURES), torch.tensor([meta_features(m, 0) for m in zoo.modules[:2]] + [meta_features(None, 0)])
+        state, cands = torch.zeros(0, TOKEN_FEATURES), torch.tensor([TOKENS(m) for m in zoo.modules[:2]] + [TOKENS(None)])
         with torch.no_grad():
             return float(agent.policy.logits(data, state, cands, torch.tensor([True, True, False])).softmax(0)[1])
 
     before = p_neighbour_first()
     for _ in range(60):
-        ep = assemble(agent.policy, zoo, 0, data, math.inf, generator=gen)
+        ep = assemble(agent.policy, zoo, TOKENS, data, math.inf, 0, generator=gen)
         agent.update(ep, 1.0 if ep.metas[0].source == 1 else 0.0)
     assert before < 0.8 < p_neighbour_first()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["cnn-2", "cnn-3", "cnn-4", "cnn-6"]), st.integers(0, (1 << 20) - 1)),
+                min_size=1, max_size=12),
+       st.lists(st.tuples(st.integers(0, 200), st.sampled_from([0.0, 0.5, 1.0]), st.integers(0, 60)), max_size=20),
+       st.integers(0, 1 << 20), st.integers(0, 80))
+def test_distinct_modules_get_distinct_policy_inputs(clients, events, me, round_index) -> None:
+    """Clients with the same base architecture announce modules equal in everything but their source; whatever
+    the client has (or has not) observed of them, each module's token differs from every other's."""
+    modules = list({m.key: m for name, src in clients for m in load_base(name).metas(src)}.values())
+    log = ObservationLog()
+    for i, acc, r in events:  # identical accuracies and rounds on purpose: observations alone cannot separate them
+        log.record([modules[i % len(modules)].key], acc, r)
+    tokens = tokens_for(me, log, round_index)
+    inputs = {tuple(tokens(m)) for m in modules}
+    assert len(inputs) == len(modules)
+    assert tuple(tokens(None)) not in inputs and all(len(t) == TOKEN_FEATURES for t in inputs)
+
+
+def test_observations_say_how_a_module_did_when_used_how_often_and_how_long_ago() -> None:
+    log = ObservationLog(decay=0.5)
+    assert log.features("c1.m0", 5) == [0.0, 0.0, 0.0, 1.0]  # never used
+    log.record(["c1.m0", "c1.m0", "c2.m1"], 0.8, 3)  # used twice in one chain: one use
+    log.record(["c1.m0"], 0.4, 4)
+    acc, used, uses, age = log.features("c1.m0", 4)
+    assert (acc, used, age) == (pytest.approx(0.0), 1.0, 0.0) and 0 < uses < 1  # 0.6: as typical (0.6)
+    log.record(["c3.m0"], 0.2, 5)  # typical now 0.4
+    assert log.features("c2.m1", 5)[0] == pytest.approx(0.8 - 0.4) and log.features("c3.m0", 5)[0] == pytest.approx(0.2 - 0.4)
+    assert log.features("c1.m0", 5)[0] == pytest.approx(0.6 - 0.4)  # better than usual on any accuracy scale
+    assert log.features("c2.m1", 10)[3] > log.features("c2.m1", 4)[3] > 0  # older, larger
+    assert log.features("c1.m0", 4)[2] > log.features("c2.m1", 4)[2]  # used more often
+    log.clear()
+    assert log.features("c1.m0", 4) == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_reinforce_learns_to_prefer_one_source_over_an_identical_module_of_another() -> None:
+    """The defect the source-aware tokens fix: same type, dims and position, different source."""
+    twin = dict(position=0, type="conv", d_in=(1, 8, 8), d_out=(4, 4, 4))
+    mods = [ModuleMeta(source=1, **twin), ModuleMeta(source=2, **twin),
+            ModuleMeta(source=0, position=1, type="fc", d_in=(4, 4, 4), d_out=(6, 1, 1)),
+            ModuleMeta(source=0, position=2, type="head", d_in=(6, 1, 1), d_out=(10, 1, 1))]
+    zoo, agent, data = Zoo.build(mods, (1, 8, 8), 8, 2), Agent(10, lr=0.05, seed=0), torch.rand(10)
+    gen = torch.Generator().manual_seed(0)
+
+    def p_source_2() -> float:
+        cands = torch.tensor([TOKENS(m) for m in mods[:2]] + [TOKENS(None)])
+        with torch.no_grad():
+            return float(agent.policy.logits(data, torch.zeros(0, TOKEN_FEATURES), cands, torch.tensor([True, True, False])).softmax(0)[1])
+
+    before = p_source_2()
+    for _ in range(60):
+        ep = assemble(agent.policy, zoo, TOKENS, data, math.inf, 0, generator=gen)
+        agent.update(ep, 1.0 if ep.metas[0].source == 2 else 0.0)
+    assert 0.2 < before < 0.8 < p_source_2()
+
+
+def test_greedy_decoding_takes_the_argmax_and_chain_log_prob_scores_a_chain() -> None:
+    bases = [load_base(n) for n in ("cnn-2", "cnn-3", "cnn-4", "cnn-6")]
+    zoo = Zoo.build([m for c, b in enumerate(bases) for m in b.metas(c)], (1, 28, 28), 32, 7)
+    budget = peak_bytes(bases[3].metas(3), (1, 28, 28), 32)
+    policy, data, gen = AttenAssemble(10), torch.rand(10), torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    greedy = assemble(policy, zoo, TOKENS, data, budget, 0, temperature=0.0)
+    assert greedy.metas == assemble(policy, zoo, TOKENS, data, budget, 0, temperature=0.0).metas
+    with torch.no_grad():
+        for s in greedy.steps:
+            assert s.action == int(policy.logits(data, s.state, s.candidates, s.valid).argmax())
+        for _ in range(5):
+            ep = assemble(policy, zoo, TOKENS, data, budget, 0, generator=gen)
+            assert chain_log_prob(policy, zoo, TOKENS, data, budget, 0, ep.metas) == pytest.approx(float(log_probs(policy, ep).sum()), abs=1e-5)
+    too_big = bases[3].metas(3)  # CNN-6 does not fit CNN-2's budget
+    assert chain_log_prob(policy, zoo, TOKENS, data, peak_bytes(bases[0].metas(0), (1, 28, 28), 32), 0, too_big) == -math.inf
+    with pytest.raises(ValueError, match="temperature"):
+        assemble(policy, zoo, TOKENS, data, budget, 0, temperature=-1.0)
 
 
 def test_returns_are_discounted_from_the_terminal_reward() -> None:
@@ -262,9 +403,13 @@ def test_metadata_travels_as_a_validated_message_and_hostile_metadata_is_refused
         MetadataBroadcast.from_json(bad)
     with pytest.raises(MessageError):
         MetadataBroadcast.from_json(msg.to_json().replace(b'"type":"conv"', b'"type":"rm -rf"', 1))
-    ex = InProcessExchange("fed", {})
-    ex.broadcast(msg, fan_out=3)
+    ex = InProcessExchange("fed", {}, links=[[2], [2], [0, 1, 3], [2]])
+    ex.broadcast(msg)  # three clients have client 2 as a neighbour: three copies
     assert ex.metadata[2] == metas and ex.bytes["metadata"] == 3 * len(msg.to_json())
+    assert ex.catalogue(0) == metas and ex.catalogue(2) == []  # what a client sees: its neighbours' announcements
+    forged = MetadataBroadcast(federation="fed", client=3, modules=load_base("cnn-2").metas(0))
+    ex.broadcast(forged)  # client 3 advertising client 0's modules: refused, counted
+    assert 3 not in ex.metadata and ex.rejected["foreign_module"] == 1
 
 
 # -- FedRolex / HeteroFL windows ---------------------------------------------------------------------
@@ -339,7 +484,8 @@ def test_exploration_bonus_matches_the_papers_formula() -> None:
 
 def test_critic_handles_episodes_of_different_lengths_and_learns_their_returns() -> None:
     metas = load_base("cnn-4").metas(0)
-    obs = [torch.stack([observation(torch.rand(10), metas[:t], 0, 6) for t in range(n)]) for n in (2, 5, 3)]
+    prefix = lambda t: torch.tensor([TOKENS(m) for m in metas[:t]]).reshape(t, TOKEN_FEATURES)  # noqa: E731
+    obs = [torch.stack([observation(torch.rand(10), prefix(t), 6) for t in range(n)]) for n in (2, 5, 3)]
     targets = [[0.2] * 2, [0.9] * 5, [0.5] * 3]
     critic = ServerCritic(obs[0].shape[1], lr=1e-2, seed=0)
     assert [len(v) for v in critic.values(obs)] == [2, 5, 3]
@@ -347,3 +493,26 @@ def test_critic_handles_episodes_of_different_lengths_and_learns_their_returns()
     for _ in range(150):
         last = critic.update(obs, targets)
     assert last < first / 5
+
+
+def _report(client: int, r: int, steps: int, seed: int) -> PolicyReport:
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.rand(steps, 10 + TOKEN_FEATURES + 1, generator=g)
+    return PolicyReport(federation="fed", client=client, round=r, accuracy=float(torch.rand(1, generator=g)), cap=0.5,
+                        data_feature=torch.rand(10, generator=g).tolist(), chain=[(client, 0), ((client + 1) % 3, 1), (client, 2)],
+                        observations=obs.tolist())
+
+
+def test_coretune_withholds_its_values_until_warm_and_gives_the_papers_exp() -> None:
+    server = CoReTune("fed", 10 + TOKEN_FEATURES + 1, alpha=0.7, beta=0.1, gamma=0.95, warmup_rounds=2, lr=1e-2, seed=0)
+    reports = [_report(c, 0, 2 + c, c) for c in range(3)]
+    errors = []
+    for r in range(40):
+        advice, stats = server.step(reports)
+        assert [a.values is None for a in advice] == [r < 2] * 3 and stats["critic_warm"] == (r >= 2)
+        errors.append(stats["critic_abs_error"])
+    assert [len(a.values) for a in advice] == [2, 3, 4] and [a.client for a in advice] == [0, 1, 2]
+    arch = [torch.tensor([float(k in r.chain) for k in sorted({k for x in reports for k in x.chain})]) for r in reports]
+    want = exploration_bonus([torch.tensor(r.data_feature) for r in reports], arch)
+    assert [a.exp for a in advice] == pytest.approx(want, abs=1e-6)
+    assert errors[-1] < errors[0] / 3  # the critic learns the returns it is trained on

@@ -9,13 +9,16 @@ window rule and the aggregation are nefl.rolling's.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_model, peak_bytes
-from nefl.rolling import Window, rolled_window
+from nefl.rolling import Window, extract_state, rolled_window
+from nefl.train import Batches, TrainConfig, TrainResult, local_train
 
 WIDTH_LEVELS = (1.0, 0.5, 0.25, 0.125)  # HeteroFL's capability levels
 
@@ -62,3 +65,24 @@ def submodel_windows(base: BaseArch, gamma: float, offset: int) -> dict[str, Win
                 windows[f"{name}.bias"] = (out,)
                 cur, hw = out, 1
     return windows
+
+
+@dataclass
+class WindowStep:
+    values: dict[str, torch.Tensor]  # the trained window, for nefl.rolling.aggregate_windows
+    windows: dict[str, Window]
+    result: TrainResult
+    model: nn.Sequential  # the trained submodel
+    cut_seconds: float  # choosing and cutting the window: the method's decision cost
+
+
+def train_window(global_state: dict[str, torch.Tensor], base: BaseArch, gamma: float, offset: int, batches: Batches,
+                 config: TrainConfig) -> WindowStep:
+    """A PT client's step: cut the width-`gamma` window at `offset` out of the global state and train it."""
+    t0 = time.perf_counter()
+    windows = submodel_windows(base, gamma, offset)
+    start = extract_state(global_state, windows)
+    cut = time.perf_counter() - t0
+    model = build_model(scaled_metas(base, gamma))
+    res = local_train(model, start, batches, config)
+    return WindowStep({k: start[k] + res.delta[k] for k in start}, windows, res, model, cut)

@@ -1,30 +1,63 @@
-"""CoRe-Tune: the server's centralized critic V(h, Z) for the policy-training phase, and the Exp term.
+"""CoRe-Tune: the server's step during the policy phase: the centralized critic V(h, Z) and the Exp term.
 
-During the (optional) phase each client sends the server its observation per decision step: its data
-feature on the task-agnostic proxy set (never its label histogram or data) and the metadata of what it
-has assembled so far. The critic embeds each observation, attends from client i's observation over all
-clients' observations of the same step (Z_t), and predicts the Monte-Carlo return; the clients' advantage
-is return - V. After the phase the server is gone and every client falls back to its own running-mean
-baseline (decentralized execution).
+During the phase each client sends the server a `PolicyReport`: its chain, its accuracy and capacity
+terms, its data feature on the shared task-agnostic probe (never its labels or data) and its observation
+per decision step (that feature, the tokens of what it had assembled, the prefix length). The server
+computes every client's Exp (the paper's formula over all reports), trains the critic on the clients'
+Monte-Carlo returns and answers each client with a `CriticAdvice`: its Exp and, once the critic has had
+`warmup_rounds` of training, the critic's values for its steps, so the advantage is r_t - V. Before that
+the values of an untrained critic would turn REINFORCE into reinforcing whatever was sampled, so the
+clients keep their own running-mean baseline. After the phase the server is gone (decentralized execution).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nefl.jigsaw.policy import META_FEATURES, meta_features
-from nefl.jigsaw.zoo import ModuleMeta
+from nefl.jigsaw.policy import TOKEN_FEATURES, returns, terminal_reward
+from nefl.jigsaw.symbio import Client
+from nefl.messages import Message, Name, Round
+
+MAX_REPORT_BYTES = 256 * 1024
+Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Feature = Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)]
+Vector = Annotated[list[Feature], msgspec.Meta(max_length=4096)]
+ModuleKey = tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 20)], Annotated[int, msgspec.Meta(ge=0, le=1024)]]
 
 
-def observation(proxy_feature: torch.Tensor, assembled: Sequence[ModuleMeta], client: int, max_blocks: int) -> torch.Tensor:
-    """h_t of one client: proxy-set data feature, mean metadata features of the prefix, prefix length."""
-    feats = torch.tensor([meta_features(m, client) for m in assembled]).reshape(len(assembled), META_FEATURES)
-    pooled = feats.mean(0) if len(assembled) else torch.zeros(META_FEATURES)
-    return torch.cat([proxy_feature.float(), pooled, torch.tensor([len(assembled) / max_blocks])])
+class PolicyReport(Message, frozen=True, tag="jigsaw_report", tag_field="type"):
+    """Client -> server, policy phase: what the critic and Exp need of one client's round."""
+
+    federation: Name
+    client: Client
+    round: Round
+    accuracy: Unit
+    cap: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+    data_feature: Vector  # E_data: the client's model's mean output on the shared probe
+    chain: Annotated[list[ModuleKey], msgspec.Meta(max_length=64)]  # (source, position) of each module, head last
+    observations: Annotated[list[Vector], msgspec.Meta(min_length=1, max_length=64)]  # h_t per decision step
+
+
+class CriticAdvice(Message, frozen=True, tag="jigsaw_advice", tag_field="type"):
+    """Server -> one client: its Exp term and (after the critic's warm-up) the critic's value per step."""
+
+    federation: Name
+    client: Client
+    round: Round
+    exp: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)]
+    values: Annotated[list[Feature], msgspec.Meta(max_length=64)] | None = None
+
+
+def observation(data_feature: torch.Tensor, state: torch.Tensor, max_blocks: int) -> torch.Tensor:
+    """h_t of one client: its probe data feature, the mean token of the assembled prefix, prefix length."""
+    pooled = state.mean(0) if state.shape[0] else torch.zeros(TOKEN_FEATURES)
+    return torch.cat([data_feature.float(), pooled, torch.tensor([state.shape[0] / max_blocks])])
 
 
 class Critic(nn.Module):
@@ -84,11 +117,11 @@ class ServerCritic:
         return float(loss.detach())
 
 
-def arch_feature(metas: Sequence[ModuleMeta], all_keys: Sequence[str]) -> torch.Tensor:
-    """E_arch: which modules (by source and position) an assembled model uses, as a multi-hot vector,
-    so two clients' architectures are similar exactly when they share modules."""
-    chosen = {m.key for m in metas}
-    return torch.tensor([float(k in chosen) for k in all_keys])
+def arch_features(chains: Sequence[Sequence[tuple[int, int]]]) -> list[torch.Tensor]:
+    """E_arch per chain: which modules (by source and position) it uses, multi-hot over the modules any of
+    the chains uses, so two clients' architectures are similar exactly when they share modules."""
+    keys = sorted({k for chain in chains for k in chain})
+    return [torch.tensor([float(k in set(chain)) for k in keys]) for chain in chains]
 
 
 def exploration_bonus(data_features: Sequence[torch.Tensor], arch_features: Sequence[torch.Tensor]) -> list[float]:
@@ -100,4 +133,33 @@ def exploration_bonus(data_features: Sequence[torch.Tensor], arch_features: Sequ
     a = F.normalize(torch.stack([f.float() for f in arch_features]), dim=1)
     pair = (d @ d.T) * (1 - a @ a.T)
     pair.fill_diagonal_(0)
-    return (pair.sum(1) / (n - 1)).tolist()
+    return (pair.sum(1) / (n - 1)).clamp(-1.0, 1.0).tolist()
+
+
+class CoReTune:
+    """The server's step: reports of one round in, one advice per client out, the critic trained on the way."""
+
+    def __init__(self, federation: str, obs_dim: int, alpha: float, beta: float, gamma: float, warmup_rounds: int,
+                 lr: float = 1e-3, seed: int = 0) -> None:
+        self.federation, self.alpha, self.beta, self.gamma = federation, alpha, beta, gamma
+        self.warmup_rounds = warmup_rounds
+        self.critic = ServerCritic(obs_dim, lr=lr, seed=seed)
+        self.rounds_trained = 0
+
+    def step(self, reports: Sequence[PolicyReport]) -> tuple[list[CriticAdvice], dict]:
+        """Exp for every client, the critic's values (once warm), one critic update on this round's returns."""
+        exp = exploration_bonus([torch.tensor(r.data_feature) for r in reports], arch_features([r.chain for r in reports]))
+        obs = [torch.tensor(r.observations, dtype=torch.float32) for r in reports]
+        targets = [returns(terminal_reward(r.accuracy, e, r.cap, self.alpha, self.beta), len(r.observations), self.gamma)
+                   for r, e in zip(reports, exp)]
+        warm = self.rounds_trained >= self.warmup_rounds
+        values = self.critic.values(obs)
+        loss = self.critic.update(obs, targets)
+        self.rounds_trained += 1
+        advice = [CriticAdvice(federation=self.federation, client=r.client, round=r.round, exp=e, values=v if warm else None)
+                  for r, e, v in zip(reports, exp, values)]
+        flat_v, flat_t = [x for v in values for x in v], [x for t in targets for x in t]
+        stats = {"critic_loss": loss, "critic_warm": warm, "critic_value": sum(flat_v) / len(flat_v),
+                 "critic_return": sum(flat_t) / len(flat_t),
+                 "critic_abs_error": sum(abs(v - t) for v, t in zip(flat_v, flat_t)) / len(flat_t)}
+        return advice, stats

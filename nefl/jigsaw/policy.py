@@ -6,7 +6,15 @@ the candidate tokens (temperature tau) is the action distribution. Invalid candi
 of both the attention and the softmax, so any number of candidates works and a masked token cannot
 move the probabilities of the valid ones. Trained with REINFORCE on the paper's terminal reward.
 
-Kept small on purpose (d_model 32, one encoder layer, about 13k parameters): the policy runs on the
+A module's token is its metadata (the paper's <source, position, type, d_in, d_out>, the source as a
+binary code) plus what the client has observed of it (nefl.jigsaw.observations): two modules differ in
+their tokens whenever they differ in source or position, so a policy can prefer one source's block over
+another's of the same kind; with identical tokens it could only give them equal probability.
+
+Two ways to decode: sampling at a temperature (the policy phase explores) and greedy (temperature 0,
+execution); `chain_log_prob` scores a given chain under the policy, for the switching rule.
+
+Kept small on purpose (d_model 32, one encoder layer, about 14k parameters): the policy runs on the
 device, on a CPU, beside local training.
 """
 
@@ -14,25 +22,39 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nefl.jigsaw.observations import OBS_FEATURES, ObservationLog
 from nefl.jigsaw.zoo import TYPES, ModuleMeta, Zoo
 
-META_FEATURES = 12  # type one-hot (4), convs, log-dims in/out (4), position, own-module flag, STOP flag
+SOURCE_BITS = 20  # ModuleMeta.source < 2**20: every possible source has its own code
+META_FEATURES = len(TYPES) + 1 + 4 + 1 + 1 + SOURCE_BITS  # type, convs, log-dims, position, own flag, source code
+TOKEN_FEATURES = META_FEATURES + OBS_FEATURES + 1  # + what the client observed + STOP flag
+
+TokenFn = Callable[[ModuleMeta | None], list[float]]
 
 
-def meta_features(meta: ModuleMeta | None, client: int) -> list[float]:
-    """What the policy sees of a module: its metadata only (never parameters). None is STOP."""
-    if meta is None:
-        return [0.0] * (META_FEATURES - 1) + [1.0]
+def meta_features(meta: ModuleMeta, client: int) -> list[float]:
+    """The module's metadata as numbers: type one-hot, conv count, log2 dims, position, own flag, source bits."""
     kind = [float(meta.kind == t) for t in TYPES]
     convs = int(meta.type.split("-")[1]) if meta.kind == "stage" else float(meta.kind == "conv")
     dims = [math.log2(meta.d_in[0]) / 10, math.log2(meta.d_in[1]) / 5, math.log2(meta.d_out[0]) / 10, math.log2(meta.d_out[1]) / 5]
-    return kind + [convs / 4] + dims + [meta.position / 10, float(meta.source == client), 0.0]
+    source = [float(meta.source >> b & 1) for b in range(SOURCE_BITS)]
+    return kind + [convs / 4] + dims + [meta.position / 10, float(meta.source == client)] + source
+
+
+def tokens_for(client: int, log: ObservationLog | None, round_index: int) -> TokenFn:
+    """Client `client`'s token encoder at `round_index`: metadata, its observations, STOP flag (None is STOP)."""
+    def token(meta: ModuleMeta | None) -> list[float]:
+        if meta is None:
+            return [0.0] * (TOKEN_FEATURES - 1) + [1.0]
+        seen = log.features(meta.key, round_index) if log is not None else [0.0, 0.0, 0.0, 1.0]
+        return meta_features(meta, client) + seen + [0.0]
+    return token
 
 
 class AttenAssemble(nn.Module):
@@ -43,7 +65,7 @@ class AttenAssemble(nn.Module):
         super().__init__()
         self.d_model, self.tau = d_model, tau
         self.data_enc = nn.Linear(data_dim, d_model)
-        self.meta_enc = nn.Sequential(nn.Linear(META_FEATURES, d_model), nn.ReLU(), nn.Linear(d_model, d_model))
+        self.meta_enc = nn.Sequential(nn.Linear(TOKEN_FEATURES, d_model), nn.ReLU(), nn.Linear(d_model, d_model))
         self.segment = nn.Embedding(3, d_model)  # 0 CLS, 1 assembled state, 2 candidate
         self.order = nn.Embedding(max_len, d_model)  # position of a state token in the assembly
         layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True)
@@ -71,8 +93,8 @@ class AttenAssemble(nn.Module):
 class Step:
     """One decision, kept so REINFORCE can recompute its log-probability with gradients."""
 
-    state: torch.Tensor
-    candidates: torch.Tensor
+    state: torch.Tensor  # tokens of the assembled prefix [N, F]
+    candidates: torch.Tensor  # tokens of the valid blocks, then STOP [K + 1, F]
     valid: torch.Tensor
     action: int
 
@@ -85,42 +107,77 @@ class Episode:
     steps: list[Step]
     metas: list[ModuleMeta]
     seconds: float = 0.0
-    history: list[list[ModuleMeta]] = field(default_factory=list)  # the assembled prefix before each step
+
+
+def _decide(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor, budget: float, client: int,
+            chosen: Sequence[ModuleMeta]) -> tuple[list[ModuleMeta], Step, torch.Tensor]:
+    """The valid next blocks after `chosen` (STOP is index len(blocks)), the step's inputs and its logits."""
+    valid, stop = zoo.valid_actions(chosen, budget)
+    if not valid and not stop:
+        raise ValueError(f"client {client}: no model fits a budget of {budget / 2**20:.1f} MiB "
+                         f"(the smallest needs {zoo.smallest_peak() / 2**20:.1f} MiB)")
+    cands = [zoo.modules[i] for i in valid]
+    state = torch.tensor([tokens(m) for m in chosen]).reshape(len(chosen), TOKEN_FEATURES)
+    cand = torch.tensor([tokens(m) for m in cands] + [tokens(None)])
+    mask = torch.tensor([True] * len(cands) + [stop])
+    step = Step(state, cand, mask, -1)
+    return cands, step, policy.logits(data, state, cand, mask)
 
 
 @torch.no_grad()
-def assemble(policy: AttenAssemble, zoo: Zoo, client: int, data: torch.Tensor, budget: float,
-             generator: torch.Generator | None = None) -> Episode:
-    """Run the policy until STOP: each step offers the zoo's valid blocks plus STOP (masked when an
-    assembly could not end here); the client's head (or a compatible one) is appended on STOP."""
+def assemble(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor, budget: float, client: int,
+             temperature: float = 1.0, generator: torch.Generator | None = None) -> Episode:
+    """Run the policy until STOP, sampling at `temperature` (0: greedy); each step offers the zoo's valid
+    blocks plus STOP (masked when an assembly could not end here); the client's head (or a compatible
+    one) is appended on STOP."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     t0 = time.perf_counter()
     chosen: list[ModuleMeta] = []
     steps: list[Step] = []
-    history: list[list[ModuleMeta]] = []
     while True:
-        valid, stop = zoo.valid_actions(chosen, budget)
-        if not valid and not stop:
-            raise ValueError(f"client {client}: no model fits a budget of {budget / 2**20:.1f} MiB "
-                             f"(the smallest needs {zoo.smallest_peak() / 2**20:.1f} MiB)")
-        cands = [zoo.modules[i] for i in valid]
-        state = torch.tensor([meta_features(m, client) for m in chosen]).reshape(len(chosen), META_FEATURES)
-        cand = torch.tensor([meta_features(m, client) for m in cands] + [meta_features(None, client)])
-        mask = torch.tensor([True] * len(cands) + [stop])
-        logits = policy.logits(data, state, cand, mask)
-        a = int(torch.multinomial(logits.softmax(0), 1, generator=generator))
-        steps.append(Step(state, cand, mask, a))
-        history.append(list(chosen))
+        cands, step, logits = _decide(policy, zoo, tokens, data, budget, client, chosen)
+        if temperature == 0:
+            a = int(logits.argmax())
+        else:
+            a = int(torch.multinomial((logits / temperature).softmax(0), 1, generator=generator))
+        step.action = a
+        steps.append(step)
         if a == len(cands):
             break
         chosen.append(cands[a])
     head = zoo.head_for(chosen[-1].d_out, client)
     assert head is not None  # STOP is only valid where a head fits
-    return Episode(data, steps, chosen + [head], time.perf_counter() - t0, history)
+    return Episode(data, steps, chosen + [head], time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def chain_log_prob(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor, budget: float, client: int,
+                   chain: Sequence[ModuleMeta]) -> float:
+    """log pi of assembling `chain` (its blocks, then STOP; the head follows from them), -inf when the
+    zoo's rule would not allow it under this budget."""
+    blocks = [m for m in chain if m.kind != "head"]
+    total = 0.0
+    for t in range(len(blocks) + 1):
+        try:
+            cands, _, logits = _decide(policy, zoo, tokens, data, budget, client, blocks[:t])
+        except ValueError:
+            return -math.inf
+        a = len(cands) if t == len(blocks) else next((i for i, m in enumerate(cands) if m == blocks[t]), None)
+        if a is None:
+            return -math.inf
+        total += float(logits.log_softmax(0)[a])
+    return total
 
 
 def returns(reward: float, steps: int, gamma: float) -> list[float]:
     """The paper's Monte-Carlo returns r_t = gamma^(T-t) R for t = 1..T (sparse terminal reward)."""
     return [gamma ** (steps - t) * reward for t in range(1, steps + 1)]
+
+
+def terminal_reward(accuracy: float, exp: float, cap: float, alpha: float, beta: float) -> float:
+    """The paper's R = alpha Acc + (1 - alpha) Exp + beta Cap (Exp is 0 without the server)."""
+    return alpha * accuracy + (1 - alpha) * exp + beta * cap
 
 
 def log_probs(policy: AttenAssemble, episode: Episode) -> torch.Tensor:
@@ -129,8 +186,9 @@ def log_probs(policy: AttenAssemble, episode: Episode) -> torch.Tensor:
 
 
 class Agent:
-    """A client's policy with its optimiser. Without a critic the baseline is a running mean of the
-    client's own rewards (decentralized); with CoRe-Tune the server's critic values are passed in."""
+    """A client's policy with its optimiser. The baseline of the advantage is the server critic's value
+    when it sends one (CoRe-Tune, after its warm-up), else a running mean of the client's own rewards,
+    which is kept up to date in both cases so it is warm when the server goes away."""
 
     def __init__(self, data_dim: int, lr: float = 1e-2, gamma: float = 0.95, tau: float = 1.0, seed: int = 0,
                  baseline_decay: float = 0.8) -> None:
@@ -141,16 +199,18 @@ class Agent:
         self.baseline: float | None = None
         self.baseline_decay = baseline_decay
 
-    def update(self, episode: Episode, reward: float, values: Sequence[float] | None = None) -> float:
-        """One REINFORCE step; advantage = return - baseline (critic value or running mean). Returns the loss."""
+    def update(self, episode: Episode, reward: float, values: Sequence[float] | None = None) -> tuple[float, float]:
+        """One REINFORCE step; returns (loss, mean advantage)."""
         ret = torch.tensor(returns(reward, len(episode.steps), self.gamma))
         if values is not None:
             base = torch.tensor(list(values), dtype=torch.float32)
         else:
             base = torch.full_like(ret, reward if self.baseline is None else self.baseline)
-            self.baseline = reward if self.baseline is None else self.baseline_decay * self.baseline + (1 - self.baseline_decay) * reward
-        loss = -(log_probs(self.policy, episode) * (ret - base)).sum()
+        decay = self.baseline_decay
+        self.baseline = reward if self.baseline is None else decay * self.baseline + (1 - decay) * reward
+        advantage = ret - base
+        loss = -(log_probs(self.policy, episode) * advantage).sum()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        return float(loss.detach())
+        return float(loss.detach()), float(advantage.mean())

@@ -92,9 +92,12 @@ def source_average(copies: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
 
 
 class ModuleExchange(Protocol):
-    """What SymbioArchitect needs from a transport; the simulator's is in-process, a broker's comes later."""
+    """Everything a client step (nefl.jigsaw.client) may do with other clients: announce its modules, read
+    its neighbours' announcements, fetch a module's parameters from its source, return a trained copy.
+    The simulator's transport is in-process; a broker's moves the same messages."""
 
     def broadcast(self, msg: MetadataBroadcast) -> None: ...
+    def catalogue(self, client: int) -> list[ModuleMeta]: ...
     def fetch(self, req: ModuleFetch) -> dict[str, torch.Tensor]: ...
     def give_back(self, msg: ModuleReturn, state: dict[str, torch.Tensor]) -> None: ...
 
@@ -103,9 +106,10 @@ class InProcessExchange:
     """Every client's module repository in one process. Messages are encoded and re-decoded with the
     strict loader, as over a broker; tensors are counted at float32 size. `aggregate` closes a round."""
 
-    def __init__(self, federation: str, store: dict[str, dict[str, torch.Tensor]]) -> None:
+    def __init__(self, federation: str, store: dict[str, dict[str, torch.Tensor]], links: Sequence[Sequence[int]] = ()) -> None:
         self.federation = federation
         self.store = store  # module key -> parameters, owned by the module's source
+        self.links = [list(n) for n in links]  # each client's neighbours (whose broadcasts it receives)
         self.metadata: dict[int, list[ModuleMeta]] = {}
         self.returned: dict[str, list[dict[str, torch.Tensor]]] = defaultdict(list)
         self.rejected: dict[str, int] = defaultdict(int)
@@ -122,10 +126,23 @@ class InProcessExchange:
         kind = {MetadataBroadcast: "metadata", ModuleFetch: "fetch", ModuleReturn: "return"}[cls]
         self.bytes[kind] += n
 
-    def broadcast(self, msg: MetadataBroadcast, fan_out: int = 1) -> None:
+    def broadcast(self, msg: MetadataBroadcast) -> None:
+        """One copy per neighbour; refused (and counted) when it advertises modules of another source."""
         got = self._wire(msg, MetadataBroadcast)
-        self.bytes["metadata"] += len(msg.to_json()) * (fan_out - 1)  # one copy per neighbour
+        fan_out = sum(1 for n in self.links if got.client in n)
+        self.bytes["metadata"] += len(msg.to_json()) * (fan_out - 1)
+        if any(m.source != got.client for m in got.modules):
+            self.rejected["foreign_module"] += 1
+            return
         self.metadata[got.client] = list(got.modules)
+
+    def catalogue(self, client: int) -> list[ModuleMeta]:
+        """The modules `client`'s neighbours announced, each once."""
+        seen: dict[str, ModuleMeta] = {}
+        for j in self.links[client] if client < len(self.links) else ():
+            for m in self.metadata.get(j, []):
+                seen.setdefault(m.key, m)
+        return list(seen.values())
 
     def fetch(self, req: ModuleFetch) -> dict[str, torch.Tensor]:
         got = self._wire(req, ModuleFetch, local=req.client == req.source)  # own repository: no traffic

@@ -208,11 +208,31 @@ def fixed_bytes(input_dims: Dims, batch_size: int) -> int:
 STOP = -1  # the action index of STOP in `valid_actions`' answer
 
 
+def _finish_table(modules: Sequence[ModuleMeta], dims: set[Dims], batch_size: int, max_blocks: int,
+                  excluded: frozenset[str] = frozenset()) -> tuple[dict[Dims, float], ...]:
+    """`table[s][d]`: the fewest bytes that at most s more blocks (none of `excluded`) plus a head add after `d`."""
+    blocks = [m for m in modules if m.kind != "head" and m.key not in excluded]
+    heads = [m for m in modules if m.kind == "head"]
+    best_head = {d: min((marginal_bytes(h, batch_size) for h in heads if h.d_in == d), default=math.inf) for d in dims}
+    table = [best_head]
+    for _ in range(max_blocks):
+        prev = table[-1]
+        table.append({d: min([prev[d]] + [marginal_bytes(m, batch_size) + prev[m.d_out] for m in blocks if m.d_in == d])
+                      for d in dims})
+    return tuple(table)
+
+
 @dataclass(frozen=True)
 class Zoo:
     """The candidate modules one client sees (its own and its neighbours'), with the cheapest way to
     finish an assembly from each dims within a number of blocks: `finish[s][dims]` is the fewest bytes
-    that s more blocks at most plus a head add (inf when no head can be reached)."""
+    that s more blocks at most plus a head add (inf when no head can be reached).
+
+    A module is placed at most once in a chain: Eq. 2 averages one trained copy per borrower, and a block
+    repeated at several depths would be a weight-tied layer no base model has. The rule keeps every
+    assembly completable: a cheapest completion never uses a module twice (a repeat closes a cycle of dims
+    whose removal is cheaper), nor the block it completes (it starts at that block's output), so checking
+    each candidate against the cheapest completion without the blocks already placed is exact."""
 
     modules: tuple[ModuleMeta, ...]
     input: Dims
@@ -222,16 +242,12 @@ class Zoo:
 
     @classmethod
     def build(cls, modules: Sequence[ModuleMeta], input_dims: Dims, batch_size: int, max_blocks: int) -> "Zoo":
-        blocks = [m for m in modules if m.kind != "head"]
-        heads = [m for m in modules if m.kind == "head"]
-        dims = {input_dims} | {m.d_in for m in modules} | {m.d_out for m in modules}
-        best_head = {d: min((marginal_bytes(h, batch_size) for h in heads if h.d_in == d), default=math.inf) for d in dims}
-        finish = [best_head]
-        for _ in range(max_blocks):
-            prev = finish[-1]
-            finish.append({d: min([prev[d]] + [marginal_bytes(m, batch_size) + prev[m.d_out] for m in blocks if m.d_in == d])
-                           for d in dims})
-        return cls(tuple(modules), input_dims, batch_size, max_blocks, tuple(finish))
+        return cls(tuple(modules), input_dims, batch_size, max_blocks,
+                   _finish_table(modules, cls._dims(modules, input_dims), batch_size, max_blocks))
+
+    @staticmethod
+    def _dims(modules: Sequence[ModuleMeta], input_dims: Dims) -> set[Dims]:
+        return {input_dims} | {m.d_in for m in modules} | {m.d_out for m in modules}
 
     def head_for(self, dims: Dims, source: int) -> ModuleMeta | None:
         """The head appended on STOP: the client's own when it fits, else the cheapest that does."""
@@ -240,19 +256,22 @@ class Zoo:
         return (own or sorted(heads, key=lambda m: marginal_bytes(m, self.batch_size)) or [None])[0]
 
     def valid_actions(self, chosen: Sequence[ModuleMeta], budget: float) -> tuple[list[int], bool]:
-        """Indices into `modules` of the blocks that may come next, and whether STOP may: d_in matches the
-        current d_out, and a completion within `max_blocks` and `budget` bytes still exists."""
+        """Indices into `modules` of the blocks that may come next, and whether STOP may: not placed yet, d_in
+        matches the current d_out, and a completion within `max_blocks` and `budget` bytes still exists."""
         current = chosen[-1].d_out if chosen else self.input
         used = fixed_bytes(self.input, self.batch_size) + sum(marginal_bytes(m, self.batch_size) for m in chosen)
         left = self.max_blocks - len(chosen)
+        placed = frozenset(m.key for m in chosen)
+        finish = _finish_table(self.modules, self._dims(self.modules, self.input), self.batch_size, self.max_blocks,
+                               placed) if placed else self.finish
 
         def fits(need: float) -> bool:
             return not math.isinf(need) and need <= budget
 
         valid = [i for i, m in enumerate(self.modules)
-                 if m.kind != "head" and m.d_in == current and left >= 1
-                 and fits(used + marginal_bytes(m, self.batch_size) + self.finish[left - 1].get(m.d_out, math.inf))]
-        stop = bool(chosen) and fits(used + self.finish[0].get(current, math.inf))
+                 if m.kind != "head" and m.key not in placed and m.d_in == current and left >= 1
+                 and fits(used + marginal_bytes(m, self.batch_size) + finish[left - 1].get(m.d_out, math.inf))]
+        stop = bool(chosen) and fits(used + finish[0].get(current, math.inf))
         return valid, stop
 
     def smallest_peak(self) -> float:
@@ -264,3 +283,15 @@ def module_state_of(model: nn.Sequential, index: int) -> dict[str, torch.Tensor]
     """The parameters and BN statistics of the `index`-th module of an assembled model, keyed as in
     a standalone `build_module` (so they can travel back to the module's source)."""
     return {k: v.detach().clone() for k, v in model[index].state_dict().items() if not k.endswith("num_batches_tracked")}
+
+
+def base_for_budget(bases: Sequence[BaseArch], budget: float, batch_size: int) -> BaseArch:
+    """The base architecture a device gets: the one with the largest training-peak estimate (the kit's cost
+    model, as the device agent picks its NeFL submodel) that fits its memory budget."""
+    ranked = sorted(bases, key=lambda b: peak_bytes(b.metas(0), b.input, batch_size))
+    fitting = [b for b in ranked if peak_bytes(b.metas(0), b.input, batch_size) <= budget]
+    if not fitting:
+        need = peak_bytes(ranked[0].metas(0), ranked[0].input, batch_size)
+        raise ValueError(f"no base architecture fits a budget of {budget / 2**20:.1f} MiB: the smallest, "
+                         f"{ranked[0].name}, needs {need / 2**20:.1f} MiB")
+    return fitting[-1]

@@ -1,0 +1,222 @@
+"""FedJigsaw's client and server steps as a library, the simulator's every method branch, device budgets and
+method names: the client step touches other clients only through the four ModuleExchange calls, switches chains
+only for a gain, refuses hostile advice, and every method of `aggregator jigsaw` runs on real data."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator, device_budgets
+from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
+from nefl.jigsaw.coretune import CriticAdvice, PolicyReport
+from nefl.jigsaw.methods import METHODS, get_method
+from nefl.jigsaw.policy import chain_log_prob, tokens_for
+from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn
+from nefl.jigsaw.zoo import ModuleMeta, base_for_budget, build_module, fixed_bytes, load_base, peak_bytes
+from nefl.messages import MessageError
+from nefl.profile import METHOD_NAMES
+from nefl.state import module_state
+from nefl.train import TrainConfig
+
+torch.set_num_threads(1)
+SETTINGS = ClientSettings("fed", max_blocks=7, batch_size=8, alpha=0.9, beta=0.1, gamma=0.95, tau=1.0, policy_lr=0.05,
+                          execution_temperature=0.0, switch_cost=1.0, switch_patience=1, observation_decay=0.5)
+NAMES = ("cnn-2", "cnn-3", "cnn-4")
+
+
+class RecordingExchange:
+    """Only the ModuleExchange protocol, backed by a private in-process exchange: a client that reached for
+    anything else (another client's store, metadata or policy) would fail with AttributeError."""
+
+    def __init__(self, inner: InProcessExchange) -> None:
+        self._inner = inner
+        self.fetched: list[tuple[int, str]] = []
+        self.returned: list[tuple[int, str, dict]] = []
+
+    def broadcast(self, msg: MetadataBroadcast) -> None:
+        self._inner.broadcast(msg)
+
+    def catalogue(self, client: int) -> list[ModuleMeta]:
+        return self._inner.catalogue(client)
+
+    def fetch(self, req: ModuleFetch) -> dict[str, torch.Tensor]:
+        self.fetched.append((req.client, f"c{req.source}.m{req.position}"))
+        return self._inner.fetch(req)
+
+    def give_back(self, msg: ModuleReturn, state: dict[str, torch.Tensor]) -> None:
+        self.returned.append((msg.client, f"c{msg.source}.m{msg.position}", state))
+        self._inner.give_back(msg, state)
+
+
+def _federation(n: int = 3, assemble: bool = True) -> tuple[list[JigsawClient], RecordingExchange]:
+    bases = [load_base(NAMES[c % 3]) for c in range(n)]
+    torch.manual_seed(0)
+    store = {m.key: module_state(build_module(m)) for c, b in enumerate(bases) for m in b.metas(c)}
+    exchange = RecordingExchange(InProcessExchange("fed", store, [[j for j in range(n) if j != i] for i in range(n)]))
+    budget = peak_bytes(load_base("cnn-6").metas(0), (1, 28, 28), 8)
+    clients = [JigsawClient(c, b, budget, torch.rand(10), SETTINGS, seed=c, assemble=assemble) for c, b in enumerate(bases)]
+    for cl in clients:
+        cl.join(exchange)
+    for cl in clients:
+        cl.connect(exchange)
+    return clients, exchange
+
+
+def _loaders(seed: int) -> Loaders:
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, 1, 28, 28, generator=g), torch.randint(10, (8,), generator=g)) for _ in range(2)]
+    return Loaders(batches, batches[:1])
+
+
+def test_a_client_step_goes_through_the_exchange_and_returns_every_module_to_its_source() -> None:
+    clients, exchange = _federation()
+    probe = torch.randn(4, 1, 28, 28)
+    res = clients[0].step(0, _loaders(0), exchange, TrainConfig(lr=0.05, batch_size=8), probe, explore=True)
+    keys = chain_keys(res.chain)
+    assert [k for c, k in exchange.fetched] == keys == [k for c, k, _ in exchange.returned]
+    assert keys[-1] == "c0.m3"  # its own head (CNN-2: two convs, an FC layer, the head)
+    assert {m.source for m in clients[0].zoo.modules} == {0, 1, 2}  # its candidates: its own and its neighbours' modules
+    for (_, key, state), m in zip(exchange.returned, res.chain):
+        assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in module_state(build_module(m)).items()}
+    fixed = fixed_bytes((1, 28, 28), 8)
+    assert res.cap == pytest.approx((peak_bytes(res.chain, (1, 28, 28), 8) - fixed) / (clients[0].budget - fixed))
+    report = PolicyReport.from_json(res.report.to_json(), 1 << 20)  # what the server receives
+    assert report.chain == [(m.source, m.position) for m in res.chain] and len(report.observations) == len(res.episode.steps)
+    assert 0 <= report.accuracy <= 1 and math.isclose(sum(report.data_feature), 1.0, rel_tol=1e-5)
+    out = clients[0].learn(res, None)
+    assert out["exp"] == 0.0 and not out["critic_values"]
+
+
+def test_a_client_switches_chains_only_for_a_gain_above_the_switch_cost_and_never_back() -> None:
+    clients, _ = _federation()
+    cl = clients[1]
+    greedy = cl._choose(0, explore=False)[0]
+    other = next(ep.metas for ep in (cl._choose(0, explore=True)[1] for _ in range(50)) if chain_keys(ep.metas) != chain_keys(greedy))
+    tokens = tokens_for(cl.client, cl.log, 0)
+    score = lambda chain: chain_log_prob(cl.agent.policy, cl.zoo, tokens, cl.data_feature, cl.budget, cl.client, chain)  # noqa: E731
+    gain = score(greedy) - score(other)
+    assert gain > 0
+    for held, cost, keeps in ((0, gain + 1e-3, True), (0, gain - 1e-3, False), (0, math.inf, True),
+                              (3, gain / 4 + 1e-3, True), (3, gain / 4 - 1e-3, False)):  # the cost grows with rounds held
+        cl.settings, cl.chain, cl.held = replace(SETTINGS, switch_cost=cost), other, held
+        assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other if keeps else greedy)
+    cl.settings, cl.left = replace(SETTINGS, switch_cost=-math.inf), {tuple(chain_keys(greedy))}
+    assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other)  # a chain once left is never taken again
+    cl.settings, cl.left, cl.held = replace(SETTINGS, switch_cost=gain / 2 - 1e-3, switch_patience=3), set(), 1
+    picks = [chain_keys(cl._choose(0, explore=False)[0]) for _ in range(3)]
+    assert picks == [chain_keys(other), chain_keys(other), chain_keys(greedy)]  # the third round in a row switches
+    cl.chain, cl.held, cl.pending = other, 2, (tuple(chain_keys(greedy)), 2)  # a round short of the cost starts over
+    assert chain_keys(cl._choose(0, explore=False)[0]) == chain_keys(other) and cl.pending is None
+    clients, exchange = _federation()
+    cl = clients[1]
+    cl.settings, cl.chain, cl.held = replace(SETTINGS, switch_cost=-math.inf), other, 4
+    res = cl.step(1, _loaders(1), exchange, TrainConfig(lr=0.05, batch_size=8), torch.randn(4, 1, 28, 28), explore=False)
+    assert res.changed and cl.left == {tuple(chain_keys(other))} and cl.held == 1  # the step keeps the books
+
+
+def test_a_client_without_a_policy_trains_its_base_model_every_round() -> None:
+    clients, exchange = _federation(assemble=False)
+    for r in range(2):
+        res = clients[2].step(r, _loaders(r), exchange, TrainConfig(lr=0.05, batch_size=8), torch.randn(4, 1, 28, 28), explore=False)
+        assert chain_keys(res.chain) == [m.key for m in load_base("cnn-4").metas(2)] and not res.changed and res.report is None
+    assert all(k.startswith("c2.") for _, k in exchange.fetched)
+
+
+@functools.cache
+def _stepped_client() -> tuple[JigsawClient, StepResult]:
+    """Client 0 after a policy-phase step of round 3 (learning on it again and again is harmless)."""
+    clients, exchange = _federation()
+    res = clients[0].step(3, _loaders(1), exchange, TrainConfig(lr=0.05, batch_size=8), torch.randn(4, 1, 28, 28), explore=True)
+    return clients[0], res
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_hostile_advice_is_refused_and_never_breaks_the_learning_step(data) -> None:
+    """Advice from the wire: random bytes, mutated valid advice, advice for another client, round or episode."""
+    client, res = _stepped_client()
+    steps = len(res.episode.steps)
+    valid = CriticAdvice(federation="fed", client=0, round=3, exp=0.1, values=[0.5] * steps).to_json()
+    kind = data.draw(st.sampled_from(["bytes", "mutate", "fields"]))
+    if kind == "bytes":
+        payload = data.draw(st.binary(max_size=300))
+    elif kind == "mutate":
+        i = data.draw(st.integers(0, len(valid) - 1))
+        payload = valid[:i] + data.draw(st.binary(min_size=1, max_size=8)) + valid[i + 1:]
+    else:
+        payload = CriticAdvice(federation="fed", client=data.draw(st.integers(0, 3)), round=data.draw(st.integers(0, 5)),
+                               exp=data.draw(st.floats(-1, 1)), values=data.draw(st.none() | st.lists(
+                                   st.floats(-10, 10), max_size=steps + 2))).to_json()
+    try:
+        advice = CriticAdvice.from_json(payload)
+    except MessageError:
+        return
+    before = client.rejected
+    out = client.learn(res, advice)
+    fits = advice.client == 0 and advice.round == 3 and (advice.values is None or len(advice.values) == steps)
+    assert client.rejected == before + (not fits) and math.isfinite(out["reward"])
+    assert out["critic_values"] == (fits and advice.values is not None)
+
+
+# -- budgets, base architectures, method names ---------------------------------------------------------
+
+def test_each_device_gets_the_largest_base_model_its_budget_fits() -> None:
+    bases = [load_base(n) for n in ("cnn-2", "cnn-3", "cnn-4", "cnn-6")]
+    peaks = {b.name: peak_bytes(b.metas(0), b.input, 32) for b in bases}
+    assert base_for_budget(bases, peaks["cnn-4"], 32).name == "cnn-4"
+    assert base_for_budget(bases, peaks["cnn-6"] - 1, 32).name == "cnn-4"
+    assert base_for_budget(bases, 1e12, 32).name == "cnn-6"
+    with pytest.raises(ValueError, match="cnn-2, needs"):
+        base_for_budget(bases, peaks["cnn-2"] - 1, 32)
+    budgets = device_budgets(bases, 10, 32, 1.25, seed=3)
+    fixed = fixed_bytes((1, 28, 28), 32)
+    assert min(budgets) > peaks["cnn-2"] and max(budgets) < fixed + 1.25 * (peaks["cnn-6"] - fixed)
+    assert sorted(budgets) == sorted(device_budgets(bases, 10, 32, 1.25, seed=4)) != budgets  # same spread, another order
+    assert len({base_for_budget(bases, b, 32).name for b in budgets}) >= 3
+
+
+def test_a_method_name_means_one_algorithm_across_commands() -> None:
+    assert not set(METHODS) & set(METHOD_NAMES)
+    with pytest.raises(ValueError, match="NeFL preset of `aggregator simulate`.*pt-heterofl"):
+        get_method("heterofl")
+    assert get_method("pt-fedrolex").rolling and not get_method("pt-heterofl").rolling
+
+
+# -- every branch of the simulator, on real Fashion-MNIST -----------------------------------------------
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_runs_its_phases_on_real_data(method: str) -> None:
+    cfg = JigsawConfig(method=method, clients=3, rounds=2, policy_rounds=2, critic_warmup=1, max_samples_per_client=48,
+                       test_per_client=30, proxy_samples=24, probe_samples=4, non_iid=1.0, eval_every=1)
+    sim = JigsawSimulator(cfg)
+    res = sim.run()
+    m = get_method(method)
+    phases = [r["phase"] for r in res.rounds]
+    assert phases == (["policy"] * 2 if m.assemble else []) + ["train"] * 2
+    assert all(0.0 <= a <= 1.0 for a in res.accuracy) and len(res.accuracy) == 3
+    last = res.rounds[-1]
+    assert len(last["peak_mib"]) == 3 and len(last["decision_seconds"]) == 3
+    assert all(p * 2**20 <= b + 1 for p, b in zip(last["peak_mib"], sim.budgets))  # within each device's budget
+    if m.family == "widths":
+        assert last["widths"] == sim.fed.widths and "chain_changes" not in last
+        return
+    assert 0.0 <= last["chain_changes"] <= 1.0
+    borrowed = any(not d.startswith(f"c{c}.") for c in range(3) for d in res.architectures[c])
+    if not m.share:
+        assert not borrowed
+    if not m.assemble:
+        assert [d.split(":")[0] for d in res.architectures[0]] == [x.key for x in sim.bases[0].metas(0)]
+        return
+    policy_rows = res.rounds[:2]
+    assert all(len(r["reward"]) == 3 for r in policy_rows)
+    if m.coretune:  # the critic trains from the first round, its values count from the second
+        assert [r["critic_warm"] for r in policy_rows] == [False, True]
+    else:
+        assert all("critic_loss" not in r for r in policy_rows)
