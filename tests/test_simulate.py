@@ -13,6 +13,7 @@ from nefl.population import client_ids, tier_bound, tier_of
 from nefl.checkpoint import load_checkpoint
 from nefl.data import SYSTEM_FASHION_MNIST_DIR
 from nefl.profile import load_profile
+from nefl.robust_aggregate import AggregationConfig
 from nefl.state import Layout
 
 
@@ -67,7 +68,11 @@ def test_short_simulation_trains_every_submodel_on_real_fashion_mnist(tmp_path) 
     assert min(final["accuracy"]) > 0.25 and final["avg"] > 0.4, final["accuracy"]
     assert final["worst"] == min(final["accuracy"])
     assert all(r["committed"] and r["rejected"] == {} for r in rows), "the server's guard refused an honest update"
-    assert not any(r.get("dropped") for r in rows), "the centre check left out an honest update"
+    # without attackers the vote still leaves out an honest update that points against most of the round (in
+    # late rounds, when updates get small and diverse): only a few, and only for lack of agreement
+    dropped = [(c, r["agreement"][c]) for r in rows for c in r.get("dropped", {})]
+    assert len(dropped) <= 0.1 * 10 * len(rows), dropped
+    assert all(share < AggregationConfig().min_agree for _, share in dropped), dropped
     ck = load_checkpoint(out / "checkpoint")
     assert ck.meta["round"] == 6 and ck.meta["accuracy"] == final["accuracy"]
     assert ck.meta[UPDATES_TOTAL_KEY] == [sum(n) for n in zip(*(r["updates_per_submodel"] for r in rows))]
@@ -112,7 +117,11 @@ def test_the_attack_suite_runs_every_server_option_in_the_simulator(tmp_path) ->
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     attackers = set(rows[0]["attackers"])
-    assert len(attackers) == 2 and all(set(row["dropped"]) == attackers for row in rows), rows
+    assert len(attackers) == 2 and all(set(row["dropped"]) >= attackers for row in rows), rows
+    for row in rows:  # the vote may also drop honest outliers, never a majority, and only those short of agreement
+        honest_dropped = set(row["dropped"]) - attackers
+        assert 2 * len(honest_dropped) < 10 - len(attackers), row
+        assert all(row["agreement"][c] < AggregationConfig().min_agree for c in row["dropped"]), row
     assert all(row["aggregator"] == "nefedavg" and row["committed"] for row in rows)
     out = tmp_path / "median-dp"
     r = CliRunner().invoke(app, [*common, "--aggregator", "median", "--out", str(out)])
