@@ -30,7 +30,7 @@ wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (
 system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
-test: env env-flower system-deps  ## the whole test suite (about 13 minutes on 2 cores); the Flower tests run in .venv-flower (about 100 s)
+test: env env-flower system-deps  ## the whole test suite (about 25 minutes on 2 busy cores); the Flower tests run in .venv-flower (about 100 s)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
