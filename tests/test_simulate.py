@@ -75,7 +75,10 @@ def test_short_simulation_trains_every_submodel_on_real_fashion_mnist(tmp_path) 
     assert all(share < AggregationConfig().min_agree for _, share in dropped), dropped
     ck = load_checkpoint(out / "checkpoint")
     assert ck.meta["round"] == 6 and ck.meta["accuracy"] == final["accuracy"]
-    assert ck.meta[UPDATES_TOTAL_KEY] == [sum(n) for n in zip(*(r["updates_per_submodel"] for r in rows))]
+    # the checkpoint counts the updates aggregated; the metrics count those received, the dropped ones too
+    received = [sum(n) for n in zip(*(r["updates_per_submodel"] for r in rows))]
+    assert all(a <= b for a, b in zip(ck.meta[UPDATES_TOTAL_KEY], received))
+    assert sum(received) - sum(ck.meta[UPDATES_TOTAL_KEY]) == len(dropped)
     assert "worst" in result.output and "avg" in result.output
 
 
