@@ -27,6 +27,7 @@ from nefl.messages import Announce, Decline, DeviceSummary
 from nefl.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
 from nefl.robust_aggregate import AggregationConfig, AggregationRule
 from nefl.state import GlobalState, Layout
+from nefl.step_bound import StepBound
 from nefl.wire import Assembled, ChunkHeader
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class Federation:
         self.robustness = robustness
         self.aggregator = aggregator or AggregationRule(layout, robustness.aggregation, weighting, seed=seed)
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
+        # the centre check's per-tensor bound on per-submodel tensors (nefl/step_bound.py), applied at commit
+        self.steps = StepBound(layout, robustness.aggregation) if robustness.aggregation.centre_check else None
+        self._bounded: dict[int, int] = {}  # submodel -> its tensors the step bound scaled down this round
         self._noise = torch.Generator()
         if robustness.dp_seed is None:
             self._noise.seed()
@@ -385,7 +389,9 @@ class Federation:
             "went_offline": self.gone_offline(), "updates_per_submodel": self._per_submodel(r.received),
             UPDATES_TOTAL_KEY: list(self.trained_updates), "clients": r.client_metrics,
             "aggregator": agg.name, "aggregate_held_bytes": held, **agg.facts(),
+            **({"steps_bounded": {k + 1: n for k, n in sorted(self._bounded.items())}} if self._bounded else {}),
         }
+        self._bounded = {}
         self.round, self.agg = None, None
         return facts
 
@@ -425,7 +431,10 @@ class Federation:
         if rb.dp_noise_multiplier > 0:
             agg.add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self._noise)
         candidate = agg.finalize(self.state)
+        self._bounded = self.steps.apply(self.state, candidate) if self.steps is not None else {}
         problem = check_state(candidate, rb.max_weight_abs)
         if problem is None:
             self.state = candidate
+            if self.steps is not None:
+                self.steps.commit()
         return problem

@@ -133,6 +133,7 @@ class RoundDriver:
             save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,
                             {"round": index, "rounds": plan.rounds, "federation": fed.name, "accuracy": self.accuracy,
                              "state_sha256": state_digest(fed.state), "update_guard": fed.guard.state_dict(),
+                             **({"step_bound": fed.steps.state_dict()} if fed.steps is not None else {}),
                              UPDATES_TOTAL_KEY: fed.trained_updates, **self.meta()},
                             metrics=facts)
             append_metrics(self.metrics_dir, facts)

@@ -123,6 +123,8 @@ class Server(Transport):
                               aggregator=AggregationRule(layout, cfg.robustness.aggregation, reference=root, seed=cfg.seed))
         if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
             self.fed.guard.load_state_dict(start.meta["update_guard"])
+        if "step_bound" in start.meta and self.fed.steps is not None:  # and the per-tensor step bound's
+            self.fed.steps.load_state_dict(start.meta["step_bound"])
         self.next_round = next_round
         self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout)
         self.out = Path(cfg.checkpoint_dir)

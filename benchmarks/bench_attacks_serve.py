@@ -4,10 +4,11 @@ own device key (tests/attack_device.py), against the same two honest devices alo
 `bench-attacks-serve` section of docs/security.md.
 
     PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 10] [--late-rounds 24] [--aggregator RULE ...]
-        [--note TEXT]
+        [--runs RUN ...] [--note TEXT]
 
 Every run uses `serve`'s defaults; `--aggregator default fltrust ...` measures other rules too, each against its
-own controls.
+own controls. Each federation's metrics are saved under --out (RULE/RUN.json); `--runs` reruns only those
+(a row needs its control: `--runs control neg-weights`), the others' saved metrics make the rest of the table.
 
   scaled-flip   -9 x its honest delta from round 1 (inside the 10 x weight-norm bound)
   neg-weights   -9 x the weights it was sent (norm 9 x the weight norm) from round 1
@@ -27,11 +28,15 @@ from pathlib import Path
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
 
+from nefl.fsio import atomic_write_text
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"
 START, END = "<!-- bench-attacks-serve:start -->", "<!-- bench-attacks-serve:end -->"
 PROFILE = "resnet8-fmnist-w"
 PY = sys.executable
+ATTACKS = {"scaled-flip": "control", "neg-weights": "control", "late-start": "control-long"}  # run -> its control
+RUNS = ("control", "scaled-flip", "neg-weights", "control-long", "late-start")
 
 
 def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: list[str]) -> list[dict]:
@@ -104,23 +109,27 @@ def main() -> None:
     ap.add_argument("--aggregator", nargs="+", default=["default"], help="the rules measured: default (serve's "
                     "defaults) or an --aggregator name (without the centre check; fltrust: root data from the evaluation "
                     "dataset)")
+    ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="the federations to (re)run")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attacks-serve"), help="saved metrics")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="nefl-attacks-"))
+    scratch = Path(tempfile.mkdtemp(prefix="nefl-attacks-"))
     rows = []
     for rule in args.aggregator:
         options = [] if rule == "default" else ["--aggregator", rule, "--no-centre-check"]
-        runs: dict[str, list[dict]] = {}
-        for name, rounds, attack in [("control", args.rounds, None), ("scaled-flip", args.rounds, ("scaled-flip", 1)),
-                                     ("neg-weights", args.rounds, ("neg-weights", 1)),
-                                     ("control-long", args.late_rounds, None),
-                                     ("late-start", args.late_rounds, ("scaled-flip", args.late_rounds // 2))]:
-            work = out / rule / name
+        saved = Path(args.out) / rule
+        saved.mkdir(parents=True, exist_ok=True)
+        for name in args.runs:
+            rounds = args.late_rounds if name in ("control-long", "late-start") else args.rounds
+            attack = {"scaled-flip": ("scaled-flip", 1), "neg-weights": ("neg-weights", 1),
+                      "late-start": ("scaled-flip", args.late_rounds // 2)}.get(name)
+            work = scratch / rule / name
             work.mkdir(parents=True)
             print(f"{rule} {name}: {rounds} rounds in {work}", flush=True)
-            runs[name] = federation(rounds, attack, work, options)
-        rows += [summary(f"{n} ({rule})", runs[n], runs["control-long" if n == "late-start" else "control"])
-                 for n in ("scaled-flip", "neg-weights", "late-start")]
+            atomic_write_text(saved / f"{name}.json", json.dumps(federation(rounds, attack, work, options)))
+        runs = {n: json.loads((saved / f"{n}.json").read_text()) for n in RUNS if (saved / f"{n}.json").exists()}
+        rows += [summary(f"{n} ({rule})", runs[n], runs[control]) for n, control in ATTACKS.items()
+                 if n in runs and control in runs]
     for r in rows:
         print(json.dumps(r))
     write_doc(rows, args.note)

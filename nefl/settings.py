@@ -88,6 +88,9 @@ class AggregationConfig:
     min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
     hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
     sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
+    # with the centre check: a per-submodel tensor's step at most step_k x the median of its peers' and history's
+    step_k: float = 3.0
+    step_window: int = 8  # rounds of a per-submodel tensor's history the step bound remembers
 
     def __post_init__(self) -> None:
         check_choice(RuleName, self.rule, "aggregator")
@@ -101,6 +104,8 @@ class AggregationConfig:
             raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
         if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
             raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
+        if not (math.isfinite(self.step_k) and self.step_k >= 1) or self.step_window < 1:
+            raise ValueError(f"need step_k >= 1 (finite) and step_window >= 1, got {self.step_k}, {self.step_window}")
 
     @property
     def mergeable(self) -> bool:
