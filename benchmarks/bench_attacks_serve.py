@@ -66,6 +66,15 @@ def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: li
     return [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> int:
+    """Per-submodel tensors the step bound scaled down in round `m` on the submodels these clients trained
+    (and no client in `but`)."""
+    def trained(who: set[str] | frozenset[str]) -> set[str]:
+        return {str(k) for c, k in m.get("assigned", {}).items() if c in who}
+    mine = trained(clients) - trained(but)
+    return sum(n for k, n in m.get("steps_bounded", {}).items() if k in mine)
+
+
 def summary(name: str, lines: list[dict], control: list[dict]) -> dict:
     rounds = [m for m in lines if m["round"] >= 1]
     last, base = rounds[-1]["accuracy"], control[-1]["accuracy"]
@@ -79,6 +88,8 @@ def summary(name: str, lines: list[dict], control: list[dict]) -> dict:
         "evil_sent": sum("evil" in m["reported"] for m in evil),
         "evil_dropped": sum("evil" in m.get("dropped", {}) for m in evil),
         "evil_clipped": sum("evil" in m.get("clipped_to_centre", {}) for m in evil),
+        "evil_bounded": sum(bounded(m, {"evil"}) for m in evil),
+        "honest_bounded": sum(bounded(m, honest, frozenset({"evil"})) for m in rounds),
         "rejected": sum(sum(m["rejected"].values()) for m in rounds),
         "round_s": sum(m["wall_s"] for m in rounds) / len(rounds),
     }
@@ -91,13 +102,15 @@ def write_doc(rows: list[dict], note: str) -> None:
              f"{PROFILE}, `aggregator serve` with its defaults on mosquitto, 3 participants a round (coverage assignment), "
              "2,000 evaluation images; two honest `edge-client join`s (300 images each) and one attacking join.", "",
              "| run | rounds | final top-1 per submodel | control (honest only) | largest drop vs control | honest updates "
-             "missing / dropped | attacker updates: sent / dropped / clipped | rejections | mean round s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "missing / dropped | attacker updates: sent / dropped / clipped | tensors step-bounded: attacker's / honest-only "
+             "submodels | rejections | mean round s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["accuracy"])
         ctl = " ".join(f"{a:.2f}" for a in r["control"])
         lines.append(f"| {r['name']} | {r['rounds']} | {acc} | {ctl} | {r['worst_gap']:+.3f} | {r['honest_missing']} / "
-                     f"{r['honest_dropped']} | {r['evil_sent']} / {r['evil_dropped']} / {r['evil_clipped']} | {r['rejected']} | "
+                     f"{r['honest_dropped']} | {r['evil_sent']} / {r['evil_dropped']} / {r['evil_clipped']} | "
+                     f"{r.get('evil_bounded', 0)} / {r.get('honest_bounded', 0)} | {r['rejected']} | "
                      f"{r['round_s']:.1f} |")
     write_section(DOC, START, END, [*lines, ""])
 
@@ -109,7 +122,8 @@ def main() -> None:
     ap.add_argument("--aggregator", nargs="+", default=["default"], help="the rules measured: default (serve's "
                     "defaults) or an --aggregator name (without the centre check; fltrust: root data from the evaluation "
                     "dataset)")
-    ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="the federations to (re)run")
+    ap.add_argument("--runs", nargs="*", choices=RUNS, default=list(RUNS),
+                    help="the federations to (re)run (none: only rewrite the table from the saved metrics)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attacks-serve"), help="saved metrics")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
