@@ -38,8 +38,9 @@ Rule = Annotated[str, typer.Option(
 Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-mean: the fraction cut at each end.")]
 CentreCheck = Annotated[Optional[bool], typer.Option(
     "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a positive "
-                                             "cosine with fewer than --min-agreement of the others) and clip ones far "
-                                             "larger than the median; default on, "
+                                             "cosine with fewer than --min-agreement of the others), clip ones far "
+                                             "larger than the median, and bound each per-submodel tensor's step (BN, "
+                                             "step sizes) by its peers' and its history; default on, "
                                              "off under DP.", show_default=False)]
 MinAgree = Annotated[float, typer.Option(
     "--min-agreement", min=0, max=1, help="Centre check: the least share of the round's other updates an update must "

@@ -82,7 +82,8 @@ class AggregationConfig:
     rule: RuleName = "nefedavg"
     trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
     krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
-    centre_check: bool = True  # drop updates pointing away from the round's majority, clip outsized ones
+    # drop updates pointing away from the round's majority, clip outsized ones, bound per-submodel tensors' steps at commit
+    centre_check: bool = True
     min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
     max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
     min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic

@@ -18,6 +18,12 @@ time after the others settled; it then moves at most `k` x the typical step per 
 
 Running variances must stay positive: their steps are taken in log space (new / old), so the
 committed value is old x exp(bounded step), positive and finite whatever the update said.
+
+It runs where a round's candidate state is committed (aggregator/federation.py), with the centre check,
+so `serve`, the coordinator of `--workers` and `simulate` all apply it, under any rule. Cost: one pass
+over the per-submodel tensors at commit, no update held. Consistent tensors are not covered: their
+outer rings, covered by a lone update too, are bounded only by the centre check's size clip (and by the
+robust rules' thin-cell bound); docs/security.md has what that leaves.
 """
 
 from __future__ import annotations
