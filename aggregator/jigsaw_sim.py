@@ -80,6 +80,9 @@ class JigsawConfig:
     switch_cost: float = 1.0  # nats per round held a new chain must gain under the policy before a client switches to it
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
+    norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest: < 0.4 here)
+    fetch_timeout_s: float = 30.0  # over MQTT: a peer that does not send a module in this is masked for the round
+    round_timeout_s: float = 600.0  # over MQTT: the coordinator closes a round without the devices not done by then
     eval_every: int = 5  # model-training rounds between evaluations (always after the last)
     data_root: str | None = None
     out: str | None = None
@@ -137,7 +140,7 @@ class ModuleFederation:
     def _fresh_exchange(self) -> InProcessExchange:
         """Every source's modules at their (seeded) initial parameters; every client announces and connects."""
         store = {k: v for c, b in enumerate(self.sim.bases) for k, v in initial_modules(b.metas(c), module_seed(self.cfg.seed, c)).items()}
-        exchange = InProcessExchange(FEDERATION, store, self.links)
+        exchange = InProcessExchange(FEDERATION, store, self.links, self.cfg.norm_bound)
         self._seen = dict.fromkeys(exchange.bytes, 0)  # traffic already reported (announcements go with the next round)
         for client in self.clients:
             client.join(exchange)
