@@ -26,7 +26,7 @@ from torch import nn
 
 from nefl import signing
 from nefl.data import load_dataset
-from nefl.jigsaw.broker import BrokerExchange, Peer, PeerUnavailable, module_bytes
+from nefl.jigsaw.broker import BrokerExchange, Peer, PeerUnavailable, largest_module_bytes, module_bytes
 from nefl.jigsaw.client import JigsawClient, StepResult
 from nefl.jigsaw.coordination import MAX_PLAN_BYTES, JigsawHello, JigsawPlan, JigsawRound, RoundDone
 from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CriticAdvice
@@ -197,7 +197,8 @@ class JigsawDevice:
         """Index, base, shard, initial modules and the exchange, all from the plan and this device's budget."""
         me = next(p.index for p in plan.participants if p.client_id == self.cfg.client_id)
         method = get_method(plan.method)
-        self.base = base = base_for_budget([load_base(a) for a in plan.archs], self.cfg.budget, plan.shards.batch_size)
+        bases = [load_base(a) for a in plan.archs]
+        self.base = base = base_for_budget(bases, self.cfg.budget, plan.shards.batch_size)
         train, test = load_dataset(plan.dataset, self.cfg.data_root, train=True), load_dataset(plan.dataset, self.cfg.data_root, train=False)
         data, proxy = client_data(train, test, plan.shards)
         shard = ClientShard(me, data[me], train, test, proxy, plan.shards)
@@ -207,7 +208,7 @@ class JigsawDevice:
         peers = {p.index: Peer(p.index, p.client_id, parse_public_key(p.key)) for p in plan.participants}
         self.exchange = BrokerExchange(self.topics, me, peers, [list(n) for n in plan.links], self.signer, self.transport,
                                        self._initial(plan, me), self.cfg.chunk_bytes, plan.fetch_timeout_s, plan.norm_bound,
-                                       self.clock)
+                                       largest_module_bytes(bases), self.clock)
         self.me = me
         for topic in self.exchange.subscriptions():
             self.transport.subscribe(topic, qos=QOS)
@@ -250,6 +251,8 @@ class JigsawDevice:
         result: StepResult | None = None
         while result is None:
             self._connect(client, plan, masked)
+            if client.chain is not None and any(m.source not in self.exchange.active for m in client.chain):
+                client.chain = None  # a module of the chain is out of reach: assemble anew from what is
             try:
                 result = client.step(rnd.round, shard.loaders(rnd.round, explore), self.exchange, train_cfg, self.probe,
                                      explore=explore)

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from nefl import signing
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleFetch, ModuleReturn, refusal, source_average, state_bytes
-from nefl.jigsaw.zoo import ModuleMeta, build_module
+from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_module
 from nefl.messages import MessageError, decode
 from nefl.mqtt import QOS, Transport
 from nefl.signing import Signer
@@ -64,7 +64,13 @@ def expected_shapes(meta: ModuleMeta) -> dict[str, torch.Size]:
 
 
 def payload_bound(shapes: dict[str, torch.Size]) -> int:
+    """The most bytes an honest fp32 payload of a module with these tensors takes."""
     return 4 * sum(s.numel() for s in shapes.values()) + SLACK_BYTES
+
+
+def largest_module_bytes(bases: list[BaseArch]) -> int:
+    """The cap on any module payload of a federation whose devices build these base architectures."""
+    return max(payload_bound(expected_shapes(m)) for b in bases for m in b.metas(0))
 
 
 class BrokerExchange:
@@ -73,7 +79,8 @@ class BrokerExchange:
 
     def __init__(self, topics: Topics, me: int, peers: dict[int, Peer], links: list[list[int]], signer: Signer,
                  transport: Transport, store: dict[str, dict[str, torch.Tensor]], chunk_bytes: int,
-                 fetch_timeout_s: float, norm_bound: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 fetch_timeout_s: float, norm_bound: float, max_module_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.topics, self.me, self.peers, self.links, self.signer = topics, me, peers, links, signer
         self.transport, self.store, self.chunk_bytes = transport, store, chunk_bytes
         self.fetch_timeout_s, self.norm_bound, self.clock = fetch_timeout_s, norm_bound, clock
@@ -93,8 +100,9 @@ class BrokerExchange:
         self.rejected: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
         own_bound = max((payload_bound({k: v.shape for k, v in st.items()}) for st in store.values()), default=SLACK_BYTES)
-        self.returns_in = Reassembler(max_bytes=own_bound, timeout_s=600, max_pending=max(2, len(store)))
-        self.modules_in = Reassembler(max_bytes=SLACK_BYTES, timeout_s=600, max_pending=2)
+        self.returns_in = Reassembler(max_bytes=own_bound, timeout_s=600, max_pending=max(2, len(store)),
+                                      max_buffered=own_bound * max(2, len(store)))
+        self.modules_in = Reassembler(max_bytes=max_module_bytes, timeout_s=600, max_pending=2)
 
     def subscriptions(self) -> list[str]:
         t, me = self.topics, self.my_id
@@ -127,7 +135,7 @@ class BrokerExchange:
         key = (req.round, req.source, req.position)
         with self.cond:
             meta = next((m for m in self.metadata.get(req.source, []) if m.position == req.position), None)
-            if meta is None or req.source not in self.peers:
+            if meta is None or req.source not in self.active:
                 raise PeerUnavailable(req.source)
             self.waiting[(req.source, req.position)] = (req.round, expected_shapes(meta))
         self._publish(self.topics.jigsaw("fetch", self.peers[req.source].client_id), self.signer.sign(req.to_json()),
@@ -264,20 +272,37 @@ class BrokerExchange:
         for chunk in chunks:
             self._publish(self.topics.jigsaw("module", self.peers[borrower].client_id), chunk, "module_out")
 
-    def _assembled(self, inbox: Reassembler, payload: bytes, kind: str):
-        """The verified tensors once the last chunk of a payload from a known peer arrives."""
+    def _assembled(self, inbox: Reassembler, payload: bytes, kind: str, size_bound: Callable[[Peer, int], int]):
+        """The verified tensors once the last chunk of a payload from a known peer arrives; each chunk's header is
+        signed by that peer and its payload no larger than `size_bound(peer, position)` (from the metadata)."""
         head = split_chunk(payload)[0]
         peer = self._sender(parse_header(head).client)
         chunk = inbox.parse(payload, key=peer.key)
-        if chunk.header.kind != kind or chunk.header.client != peer.client_id:
-            raise WireError("wrong_kind", f"a {chunk.header.kind} payload on the {kind} topic")
+        h = chunk.header
+        if h.kind != kind or h.client != peer.client_id:
+            raise WireError("wrong_kind", f"a {h.kind} payload on the {kind} topic")
+        if h.size > size_bound(peer, h.submodel):
+            raise WireError("oversized", f"{h.size}-byte {kind} payload of module {h.submodel} from {peer.client_id}, "
+                                         f"its metadata allow {size_bound(peer, h.submodel)}")
         return peer, inbox.feed(chunk)
+
+    def _module_bound(self, peer: Peer, position: int) -> int:
+        with self.cond:
+            want = self.waiting.get((peer.index, position))
+        if want is None:
+            raise MessageError("unrequested", f"module {position} of {peer.client_id} was not asked for")
+        return payload_bound(want[1])
+
+    def _return_bound(self, peer: Peer, position: int) -> int:
+        with self.cond:
+            own = self.store.get(f"c{self.me}.m{position}")
+        if own is None:
+            raise MessageError("unknown_module", f"{peer.client_id} returned a module this source does not have")
+        return payload_bound({k: v.shape for k, v in own.items()})
 
     def _on_module(self, payload: bytes) -> None:
         self._count_in("module_in", len(payload))
-        with self.cond:  # the cap on a module payload: the largest this device waits for
-            self.modules_in.max_bytes = max((payload_bound(s) for _, s in self.waiting.values()), default=SLACK_BYTES)
-        peer, done = self._assembled(self.modules_in, payload, "module")
+        peer, done = self._assembled(self.modules_in, payload, "module", self._module_bound)
         if done is None:
             return
         h = done.header
@@ -293,7 +318,7 @@ class BrokerExchange:
 
     def _on_return(self, payload: bytes) -> None:
         self._count_in("return_in", len(payload))
-        peer, done = self._assembled(self.returns_in, payload, "return")
+        peer, done = self._assembled(self.returns_in, payload, "return", self._return_bound)
         if done is None:
             return
         h = done.header
