@@ -226,7 +226,9 @@ class JigsawDevice:
         assert self.exchange is not None
         fresh = self._initial(plan, self.me) if plan.policy_rounds and rnd.round == plan.policy_rounds else None
         expected = rnd.returns[self.me] if self.me < len(rnd.returns) else 0
-        counts = self.exchange.begin_round(rnd.round, set(rnd.active), expected, plan.fetch_timeout_s, fresh)
+        # a source waits for late copies at most half as long as a borrower waits for a module, so that a borrower
+        # asking it for the new round's module does not give up on it meanwhile
+        counts = self.exchange.begin_round(rnd.round, set(rnd.active), expected, plan.fetch_timeout_s / 2, fresh)
         if counts:
             log.info(f"round {rnd.round}: averaged {sum(counts.values())} copies of {len(counts)} of this device's modules")
 

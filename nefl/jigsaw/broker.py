@@ -97,6 +97,7 @@ class BrokerExchange:
         self.waiting: dict[tuple[int, int], tuple[int, dict[str, torch.Size]]] = {}  # (source, position) -> round, shapes
         self.returned: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] = defaultdict(list)  # key -> (borrower, n, state)
         self.sent_back: list[int] = []  # sources of the copies this device returned in the open round
+        self.heard = 0  # copies of this source's modules that arrived from peers in the open round, refused ones too
         self.rejected: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
         own_bound = max((payload_bound({k: v.shape for k, v in st.items()}) for st in store.values()), default=SLACK_BYTES)
@@ -173,20 +174,17 @@ class BrokerExchange:
         model-training phase) and answer the fetches held for it. Returns how many copies each module got."""
         deadline = self.clock() + grace_s
         with self.cond:
-            while self._remote_returns() < expected and self.clock() < deadline:
+            while self.heard < expected and self.clock() < deadline:
                 self.cond.wait(min(0.2, max(0.0, deadline - self.clock())))
             counts = self._aggregate()
             if fresh is not None:
                 self.store = fresh
             self.round, self.active = r, set(active) | {self.me}
-            self.sent_back = []
+            self.sent_back, self.heard = [], 0
             held, self.held = [h for h in self.held if h[1].round == r], [h for h in self.held if h[1].round > r]
         for borrower, req in held:
             self._serve(borrower, req)
         return counts
-
-    def _remote_returns(self) -> int:
-        return sum(1 for copies in self.returned.values() for b, _, _ in copies if b != self.me)
 
     def _aggregate(self) -> dict[str, int]:
         counts = {}
@@ -327,6 +325,8 @@ class BrokerExchange:
                 raise MessageError("not_a_neighbour", f"{peer.client_id} returned a module it could not borrow")
             if h.round != self.round:
                 raise MessageError("stale_round", f"copy for round {h.round}, round {self.round} is open")
+            self.heard += 1
+            self.cond.notify_all()
             self._accept_return(peer.index, h.round, h.submodel, {k: v.clone() for k, v in done.tensors.items()})
 
     def _accept_return(self, borrower: int, r: int, position: int, state: dict[str, torch.Tensor]) -> None:
