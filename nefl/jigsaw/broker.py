@@ -92,7 +92,6 @@ class BrokerExchange:
         self.metadata: dict[int, list[ModuleMeta]] = {}
         self.own_meta: dict[int, ModuleMeta] = {}
         self.held: list[tuple[int, ModuleFetch]] = []  # fetches for a round this source has not opened yet
-        self.served: set[tuple[int, int, int]] = set()  # (round, borrower, position)
         self.arrived: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # (round, source, position) -> module
         self.waiting: dict[tuple[int, int], tuple[int, dict[str, torch.Size]]] = {}  # (source, position) -> round, shapes
         self.returned: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] = defaultdict(list)  # key -> (borrower, n, state)
@@ -135,6 +134,8 @@ class BrokerExchange:
                 return {k: v.clone() for k, v in self.store[f"c{self.me}.m{req.position}"].items()}
         key = (req.round, req.source, req.position)
         with self.cond:
+            if key in self.arrived:  # asked again in the same round (a chain assembled anew after a peer was masked)
+                return {k: v.clone() for k, v in self.arrived[key].items()}
             meta = next((m for m in self.metadata.get(req.source, []) if m.position == req.position), None)
             if meta is None or req.source not in self.active:
                 raise PeerUnavailable(req.source)
@@ -149,7 +150,7 @@ class BrokerExchange:
                     self.waiting.pop((req.source, req.position), None)
                     raise PeerUnavailable(req.source)
                 self.cond.wait(min(left, 0.5))
-            return self.arrived.pop(key)
+            return {k: v.clone() for k, v in self.arrived[key].items()}
 
     def give_back(self, msg: ModuleReturn, state: dict[str, torch.Tensor]) -> None:
         """A trained copy to its source: kept here for an own module, else sent (kind "return", signed header)."""
@@ -181,6 +182,7 @@ class BrokerExchange:
                 self.store = fresh
             self.round, self.active = r, set(active) | {self.me}
             self.sent_back, self.heard = [], 0
+            self.arrived.clear()
             held, self.held = [h for h in self.held if h[1].round == r], [h for h in self.held if h[1].round > r]
         for borrower, req in held:
             self._serve(borrower, req)
@@ -259,10 +261,7 @@ class BrokerExchange:
         self._serve(borrower.index, req)
 
     def _serve(self, borrower: int, req: ModuleFetch) -> None:
-        with self.cond:
-            if (req.round, borrower, req.position) in self.served:
-                return  # a QoS 1 redelivery
-            self.served.add((req.round, borrower, req.position))
+        with self.cond:  # a QoS 1 redelivery is answered again: the borrower's Reassembler drops the duplicate
             state = self.store[f"c{self.me}.m{req.position}"]
             chunks = encode(state, kind="module", federation=self.topics.federation, round=req.round,
                             submodel=req.position, client=self.my_id, samples=0, chunk_bytes=self.chunk_bytes,
