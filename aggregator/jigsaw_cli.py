@@ -120,6 +120,8 @@ def jigsaw_serve_command(
     devices: int = typer.Option(..., min=2, help="Devices to wait for (`edge-client jigsaw`); numbered by client id."),
     broker: Optional[str] = typer.Option(None, help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker."),
     embedded_port: int = typer.Option(1883, min=0, help="Port of the embedded broker (0: a free one)."),
+    embedded_host: str = typer.Option("127.0.0.1", help="Address the embedded broker listens on (0.0.0.0: every "
+                                      "interface, for devices on other machines; then secure it: docs/security.md)."),
     federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME)."),
     method: str = typer.Option(D.method, help="fedjigsaw, no-coretune, no-symbio or local-only."),
     dataset: str = typer.Option(D.dataset, help="Dataset the devices shard (each holds its own copy)."),
@@ -190,7 +192,7 @@ def jigsaw_serve_command(
         get_method(method)
         listen = parse_listen(http) if http else None
         signer = KeyDir(federation, key_dir).server_signer()
-        embedded = embedded_broker("auto", "127.0.0.1", embedded_port) if broker is None else None
+        embedded = embedded_broker("auto", embedded_host, embedded_port) if broker is None else None
         settings = parse_broker(broker or embedded.url, username, password, ca_cert, certfile, keyfile)
     except (ValueError, ArchError, KeyFileError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
