@@ -209,8 +209,8 @@ def jigsaw_serve_command(
         if metrics is not None:
             metrics.record(row)
         log.info(f"round {row['round']} ({row['phase']}): {row['trained']}/{row['devices']} devices trained, "
-                 f"{row['modules_borrowed']} modules borrowed and returned, {row['bytes_sent_per_device']:.0f} bytes sent "
-                 f"per device (whole models: {row['whole_model_bytes_per_device']:.0f}), rejected {row['rejected']}")
+                 f"{row['modules_borrowed']} modules borrowed and returned, {row['bytes_per_device']:.0f} bytes sent "
+                 f"and received per device (whole models down and up: {row['whole_model_bytes_per_device']:.0f}), rejected {row['rejected']}")
 
     if embedded is not None:
         embedded.start()

@@ -257,14 +257,10 @@ class Coordinator:
                 "chain_changes": sum(d.changed for d in trained), "chains": {d.client: d.chain for d in trained},
                 "modules_borrowed": sum(len(d.returned) for d in reports),
                 "masked": sorted({m for d in reports for m in d.masked}),
-                "bytes": dict(traffic), "bytes_sent_per_device": _sent(traffic) / max(1, len(reports)),
+                "bytes": dict(traffic), "bytes_per_device": sum(traffic.values()) / max(1, len(reports)),
                 "whole_model_bytes_per_device": statistics.fmean(2 * d.model_bytes for d in reports) if reports else 0,
                 "rejected": dict(rejected)}
 
     def _publish(self, topic: str, body: bytes, retain: bool = False) -> None:
         self.transport.publish(topic, self.signer.sign(body), qos=QOS, retain=retain)
-
-
-def _sent(traffic: Counter[str]) -> int:
-    return sum(v for k, v in traffic.items() if k.endswith("_out"))
 

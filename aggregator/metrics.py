@@ -315,8 +315,8 @@ class JigsawMetrics:
         self.trained = Gauge("nefl_jigsaw_devices_trained", "Devices that trained a chain in the last round.", registry=r)
         self.module_bytes = Counter("nefl_jigsaw_module_bytes", "Bytes the devices sent and received, by kind "
                                     "(metadata, fetch, module, return; _out sent, _in received).", ["kind"], registry=r)
-        self.sent_per_device = Gauge("nefl_jigsaw_bytes_sent_per_device", "Mean bytes a device sent in the last round.",
-                                     registry=r)
+        self.per_device = Gauge("nefl_jigsaw_bytes_per_device", "Mean bytes a device sent and received in the last "
+                                "round (modules, trained copies, fetches, metadata).", registry=r)
         self.whole_model = Gauge("nefl_jigsaw_whole_model_bytes_per_device", "What a device would move in a round by "
                                  "downloading and uploading its whole model instead (the comparison).", registry=r)
         self.borrowed = Counter("nefl_jigsaw_modules_borrowed", "Trained copies returned to their source.", registry=r)
@@ -331,7 +331,7 @@ class JigsawMetrics:
         self.trained.set(row["trained"])
         for kind, n in row["bytes"].items():
             self.module_bytes.labels(kind).inc(n)
-        self.sent_per_device.set(row["bytes_sent_per_device"])
+        self.per_device.set(row["bytes_per_device"])
         self.whole_model.set(row["whole_model_bytes_per_device"])
         self.borrowed.inc(row["modules_borrowed"])
         self.changes.inc(row["chain_changes"])

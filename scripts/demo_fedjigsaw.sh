@@ -66,8 +66,8 @@ print(f"{'device':<10} {'FedJigsaw over MQTT':>20} {'training alone':>15}")
 for i, a in enumerate(alone):
     got = mqtt.get(f"device-{i}")
     print(f"device-{i:<3} {('%.2f%%' % (100 * got)) if got is not None else 'n/a':>20} {100 * a:>14.2f}%")
-sent = sum(r["bytes_sent_per_device"] for r in train) / len(train)
+moved = sum(r["bytes_per_device"] for r in train) / len(train)
 whole = sum(r["whole_model_bytes_per_device"] for r in train) / len(train)
-print(f"model-training rounds: {sent / 1e3:.0f} kB sent per device per round (modules and metadata) against "
-      f"{whole / 1e3:.0f} kB to download and upload its whole model")
+print(f"model-training rounds: {moved / 1e3:.0f} kB sent and received per device per round (modules, trained copies, "
+      f"fetches) against {whole / 1e3:.0f} kB to download and upload its whole model")
 PY
