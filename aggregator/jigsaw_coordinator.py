@@ -193,6 +193,9 @@ class Coordinator:
         end = plan.policy_rounds + plan.rounds
         final = self._round(end, "end", returns)
         self.final = {c: d.accuracy for (_, c), d in final.items()}
+        row = self._row(end, "end", final)  # its accuracies: the final chains' on the devices' local test sets
+        self.rows.append(row)
+        self.on_row(row)
         self._publish(self.topics.jigsaw("round"), self._round_msg(end + 1, "over", [], []).to_json(), retain=True)
         return self.final
 

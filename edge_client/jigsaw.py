@@ -319,8 +319,10 @@ class JigsawDevice:
         self.final_state = state
         plan = self.plan
         assert plan is not None
+        rejected, traffic = self.exchange.take_counters()  # the last round's late copies and the final fetches
         done = RoundDone(federation=plan.federation, run=plan.run, client=self.me, round=rnd.round, trained=True,
                          accuracy=self.final_accuracy, loss=0.0, chain=[(m.source, m.position) for m in client.chain],
-                         changed=False, returned=[], masked=[], rejected={}, traffic={})
+                         changed=False, returned=[], masked=[], rejected=rejected, traffic=traffic,
+                         model_bytes=module_bytes(self.exchange.store))
         self.transport.publish(self.topics.jigsaw("done", self.cfg.client_id), self.signer.sign(done.to_json()), qos=QOS)
         log.info(f"final local test accuracy {self.final_accuracy:.4f}")
