@@ -68,6 +68,8 @@ for i, a in enumerate(alone):
     print(f"device-{i:<3} {('%.2f%%' % (100 * got)) if got is not None else 'n/a':>20} {100 * a:>14.2f}%")
 moved = sum(r["bytes_per_device"] for r in train) / len(train)
 whole = sum(r["whole_model_bytes_per_device"] for r in train) / len(train)
-print(f"model-training rounds: {moved / 1e3:.0f} kB sent and received per device per round (modules, trained copies, "
-      f"fetches) against {whole / 1e3:.0f} kB to download and upload its whole model")
+sent = sum(v for r in train for k, v in r["bytes"].items() if k.endswith("_out")) / len(train)
+print(f"per model-training round: {moved / 1e3:.0f} kB sent and received by each device (modules it borrows and lends, "
+      f"trained copies, fetches) against {whole / 1e3:.0f} kB to download and upload its whole model; "
+      f"{sent / 1e3:.0f} kB crossed the broker in all against {len(alone) * whole / 1e3:.0f} kB of whole models")
 PY
