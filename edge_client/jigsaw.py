@@ -16,6 +16,7 @@ thread's loop. They share the coordinator's messages under one condition, the ex
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -116,7 +117,7 @@ class JigsawDevice:
             self.dropped[reason] = self.dropped.get(reason, 0) + 1
         log.warning(f"dropped {detail} ({reason})")
 
-    def _server_body(self, payload: bytes, max_bytes: int) -> bytes:
+    def _server_body(self, payload: bytes) -> bytes:
         if self.pin.key is None:
             raise MessageError("unpinned", "no coordinator key trusted yet (its plan comes first)")
         return signing.verify(payload, self.pin.key)
@@ -130,7 +131,7 @@ class JigsawDevice:
             self.pin.learn(key)
             log.warning(f"trusting coordinator key {key} on first use (pass --server-key to pin it)")
         else:
-            plan = decode(self._server_body(payload, MAX_PLAN_BYTES), JigsawPlan, MAX_PLAN_BYTES)
+            plan = decode(self._server_body(payload), JigsawPlan, MAX_PLAN_BYTES)
         if plan.federation != self.cfg.federation or not self._lists_me(plan):
             raise MessageError("not_for_me", f"plan of run {plan.run} does not list {self.cfg.client_id} with this key")
         with self.cond:
@@ -144,7 +145,7 @@ class JigsawDevice:
         return any(p.client_id == self.cfg.client_id and p.key == self.signer.public_text for p in plan.participants)
 
     def _on_round(self, payload: bytes) -> None:
-        msg = decode(self._server_body(payload, MAX_PLAN_BYTES), JigsawRound, MAX_PLAN_BYTES)
+        msg = decode(self._server_body(payload), JigsawRound, MAX_PLAN_BYTES)
         with self.cond:
             if self.plan is None or msg.run != self.plan.run:
                 raise MessageError("other_run", f"round of run {msg.run}")
@@ -152,7 +153,7 @@ class JigsawDevice:
             self.cond.notify_all()
 
     def _on_advice(self, payload: bytes) -> None:
-        msg = decode(self._server_body(payload, MAX_REPORT_BYTES), CriticAdvice, MAX_REPORT_BYTES)
+        msg = decode(self._server_body(payload), CriticAdvice, MAX_REPORT_BYTES)
         with self.cond:
             if self.plan is None or msg.federation != self.plan.federation or msg.client != self.me:
                 raise MessageError("not_for_me", f"advice for client {msg.client} of {msg.federation}")
@@ -275,7 +276,7 @@ class JigsawDevice:
             returned = list(self.exchange.sent_back)
         done = RoundDone(federation=plan.federation, run=plan.run, client=self.me, round=rnd.round,
                          trained=result is not None, accuracy=result.accuracy if result else 0.0,
-                         loss=min(result.loss, 1e6) if result else 0.0,
+                         loss=min(result.loss, 1e6) if result and math.isfinite(result.loss) else (1e6 if result else 0.0),
                          chain=[(m.source, m.position) for m in result.chain] if result else [],
                          changed=bool(result and result.changed), returned=returned, masked=sorted(masked),
                          rejected=rejected, traffic=traffic, model_bytes=module_bytes(self.exchange.store))
