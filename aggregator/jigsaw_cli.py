@@ -167,7 +167,6 @@ def jigsaw_serve_command(
     from aggregator.jigsaw_coordinator import Coordinator
     from aggregator.keys import KeyDir
     from aggregator.metrics import JigsawMetrics
-    from nefl.checkpoint import append_metrics
     from nefl.fsio import atomic_write_text
     from nefl.listen import parse_listen
     from nefl.logs import setup_logging
@@ -189,38 +188,24 @@ def jigsaw_serve_command(
                            proxy_samples=proxy_samples, local_epochs=local_epochs, batch_size=batch_size, lr=lr,
                            topology=topology, neighbours_k=neighbours_k, norm_bound=norm_bound,
                            fetch_timeout_s=fetch_timeout, round_timeout_s=round_timeout, seed=seed, out=out)
-        get_method(method)
         listen = parse_listen(http) if http else None
+        out_dir = Path(out) if out else None
+        metrics = JigsawMetrics() if listen else None
         signer = KeyDir(federation, key_dir).server_signer()
         embedded = embedded_broker("auto", embedded_host, embedded_port) if broker is None else None
         settings = parse_broker(broker or embedded.url, username, password, ca_cert, certfile, keyfile)
+        conn = Connection(settings, f"jigsaw-coordinator-{federation}", None, b"", log)
+        coordinator = Coordinator(cfg, federation, devices, signer, conn.client,
+                                  on_row=lambda row: _record(row, out_dir, metrics, log))
     except (ValueError, ArchError, KeyFileError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    out_dir = Path(out) if out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    metrics = JigsawMetrics() if listen else None
-
-    def on_row(row: dict) -> None:
-        if out_dir:
-            append_metrics(out_dir, row)
-        if metrics is not None:
-            metrics.record(row)
-        log.info(f"round {row['round']} ({row['phase']}): {row['trained']}/{row['devices']} devices trained, "
-                 f"{row['modules_borrowed']} modules borrowed and returned, {row['bytes_per_device']:.0f} bytes sent "
-                 f"and received per device (whole models down and up: {row['whole_model_bytes_per_device']:.0f}), rejected {row['rejected']}")
-
     if embedded is not None:
         embedded.start()
         log.info(f"started embedded MQTT broker on {embedded.url}; devices run `edge-client jigsaw --broker {embedded.url}`")
-    conn = Connection(settings, f"jigsaw-coordinator-{federation}", None, b"", log)
-    try:
-        coordinator = Coordinator(cfg, federation, devices, signer, conn.client, on_row=on_row)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
     web = metrics.serve(*listen) if metrics is not None and listen else None
     log.info(f"coordinator key {signer.public_text} (devices: --server-key); waiting for {devices} devices on {topics.root}/jigsaw/")
     stop = threading.Event()
@@ -255,3 +240,17 @@ def jigsaw_serve_command(
         if embedded is not None:
             embedded.stop()
     raise typer.Exit(code)
+
+
+def _record(row: dict, out_dir, metrics, log) -> None:
+    """A closed round: a line of metrics.jsonl, the Prometheus gauges, a log line."""
+    from nefl.checkpoint import append_metrics
+
+    if out_dir:
+        append_metrics(out_dir, row)
+    if metrics is not None:
+        metrics.record(row)
+    log.info(f"round {row['round']} ({row['phase']}): {row['trained']}/{row['devices']} devices trained, "
+             f"{row['modules_borrowed']} modules borrowed and returned, {row['bytes_per_device']:.0f} bytes sent and "
+             f"received per device (whole models down and up: {row['whole_model_bytes_per_device']:.0f}), "
+             f"rejected {row['rejected']}")

@@ -50,6 +50,8 @@ class Coordinator:
             raise ValueError(f"--method {cfg.method} trains width windows of one model: over MQTT, use fedjigsaw, "
                              "no-coretune, no-symbio or local-only")
         self.cfg, self.devices, self.signer, self.transport, self.clock = cfg, devices, signer, transport, clock
+        self.max_blocks = max(load_base(a).blocks for a in cfg.archs)  # an unknown architecture fails here, first
+        self.classes = get_dataset_info(cfg.dataset).num_classes
         self.topics = Topics(federation)
         self.on_row = on_row or (lambda row: None)
         self.run_id = secrets.token_hex(6)
@@ -155,11 +157,10 @@ class Coordinator:
         participants = [Participant(index=i, client_id=h.client_id, key=h.key) for i, h in enumerate(hellos)]
         links = neighbours(len(hellos), cfg.topology, cfg.neighbours_k, cfg.seed) if self.method.share \
             else [[] for _ in hellos]
-        max_blocks = max(load_base(a).blocks for a in cfg.archs)
         plan = JigsawPlan(federation=self.topics.federation, run=self.run_id, key=self.signer.public_text,
                           method=cfg.method, dataset=cfg.dataset, archs=list(cfg.archs), participants=participants,
                           links=links, shards=dataclasses.replace(cfg, clients=len(hellos)).shards(),
-                          settings=dataclasses.replace(cfg.settings(max_blocks), federation=self.topics.federation),
+                          settings=dataclasses.replace(cfg.settings(self.max_blocks), federation=self.topics.federation),
                           train=TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                             milestones=tuple(cfg.milestones)),
                           rounds=cfg.rounds, policy_rounds=cfg.policy_rounds if self.method.assemble else 0,
@@ -173,7 +174,7 @@ class Coordinator:
     def run(self, admit_timeout_s: float) -> dict[int, float]:
         """Admit, run every round, close; returns each device's final local test accuracy."""
         plan = self.admit(admit_timeout_s)
-        critic = CoReTune(plan.federation, get_dataset_info(plan.dataset).num_classes + TOKEN_FEATURES + 1,
+        critic = CoReTune(plan.federation, self.classes + TOKEN_FEATURES + 1,
                           plan.settings.alpha, plan.settings.beta, plan.settings.gamma, self.cfg.critic_warmup,
                           seed=self.cfg.seed) if self.method.coretune and plan.policy_rounds else None
         returns = [0] * len(plan.participants)

@@ -238,3 +238,21 @@ def test_no_inbound_bytes_make_the_device_or_the_coordinator_raise(data) -> None
     device.handle(topic, payload)
     coordinator.handle(topic, payload)
     assert device.plan is not None and device.plan.run == coordinator.run_id
+
+
+def test_the_commands_refuse_bad_options_with_one_line(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from aggregator.cli import app as aggregator
+    from edge_client.cli import app as edge_client
+
+    runner = CliRunner()
+    serve = ["jigsaw-serve", "--devices", "2", "--broker", "mqtt://127.0.0.1:1", "--key-dir", str(tmp_path)]
+    res = runner.invoke(aggregator, [*serve, "--method", "pt-heterofl"])
+    assert res.exit_code == 2 and "use fedjigsaw, no-coretune, no-symbio or local-only" in res.output
+    res = runner.invoke(aggregator, [*serve, "--topology", "star"])
+    assert res.exit_code == 2 and "use full, ring or random" in res.output
+    res = runner.invoke(aggregator, [*serve, "--archs", "cnn-99"])
+    assert res.exit_code == 2 and "no base architecture 'cnn-99'" in res.output
+    res = runner.invoke(edge_client, ["jigsaw", "--broker", "mqtt://127.0.0.1:1", "--client-id", "a/b"])
+    assert res.exit_code == 2 and "invalid client id" in res.output
