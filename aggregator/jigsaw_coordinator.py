@@ -1,7 +1,7 @@
 """The light coordinator of a FedJigsaw federation over MQTT (`aggregator jigsaw-serve`): no model, only timing.
 
-It admits the first `devices` devices that say hello (each hello is signed by the key it names; a client id
-keeps the first key it came with), numbers them by client id, announces the plan (participants and keys,
+It admits `devices` devices that said hello and are online (each hello is signed by the key it names; a client
+id keeps the first key it came with), numbers them by client id, announces the plan (participants and keys,
 topology, the settings of the client step and of the shards), then opens each round with the devices that are
 online and closes it when every one of them has reported, or at `round_timeout_s`, whichever comes first: a
 device that goes offline mid-round is not waited for, and its neighbours mask it when it does not answer a fetch.
@@ -40,6 +40,7 @@ from nefl.signing import Signer, parse_public_key
 from nefl.topics import Topics
 
 log = logging.getLogger(__name__)
+MAX_CANDIDATES = 4096  # client ids whose hello (and key) the coordinator keeps: a flood of made-up ids stops here
 
 
 class Coordinator:
@@ -109,9 +110,11 @@ class Coordinator:
         if hello.client_id != client or hello.federation != self.topics.federation:
             raise MessageError("not_for_me", f"hello of {hello.client_id} in {hello.federation} on {client}'s topic")
         with self.cond:
+            if client not in self.keys and len(self.keys) >= MAX_CANDIDATES:
+                raise MessageError("too_many_devices", f"{len(self.keys)} devices said hello already")
             if self.keys.setdefault(client, key) != key:
                 raise MessageError("key_changed", f"{client} said hello with another key than its first")
-            if self.plan is None and (client in self.hellos or len(self.hellos) < self.devices):
+            if self.plan is None:  # a retained hello of a device whose status says offline is not counted
                 self.hellos[client] = hello
                 self.offline.discard(client)
                 self.cond.notify_all()
@@ -147,12 +150,12 @@ class Coordinator:
         """Wait for `devices` hellos, then announce the plan (participants numbered by client id)."""
         deadline = self.clock() + timeout_s
         with self.cond:
-            while len(self.hellos) < self.devices:
+            while len(online := [h for c, h in self.hellos.items() if c not in self.offline]) < self.devices:
                 if self.clock() > deadline:
-                    raise TimeoutError(f"{len(self.hellos)} of {self.devices} devices said hello in {timeout_s:.0f} s: "
+                    raise TimeoutError(f"{len(online)} of {self.devices} devices said hello in {timeout_s:.0f} s: "
                                        "are they running `edge-client jigsaw` against this broker and federation?")
                 self.cond.wait(0.5)
-            hellos = sorted(self.hellos.values(), key=lambda h: h.client_id)
+            hellos = sorted(online, key=lambda h: h.client_id)[:self.devices]
         cfg = self.cfg
         participants = [Participant(index=i, client_id=h.client_id, key=h.key) for i, h in enumerate(hellos)]
         links = neighbours(len(hellos), cfg.topology, cfg.neighbours_k, cfg.seed) if self.method.share \

@@ -27,6 +27,7 @@ from torch import nn
 
 from nefl import signing
 from nefl.data import load_dataset
+from edge_client.agent import status_message
 from nefl.jigsaw.broker import BrokerExchange, Peer, PeerUnavailable, largest_module_bytes, module_bytes
 from nefl.jigsaw.client import JigsawClient, StepResult
 from nefl.jigsaw.coordination import MAX_PLAN_BYTES, JigsawHello, JigsawPlan, JigsawRound, RoundDone
@@ -82,9 +83,13 @@ class JigsawDevice:
         subs = [t.jigsaw("plan"), t.jigsaw("round"), t.jigsaw("advice", self.cfg.client_id)]
         return subs + (self.exchange.subscriptions() if self.exchange is not None else [])
 
-    def on_connected(self) -> None:
+    def on_connected(self, seq: int = 0) -> None:
+        """(Re)connected (the connection stamped `seq`): subscribe, say online (the NeFL agent's signed status,
+        whose last will says offline) and hello again."""
         for topic in self.subscriptions():
             self.transport.subscribe(topic, qos=QOS)
+        self.transport.publish(self.topics.status(self.cfg.client_id), status_message(self.signer, "online", seq),
+                               qos=QOS, retain=True)
         hello = JigsawHello(federation=self.cfg.federation, client_id=self.cfg.client_id, key=self.signer.public_text,
                             budget=self.cfg.budget)
         self.transport.publish(self.topics.jigsaw("hello", self.cfg.client_id), self.signer.sign(hello.to_json()),

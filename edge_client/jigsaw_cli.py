@@ -87,7 +87,7 @@ def jigsaw_command(
         raise typer.Exit(2) from None
     stop = threading.Event()
     conn.start()
-    pumping = threading.Thread(target=drain, args=(conn, device.handle, device.on_connected, stop), daemon=True)
+    pumping = threading.Thread(target=drain, args=(conn, device.handle, lambda: device.on_connected(conn.stamp), stop), daemon=True)
     pumping.start()
     code = 0
     try:
