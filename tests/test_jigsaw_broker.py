@@ -256,3 +256,20 @@ def test_the_commands_refuse_bad_options_with_one_line(tmp_path) -> None:
     assert res.exit_code == 2 and "no base architecture 'cnn-99'" in res.output
     res = runner.invoke(edge_client, ["jigsaw", "--broker", "mqtt://127.0.0.1:1", "--client-id", "a/b"])
     assert res.exit_code == 2 and "invalid client id" in res.output
+
+
+def test_a_round_row_reaches_the_prometheus_metrics() -> None:
+    from aggregator.metrics import JigsawMetrics
+
+    m = JigsawMetrics()
+    row = {"round": 3, "trained": 2, "bytes": {"module_out": 1000, "return_in": 900}, "bytes_per_device": 950.0,
+           "whole_model_bytes_per_device": 4000.0, "modules_borrowed": 5, "chain_changes": 1, "masked": [2],
+           "rejected": {"norm_bound": 2}}
+    m.record(row)
+    m.record({**row, "round": 4})
+    value = m.registry.get_sample_value
+    assert value("nefl_jigsaw_rounds_completed_total") == 2 and value("nefl_jigsaw_round") == 4
+    assert value("nefl_jigsaw_module_bytes_total", {"kind": "module_out"}) == 2000
+    assert value("nefl_jigsaw_rejected_total", {"reason": "norm_bound"}) == 4
+    assert value("nefl_jigsaw_modules_borrowed_total") == 10 and value("nefl_jigsaw_chain_changes_total") == 2
+    assert value("nefl_jigsaw_masked_peers") == 1 and value("nefl_jigsaw_whole_model_bytes_per_device") == 4000
