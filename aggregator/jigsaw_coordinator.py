@@ -60,6 +60,7 @@ class Coordinator:
         self.hellos: dict[str, JigsawHello] = {}
         self.keys: dict[str, str] = {}  # client id -> the key it first said hello with
         self.offline: set[str] = set()
+        self.stamps: dict[str, int] = {}  # client id -> the connection stamp of its newest status
         self.done: dict[tuple[int, int], RoundDone] = {}
         self.reports: dict[tuple[int, int], PolicyReport] = {}
         self.rejected: Counter[str] = Counter()
@@ -141,6 +142,9 @@ class Coordinator:
             return
         status = decode(signing.verify(payload, parse_public_key(key)), ClientStatus)
         with self.cond:
+            if status.seq < self.stamps.get(client, 0):
+                raise MessageError("stale_status", f"{client}'s status of an earlier connection")
+            self.stamps[client] = status.seq
             (self.offline.add if status.state == "offline" else self.offline.discard)(client)
             self.cond.notify_all()
 
