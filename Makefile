@@ -6,7 +6,7 @@ FLOWER_VENV ?= .venv-flower
 FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env env-flower wheel system-deps test test-under-load test-fast demo bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
+.PHONY: env env-flower wheel system-deps test test-under-load test-fast demo demo-fedjigsaw bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,9 @@ test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 
 demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashion-MNIST, then export + adaptive inference
 	PYTHON=$(abspath $(PY)) scripts/demo.sh
+
+demo-fedjigsaw: env system-deps  ## FedJigsaw over MQTT: coordinator + embedded broker + 4 devices on Fashion-MNIST shards, each device's accuracy against training alone
+	PYTHON=$(abspath $(PY)) scripts/demo_fedjigsaw.sh
 
 bench-systems: env system-deps  ## aggregation, client, wire, trust-check and inference costs against their baselines -> docs/benchmarks.md
 	$(PY) benchmarks/bench_systems.py

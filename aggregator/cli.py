@@ -33,6 +33,9 @@ COMMANDS = {
     "jigsaw": Lazy("aggregator.jigsaw_cli", "jigsaw_command",
                    "Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy "
                    "per client."),
+    "jigsaw-serve": Lazy("aggregator.jigsaw_cli", "jigsaw_serve_command",
+                         "Coordinate FedJigsaw devices over MQTT: rounds, topology, phase and the CoRe-Tune critic; no "
+                         "central model."),
     "publish": Lazy("aggregator.rollout", "publish_command",
                     "Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, "
                     "retained."),

@@ -6,10 +6,8 @@ explicit loaders and an in-process ModuleExchange.
 
 Every client gets a memory budget (spread evenly between the smallest base architecture's training peak and
 `budget_headroom` x the largest one's, shuffled by the seed), the base architecture that the kit's cost model
-fits in it, a Dirichlet label-skewed task shard (nefl.data, as `aggregator simulate`) with a validation split
-for the reward, a local test set drawn from the test images with its shard's label distribution, and a proxy
-shard for the policy phase: training images set aside before partitioning (so no client's task data), each
-rotated by 0/90/180/270 degrees and labelled with its rotation, a task-agnostic pretext task.
+fits in it, and its shard of the data (nefl/jigsaw/shards.py, which a device of `edge-client jigsaw` computes
+alike, so an MQTT run reproduces this one).
 
 The schedule is the paper's, scaled: methods with a policy first run `policy_rounds` rounds on the proxy shards
 (assemble by sampling, train, score, return modules, CoRe-Tune's server step, REINFORCE), then every method
@@ -32,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nefl.checkpoint import META_FILE, STATE_FILE, append_metrics
-from nefl.data import ArrayDataset, BatchLoader, get_dataset_info, load_dataset, partition_dirichlet
+from nefl.data import get_dataset_info, load_dataset
 from nefl.fsio import atomic_write, atomic_write_text
 from nefl.jigsaw.baselines import scaled_metas, submodel_windows, train_window, width_for_budget
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
@@ -40,7 +38,9 @@ from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CoReTune, CriticAdvice, Polic
 from nefl.jigsaw.methods import JigsawMethod, get_method
 from nefl.jigsaw.policy import TOKEN_FEATURES
 from nefl.jigsaw.symbio import InProcessExchange, neighbours, state_bytes
-from nefl.jigsaw.zoo import BaseArch, base_for_budget, build_model, build_module, fixed_bytes, load_base, peak_bytes
+from nefl.jigsaw.shards import (ClientShard, ShardSpec, client_data, device_budgets, initial_modules, module_seed,
+                                probe_images)
+from nefl.jigsaw.zoo import base_for_budget, build_model, load_base, peak_bytes
 from nefl.rolling import aggregate_windows, extract_state
 from nefl.state import load_module_state, module_state
 from nefl.train import TrainConfig, evaluate, recompute_bn_stats
@@ -80,12 +80,21 @@ class JigsawConfig:
     switch_cost: float = 1.0  # nats per round held a new chain must gain under the policy before a client switches to it
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
+    norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest: < 0.4 here)
+    fetch_timeout_s: float = 30.0  # over MQTT: a peer that does not send a module in this is masked for the round
+    round_timeout_s: float = 600.0  # over MQTT: the coordinator closes a round without the devices not done by then
     eval_every: int = 5  # model-training rounds between evaluations (always after the last)
     data_root: str | None = None
     out: str | None = None
 
     def reward_alpha(self) -> float:
         return self.alpha if self.alpha is not None else (0.9 if self.non_iid <= 0.5 else 0.7)
+
+    def shards(self) -> ShardSpec:
+        return ShardSpec(clients=self.clients, seed=self.seed, non_iid=self.non_iid,
+                         max_samples_per_client=self.max_samples_per_client, val_fraction=self.val_fraction,
+                         test_per_client=self.test_per_client, proxy_samples=self.proxy_samples,
+                         probe_samples=self.probe_samples, batch_size=self.batch_size)
 
     def settings(self, max_blocks: int) -> ClientSettings:
         return ClientSettings(FEDERATION, max_blocks, self.batch_size, self.reward_alpha(), self.beta, self.gamma, self.tau,
@@ -101,75 +110,6 @@ class JigsawResult:
     seconds: float
     rounds: list[dict] = field(default_factory=list)
     architectures: list[list[str]] = field(default_factory=list)
-
-
-# -- data ---------------------------------------------------------------------------------------------
-
-def local_test_indices(test: ArrayDataset, train_labels: torch.Tensor, n: int, seed: int) -> torch.Tensor:
-    """`n` test images drawn with the client's own label distribution (its training shard's)."""
-    classes = test.info.num_classes
-    share = torch.bincount(train_labels, minlength=classes).double()
-    counts = torch.floor(share / share.sum() * n).long()
-    gen = torch.Generator().manual_seed(seed)
-    picked = []
-    for k in range(classes):
-        pool = torch.nonzero(test.labels == k).flatten()
-        picked.append(pool[torch.randperm(pool.numel(), generator=gen)[: min(int(counts[k]), pool.numel())]])
-    return torch.cat(picked).sort().values
-
-
-def rotation_task(images: torch.Tensor, info, seed: int) -> ArrayDataset:
-    """The proxy: each image rotated by k x 90 degrees (k seeded) and labelled k, whatever it shows."""
-    k = torch.randint(4, (images.shape[0],), generator=torch.Generator().manual_seed(seed))
-    rotated = torch.stack([torch.rot90(img, int(r), dims=(1, 2)) for img, r in zip(images, k)])
-    return ArrayDataset(rotated.contiguous(), k.to(torch.int64), info)
-
-
-@dataclass
-class ClientData:
-    train: torch.Tensor
-    val: torch.Tensor
-    test: torch.Tensor
-    proxy_train: torch.Tensor  # indices into the proxy dataset
-    proxy_val: torch.Tensor
-    histogram: torch.Tensor  # label distribution of the task shard: the policy's CLS input, never sent
-
-
-def client_data(train: ArrayDataset, test: ArrayDataset, cfg: JigsawConfig) -> tuple[list[ClientData], ArrayDataset]:
-    """Per client its task, validation, local test and proxy indices; and the proxy dataset. The proxy images
-    are set aside (IID) before the Dirichlet partition of the rest, so they are nobody's task data."""
-    gen = torch.Generator().manual_seed(cfg.seed * 31 + 5)
-    order = torch.randperm(len(train), generator=gen)
-    n_proxy = cfg.clients * cfg.proxy_samples
-    pool, rest = order[:n_proxy].sort().values, order[n_proxy:].sort().values
-    proxy = rotation_task(train.images[pool], train.info, cfg.seed)
-    parts = partition_dirichlet(train.labels[rest], cfg.clients, cfg.non_iid, cfg.seed)
-    out = []
-    for c, part in enumerate(parts):
-        g = torch.Generator().manual_seed(cfg.seed * 7919 + c)
-        part = rest[part[torch.randperm(part.numel(), generator=g)]]
-        if cfg.max_samples_per_client:
-            part = part[: cfg.max_samples_per_client]
-        n_val = max(1, int(part.numel() * cfg.val_fraction))
-        labels = train.labels[part]
-        hist = torch.bincount(labels, minlength=train.info.num_classes).float()
-        mine = torch.arange(c * cfg.proxy_samples, (c + 1) * cfg.proxy_samples)
-        p_val = max(1, int(cfg.proxy_samples * cfg.val_fraction))
-        out.append(ClientData(part[n_val:].sort().values, part[:n_val].sort().values,
-                              local_test_indices(test, labels, cfg.test_per_client, cfg.seed * 104729 + c),
-                              mine[p_val:], mine[:p_val], hist / hist.sum()))
-    return out, proxy
-
-
-def device_budgets(bases: list[BaseArch], clients: int, batch_size: int, headroom: float, seed: int) -> list[float]:
-    """Memory budgets (bytes) of simulated devices: evenly spaced from the smallest base model's training peak
-    to `headroom` x the largest one's share above the fixed part, in a seeded order."""
-    fixed = fixed_bytes(bases[0].input, batch_size)
-    peaks = [peak_bytes(b.metas(0), b.input, batch_size) for b in bases]
-    lo, hi = min(peaks), fixed + (max(peaks) - fixed) * headroom
-    spaced = [lo + (hi - lo) * (i + 0.5) / clients for i in range(clients)]
-    order = torch.randperm(clients, generator=torch.Generator().manual_seed(seed * 13 + 1)).tolist()
-    return [spaced[i] for i in order]
 
 
 def _wire(msg, cls, max_bytes: int = MAX_REPORT_BYTES):
@@ -199,9 +139,8 @@ class ModuleFederation:
 
     def _fresh_exchange(self) -> InProcessExchange:
         """Every source's modules at their (seeded) initial parameters; every client announces and connects."""
-        torch.manual_seed(self.cfg.seed)
-        store = {m.key: module_state(build_module(m)) for c, b in enumerate(self.sim.bases) for m in b.metas(c)}
-        exchange = InProcessExchange(FEDERATION, store, self.links)
+        store = {k: v for c, b in enumerate(self.sim.bases) for k, v in initial_modules(b.metas(c), module_seed(self.cfg.seed, c)).items()}
+        exchange = InProcessExchange(FEDERATION, store, self.links, self.cfg.norm_bound)
         self._seen = dict.fromkeys(exchange.bytes, 0)  # traffic already reported (announcements go with the next round)
         for client in self.clients:
             client.join(exchange)
@@ -346,11 +285,11 @@ class JigsawSimulator:
         self.bases = [base_for_budget(self.bases_available, b, cfg.batch_size) for b in self.budgets]
         self.train = load_dataset(cfg.dataset, cfg.data_root, train=True)
         self.test = load_dataset(cfg.dataset, cfg.data_root, train=False)
-        self.data, self.proxy = client_data(self.train, self.test, cfg)
+        self.data, self.proxy = client_data(self.train, self.test, cfg.shards())
+        self.shards = [ClientShard(c, d, self.train, self.test, self.proxy, cfg.shards()) for c, d in enumerate(self.data)]
         self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                      milestones=tuple(cfg.milestones))
-        gen = torch.Generator().manual_seed(10_007 + cfg.seed)
-        self.probe = torch.randn(cfg.probe_samples, *self.input, generator=gen)  # task-agnostic probe for E_data
+        self.probe = probe_images(self.input, cfg.shards())
         self.fed: ModuleFederation | WidthFederation = (ModuleFederation(self, self.method) if self.method.family == "modules"
                                                         else WidthFederation(self, self.method))
 
@@ -359,25 +298,17 @@ class JigsawSimulator:
         return self.cfg.policy_rounds if self.method.assemble else 0
 
     def task_loaders(self, c: int, r: int) -> Loaders:
-        d = self.data[c]
-        return Loaders(BatchLoader(self.train, d.train, self.cfg.batch_size, shuffle=True, augment=True,
-                                   seed=self.cfg.seed * 1_000_003 + r * 1009 + c), self._plain(self.train, d.val))
+        return self.shards[c].task(r)
 
     def proxy_loaders(self, c: int, r: int) -> Loaders:
-        """No augmentation: a flip would change what a rotation looks like."""
-        d = self.data[c]
-        return Loaders(BatchLoader(self.proxy, d.proxy_train, self.cfg.batch_size, shuffle=True, augment=False,
-                                   seed=self.cfg.seed * 1_000_003 + r * 1009 + c), self._plain(self.proxy, d.proxy_val))
-
-    def _plain(self, dataset: ArrayDataset, idx: torch.Tensor) -> BatchLoader:
-        return BatchLoader(dataset, idx, 256, shuffle=False, augment=False, seed=0)
+        return self.shards[c].proxy_task(r)
 
     def evaluate(self) -> list[float]:
         accs = []
         for c in range(self.cfg.clients):
             model = self.fed.model(c)
-            recompute_bn_stats(model, self._plain(self.train, self.data[c].train))
-            accs.append(evaluate(model, self._plain(self.test, self.data[c].test))[0])
+            recompute_bn_stats(model, self.shards[c].own_train())
+            accs.append(evaluate(model, self.shards[c].local_test())[0])
         return accs
 
     def _rounds(self) -> Iterator[dict]:
@@ -395,7 +326,7 @@ class JigsawSimulator:
 
             def score(c: int, model: nn.Module) -> None:
                 if scoring:
-                    trained.append(evaluate(model, self._plain(self.test, self.data[c].test))[0])
+                    trained.append(evaluate(model, self.shards[c].local_test())[0])
 
             train_cfg = self.train_cfg.for_round(t, cfg.rounds)
             row = {"round": r, "phase": "train", "train_round": t, "lr": train_cfg.lr}

@@ -302,3 +302,46 @@ def _round_row(line: Mapping[str, Any], row: RoundRow) -> RoundRow:
     row.wall_s = line.get("wall_s")
     return row
 
+
+
+class JigsawMetrics:
+    """`aggregator jigsaw-serve --http`: the FedJigsaw coordinator's Prometheus registry, fed one round row at a time
+    (aggregator/jigsaw_coordinator.py); traffic, rejections and masking are what the devices reported for the round."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.rounds = Counter("nefl_jigsaw_rounds_completed", "FedJigsaw rounds closed.", registry=r)
+        self.round = Gauge("nefl_jigsaw_round", "The last closed round.", registry=r)
+        self.trained = Gauge("nefl_jigsaw_devices_trained", "Devices that trained a chain in the last round.", registry=r)
+        self.module_bytes = Counter("nefl_jigsaw_module_bytes", "Bytes the devices sent and received, by kind "
+                                    "(metadata, fetch, module, return; _out sent, _in received).", ["kind"], registry=r)
+        self.per_device = Gauge("nefl_jigsaw_bytes_per_device", "Mean bytes a device sent and received in the last "
+                                "round (modules, trained copies, fetches, metadata).", registry=r)
+        self.whole_model = Gauge("nefl_jigsaw_whole_model_bytes_per_device", "What a device would move in a round by "
+                                 "downloading and uploading its whole model instead (the comparison).", registry=r)
+        self.borrowed = Counter("nefl_jigsaw_modules_borrowed", "Trained copies returned to their source.", registry=r)
+        self.changes = Counter("nefl_jigsaw_chain_changes", "Devices that switched to another chain.", registry=r)
+        self.masked = Gauge("nefl_jigsaw_masked_peers", "Peers masked in the last round (no module in time).", registry=r)
+        self.rejected = Counter("nefl_jigsaw_rejected", "Inbound messages and modules refused, by reason.", ["reason"],
+                                registry=r)
+
+    def record(self, row: Mapping[str, Any]) -> None:
+        self.rounds.inc()
+        self.round.set(row["round"])
+        self.trained.set(row["trained"])
+        for kind, n in row["bytes"].items():
+            self.module_bytes.labels(kind).inc(n)
+        self.per_device.set(row["bytes_per_device"])
+        self.whole_model.set(row["whole_model_bytes_per_device"])
+        self.borrowed.inc(row["modules_borrowed"])
+        self.changes.inc(row["chain_changes"])
+        self.masked.set(len(row["masked"]))
+        for reason, n in row["rejected"].items():
+            self.rejected.labels(reason).inc(n)
+
+    def serve(self, host: str, port: int):
+        """/metrics on host:port in a background thread; returns the server (shutdown() stops it)."""
+        from prometheus_client import start_http_server
+
+        server, _ = start_http_server(port, host, registry=self.registry)
+        return server

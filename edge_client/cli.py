@@ -13,6 +13,8 @@ from nefl.commands import Lazy, lazy_app
 COMMANDS = {
     "join": Lazy("edge_client.join", "join_command",
                  "Join a federation: announce, train assigned submodels, upload deltas until the federation ends."),
+    "jigsaw": Lazy("edge_client.jigsaw_cli", "jigsaw_command",
+                   "Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them."),
     "plan": Lazy("edge_client.plan_cli", "plan_command",
                  "Show each submodel's cost on this device now, whether it fits, and which one would train."),
     "infer": Lazy("edge_client.infer_cli", "infer_command",

@@ -208,3 +208,16 @@ class Connection:
         if self.connected:
             self.log.warning(f"lost the connection to {self.settings.url} ({reason_code}); reconnecting")
         self.connected = False
+
+
+def drain(conn: Connection, handle: Callable[[str, bytes | bytearray], None], on_connected: Callable[[], None],
+          stop: threading.Event) -> None:
+    """A thread's loop that feeds the inbox to `handle` (and says when the connection is fresh) until `stop`:
+    for a process whose main thread is busy training while its peers' messages must still be answered."""
+    while not stop.is_set():
+        if conn.just_connected():
+            on_connected()
+        try:
+            handle(*conn.inbox.get(timeout=0.2))
+        except queue.Empty:
+            pass

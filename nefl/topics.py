@@ -23,6 +23,20 @@ models to devices that follow them with `edge-client serve --follow`.
     deploy/status/{client}          device -> server   retained  signed by the device key: version, health, latency;
                                                                  last will "offline"
 
+FedJigsaw over the broker (docs/fedjigsaw.md, "Deploying"): a light coordinator (`aggregator jigsaw-serve`) and
+devices (`edge-client jigsaw`) that exchange modules among themselves; every message is signed by its sender.
+
+    jigsaw/hello/{client}      device -> coordinator  retained  self-signed: device key, memory budget
+    jigsaw/plan                coordinator -> all     retained  participants and their keys, topology, settings
+    jigsaw/round               coordinator -> all     retained  round, phase, active devices, returns to expect
+    jigsaw/done/{client}       device -> coordinator            the round's accuracy, chain, traffic, rejections
+    jigsaw/report/{client}     device -> coordinator            policy phase: CoRe-Tune's PolicyReport
+    jigsaw/advice/{client}     coordinator -> device            policy phase: CoRe-Tune's CriticAdvice
+    jigsaw/meta/{client}       device -> neighbours   retained  metadata of the modules it owns (no parameters)
+    jigsaw/fetch/{source}      borrower -> source               "send me your module at position p for round r"
+    jigsaw/module/{borrower}   source -> borrower               that module's parameters (wire kind "module")
+    jigsaw/return/{source}     borrower -> source               a trained copy of the source's module (kind "return")
+
 Scale-out (docs/scale.md): aggregator workers and site relays talk to the coordinator under
 `workers/` and `worker/{id}/`; a broker ACL should let only server-side accounts use them, and the
 coordinator takes worker messages only signed by a key the operator authorised (docs/security.md).
@@ -43,6 +57,7 @@ import re
 PREFIX = "nefl"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 WORKER_KINDS = ("status", "receipt", "partial", "summary", "forward")
+JIGSAW_KINDS = ("hello", "done", "report", "advice", "meta", "fetch", "module", "return")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -154,6 +169,22 @@ class Topics:
     @property
     def deploy_statuses(self) -> str:
         return f"{self.root}/deploy/status/+"
+
+    def jigsaw(self, kind: str, client: str | None = None) -> str:
+        """`jigsaw/{kind}` or `jigsaw/{kind}/{client}`, kind one of JIGSAW_KINDS (per-client) or plan, round."""
+        if kind not in (JIGSAW_KINDS if client is not None else ("plan", "round")):
+            raise ValueError(f"unknown FedJigsaw topic {kind!r}{' per client' if client is not None else ''}")
+        return f"{self.root}/jigsaw/{kind}" + (f"/{client}" if client is not None else "")
+
+    def jigsaw_of(self, topic: str) -> tuple[str, str | None] | None:
+        """(kind, client or None) of a FedJigsaw topic, or None when the topic is not one."""
+        head = f"{self.root}/jigsaw/"
+        if not topic.startswith(head):
+            return None
+        kind, _, client = topic[len(head):].partition("/")
+        if not client:
+            return (kind, None) if kind in ("plan", "round") else None
+        return (kind, client) if kind in JIGSAW_KINDS and _NAME.fullmatch(client) else None
 
     def is_model(self, topic: str) -> bool:
         return topic.startswith(f"{self.root}/model/")

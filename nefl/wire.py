@@ -54,7 +54,7 @@ HASH_BYTES = 32
 MAX_CHUNKS = 1 << 24
 MAX_PROOF = 24  # hashes in the proof of a chunk of a set of at most MAX_CHUNKS
 DTYPES = ("fp32", "fp16")  # tensor payloads; "raw" is a file's bytes (kind "file")
-KINDS = ("model", "update", "partial", "file")
+KINDS = ("model", "update", "partial", "file", "module", "return")
 _PREFIX = struct.Struct(">4sBBHI")
 # refusals of a complete set whose every chunk hashed up to the signed root: the signer's own bytes
 PAYLOAD_REASONS = frozenset({"malformed_payload", "bad_dtype", "non_finite"})
@@ -66,7 +66,9 @@ class ChunkHeader(Message, frozen=True):
     """The JSON header every chunk of a payload repeats, byte for byte; parsed by the same strict
     loader as control messages."""
 
-    kind: Literal["model", "update", "partial", "file"]  # partial: a worker's sums (aggregator/partials.py)
+    kind: Literal["model", "update", "partial", "file", "module", "return"]  # partial: a worker's sums
+    # (aggregator/partials.py); module, return: a FedJigsaw module to a borrower and its trained copy back to the
+    # source (nefl/jigsaw/broker.py), `submodel` the module's position
     federation: Name  # file: one file of release `round` (the version), `submodel` its position in the release
     round: Round
     submodel: Submodel

@@ -109,7 +109,7 @@ def test_serve_without_its_eval_dataset_is_one_line_and_exit_2(tmp_path: Path, m
     ["aggregator", "rollout", "status", "--help"],
     pytest.param(["aggregator", "jigsaw", "--help"], marks=pytest.mark.xfail(
         strict=True, reason="its --method help lists aggregator.jigsaw_sim.METHODS, which lives beside torch code")),
-    ["edge-client", "--help"], *(["edge-client", c, "--help"] for c in ("join", "plan", "probe", "infer", "serve")),
+    ["edge-client", "--help"], *(["edge-client", c, "--help"] for c in ("join", "jigsaw", "plan", "probe", "infer", "serve")),
     ["nefl-export", "--help"], ["nefl-export", "onnx", "--help"],
 ])
 def test_help_imports_no_torch(argv: list[str], tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 from nefl.aggregate import coverage_mean
 from nefl.jigsaw.zoo import ModuleMeta
 from nefl.messages import Message, MessageError, Name, Round, decode
+from nefl.robust import update_norm
 from nefl.tensors import first_non_finite
 
 Topology = Literal["full", "ring", "random"]
@@ -91,6 +92,19 @@ def source_average(copies: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
             for name in first}
 
 
+def refusal(own: dict[str, torch.Tensor] | None, state: dict[str, torch.Tensor], norm_bound: float | None = None) -> str | None:
+    """Why a source refuses a trained copy of its module `own`, or None: other tensors or shapes, non-finite
+    values, or (with `norm_bound`) a distance from its own copy above norm_bound x that copy's norm. A borrower
+    trains a module for a round or two, so an honest copy stays near its source's; a poisoned one need not."""
+    if own is None or set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
+        return "shape_mismatch"
+    if first_non_finite(state) is not None:
+        return "non_finite"
+    if norm_bound is not None and update_norm({k: state[k] - own[k] for k in own}) > norm_bound * update_norm(own):
+        return "norm_bound"
+    return None
+
+
 class ModuleExchange(Protocol):
     """Everything a client step (nefl.jigsaw.client) may do with other clients: announce its modules, read
     its neighbours' announcements, fetch a module's parameters from its source, return a trained copy.
@@ -106,8 +120,9 @@ class InProcessExchange:
     """Every client's module repository in one process. Messages are encoded and re-decoded with the
     strict loader, as over a broker; tensors are counted at float32 size. `aggregate` closes a round."""
 
-    def __init__(self, federation: str, store: dict[str, dict[str, torch.Tensor]], links: Sequence[Sequence[int]] = ()) -> None:
-        self.federation = federation
+    def __init__(self, federation: str, store: dict[str, dict[str, torch.Tensor]], links: Sequence[Sequence[int]] = (),
+                 norm_bound: float | None = None) -> None:
+        self.federation, self.norm_bound = federation, norm_bound
         self.store = store  # module key -> parameters, owned by the module's source
         self.links = [list(n) for n in links]  # each client's neighbours (whose broadcasts it receives)
         self.metadata: dict[int, list[ModuleMeta]] = {}
@@ -159,12 +174,9 @@ class InProcessExchange:
         module's or are not finite: one bad borrower cannot poison a source's module."""
         got = self._wire(msg, ModuleReturn, local=msg.client == msg.source)
         key = f"c{got.source}.m{got.position}"
-        own = self.store.get(key)
-        if own is None or set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
-            self.rejected["shape_mismatch"] += 1
-            return
-        if first_non_finite(state) is not None:
-            self.rejected["non_finite"] += 1
+        reason = refusal(self.store.get(key), state, self.norm_bound)
+        if reason is not None:
+            self.rejected[reason] += 1
             return
         if got.client != got.source:
             self.bytes["return"] += state_bytes(state)

@@ -1,0 +1,110 @@
+"""`edge-client jigsaw`: take part in a FedJigsaw federation (edge_client/jigsaw.py) over MQTT.
+
+A sibling of `join` (which trains NeFL submodels an aggregator assigns): the same broker options, device key,
+pinned coordinator key, probing for the memory budget and logging; a different protocol, so its own command.
+A thread drains the connection's inbox into the device's handler while the main thread trains, so the device
+answers its neighbours' fetches during its own training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import typer
+
+from edge_client.identity import PIN_DIR, device_signer, pin_file_for
+from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+                              UsernameOption)
+from nefl.extras import full_install_required
+from nefl.logs import setup_logging
+from nefl.messages import DEFAULT_CHUNK_BYTES
+from nefl.mqtt import Connection, drain, parse_broker
+from nefl.signals import Stop, stop_on_sigterm, stop_reason
+from nefl.topics import Topics, check_name
+
+log = logging.getLogger(__name__)
+
+
+def jigsaw_command(
+    broker: str = typer.Option(..., help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker."),
+    client_id: str = typer.Option(None, help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID)."),
+    federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/)."),
+    memory_budget: str = typer.Option(None, help="Memory this device may train in, e.g. 40MB (default: what the probe "
+                                      "reads as available); the largest base architecture that fits is its model."),
+    data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data); the "
+                                  "coordinator's plan names the dataset and this device's shard of it."),
+    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message this client sends, KiB."),
+    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
+                                   help="The coordinator's public key (`aggregator key` prints it) or a file holding it; "
+                                        "without it the first plan that lists this device is trusted, with a warning."),
+    device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
+                                    "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; peers check it."),
+    out: Path = typer.Option(None, help="Write the final chain's parameters here (final.safetensors)."),
+    username: UsernameOption = None,
+    password: PasswordOption = None,
+    ca_cert: CaCertOption = None,
+    certfile: CertfileOption = None,
+    keyfile: KeyfileOption = None,
+    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "plain",
+) -> None:
+    """Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them."""
+    with full_install_required("edge-client jigsaw"):
+        import torch
+        from safetensors.torch import save_file
+
+        from edge_client.agent import status_message
+        from edge_client.jigsaw import Abandoned, DeviceSettings, JigsawDevice
+        from edge_client.probe import Prober
+        from edge_client.select import DeviceBudget
+        from nefl.data import DatasetUnavailable
+        from nefl.signing import KeyPin, public_key_arg
+    cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
+    setup_logging(log_level, log_format, context={"client": cid})
+    stop_on_sigterm()
+    try:
+        check_name("client id", cid)
+        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
+        if threads:
+            torch.set_num_threads(threads)
+        budget = DeviceBudget.parse(memory_budget).apply(Prober().snapshot()).memory_available
+        if not budget:
+            raise ValueError("the probe cannot read this device's available memory: give --memory-budget")
+        signer = device_signer(cid, device_key)
+        pin = KeyPin(public_key_arg(server_key) if server_key else None,
+                     pin_file_for(PIN_DIR, federation, settings.host, settings.port))
+        topics = Topics(federation)
+        conn = Connection(settings, cid, topics.status(cid), lambda seq: status_message(signer, "offline", seq), log)
+        device = JigsawDevice(DeviceSettings(cid, federation, int(budget), chunk_kib * 1024, data_root), signer, pin, conn.client)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    stop = threading.Event()
+    conn.start()
+    pumping = threading.Thread(target=drain, args=(conn, device.handle, lambda: device.on_connected(conn.stamp), stop), daemon=True)
+    pumping.start()
+    code = 0
+    try:
+        accuracy = device.run()
+        if out is not None and device.final_state:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in device.final_state.items()}, str(out / "final.safetensors"))
+        log.info("federation over" + (f"; final local test accuracy {accuracy:.4f}" if accuracy is not None else ""))
+    except (DatasetUnavailable, ValueError) as e:
+        log.error(f"cannot take part: {e}")
+        code = 2
+    except Abandoned as e:
+        log.error(str(e))
+        code = 1
+    except (KeyboardInterrupt, Stop) as e:
+        log.info(f"stopping ({stop_reason(e)}); the neighbours mask this device from the next fetch on")
+    finally:
+        stop.set()
+        conn.stop((topics.status(cid), status_message(signer, "offline", conn.stamp)))
+    raise typer.Exit(code)
