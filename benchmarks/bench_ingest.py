@@ -128,7 +128,8 @@ def signed_updates(layout: Layout, devices: int, chunk_bytes: int, submodel: int
 def ingest(profile_name: str, layout: Layout, messages: list, assignments: dict, keys: dict, chunk_bytes: int,
            prof: cProfile.Profile | None) -> float:
     """Thread CPU seconds of a fresh Worker taking every message (every check on), and the centre check's end."""
-    w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"))
+    w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"),
+               Signer(Ed25519PrivateKey.generate()))
     w.on_plan(plan_for(layout, profile_name, assignments, keys, chunk_bytes))
     t0 = time.thread_time()
     if prof is not None:

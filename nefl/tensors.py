@@ -6,6 +6,9 @@ import the model and profile machinery.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
 
 
@@ -25,12 +28,62 @@ def ring(outer: torch.Size | tuple[int, ...], inner: torch.Size | tuple[int, ...
             for d in range(len(outer)) if inner[d] < outer[d]]
 
 
+class Tiling:
+    """The names and shapes of the tensors that tile a flat buffer, in buffer order. The wire decoder
+    makes one per distinct safetensors header and hands the same object to every update that repeats
+    it (every honest update of a submodel does), so a check of an update's layout is a comparison with
+    a layout already checked, not one per tensor (a resnet20 update has 116). Immutable; equal by value,
+    hashed once."""
+
+    __slots__ = ("names", "shapes", "_offsets", "_strides", "_hash")
+
+    def __init__(self, names: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> None:
+        self.names, self.shapes = names, shapes
+        sizes = [math.prod(s) for s in shapes]
+        self._offsets = tuple(itertools.accumulate(sizes, initial=0))
+        self._strides = tuple(_contiguous_strides(s) for s in shapes)
+        self._hash = hash((names, shapes))
+
+    @property
+    def numel(self) -> int:
+        return self._offsets[-1]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors as views of `flat` (1-D, contiguous, `numel` elements): one as_strided each, about
+        half the cost of slicing then reshaping."""
+        base = flat.storage_offset()
+        return {n: flat.as_strided(s, st, base + o) for n, s, st, o in zip(self.names, self.shapes, self._strides, self._offsets)}
+
+    def mismatch(self, expected: dict[str, torch.Size], what: str) -> str | None:
+        """`tensor_mismatch` of tensors tiled this way."""
+        return tensor_mismatch(dict(zip(self.names, self.shapes)), expected, what, shaped=True)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Tiling) and self._hash == other._hash
+                                 and (self.names, self.shapes) == (other.names, other.shapes))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
 class Tiled(dict):
     """Tensors that are views exactly tiling one flat float32 buffer, `flat`, as nefl/wire.py decodes an
-    update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor.
-    Only the decoder builds one; anything derived from it (a clipped copy) is a plain dict again."""
+    update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor,
+    and `tiling` says their names and shapes in one object. Only the decoder builds one; anything derived
+    from it (a clipped copy) is a plain dict again. `normed` caches the norm (nefl/robust.py) with the
+    buffer's version counter, which every in-place write to `flat` or a view of it bumps."""
 
     flat: torch.Tensor
+    tiling: Tiling
+    normed: tuple[int, float] | None = None
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -50,12 +103,15 @@ def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return next((n for n, t in tensors.items() if not all_finite(t)), None)
 
 
-def tensor_mismatch(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> str | None:
-    """Why `got` is not exactly the named tensors of `expected` (None when it is)."""
+def tensor_mismatch(got: dict[str, torch.Tensor] | dict[str, torch.Size], expected: dict[str, torch.Size], what: str,
+                    shaped: bool = False) -> str | None:
+    """Why `got` is not exactly the named tensors of `expected` (None when it is); `shaped`: `got` maps
+    names to shapes, not tensors."""
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         return f"{what}: tensor names differ: missing {missing[:3]}, unexpected {extra[:3]}"
     for n, t in got.items():
-        if t.shape != expected[n]:
-            return f"{what}: tensor {n!r} has shape {tuple(t.shape)}, expected {tuple(expected[n])}"
+        shape = t if shaped else t.shape
+        if shape != expected[n]:
+            return f"{what}: tensor {n!r} has shape {tuple(shape)}, expected {tuple(expected[n])}"
     return None

@@ -28,6 +28,7 @@ a short reason code that the server counts and logs.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import time
@@ -46,6 +47,8 @@ from nefl.messages import (DEFAULT_CHUNK_BYTES, Count, Hex64, Message, MessageEr
 
 if TYPE_CHECKING:
     import torch
+
+    from nefl.tensors import Tiling
 
 MAGIC = b"NEFL"
 WIRE_VERSION = 2
@@ -217,7 +220,36 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
     hlen = int.from_bytes(payload[:8].tobytes(), "little")
     if hlen > min(len(payload) - 8, 16 << 20):
         raise WireError("malformed_payload", "not a safetensors payload (header length)")
-    head = payload[8:8 + hlen].tobytes()
+    tiling, item = safetensors_tiling(payload[8:8 + hlen].tobytes(), dtype), _ST_DTYPES[dtype][1]
+    start, at = 8 + hlen, tiling.numel * item
+    if start + at != len(payload):
+        raise WireError("malformed_payload", f"{len(payload) - start - at} bytes after the last tensor")
+    data = torch.from_numpy(payload[start:]) if start % item == 0 else torch.from_numpy(payload[start:].copy())
+    flat = data.view(_torch_dtype(dtype))
+    flat = flat if dtype == "fp32" else flat.to(torch.float32)
+    if not all_finite(flat):
+        raise WireError("non_finite", "non-finite values")
+    out = Tiled(tiling.views(flat))
+    out.flat, out.tiling = flat, tiling
+    return out
+
+
+CACHED_HEADER_BYTES = 64 << 10  # safetensors headers parsed once and kept (256 of them at most: 16 MiB)
+
+
+def safetensors_tiling(head: bytes, dtype: str) -> Tiling:
+    """The tensors a safetensors header lays out, in buffer order, or WireError for holes, overlaps or
+    other dtypes. Cached by the header's bytes: every update of a submodel repeats its header, so the
+    JSON parse and the checks of its table run once per submodel, not once per update; the same
+    Tiling object then marks every such update's layout as already checked (nefl/aggregate.py)."""
+    return (_cached_tiling if len(head) <= CACHED_HEADER_BYTES else _read_tiling)(head, dtype)
+
+
+def _read_tiling(head: bytes, dtype: str) -> Tiling:
+    import torch
+
+    from nefl.tensors import Tiling
+
     try:
         try:  # one typed decode; a header with "__metadata__" (strings) takes the entry-by-entry way
             table = msgspec.json.decode(head, type=dict[str, _StEntry])
@@ -229,7 +261,7 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise WireError("malformed_payload", f"not a safetensors payload ({str(e)[:100]})") from None
     st_dtype, item = _ST_DTYPES[dtype]
-    start, at = 8 + hlen, 0
+    at = 0
     for n, e in entries:
         if e.dtype != st_dtype:
             raise WireError("bad_dtype", f"{n}: {e.dtype}, header says {dtype}")
@@ -238,20 +270,10 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
             raise WireError("malformed_payload", f"{n}: data offsets {e.data_offsets} leave a hole, overlap or "
                                                  f"disagree with shape {e.shape}")
         at = end
-    if start + at != len(payload):
-        raise WireError("malformed_payload", f"{len(payload) - start - at} bytes after the last tensor")
-    data = torch.from_numpy(payload[start:]) if start % item == 0 else torch.from_numpy(payload[start:].copy())
-    flat = data.view(_torch_dtype(dtype))
-    flat = flat if dtype == "fp32" else flat.to(torch.float32)
-    if not all_finite(flat):
-        raise WireError("non_finite", "non-finite values")
-    out, at = Tiled(), 0
-    for n, e in entries:
-        numel = (e.data_offsets[1] - e.data_offsets[0]) // item
-        out[n] = flat[at:at + numel].view(e.shape)
-        at += numel
-    out.flat = flat
-    return out
+    return Tiling(tuple(n for n, _ in entries), tuple(torch.Size(e.shape) for _, e in entries))
+
+
+_cached_tiling = functools.lru_cache(maxsize=256)(_read_tiling)
 
 
 # -- framing ----------------------------------------------------------------------------------------------
