@@ -281,3 +281,17 @@ def test_a_single_chunk_in_a_writable_buffer_is_decoded_in_place():
     assert all(torch.equal(done.tensors[n], t) for n, t in tensors().items())
     done.tensors["bn.bias"].mul_(0)  # the tensors are the message's own bytes
     assert m != original and Reassembler().feed(original).tensors["bn.bias"].abs().sum() > 0
+
+
+def test_a_safetensors_header_is_parsed_once_and_its_tiling_shared():
+    """Updates that repeat a header share one Tiling (what lets the aggregator judge their layout once);
+    their views are still each payload's own values, and a bad header is refused every time, not cached."""
+    first, second = tensors(), {n: t + 1 for n, t in tensors().items()}
+    a, b = (decode_tensors("fp32", np.frombuffer(encode_tensors(t), dtype=np.uint8)) for t in (first, second))
+    assert a.tiling is b.tiling and list(a) == list(a.tiling.names) == sorted(first)
+    assert all(torch.equal(a[n], first[n]) and torch.equal(b[n], second[n]) for n in first)
+    bad = bytearray(encode_tensors(first))
+    bad[8:8 + 20] = b'{"x": {"dtype": "F32"'  # a header that no longer parses
+    for _ in range(2):
+        with pytest.raises(WireError, match="malformed_payload"):
+            decode_tensors("fp32", np.frombuffer(bad, dtype=np.uint8))
