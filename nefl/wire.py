@@ -208,9 +208,10 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> byt
     return out
 
 
-def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
+def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[str, torch.Tensor]:
     """Verified safetensors bytes (a writable uint8 array) -> float32 views of one flat buffer, without a
-    copy for fp32. Refuses holes, overlaps, other dtypes and non-finite values; never unpickles."""
+    copy for fp32. Refuses holes, overlaps, other dtypes and non-finite values; never unpickles.
+    lazy: the views are made on first use (nefl.tensors.Tiled)."""
     import torch
 
     from nefl.tensors import Tiled, all_finite
@@ -229,9 +230,7 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
     flat = flat if dtype == "fp32" else flat.to(torch.float32)
     if not all_finite(flat):
         raise WireError("non_finite", "non-finite values")
-    out = Tiled(tiling.views(flat))
-    out.flat, out.tiling = flat, tiling
-    return out
+    return Tiled(flat, tiling, lazy)
 
 
 CACHED_HEADER_BYTES = 64 << 10  # safetensors headers parsed once and kept (256 of them at most: 16 MiB)
@@ -388,10 +387,10 @@ def payload_of(messages: list[bytes]) -> bytes:
     return b"".join(c.data for c in chunks)
 
 
-def _assembled(header: ChunkHeader, payload: np.ndarray) -> Assembled:
+def _assembled(header: ChunkHeader, payload: np.ndarray, lazy: bool) -> Assembled:
     if header.dtype not in DTYPES:
         raise WireError("bad_dtype", f"a {header.kind} message of dtype {header.dtype} carries no tensors")
-    return Assembled(header, decode_tensors(header.dtype, payload), header.size)
+    return Assembled(header, decode_tensors(header.dtype, payload, lazy), header.size)
 
 
 @dataclass
@@ -411,11 +410,13 @@ class Reassembler:
     bytearrays on) is decoded where it lies, and its tensors then share that buffer. A header's parse (and, with a device key, its signature check) is done
     once per set: later chunks present the same header bytes. The caps on pending sets and buffered bytes
     hold per sender (the header's client, which the server has already matched to the topic), so one
-    client can only exhaust its own share."""
+    client can only exhaust its own share. lazy_views: the assembled tensors' views are made on first use
+    (an aggregator's updates: checked and summed as flat buffers; nefl.tensors.Tiled)."""
 
     def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 120.0, max_pending: int = 2,
                  max_chunks: int = 4096, remember: int = 4096, max_buffered: int | None = None,
-                 headers: int = 1024) -> None:
+                 headers: int = 1024, lazy_views: bool = False) -> None:
+        self.lazy_views = lazy_views
         self.max_bytes, self.timeout_s, self.max_pending, self.max_chunks = max_bytes, timeout_s, max_pending, max_chunks
         self.max_buffered = max_buffered or 2 * max_bytes  # one sender's incomplete sets together
         self._pending: dict[tuple, _Pending] = {}
@@ -470,7 +471,7 @@ class Reassembler:
         sender = header.client
         if header.count == 1 and not chunk.data.readonly:  # a whole payload in a buffer the receiver owns: no copy
             self._remember_done(key)
-            return _assembled(header, np.frombuffer(chunk.data, dtype=np.uint8))
+            return _assembled(header, np.frombuffer(chunk.data, dtype=np.uint8), self.lazy_views)
         if pending is None:
             if self._count(sender) >= self.max_pending:
                 raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
@@ -487,7 +488,7 @@ class Reassembler:
             return None
         del self._pending[key]
         self._remember_done(key)  # every chunk matched the root: this is the set its header names
-        return _assembled(header, pending.buffer)
+        return _assembled(header, pending.buffer, self.lazy_views)
 
     def _count(self, sender: str) -> int:
         return sum(1 for k in self._pending if k[2] == sender)

@@ -295,3 +295,31 @@ def test_a_safetensors_header_is_parsed_once_and_its_tiling_shared():
     for _ in range(2):
         with pytest.raises(WireError, match="malformed_payload"):
             decode_tensors("fp32", np.frombuffer(bad, dtype=np.uint8))
+
+
+def test_lazy_views_appear_on_first_use_of_any_dict_method():
+    """A lazily decoded update (an aggregator's) makes no views until asked, then is the eager one for
+    every way of reading a dict, including the C paths that copy one (dict(), **, update)."""
+    t = tensors()
+    payload = encode_tensors(t)
+    eager = decode_tensors("fp32", np.frombuffer(payload, dtype=np.uint8))
+    reads = [len, list, dict, lambda d: {**d}, lambda d: list(d.items()), lambda d: list(d.values()), lambda d: "step" in d,
+             lambda d: d["bn.bias"], lambda d: d.get("fc.weight"), repr, lambda d: list(reversed(d)), lambda d: {}.update(d) or d.copy()]
+    for read in reads:
+        lazy = decode_tensors("fp32", np.frombuffer(bytearray(payload), dtype=np.uint8), lazy=True)
+        assert lazy._empty and lazy.flat.numel() == eager.flat.numel()
+        got, want = read(lazy), read(eager)
+        assert not lazy._empty
+        if isinstance(want, dict):
+            assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+        elif isinstance(want, list) and want and isinstance(want[0], tuple):
+            assert [n for n, _ in got] == [n for n, _ in want] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+        elif isinstance(want, list) and want and isinstance(want[0], torch.Tensor):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        elif isinstance(want, torch.Tensor):
+            assert torch.equal(got, want)
+        else:
+            assert got == want
+    reasm = Reassembler(lazy_views=True)
+    done = [reasm.feed(m) for m in msgs()][-1]
+    assert done.tensors._empty and all(torch.equal(done.tensors[n], v) for n, v in t.items())
