@@ -420,6 +420,7 @@ class Reassembler:
         self.max_bytes, self.timeout_s, self.max_pending, self.max_chunks = max_bytes, timeout_s, max_pending, max_chunks
         self.max_buffered = max_buffered or 2 * max_bytes  # one sender's incomplete sets together
         self._pending: dict[tuple, _Pending] = {}
+        self._held: dict[str, list[int]] = {}  # sender -> [its pending sets, their bytes received]: O(1) caps per chunk
         self._done: OrderedDict[tuple, None] = OrderedDict()
         self._remember = remember
         self._headers: OrderedDict[bytes, tuple[ChunkHeader, object]] = OrderedDict()  # bytes -> (header, key verified)
@@ -473,41 +474,47 @@ class Reassembler:
             self._remember_done(key)
             return _assembled(header, np.frombuffer(chunk.data, dtype=np.uint8), self.lazy_views)
         if pending is None:
-            if self._count(sender) >= self.max_pending:
+            if self._held.get(sender, (0, 0))[0] >= self.max_pending:
                 raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
             pending = self._pending[key] = _Pending(header, now, np.empty(header.size, dtype=np.uint8))
+            self._held.setdefault(sender, [0, 0])[0] += 1
         elif header != pending.header:
             raise WireError("inconsistent_chunks", f"chunk {chunk.index} header differs from earlier chunks")
-        if self._buffered(sender) + len(chunk.data) > self.max_buffered:
+        held = self._held[sender]
+        if held[1] + len(chunk.data) > self.max_buffered:
             raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across {sender}'s incomplete chunk sets")
         at = chunk.index * header.chunk
         pending.buffer[at:at + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)
         pending.have.add(chunk.index)
         pending.received += len(chunk.data)
+        held[1] += len(chunk.data)
         if len(pending.have) < header.count:
             return None
-        del self._pending[key]
+        self._drop(key)
         self._remember_done(key)  # every chunk matched the root: this is the set its header names
         return _assembled(header, pending.buffer, self.lazy_views)
 
-    def _count(self, sender: str) -> int:
-        return sum(1 for k in self._pending if k[2] == sender)
-
-    def _buffered(self, sender: str) -> int:
-        return sum(p.received for k, p in self._pending.items() if k[2] == sender)
+    def _drop(self, key: tuple) -> None:
+        """Forget a pending set, and its share of its sender's caps."""
+        pending = self._pending.pop(key)
+        held = self._held[key[2]]
+        held[0] -= 1
+        held[1] -= pending.received
+        if not held[0]:
+            del self._held[key[2]]
 
     def expire(self, now: float | None = None) -> list[tuple]:
         """Drop chunk sets older than the timeout; returns their keys (kind, round, client, submodel, digest)."""
         now = time.monotonic() if now is None else now
         old = [k for k, p in self._pending.items() if now - p.started > self.timeout_s]
         for k in old:
-            del self._pending[k]
+            self._drop(k)
         return old
 
     def discard_rounds_before(self, round_: int) -> None:
         """Partial sets of closed rounds can never complete usefully; free their memory."""
         for k in [k for k in self._pending if k[1] < round_]:
-            del self._pending[k]
+            self._drop(k)
 
     def _remember_done(self, key: tuple) -> None:
         self._done[key] = None

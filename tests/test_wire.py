@@ -323,3 +323,29 @@ def test_lazy_views_appear_on_first_use_of_any_dict_method():
     reasm = Reassembler(lazy_views=True)
     done = [reasm.feed(m) for m in msgs()][-1]
     assert done.tensors._empty and all(torch.equal(done.tensors[n], v) for n, v in t.items())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["feed", "expire", "discard"]), st.integers(0, 2), st.integers(1, 4),
+                          st.integers(0, 2)), max_size=30))
+def test_the_per_sender_caps_are_counted_as_the_pending_sets_say(ops):
+    """The running per-sender counts (sets in flight, bytes held) that the caps read in O(1) equal a
+    recount over the pending sets after any mix of chunks, completions, refusals, expiries and round discards."""
+    sets = {(c, r): msgs(client=f"c{c}", round=r) for c in range(3) for r in range(1, 5)}
+    reasm, now = Reassembler(max_pending=2, max_buffered=3 * CHUNK), 0.0
+    for op, c, r, i in ops:
+        now += 1.0
+        if op == "feed":
+            try:
+                reasm.feed(sets[c, r][min(i, len(sets[c, r]) - 1)], now=now)
+            except WireError:
+                pass
+        elif op == "expire":
+            reasm.expire(now=now + 100 * (i == 2))
+        else:
+            reasm.discard_rounds_before(r)
+        recount: dict[str, list[int]] = {}
+        for key, p in reasm._pending.items():
+            held = recount.setdefault(key[2], [0, 0])
+            held[0], held[1] = held[0] + 1, held[1] + p.received
+        assert reasm._held == recount
