@@ -97,11 +97,24 @@ class Sketch:
         return self._gathers[delta.tiling]
 
     def _positions(self, tiling: Tiling) -> torch.Tensor:
-        """The slow path run on each element's own position: the buffer's indices, tiled the same way,
-        cut to the same cells and picked by the same index."""
-        where = tiling.views(torch.arange(tiling.numel))
-        flat = torch.cat([where[n][cell].reshape(-1) for n, cell in self.core.items()])
-        return flat if self.index is None else flat[self.index]
+        """The picked elements (indices into the cells laid end to end), each unravelled in its cell's shape
+        and placed by its tensor's offset and strides in the buffer: all at once, in O(sketch size + tensors)
+        (not O(model): a resnet18 update has 11 M elements)."""
+        names = list(self.core)
+        cells = [tuple(s.stop for s in self.core[n]) for n in names]
+        dims = max(len(c) for c in cells)
+        shape = torch.tensor([(1,) * (dims - len(c)) + c for c in cells], dtype=torch.int64).reshape(len(cells), dims)
+        offset, strides = tiling.placement(names)
+        stride = torch.tensor([(0,) * (dims - len(st)) + st for st in strides], dtype=torch.int64).reshape(len(cells), dims)
+        sizes = shape.prod(1)
+        ends = sizes.cumsum(0)
+        picked = torch.arange(int(ends[-1])) if self.index is None else self.index
+        which = torch.searchsorted(ends, picked, right=True)
+        rest, out = picked - (ends - sizes)[which], torch.tensor(offset, dtype=torch.int64)[which]
+        for d in reversed(range(dims)):
+            out += (rest % shape[which, d]) * stride[which, d]
+            rest = rest // shape[which, d]
+        return out
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

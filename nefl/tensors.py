@@ -57,6 +57,11 @@ class Tiling:
         base = flat.storage_offset()
         return {n: flat.as_strided(s, st, base + o) for n, s, st, o in zip(self.names, self.shapes, self._strides, self._offsets)}
 
+    def placement(self, names: list[str]) -> tuple[list[int], list[tuple[int, ...]]]:
+        """Where each named tensor starts in the buffer (elements) and its strides."""
+        at = {n: i for i, n in enumerate(self.names)}
+        return [self._offsets[at[n]] for n in names], [self._strides[at[n]] for n in names]
+
     def mismatch(self, expected: dict[str, torch.Size], what: str) -> str | None:
         """`tensor_mismatch` of tensors tiled this way."""
         return tensor_mismatch(dict(zip(self.names, self.shapes)), expected, what, shaped=True)
