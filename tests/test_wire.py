@@ -304,7 +304,8 @@ def test_lazy_views_appear_on_first_use_of_any_dict_method():
     payload = encode_tensors(t)
     eager = decode_tensors("fp32", np.frombuffer(payload, dtype=np.uint8))
     reads = [len, list, dict, lambda d: {**d}, lambda d: list(d.items()), lambda d: list(d.values()), lambda d: "step" in d,
-             lambda d: d["bn.bias"], lambda d: d.get("fc.weight"), repr, lambda d: list(reversed(d)), lambda d: {}.update(d) or d.copy()]
+             lambda d: d["bn.bias"], lambda d: d.get("fc.weight"), repr, lambda d: list(reversed(d)),
+             lambda d: {}.update(d) or d.copy()]
     for read in reads:
         lazy = decode_tensors("fp32", np.frombuffer(bytearray(payload), dtype=np.uint8), lazy=True)
         assert lazy._empty and lazy.flat.numel() == eager.flat.numel()
