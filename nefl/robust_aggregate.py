@@ -325,7 +325,7 @@ class Screened(RoundAggregate):
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         # row i: update i's sketch; rows grow by doubling, so a vote is one product with a slice, not a stack
-        self.sketches = torch.empty(min(len(assignments), self.compare + 1), self.sketch.size)
+        self.sketches = torch.empty(max(1, min(len(assignments), self.compare + 1)), self.sketch.size)
         self.count = 0  # sketches held
         self.ratios: list[float] = []
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
