@@ -126,7 +126,7 @@ class Server(Transport):
         if "step_bound" in start.meta and self.fed.steps is not None:  # and the per-tensor step bound's
             self.fed.steps.load_state_dict(start.meta["step_bound"])
         self.next_round = next_round
-        self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout)
+        self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout, lazy_views=True)
         self.out = Path(cfg.checkpoint_dir)
         # what --http shows (aggregator/metrics.py); a resumed run's charts start with its earlier rounds
         self.observer = Observer(cfg.federation, self.profile.name, layout.num_submodels, cfg.rounds, cfg.round_timeout,

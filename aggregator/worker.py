@@ -197,7 +197,7 @@ class Worker:
         self.pins.clear()
         self.pins.update(plan.keys)
         if self.reasm is None or self.reasm.max_bytes != plan.max_update_bytes:
-            self.reasm = Reassembler(max_bytes=plan.max_update_bytes, timeout_s=plan.deadline_s)
+            self.reasm = Reassembler(max_bytes=plan.max_update_bytes, timeout_s=plan.deadline_s, lazy_views=True)
         self.reasm.discard_rounds_before(plan.round)
         self.plan = plan
         early, self.early = self.early, []

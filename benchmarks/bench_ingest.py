@@ -128,7 +128,8 @@ def signed_updates(layout: Layout, devices: int, chunk_bytes: int, submodel: int
 def ingest(profile_name: str, layout: Layout, messages: list, assignments: dict, keys: dict, chunk_bytes: int,
            prof: cProfile.Profile | None) -> float:
     """Thread CPU seconds of a fresh Worker taking every message (every check on), and the centre check's end."""
-    w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"))
+    w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"),
+               Signer(Ed25519PrivateKey.generate()))
     w.on_plan(plan_for(layout, profile_name, assignments, keys, chunk_bytes))
     t0 = time.thread_time()
     if prof is not None:
@@ -152,7 +153,7 @@ def worker_profile(profile_name: str, devices: int, chunk_bytes: int, submodel: 
     messages, assignments, keys = signed_updates(layout, devices, chunk_bytes, submodel)
     mib = sum(len(m) for _, m in messages) / 2**20
     cpu = min(ingest(profile_name, layout, messages, assignments, keys, chunk_bytes, None) for _ in range(repeats))
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.thread_time)  # CPU, not wall: on a loaded machine the wall clock counts others' turns
     ingest(profile_name, layout, messages, assignments, keys, chunk_bytes, prof)
     parts = attribute(pstats.Stats(prof))
     scale = cpu / sum(parts.values())  # the profiler's overhead spread evenly: the parts add up to the clean CPU
@@ -392,13 +393,15 @@ def report(data: dict, command: str) -> list[str]:
     prov = data["provenance"]
     lines = [SECTION, "", "Every number in this section comes from one run of", "", f"    {command}", "",
              "(`make bench-ingest`) on this machine:", "", f"- CPU: {prov['cpu']}, {os.cpu_count()} logical cores, shared "
-             "with other work (CPU time is measured, not wall time, so the load shows only as noise)",
+             "with other work (CPU time is measured, not wall time; contention for the cores' caches still inflates it "
+             "under load, so compare figures of one run, or runs at a similar load)",
              f"- {prov['date']}, commit {prov['commit']}", f"- load average at the end of the run: {prov['load']}", "",
              "**The worker's whole path, in one process.** A real `aggregator.worker.Worker` takes one round of signed "
              "updates as `aggregator loadtest` devices send them (`route`: the trust boundary, aggregator/intake.py with "
              "every check on, the centre check, NeFedAvg, receipts and logging; the broker replaced by a list), best of 3 "
-             "in thread CPU time, then once under cProfile: each function's own time goes to what it is for (a torch or "
-             "builtin call to its callers' share), scaled to the clean total. ms of CPU per MiB of messages:", ""]
+             "in thread CPU time, then once under cProfile (timed by thread CPU time): each function's own time goes to "
+             "what it is for (a torch or builtin call to its callers' share), scaled to the clean total. ms of CPU per "
+             "MiB of messages:", ""]
     cats = sorted({c for r in data["worker"] for c in r["parts_ms_per_mib"]},
                   key=lambda c: -max(r["parts_ms_per_mib"].get(c, 0) for r in data["worker"]))
     cols = [f"{r['profile']}, {r['devices']} updates of {r['mib'] / r['devices']:.2f} MiB, {r['chunk_bytes'] >> 10} KiB chunks"
@@ -409,7 +412,9 @@ def report(data: dict, command: str) -> list[str]:
     lines.append("| **total** | " + " | ".join(f"**{r['ms_per_mib']:.2f}**" for r in data["worker"]) + " |")
     before = data.get("before")
     if before:
-        lines += ["", f"Before (wire v1, commit {BEFORE}, the same script; {before.get('note', '')}): "
+        prov_b = before.get("provenance") or {"commit": f"{BEFORE} (wire v1)", "date": before.get("note", "")}
+        lines += ["", f"Before (commit {prov_b['commit']}, the same script, {prov_b['date']}"
+                  + (f", load average {prov_b['load']}" if prov_b.get("load") else "") + "): "
                   + "; ".join(f"{r['profile']} {r['chunk_bytes'] >> 10} KiB chunks {r['ms_per_mib']:.1f} ms/MiB"
                               for r in before["worker"]) + "."]
     lines += ["", "**The MQTT client's receive path.** Each client receives the same stream from mosquitto (QoS 1, one "

@@ -213,11 +213,19 @@ def relay_bytes(s: Setting, tmp: Path) -> dict:
         run.mosquitto(central)
         run.mosquitto(site)
         up, down = f"mqtt://127.0.0.1:{central}", f"mqtt://127.0.0.1:{site}"
-        coord = run.start("coordinator", [*CLI, "serve", "--profile", s.profile, "--broker", up, "--federation", "b",
+        keys = ["--federation", "b", "--key-dir", str(tmp / "keys")]
+        # the coordinator takes only authorised relays' receipts and partials: the operator's `enroll --worker`
+        relay_key = subprocess.run([*CLI, "relay", "--site-broker", down, "--upstream", up, "--relay-id", "site",
+                                    "--print-key", *keys], env=run.env, check=True,
+                                   capture_output=True, text=True).stdout.strip().split()[-1]
+        subprocess.run([*CLI, "enroll", "site", "--worker", "--key", relay_key, *keys], env=run.env, check=True,
+                       capture_output=True)
+        coord = run.start("coordinator", [*CLI, "serve", "--profile", s.profile, "--broker", up, "--key-dir", str(tmp / "keys"),
+                                          "--federation", "b",
                                           "--rounds", str(s.rounds), "--clients-per-round", str(s.relay_devices),
                                           "--min-clients", "1", "--round-timeout", "600", "--join-wait", "60",
                                           "--chunk-kib", "4096", "--checkpoint-dir", str(tmp / "run"), "--log-level", "warning"])
-        run.start("relay", [*CLI, "relay", "--site-broker", down, "--upstream", up, "--federation", "b", "--relay-id", "site"])
+        run.start("relay", [*CLI, "relay", "--site-broker", down, "--upstream", up, *keys, "--relay-id", "site"])
         run.start("loadtest", [*CLI, "loadtest", "--broker", down, "--federation", "b", "--profile", s.profile,
                                "--devices", str(s.relay_devices), "--pool", "8", "--chunk-kib", "4096", "--duration", "1200",
                                "--log-level", "warning"])

@@ -32,7 +32,7 @@ import torch
 from nefl.choices import check_choice
 from nefl.settings import Weighting
 from nefl.state import GlobalState, Layout, corner, tensor_mismatch
-from nefl.tensors import Tiled, first_non_finite, ring
+from nefl.tensors import Tiled, Tiling, first_non_finite, ring
 
 # per dimension of a global tensor: the indices a part covers (a slice, an index tensor, or None = all)
 Window = tuple[slice | torch.Tensor | None, ...]
@@ -109,6 +109,11 @@ class RoundAggregate(ABC):
         self._check_open()
         if not 0 <= k < self.layout.num_submodels:
             raise UpdateError(f"submodel index {k} out of range 0..{self.layout.num_submodels - 1}")
+        if isinstance(delta, Tiled):  # off the wire: float32 views, their layout judged once per header
+            problem = self.layout.tiling_mismatch(k, delta.tiling)
+            if problem:
+                raise UpdateError(problem)
+            return
         problem = tensor_mismatch(delta, self.layout.upload_shapes(k), f"submodel {k + 1}")
         if problem:
             raise UpdateError(problem)
@@ -192,6 +197,7 @@ class NeFedAvg(RoundAggregate):
         self.groups: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_submodels)]
         # a group adopted from an update decoded off the wire: its tensors are views tiling this buffer
         self._flat: list[torch.Tensor | None] = [None] * layout.num_submodels
+        self._tiling: list[Tiling | None] = [None] * layout.num_submodels
         self.weights = torch.zeros(layout.num_submodels, dtype=torch.float64)
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
@@ -205,15 +211,15 @@ class NeFedAvg(RoundAggregate):
         """A validated update counted with weight `w` > 0 (its sample count, or a robust rule's trust)."""
         self._check_open()
         group, flat = self.groups[k], self._flat[k]
-        if flat is not None and isinstance(delta, Tiled) and delta.flat.numel() == flat.numel() and list(delta) == list(group):
-            flat.add_(delta.flat, alpha=w)  # same names in the same order and (validated) shapes: the same tiling
+        if flat is not None and isinstance(delta, Tiled) and delta.tiling == self._tiling[k]:
+            flat.add_(delta.flat, alpha=w)  # the same names, shapes and order as the group's buffer
         elif group:
             names = list(group)
             torch._foreach_add_([group[n] for n in names], [delta[n].to(torch.float32) for n in names], alpha=w)
         else:
             if owned and isinstance(delta, Tiled):
                 group.update(delta)
-                self._flat[k] = delta.flat
+                self._flat[k], self._tiling[k] = delta.flat, delta.tiling
             elif owned and all(t.dtype == torch.float32 for t in delta.values()):
                 group.update(delta)
             else:

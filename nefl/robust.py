@@ -62,9 +62,17 @@ def update_norm(delta: dict[str, torch.Tensor]) -> float:
     entry, which would make a finite update look non-finite and so impossible to clip.
     math.inf only for non-finite input (NaN included), so callers need a single comparison.
     An update decoded off the wire (nefl.wire.Tiled) is normed as its one flat buffer: one pass, not
-    one per tensor (a resnet20 update has 116)."""
-    parts = [delta.flat] if isinstance(delta, Tiled) else delta.values()
-    total = math.hypot(*(_tensor_norm(t) for t in parts))
+    one per tensor (a resnet20 update has 116), and once: the bound and the centre check both ask, and
+    the answer is kept with the buffer's version counter, so a write into the buffer recomputes it."""
+    if not isinstance(delta, Tiled):
+        return _finite_or_inf(math.hypot(*(_tensor_norm(t) for t in delta.values())))
+    version = delta.flat._version
+    if delta.normed is None or delta.normed[0] != version:
+        delta.normed = (version, _finite_or_inf(_tensor_norm(delta.flat)))
+    return delta.normed[1]
+
+
+def _finite_or_inf(total: float) -> float:
     return total if math.isfinite(total) else math.inf
 
 

@@ -34,7 +34,7 @@ from nefl.aggregate import NeFedAvg, RoundAggregate, Weighting, tensor_bytes, up
 from nefl.robust import reference_norm, update_norm
 from nefl.settings import AggregationConfig
 from nefl.state import GlobalState, Layout
-from nefl.tensors import Tiled, corner
+from nefl.tensors import Tiled, Tiling, corner
 
 # the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
 ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
@@ -90,26 +90,31 @@ class Sketch:
     def _gather(self, delta: Tiled) -> torch.Tensor:
         """Positions in `delta.flat` of the elements the slow path picks, computed once per tiling (names in
         buffer order and shapes: one per submodel from honest senders, a few kept)."""
-        tiling = tuple((n, t.shape) for n, t in delta.items())
-        if tiling not in self._gathers:
+        if delta.tiling not in self._gathers:
             if len(self._gathers) >= 16:
                 self._gathers.clear()
-            self._gathers[tiling] = self._positions(delta)
-        return self._gathers[tiling]
+            self._gathers[delta.tiling] = self._positions(delta.tiling)
+        return self._gathers[delta.tiling]
 
-    def _positions(self, delta: Tiled) -> torch.Tensor:
-        """For each picked element (an index into the concatenated cells), its cell coordinates, then its
-        offset in the buffer: O(sketch size), not O(model)."""
-        base, start, out = delta.flat.storage_offset(), 0, []
-        for n, cell in self.core.items():
-            t, shape = delta[n], tuple(s.stop for s in cell)
-            size = math.prod(shape)
-            picked = torch.arange(start, start + size) if self.index is None else \
-                self.index[(self.index >= start) & (self.index < start + size)]
-            coords = torch.unravel_index(picked - start, shape)
-            out.append(t.storage_offset() - base + sum(c * s for c, s in zip(coords, t.stride())))
-            start += size
-        return torch.cat(out)
+    def _positions(self, tiling: Tiling) -> torch.Tensor:
+        """The picked elements (indices into the cells laid end to end), each unravelled in its cell's shape
+        and placed by its tensor's offset and strides in the buffer: all at once, in O(sketch size + tensors)
+        (not O(model): a resnet18 update has 11 M elements)."""
+        names = list(self.core)
+        cells = [tuple(s.stop for s in self.core[n]) for n in names]
+        dims = max(len(c) for c in cells)
+        shape = torch.tensor([(1,) * (dims - len(c)) + c for c in cells], dtype=torch.int64).reshape(len(cells), dims)
+        offset, strides = tiling.placement(names)
+        stride = torch.tensor([(0,) * (dims - len(st)) + st for st in strides], dtype=torch.int64).reshape(len(cells), dims)
+        sizes = shape.prod(1)
+        ends = sizes.cumsum(0)
+        picked = torch.arange(int(ends[-1])) if self.index is None else self.index
+        which = torch.searchsorted(ends, picked, right=True)
+        rest, out = picked - (ends - sizes)[which], torch.tensor(offset, dtype=torch.int64)[which]
+        for d in reversed(range(dims)):
+            out += (rest % shape[which, d]) * stride[which, d]
+            rest = rest // shape[which, d]
+        return out
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -319,7 +324,9 @@ class Screened(RoundAggregate):
         self.mergeable = inner.mergeable
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
-        self.sketches: list[torch.Tensor] = []
+        # row i: update i's sketch; rows grow by doubling, so a vote is one product with a slice, not a stack
+        self.sketches = torch.empty(max(1, min(len(assignments), self.compare + 1)), self.sketch.size)
+        self.count = 0  # sketches held
         self.ratios: list[float] = []
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
@@ -332,25 +339,32 @@ class Screened(RoundAggregate):
         update_weight(self.weighting, num_samples)
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
         ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
-        self.sketches.append(self.sketch(delta))
+        if self.count == len(self.sketches):
+            self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:max(1, self.count)])])
+        self.sketches[self.count] = self.sketch(delta)
+        self.count += 1
         self.ratios.append(ratio)
         self.updates[k] += 1
-        self.pending.append((Held(client, k, delta, num_samples), len(self.sketches) - 1, ratio))
-        if len(self.sketches) >= self.hold:
+        self.pending.append((Held(client, k, delta, num_samples), self.count - 1, ratio))
+        if self.count >= self.hold:
             self._judge_pending()
 
     def agrees(self, i: int) -> float:
         """The share of the other sketches (the `compare` most recent) with a positive dot product with sketch i."""
-        lo = max(0, len(self.sketches) - self.compare - 1)
-        others = [self.sketches[j] for j in range(lo, len(self.sketches)) if j != i][-self.compare:]
-        return float(((torch.stack(others) @ self.sketches[i]) > 0).float().mean())
+        n = self.count
+        lo = max(0, n - self.compare - 1)
+        lo += i < lo  # i is not among the most recent: the `compare` before the newest
+        positive = (self.sketches[lo:n] @ self.sketches[i]) > 0
+        if lo <= i:
+            positive[i - lo] = False  # not itself
+        return float(positive.sum()) / (n - lo - (lo <= i))
 
     def _outvoted(self, pending: list[tuple[Held, int, float]]) -> set[int]:
         """Sketch indices to drop: those short of `min_agree`, but only while at least half of the round's
         updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
         compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the
         size bound alone applies."""
-        if len(self.sketches) < self.cfg.min_cover or not self.sketch.size:
+        if self.count < self.cfg.min_cover or not self.sketch.size:
             return set()
         short = set()
         for h, i, _ in pending:
@@ -392,7 +406,7 @@ class Screened(RoundAggregate):
     @property
     def held_bytes(self) -> int:
         return (self.inner.held_bytes + tensor_bytes(t for h, _, _ in self.pending for t in h.delta.values())
-                + tensor_bytes(self.sketches))
+                + tensor_bytes([self.sketches[:self.count]]))
 
     def finalize(self, state: GlobalState) -> GlobalState:
         self._check_open()

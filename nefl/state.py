@@ -19,7 +19,7 @@ from nefl.families.registry import family_of
 from nefl.methods import Method, apply_method, get_method
 from nefl.models import build_submodel, build_supernet, pretrained_supernet_state, read_state_file
 from nefl.profile import Profile
-from nefl.tensors import all_finite, corner, tensor_mismatch  # noqa: F401 (re-exported)
+from nefl.tensors import Tiling, all_finite, corner, tensor_mismatch  # noqa: F401 (re-exported)
 
 BN_STATS = ("running_mean", "running_var")
 
@@ -47,6 +47,8 @@ class Layout:
     inconsistent: frozenset[str]  # names kept per submodel
     local: frozenset[str]  # names never uploaded (static-BN statistics)
     _key_sets: list[frozenset[str]] = field(default_factory=list, repr=False)
+    # (submodel, Tiling) -> why tensors tiled that way are not its upload (None: they are); see `tiling_mismatch`
+    _tilings: dict[tuple[int, Tiling], str | None] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, profile: Profile, method: Method | str | None = None) -> "Layout":
@@ -74,6 +76,16 @@ class Layout:
     def upload_shapes(self, k: int) -> dict[str, torch.Size]:
         """Tensors a client training submodel k sends back: everything it trained."""
         return {n: s for n, s in self.sub_shapes[k].items() if n not in self.local}
+
+    def tiling_mismatch(self, k: int, tiling: Tiling) -> str | None:
+        """`tensor_mismatch` of an update decoded off the wire against submodel k's upload, worked out
+        once per distinct tiling (the decoder hands every update with the same header the same Tiling)."""
+        key = (k, tiling)
+        if key not in self._tilings:
+            if len(self._tilings) >= 256:  # distinct layouts are few; a sender inventing them only evicts
+                self._tilings.clear()
+            self._tilings[key] = tiling.mismatch(self.upload_shapes(k), f"submodel {k + 1}")
+        return self._tilings[key]
 
     def module(self, k: int) -> nn.Module:
         """A fresh, physically sliced module for submodel k."""

@@ -6,6 +6,12 @@ import the model and profile machinery.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -25,12 +31,100 @@ def ring(outer: torch.Size | tuple[int, ...], inner: torch.Size | tuple[int, ...
             for d in range(len(outer)) if inner[d] < outer[d]]
 
 
+class Tiling:
+    """The names and shapes of the tensors that tile a flat buffer, in buffer order. The wire decoder
+    makes one per distinct safetensors header and hands the same object to every update that repeats
+    it (every honest update of a submodel does), so a check of an update's layout is a comparison with
+    a layout already checked, not one per tensor (a resnet20 update has 116). Immutable; equal by value,
+    hashed once."""
+
+    __slots__ = ("names", "shapes", "_offsets", "_strides", "_hash")
+
+    def __init__(self, names: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> None:
+        self.names, self.shapes = names, shapes
+        sizes = [math.prod(s) for s in shapes]
+        self._offsets = tuple(itertools.accumulate(sizes, initial=0))
+        self._strides = tuple(_contiguous_strides(s) for s in shapes)
+        self._hash = hash((names, shapes))
+
+    @property
+    def numel(self) -> int:
+        return self._offsets[-1]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors as views of `flat` (1-D, contiguous, `numel` elements): one as_strided each, about
+        half the cost of slicing then reshaping."""
+        base = flat.storage_offset()
+        return {n: flat.as_strided(s, st, base + o) for n, s, st, o in zip(self.names, self.shapes, self._strides, self._offsets)}
+
+    def placement(self, names: list[str]) -> tuple[list[int], list[tuple[int, ...]]]:
+        """Where each named tensor starts in the buffer (elements) and its strides."""
+        at = {n: i for i, n in enumerate(self.names)}
+        return [self._offsets[at[n]] for n in names], [self._strides[at[n]] for n in names]
+
+    def mismatch(self, expected: dict[str, torch.Size], what: str) -> str | None:
+        """`tensor_mismatch` of tensors tiled this way."""
+        return tensor_mismatch(dict(zip(self.names, self.shapes)), expected, what, shaped=True)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Tiling) and self._hash == other._hash
+                                 and (self.names, self.shapes) == (other.names, other.shapes))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
 class Tiled(dict):
     """Tensors that are views exactly tiling one flat float32 buffer, `flat`, as nefl/wire.py decodes an
-    update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor.
-    Only the decoder builds one; anything derived from it (a clipped copy) is a plain dict again."""
+    update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor,
+    and `tiling` says their names and shapes in one object. Only the decoder builds one; anything derived
+    from it (a clipped copy) is a plain dict again. `normed` caches the norm (nefl/robust.py) with the
+    buffer's version counter, which every in-place write to `flat` or a view of it bumps.
+
+    lazy=True (an aggregator's updates, which it checks and sums as flat buffers) makes the views on the
+    first use of any dict method instead of at once: 116 views cost a resnet20 update about as much as
+    hashing it. A C extension that reads a dict's storage directly (PyDict_Next: msgspec, safetensors'
+    writer) would see an unused lazy one empty, so one is never handed to those."""
 
     flat: torch.Tensor
+    tiling: Tiling
+    normed: tuple[int, float] | None = None
+
+    def __init__(self, flat: torch.Tensor, tiling: Tiling, lazy: bool = False) -> None:
+        super().__init__()
+        self.flat, self.tiling, self._empty = flat, tiling, True
+        if not lazy:
+            self._fill()
+
+    def _fill(self) -> None:
+        if self._empty:
+            self._empty = False
+            dict.update(self, self.tiling.views(self.flat))
+
+
+def _filling(name: str) -> Callable:
+    method = getattr(dict, name)
+
+    @functools.wraps(method)
+    def filled(self: Tiled, *args: Any, **kwargs: Any) -> Any:
+        self._fill()
+        return method(self, *args, **kwargs)
+
+    return filled
+
+
+for _name in ("__getitem__", "__setitem__", "__delitem__", "__iter__", "__reversed__", "__len__", "__contains__", "__eq__",
+              "__ne__", "__or__", "__ior__", "__repr__", "keys", "values", "items", "get", "pop", "popitem", "setdefault",
+              "update", "copy", "clear"):
+    setattr(Tiled, _name, _filling(_name))
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -50,12 +144,15 @@ def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
     return next((n for n, t in tensors.items() if not all_finite(t)), None)
 
 
-def tensor_mismatch(got: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str) -> str | None:
-    """Why `got` is not exactly the named tensors of `expected` (None when it is)."""
+def tensor_mismatch(got: dict[str, torch.Tensor] | dict[str, torch.Size], expected: dict[str, torch.Size], what: str,
+                    shaped: bool = False) -> str | None:
+    """Why `got` is not exactly the named tensors of `expected` (None when it is); `shaped`: `got` maps
+    names to shapes, not tensors."""
     if set(got) != set(expected):
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         return f"{what}: tensor names differ: missing {missing[:3]}, unexpected {extra[:3]}"
     for n, t in got.items():
-        if t.shape != expected[n]:
-            return f"{what}: tensor {n!r} has shape {tuple(t.shape)}, expected {tuple(expected[n])}"
+        shape = t if shaped else t.shape
+        if shape != expected[n]:
+            return f"{what}: tensor {n!r} has shape {tuple(shape)}, expected {tuple(expected[n])}"
     return None

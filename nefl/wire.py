@@ -28,6 +28,7 @@ a short reason code that the server counts and logs.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import time
@@ -46,6 +47,8 @@ from nefl.messages import (DEFAULT_CHUNK_BYTES, Count, Hex64, Message, MessageEr
 
 if TYPE_CHECKING:
     import torch
+
+    from nefl.tensors import Tiling
 
 MAGIC = b"NEFL"
 WIRE_VERSION = 2
@@ -207,9 +210,10 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> byt
     return out
 
 
-def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
+def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[str, torch.Tensor]:
     """Verified safetensors bytes (a writable uint8 array) -> float32 views of one flat buffer, without a
-    copy for fp32. Refuses holes, overlaps, other dtypes and non-finite values; never unpickles."""
+    copy for fp32. Refuses holes, overlaps, other dtypes and non-finite values; never unpickles.
+    lazy: the views are made on first use (nefl.tensors.Tiled)."""
     import torch
 
     from nefl.tensors import Tiled, all_finite
@@ -219,7 +223,34 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
     hlen = int.from_bytes(payload[:8].tobytes(), "little")
     if hlen > min(len(payload) - 8, 16 << 20):
         raise WireError("malformed_payload", "not a safetensors payload (header length)")
-    head = payload[8:8 + hlen].tobytes()
+    tiling, item = safetensors_tiling(payload[8:8 + hlen].tobytes(), dtype), _ST_DTYPES[dtype][1]
+    start, at = 8 + hlen, tiling.numel * item
+    if start + at != len(payload):
+        raise WireError("malformed_payload", f"{len(payload) - start - at} bytes after the last tensor")
+    data = torch.from_numpy(payload[start:]) if start % item == 0 else torch.from_numpy(payload[start:].copy())
+    flat = data.view(_torch_dtype(dtype))
+    flat = flat if dtype == "fp32" else flat.to(torch.float32)
+    if not all_finite(flat):
+        raise WireError("non_finite", "non-finite values")
+    return Tiled(flat, tiling, lazy)
+
+
+CACHED_HEADER_BYTES = 64 << 10  # safetensors headers parsed once and kept (256 of them at most: 16 MiB)
+
+
+def safetensors_tiling(head: bytes, dtype: str) -> Tiling:
+    """The tensors a safetensors header lays out, in buffer order, or WireError for holes, overlaps or
+    other dtypes. Cached by the header's bytes: every update of a submodel repeats its header, so the
+    JSON parse and the checks of its table run once per submodel, not once per update; the same
+    Tiling object then marks every such update's layout as already checked (nefl/aggregate.py)."""
+    return (_cached_tiling if len(head) <= CACHED_HEADER_BYTES else _read_tiling)(head, dtype)
+
+
+def _read_tiling(head: bytes, dtype: str) -> Tiling:
+    import torch
+
+    from nefl.tensors import Tiling
+
     try:
         try:  # one typed decode; a header with "__metadata__" (strings) takes the entry-by-entry way
             table = msgspec.json.decode(head, type=dict[str, _StEntry])
@@ -231,7 +262,7 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise WireError("malformed_payload", f"not a safetensors payload ({str(e)[:100]})") from None
     st_dtype, item = _ST_DTYPES[dtype]
-    start, at = 8 + hlen, 0
+    at = 0
     for n, e in entries:
         if e.dtype != st_dtype:
             raise WireError("bad_dtype", f"{n}: {e.dtype}, header says {dtype}")
@@ -240,20 +271,10 @@ def decode_tensors(dtype: str, payload: np.ndarray) -> dict[str, torch.Tensor]:
             raise WireError("malformed_payload", f"{n}: data offsets {e.data_offsets} leave a hole, overlap or "
                                                  f"disagree with shape {e.shape}")
         at = end
-    if start + at != len(payload):
-        raise WireError("malformed_payload", f"{len(payload) - start - at} bytes after the last tensor")
-    data = torch.from_numpy(payload[start:]) if start % item == 0 else torch.from_numpy(payload[start:].copy())
-    flat = data.view(_torch_dtype(dtype))
-    flat = flat if dtype == "fp32" else flat.to(torch.float32)
-    if not all_finite(flat):
-        raise WireError("non_finite", "non-finite values")
-    out, at = Tiled(), 0
-    for n, e in entries:
-        numel = (e.data_offsets[1] - e.data_offsets[0]) // item
-        out[n] = flat[at:at + numel].view(e.shape)
-        at += numel
-    out.flat = flat
-    return out
+    return Tiling(tuple(n for n, _ in entries), tuple(torch.Size(e.shape) for _, e in entries))
+
+
+_cached_tiling = functools.lru_cache(maxsize=256)(_read_tiling)
 
 
 # -- framing ----------------------------------------------------------------------------------------------
@@ -368,10 +389,10 @@ def payload_of(messages: list[bytes]) -> bytes:
     return b"".join(c.data for c in chunks)
 
 
-def _assembled(header: ChunkHeader, payload: np.ndarray) -> Assembled:
+def _assembled(header: ChunkHeader, payload: np.ndarray, lazy: bool) -> Assembled:
     if header.dtype not in DTYPES:
         raise WireError("bad_dtype", f"a {header.kind} message of dtype {header.dtype} carries no tensors")
-    return Assembled(header, decode_tensors(header.dtype, payload), header.size)
+    return Assembled(header, decode_tensors(header.dtype, payload, lazy), header.size)
 
 
 @dataclass
@@ -391,14 +412,17 @@ class Reassembler:
     bytearrays on) is decoded where it lies, and its tensors then share that buffer. A header's parse (and, with a device key, its signature check) is done
     once per set: later chunks present the same header bytes. The caps on pending sets and buffered bytes
     hold per sender (the header's client, which the server has already matched to the topic), so one
-    client can only exhaust its own share."""
+    client can only exhaust its own share. lazy_views: the assembled tensors' views are made on first use
+    (an aggregator's updates: checked and summed as flat buffers; nefl.tensors.Tiled)."""
 
     def __init__(self, max_bytes: int = 64 << 20, timeout_s: float = 120.0, max_pending: int = 2,
                  max_chunks: int = 4096, remember: int = 4096, max_buffered: int | None = None,
-                 headers: int = 1024) -> None:
+                 headers: int = 1024, lazy_views: bool = False) -> None:
+        self.lazy_views = lazy_views
         self.max_bytes, self.timeout_s, self.max_pending, self.max_chunks = max_bytes, timeout_s, max_pending, max_chunks
         self.max_buffered = max_buffered or 2 * max_bytes  # one sender's incomplete sets together
         self._pending: dict[tuple, _Pending] = {}
+        self._held: dict[str, list[int]] = {}  # sender -> [its pending sets, their bytes received]: O(1) caps per chunk
         self._done: OrderedDict[tuple, None] = OrderedDict()
         self._remember = remember
         self._headers: OrderedDict[bytes, tuple[ChunkHeader, object]] = OrderedDict()  # bytes -> (header, key verified)
@@ -450,43 +474,49 @@ class Reassembler:
         sender = header.client
         if header.count == 1 and not chunk.data.readonly:  # a whole payload in a buffer the receiver owns: no copy
             self._remember_done(key)
-            return _assembled(header, np.frombuffer(chunk.data, dtype=np.uint8))
+            return _assembled(header, np.frombuffer(chunk.data, dtype=np.uint8), self.lazy_views)
         if pending is None:
-            if self._count(sender) >= self.max_pending:
+            if self._held.get(sender, (0, 0))[0] >= self.max_pending:
                 raise WireError("too_many_pending", f"{self.max_pending} chunk sets from {sender} already in flight")
             pending = self._pending[key] = _Pending(header, now, np.empty(header.size, dtype=np.uint8))
+            self._held.setdefault(sender, [0, 0])[0] += 1
         elif header != pending.header:
             raise WireError("inconsistent_chunks", f"chunk {chunk.index} header differs from earlier chunks")
-        if self._buffered(sender) + len(chunk.data) > self.max_buffered:
+        held = self._held[sender]
+        if held[1] + len(chunk.data) > self.max_buffered:
             raise WireError("oversized", f"more than {self.max_buffered} bytes buffered across {sender}'s incomplete chunk sets")
         at = chunk.index * header.chunk
         pending.buffer[at:at + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)
         pending.have.add(chunk.index)
         pending.received += len(chunk.data)
+        held[1] += len(chunk.data)
         if len(pending.have) < header.count:
             return None
-        del self._pending[key]
+        self._drop(key)
         self._remember_done(key)  # every chunk matched the root: this is the set its header names
-        return _assembled(header, pending.buffer)
+        return _assembled(header, pending.buffer, self.lazy_views)
 
-    def _count(self, sender: str) -> int:
-        return sum(1 for k in self._pending if k[2] == sender)
-
-    def _buffered(self, sender: str) -> int:
-        return sum(p.received for k, p in self._pending.items() if k[2] == sender)
+    def _drop(self, key: tuple) -> None:
+        """Forget a pending set, and its share of its sender's caps."""
+        pending = self._pending.pop(key)
+        held = self._held[key[2]]
+        held[0] -= 1
+        held[1] -= pending.received
+        if not held[0]:
+            del self._held[key[2]]
 
     def expire(self, now: float | None = None) -> list[tuple]:
         """Drop chunk sets older than the timeout; returns their keys (kind, round, client, submodel, digest)."""
         now = time.monotonic() if now is None else now
         old = [k for k, p in self._pending.items() if now - p.started > self.timeout_s]
         for k in old:
-            del self._pending[k]
+            self._drop(k)
         return old
 
     def discard_rounds_before(self, round_: int) -> None:
         """Partial sets of closed rounds can never complete usefully; free their memory."""
         for k in [k for k in self._pending if k[1] < round_]:
-            del self._pending[k]
+            self._drop(k)
 
     def _remember_done(self, key: tuple) -> None:
         self._done[key] = None

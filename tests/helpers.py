@@ -30,3 +30,12 @@ def random_ladder(rng: random.Random, arch: Arch = TINY_BASIC, n: int = 4, metho
     subs.sort(key=lambda s: s[0])
     subs.append((1.0, 1.0, tuple((1.0,) * d for d in arch.depths)))
     return tiny_profile(subs, arch, method)
+
+
+def off_the_wire(delta: dict) -> dict:
+    """`delta` as the wire decoder hands an update on (nefl.tensors.Tiled: views of one flat buffer)."""
+    import numpy as np
+
+    from nefl.wire import decode_tensors, encode_tensors
+
+    return decode_tensors("fp32", np.frombuffer(encode_tensors(delta), dtype=np.uint8))

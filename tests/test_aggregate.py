@@ -11,7 +11,7 @@ from nefl.aggregate import NeFedAvg, UpdateError
 from nefl.methods import get_method
 from nefl.state import GlobalState, Layout
 from nefl.tensors import ring
-from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, random_ladder, tiny_profile
+from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, off_the_wire, random_ladder, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
 
@@ -262,3 +262,35 @@ def test_a_finalized_aggregate_refuses_more_work() -> None:
                   lambda: agg.add(0, {n: torch.ones(s) for n, s in layout.upload_shapes(0).items()})):
         with pytest.raises(RuntimeError, match="finalized"):
             again()
+
+
+def test_a_decoded_updates_layout_is_judged_as_the_per_tensor_check_judges_it() -> None:
+    """The fast check (one cached verdict per tiling and submodel) refuses exactly what the per-tensor
+    check refuses, with the same message, for every pairing of an upload with a submodel."""
+    layout = Layout.build(random_ladder(random.Random(3), n=3))
+    for j, k in itertools.product(range(layout.num_submodels), repeat=2):
+        delta = {n: torch.randn(s) for n, s in sorted(layout.upload_shapes(j).items())}  # the wire's order
+        errors = []
+        for form in (delta, off_the_wire(delta), off_the_wire(delta)):  # the last one hits the cache
+            try:
+                NeFedAvg(layout).check_shapes(k, form)
+                errors.append(None)
+            except UpdateError as e:
+                errors.append(str(e))
+        assert errors[0] == errors[1] == errors[2] and (errors[0] is None) == (j == k)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_nefedavg_of_decoded_updates_equals_nefedavg_of_plain_ones(weighting: str) -> None:
+    """The flat fast path (the first update's buffer adopted, later ones added as one buffer) sums exactly
+    what the per-tensor path sums."""
+    layout = Layout.build(random_ladder(random.Random(5), n=3))
+    state = GlobalState.init(layout, seed=1)
+    ups = random_updates(layout, [2, 3, 1], torch.Generator().manual_seed(2))
+    plain, wired = NeFedAvg(layout, weighting), NeFedAvg(layout, weighting)
+    for k, delta, samples in ups:
+        plain.add(k, {n: t.clone() for n, t in delta.items()}, samples)
+        wired.add_validated(k, off_the_wire(delta), samples, owned=True)
+    a, b = plain.finalize(state), wired.finalize(state)
+    assert all(torch.equal(a.consistent[n], b.consistent[n]) for n in a.consistent)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(a.inconsistent, b.inconsistent) for n in x)

@@ -21,7 +21,7 @@ from nefl.robust import (
     update_norm,
 )
 from nefl.state import GlobalState, Layout, corner
-from tests.helpers import tiny_profile
+from tests.helpers import off_the_wire, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -356,3 +356,18 @@ def test_accountant_without_the_library_names_the_extra(monkeypatch: pytest.Monk
 def test_accountant_refuses_meaningless_parameters(args) -> None:
     with pytest.raises(ValueError):
         DPAccountant(*args)
+
+
+def test_a_decoded_updates_norm_is_computed_once_and_again_after_a_write() -> None:
+    """The cached norm of an update off the wire is the per-tensor norm, and follows in-place writes
+    (clipping scales the views in place) through the buffer's version counter."""
+    g = torch.Generator().manual_seed(0)
+    delta = {"a": torch.randn(70, 80, generator=g), "b": torch.randn(5000, generator=g), "c": torch.randn(3, generator=g)}
+    wired = off_the_wire(delta)
+    assert update_norm(wired) == pytest.approx(update_norm(delta), rel=1e-6)
+    assert update_norm(wired) == wired.normed[1]
+    wired["a"].mul_(3.0)
+    delta["a"].mul_(3.0)
+    assert update_norm(wired) == pytest.approx(update_norm(delta), rel=1e-6)
+    wired["b"][7] = math.inf
+    assert update_norm(wired) == math.inf

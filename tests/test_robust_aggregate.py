@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nefl.aggregate import NeFedAvg
-from nefl.robust_aggregate import (AggregationConfig, AggregationRule, Screened, coordinate_median, coverage_cells,
+from nefl.robust_aggregate import (AggregationConfig, AggregationRule, Screened, Sketch, coordinate_median, coverage_cells,
                                    shared_core, trimmed_mean)
 from nefl.state import GlobalState, Layout
-from tests.helpers import random_ladder, tiny_profile
+from tests.helpers import off_the_wire, random_ladder, tiny_profile
 from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates
 
 NO_CHECK = AggregationConfig(centre_check=False)
@@ -290,3 +290,35 @@ def test_when_no_update_has_a_majority_none_is_dropped_for_its_direction() -> No
     assert agg.facts()["agreement"] == {"a": 0.0, "b": 0.0, "evil": 0.0}
     assert agg.dropped == {}
     assert set(agg.facts()["clipped_to_centre"]) == {"evil"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) -> None:
+    """The gather from the flat buffer (positions worked out once per tiling) picks the same elements as
+    cutting the cells out of each tensor."""
+    rng = random.Random(seed)
+    layout = Layout.build(random_ladder(rng, n=4))
+    for size in (16, 10_000):  # a sample of the core, and all of it
+        sketch = Sketch(shared_core(layout, range(layout.num_submodels)), size, seed)
+        for k in range(layout.num_submodels):
+            delta = {n: torch.randn(s) for n, s in layout.upload_shapes(k).items()}
+            assert torch.equal(sketch(off_the_wire(delta)), sketch(delta))
+
+
+def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
+    """agrees(i) against its definition: the share of the `compare` most recent other sketches with a
+    positive dot product, for updates judged on arrival and for ones held from the start."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, ((1.0, 1.0), (1.0, 1.0)))]))
+    state = GlobalState.init(layout, seed=0)
+    clients = {f"c{i}": 0 for i in range(30)}
+    agg = begin(layout, state, AggregationConfig(hold=4, sketch=64), clients)
+    agg.compare = 5
+    g = torch.Generator().manual_seed(1)
+    for c in clients:
+        agg.add_validated(0, {n: torch.randn(s, generator=g) for n, s in layout.upload_shapes(0).items()}, client=c)
+        rows, n = agg.sketches[:agg.count], agg.count
+        for i in range(n):
+            others = [rows[j] for j in range(max(0, n - agg.compare - 1), n) if j != i][-agg.compare:]
+            if others:
+                want = sum(float(rows[i] @ o) > 0 for o in others) / len(others)
+                assert agg.agrees(i) == pytest.approx(want, abs=1e-12)

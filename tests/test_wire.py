@@ -281,3 +281,72 @@ def test_a_single_chunk_in_a_writable_buffer_is_decoded_in_place():
     assert all(torch.equal(done.tensors[n], t) for n, t in tensors().items())
     done.tensors["bn.bias"].mul_(0)  # the tensors are the message's own bytes
     assert m != original and Reassembler().feed(original).tensors["bn.bias"].abs().sum() > 0
+
+
+def test_a_safetensors_header_is_parsed_once_and_its_tiling_shared():
+    """Updates that repeat a header share one Tiling (what lets the aggregator judge their layout once);
+    their views are still each payload's own values, and a bad header is refused every time, not cached."""
+    first, second = tensors(), {n: t + 1 for n, t in tensors().items()}
+    a, b = (decode_tensors("fp32", np.frombuffer(encode_tensors(t), dtype=np.uint8)) for t in (first, second))
+    assert a.tiling is b.tiling and list(a) == list(a.tiling.names) == sorted(first)
+    assert all(torch.equal(a[n], first[n]) and torch.equal(b[n], second[n]) for n in first)
+    bad = bytearray(encode_tensors(first))
+    bad[8:8 + 20] = b'{"x": {"dtype": "F32"'  # a header that no longer parses
+    for _ in range(2):
+        with pytest.raises(WireError, match="malformed_payload"):
+            decode_tensors("fp32", np.frombuffer(bad, dtype=np.uint8))
+
+
+def test_lazy_views_appear_on_first_use_of_any_dict_method():
+    """A lazily decoded update (an aggregator's) makes no views until asked, then is the eager one for
+    every way of reading a dict, including the C paths that copy one (dict(), **, update)."""
+    t = tensors()
+    payload = encode_tensors(t)
+    eager = decode_tensors("fp32", np.frombuffer(payload, dtype=np.uint8))
+    reads = [len, list, dict, lambda d: {**d}, lambda d: list(d.items()), lambda d: list(d.values()), lambda d: "step" in d,
+             lambda d: d["bn.bias"], lambda d: d.get("fc.weight"), repr, lambda d: list(reversed(d)),
+             lambda d: {}.update(d) or d.copy()]
+    for read in reads:
+        lazy = decode_tensors("fp32", np.frombuffer(bytearray(payload), dtype=np.uint8), lazy=True)
+        assert lazy._empty and lazy.flat.numel() == eager.flat.numel()
+        got, want = read(lazy), read(eager)
+        assert not lazy._empty
+        if isinstance(want, dict):
+            assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+        elif isinstance(want, list) and want and isinstance(want[0], tuple):
+            assert [n for n, _ in got] == [n for n, _ in want] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+        elif isinstance(want, list) and want and isinstance(want[0], torch.Tensor):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        elif isinstance(want, torch.Tensor):
+            assert torch.equal(got, want)
+        else:
+            assert got == want
+    reasm = Reassembler(lazy_views=True)
+    done = [reasm.feed(m) for m in msgs()][-1]
+    assert done.tensors._empty and all(torch.equal(done.tensors[n], v) for n, v in t.items())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["feed", "expire", "discard"]), st.integers(0, 2), st.integers(1, 4),
+                          st.integers(0, 2)), max_size=30))
+def test_the_per_sender_caps_are_counted_as_the_pending_sets_say(ops):
+    """The running per-sender counts (sets in flight, bytes held) that the caps read in O(1) equal a
+    recount over the pending sets after any mix of chunks, completions, refusals, expiries and round discards."""
+    sets = {(c, r): msgs(client=f"c{c}", round=r) for c in range(3) for r in range(1, 5)}
+    reasm, now = Reassembler(max_pending=2, max_buffered=3 * CHUNK), 0.0
+    for op, c, r, i in ops:
+        now += 1.0
+        if op == "feed":
+            try:
+                reasm.feed(sets[c, r][min(i, len(sets[c, r]) - 1)], now=now)
+            except WireError:
+                pass
+        elif op == "expire":
+            reasm.expire(now=now + 100 * (i == 2))
+        else:
+            reasm.discard_rounds_before(r)
+        recount: dict[str, list[int]] = {}
+        for key, p in reasm._pending.items():
+            held = recount.setdefault(key[2], [0, 0])
+            held[0], held[1] = held[0] + 1, held[1] + p.received
+        assert reasm._held == recount
