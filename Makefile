@@ -31,7 +31,7 @@ system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) 
 	scripts/install-system-deps.sh
 
 test: env env-flower system-deps  ## the whole test suite (about 25 minutes on 2 busy cores); the Flower tests run in .venv-flower (about 100 s)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)  # the slowest tests listed: the suite must stay fast
 	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
 
