@@ -1,4 +1,5 @@
-"""A per-tensor bound on the committed step of the per-submodel tensors (batch norm, step sizes).
+"""A per-tensor bound on the committed step of the per-submodel tensors (batch norm, step sizes) and of
+the shared tensors' thinly covered cells.
 
 A submodel's inconsistent tensors are averaged over that submodel's updates only, so in a round of a
 few devices on several submodels each copy is moved by a single update: no vote or statistic can judge
