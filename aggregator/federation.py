@@ -431,7 +431,7 @@ class Federation:
         if rb.dp_noise_multiplier > 0:
             agg.add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self._noise)
         candidate = agg.finalize(self.state)
-        self._bounded = self.steps.apply(self.state, candidate) if self.steps is not None else {}
+        self._bounded = self.steps.apply(self.state, candidate, agg.updates) if self.steps is not None else {}
         problem = check_state(candidate, rb.max_weight_abs)
         if problem is None:
             self.state = candidate

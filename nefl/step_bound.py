@@ -1,4 +1,5 @@
-"""A per-tensor bound on the committed step of the per-submodel tensors (batch norm, step sizes).
+"""A per-tensor bound on the committed step of the per-submodel tensors (batch norm, step sizes) and of
+the shared tensors' thinly covered cells.
 
 A submodel's inconsistent tensors are averaged over that submodel's updates only, so in a round of a
 few devices on several submodels each copy is moved by a single update: no vote or statistic can judge
@@ -21,9 +22,17 @@ committed value is old x exp(bounded step), positive and finite whatever the upd
 
 It runs where a round's candidate state is committed (aggregator/federation.py), with the centre check,
 so `serve`, the coordinator of `--workers` and `simulate` all apply it, under any rule. Cost: one pass
-over the per-submodel tensors at commit, no update held. Consistent tensors are not covered: their
-outer rings, covered by a lone update too, are bounded only by the centre check's size clip (and by the
-robust rules' thin-cell bound); docs/security.md has what that leaves.
+over the per-submodel tensors at commit, no update held.
+
+Consistent (shared, nested) tensors get the same rule per cell of the nesting: the ring of submodel k's
+slice outside the next smaller slice is covered only by the round's updates of submodels whose slice
+contains it, so in a round of three the largest submodel's outer ring is moved by one update. Each cell
+covered by fewer than `peers` updates has its committed step's RMS bounded by `k` x the median of a pool:
+the same tensor's cells this round covered by at least `WELL` updates (averages no lone update decides)
+and the tensor's cell history, one entry per round that moved a well-covered cell, that round's median
+over them. Cells covered by `peers` or more are left as the rule made them. Coverage counts the updates
+the rule was given (`RoundAggregate.updates`): a rule that drops one counts it still, so a cell it left to
+one update may count as two.
 """
 
 from __future__ import annotations
@@ -37,9 +46,13 @@ import torch
 
 from nefl.settings import AggregationConfig
 from nefl.state import GlobalState, Layout
+from nefl.tensors import ring
 
 POSITIVE = ("running_var",)  # tensors a valid model keeps > 0: bounded in log space
 _TINY = 1e-30  # a non-positive running variance counts as this before its log
+WELL = 2  # a cell covered by at least this many updates is an average no lone update decides: it joins the pool
+
+Box = tuple[slice, ...]
 
 
 def positive(name: str) -> bool:
@@ -61,13 +74,27 @@ def rms(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t)) / math.sqrt(max(1, t.numel()))
 
 
+def cells(layout: Layout, name: str) -> list[tuple[list[Box], list[int]]] | None:
+    """Consistent tensor `name`'s cells of the nesting, largest first: each one's boxes (`ring` of one
+    submodel slice outside the next smaller one) and the submodels whose slice contains it. None when the
+    slices are not nested (a hand-written ladder): the tensor is then not bounded."""
+    shapes = sorted({s[name] for s in layout.sub_shapes if name in s}, key=lambda s: s.numel(), reverse=True)
+    if not all(all(i <= o for i, o in zip(inner, outer)) for outer, inner in zip(shapes, shapes[1:])):
+        return None
+    return [(ring(outer, shapes[i + 1] if i + 1 < len(shapes) else None),
+             [k for k, s in enumerate(layout.sub_shapes) if name in s and all(a >= b for a, b in zip(s[name], outer))])
+            for i, outer in enumerate(shapes)]
+
+
 class StepBound:
     """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies)."""
 
     def __init__(self, layout: Layout, cfg: AggregationConfig) -> None:
         self.names = sorted(layout.inconsistent - layout.local)
         self.k, self.peers, self.window = cfg.step_k, cfg.min_cover, cfg.step_window
-        self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in self.names}
+        consistent = {n: cells(layout, n) for n in sorted(set(layout.global_shapes) - layout.inconsistent)}
+        self.cells = {n: c for n, c in consistent.items() if c is not None}
+        self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in [*self.names, *self.cells]}
         self._pending: dict[str, float] = {}  # this round's medians, for the history once the round commits
 
     def limit(self, name: str, sizes: list[float]) -> float:
@@ -75,12 +102,16 @@ class StepBound:
         pool = [*sizes, *self.history[name]]
         return self.k * statistics.median(pool) if len(pool) >= self.peers else math.inf
 
-    def apply(self, old: GlobalState, new: GlobalState) -> dict[int, int]:
-        """Bound every moved copy of `new` in place (the round's candidate); returns how many tensors of each
-        submodel were scaled down. A positive tensor's copy is also rebuilt from its log step when a value
-        went non-positive or non-finite."""
+    def apply(self, old: GlobalState, new: GlobalState, updates: list[int]) -> dict[int, int]:
+        """Bound every moved copy of `new` in place (the round's candidate), and every thinly covered cell of
+        its consistent tensors (`updates`: the round's updates per submodel); returns how many tensors of
+        each submodel were scaled down (a cell counts for the largest submodel covering it). A positive
+        tensor's copy is also rebuilt from its log step when a value went non-positive or non-finite."""
         bounded: dict[int, int] = {}
         self._pending = {}
+        for name, cells_ in self.cells.items():
+            for k in self._bound_cells(name, cells_, old.consistent[name], new.consistent[name], updates):
+                bounded[k] = bounded.get(k, 0) + 1
         for name in self.names:
             copies = []
             for k, (o, n) in enumerate(zip(old.inconsistent, new.inconsistent)):
@@ -103,6 +134,29 @@ class StepBound:
             if len(sizes) >= self.peers:
                 self._pending[name] = statistics.median(sizes)
         return bounded
+
+    def _bound_cells(self, name: str, cells_: list[tuple[list[Box], list[int]]], old: torch.Tensor,
+                     new: torch.Tensor, updates: list[int]) -> list[int]:
+        """Scale each thin cell's step in `new` (in place) to k x the median of the well-covered cells and
+        history; returns the largest covering submodel of each cell scaled down."""
+        moved = []
+        for boxes, ks in cells_:
+            cover = sum(updates[k] for k in ks)
+            steps = [_step(name, old[b], new[b]) for b in boxes]
+            size = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in steps) / max(1, sum(t.numel() for t in steps)))
+            if cover > 0 and size > 0:
+                moved.append((boxes, ks, cover, steps, size))
+        sizes = [size for _, _, cover, _, size in moved if cover >= WELL and math.isfinite(size)]
+        limit = self.limit(name, sizes)
+        out = []
+        for boxes, ks, cover, steps, size in moved:
+            if cover < self.peers and size > limit:
+                for b, step in zip(boxes, steps):
+                    new[b] = _apply(name, old[b], torch.nan_to_num(step, nan=0.0, posinf=0.0, neginf=0.0) * (limit / size))
+                out.append(max(ks))
+        if sizes:
+            self._pending[name] = statistics.median(sizes)
+        return out
 
     def commit(self) -> None:
         """The round's state was committed: its medians (rounds with enough copies) join the history."""

@@ -4,6 +4,7 @@ ratchet it."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from aggregator.federation import Federation, Robustness, Update
+from nefl.aggregate import NeFedAvg
 from nefl.robust import NormBound
 from nefl.settings import AggregationConfig
 from nefl.state import GlobalState, Layout
@@ -59,28 +61,6 @@ def brute(old: GlobalState, new: GlobalState, history: dict[str, list[float]], k
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_the_bound_matches_brute_force(seed: int) -> None:
-    rng = random.Random(seed)
-    layout = Layout.build(random_ladder(rng, n=4))
-    gen = torch.Generator().manual_seed(seed)
-    state = GlobalState.init(layout, seed=seed)
-    bound = StepBound(layout, CFG)
-    history: dict[str, list[float]] = {}
-    for _ in range(4):  # several rounds: the history takes part from the second on
-        ks = sorted(rng.sample(range(4), rng.randint(1, 4)))
-        new = moved(layout, state, ks, gen, [rng.choice([0.01, 0.02, 0.5]) for _ in ks])
-        want = brute(state, new, history, CFG.step_k, CFG.min_cover)
-        got = new.clone()
-        bound.apply(state, got)
-        for k in range(layout.num_submodels):
-            for n in got.inconsistent[k]:
-                torch.testing.assert_close(got.inconsistent[k][n], want.inconsistent[k][n], rtol=1e-5, atol=1e-6)
-        bound.commit()
-        history = {n: list(h) for n, h in bound.history.items()}
-        state = got
-
-
 def gamma_and_var(layout: Layout) -> tuple[str, str]:
     names = sorted(layout.inconsistent)
     return next(n for n in names if n.endswith("bn1.weight")), next(n for n in names if n.endswith("bn1.running_var"))
@@ -94,7 +74,7 @@ def test_a_lone_minus_weights_copy_is_bounded_by_its_peers_and_variances_stay_po
     for n, t in state.inconsistent[2].items():  # the attacker's: -1.0 x (and -1.5 x) the weights, alone on submodel 3
         new.inconsistent[2][n] = t - 1.5 * t if n.endswith("running_var") else t - t
     gamma, var = gamma_and_var(layout)
-    bounded = StepBound(layout, CFG).apply(state, new)
+    bounded = StepBound(layout, CFG).apply(state, new, [1] * layout.num_submodels)
     assert bounded.get(2, 0) > 0 and 0 not in bounded and 1 not in bounded
     assert bool((new.inconsistent[2][var] > 0).all()) and bool(new.inconsistent[2][var].isfinite().all())
     peers = [float((new.inconsistent[k][gamma] - state.inconsistent[k][gamma]).square().mean().sqrt()) for k in (0, 1)]
@@ -109,15 +89,15 @@ def test_warm_up_leaves_a_round_with_too_few_sizes_unbounded_and_history_ends_it
     bound = StepBound(layout, CFG)
     gen = torch.Generator().manual_seed(1)
     big = moved(layout, state, [1], gen, [2.0])
-    assert bound.apply(state, big.clone()) == {}  # one copy, no history: nothing to compare it with
+    assert bound.apply(state, big.clone(), [1] * layout.num_submodels) == {}  # one copy, no history: nothing to compare it with
     bound.commit()
     assert not any(bound.history.values())  # a lone copy never enters the history
     for _ in range(3):  # rounds with both copies, both small: two sizes a round are not enough for an entry
         small = moved(layout, state, [0, 1], gen, [0.01, 0.01])
-        assert bound.apply(state, small) == {}
+        assert bound.apply(state, small, [1] * layout.num_submodels) == {}
         bound.commit()
     bound.history = {n: h.__class__([0.01] * 3, maxlen=h.maxlen) for n, h in bound.history.items()}  # as a busier past left it
-    assert bound.apply(state, big) == {1: len(state.inconsistent[1])}  # now the lone copy is bounded
+    assert bound.apply(state, big, [1] * layout.num_submodels) == {1: len(state.inconsistent[1])}  # now the lone copy is bounded
 
 
 def test_an_attacker_at_the_bound_every_round_cannot_ratchet_it() -> None:
@@ -130,7 +110,7 @@ def test_an_attacker_at_the_bound_every_round_cannot_ratchet_it() -> None:
     gamma, _ = gamma_and_var(layout)
     for _ in range(30):
         new = moved(layout, state, [0, 1, 2], gen, [0.01, 0.01, 1e3])
-        bound.apply(state, new)
+        bound.apply(state, new, [1] * layout.num_submodels)
         bound.commit()
     honest = 0.01 * math.exp(0.5 * 0.01 ** 2)  # E[RMS] is about the scale for the linear tensors
     assert max(bound.history[gamma]) < 3 * honest
@@ -141,7 +121,7 @@ def test_history_survives_a_restart_and_a_corrupt_one_is_refused() -> None:
     layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
     state = GlobalState.init(layout, seed=0)
     bound = StepBound(layout, CFG)
-    bound.apply(state, moved(layout, state, [0, 1, 2], torch.Generator().manual_seed(3), [0.1, 0.2, 0.3]))
+    bound.apply(state, moved(layout, state, [0, 1, 2], torch.Generator().manual_seed(3), [0.1, 0.2, 0.3]), [1] * layout.num_submodels)
     bound.commit()
     again = StepBound(layout, CFG)
     again.load_state_dict(bound.state_dict())
@@ -171,3 +151,142 @@ def test_the_server_commits_through_the_bound_only_with_the_centre_check(centre_
     assert facts["committed"] and not facts.get("dropped")
     assert bool((fed.state.inconsistent[2][var] > 0).all()) == centre_check
     assert ("steps_bounded" in facts) == centre_check
+
+
+# --- the consistent tensors' thinly covered cells ---------------------------------------------------------
+
+def nefedavg_round(layout: Layout, state: GlobalState, tasks: list[tuple[int, float]], gen: torch.Generator,
+                   evil: tuple[int, dict[str, torch.Tensor]] | None = None) -> tuple[GlobalState, list[int]]:
+    """A real NeFedAvg round: one update per (submodel, step scale) in `tasks`, random steps, and `evil`'s
+    (submodel, delta). Returns the candidate state and the updates per submodel."""
+    agg = NeFedAvg(layout)
+    for k, s in tasks:
+        agg.add(k, {n: torch.randn(shape, generator=gen) * s for n, shape in layout.upload_shapes(k).items()})
+    if evil is not None:
+        agg.add(*evil)
+    return agg.finalize(state), list(agg.updates)
+
+
+def nested(shapes: list[torch.Size]) -> bool:
+    return all(all(a <= b for a, b in zip(s, t)) or all(a >= b for a, b in zip(s, t)) for s in shapes for t in shapes)
+
+
+def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: list[int], history: dict[str, list[float]],
+                k_: float, peers: int) -> tuple[GlobalState, dict[str, float]]:
+    """The cell rule element by element: each element's cell is the set of submodels whose slice holds it, its
+    coverage their updates; per tensor, the moved cells covered twice or more and the history make the pool,
+    a cell covered by fewer than `peers` above k x its median is scaled to it. Returns the new state and this
+    round's history entries (the median of the well-covered cells)."""
+    out, entries = new.clone(), {}
+    for name, full in layout.global_shapes.items():
+        if name in layout.inconsistent:
+            continue
+        holders = [k for k, s in enumerate(layout.sub_shapes) if name in s]
+        if not nested([layout.sub_shapes[k][name] for k in holders]):
+            continue
+        o, n = old.consistent[name].double(), new.consistent[name].double()
+        members: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for idx in itertools.product(*(range(d) for d in full)):
+            key = tuple(k for k in holders if all(i < d for i, d in zip(idx, layout.sub_shapes[k][name])))
+            if key:
+                members.setdefault(key, []).append(idx)
+        cells_ = []
+        for key, idxs in members.items():
+            step = [float(n[i]) - float(o[i]) for i in idxs]
+            size = math.sqrt(sum(x * x for x in step) / len(step))
+            cover = sum(updates[k] for k in key)
+            if cover > 0 and size > 0:
+                cells_.append((idxs, step, size, cover))
+        well = [size for _, _, size, cover in cells_ if cover >= 2]
+        pool = well + history.get(name, [])
+        limit = k_ * statistics.median(pool) if len(pool) >= peers else math.inf
+        for idxs, step, size, cover in cells_:
+            if cover < peers and size > limit:
+                for i, x in zip(idxs, step):
+                    out.consistent[name][i] = float(o[i]) + x * limit / size
+        if well:
+            entries[name] = statistics.median(well)
+    return out, entries
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bound_matches_brute_force(seed: int) -> None:
+    """Per-submodel copies (moved in log space for running variances) and shared cells (a real NeFedAvg
+    round) against the two element-by-element rules, over rounds: the history takes part from the second."""
+    rng = random.Random(seed)
+    layout = Layout.build(random_ladder(rng, n=4))
+    gen = torch.Generator().manual_seed(seed)
+    state = GlobalState.init(layout, seed=seed)
+    bound = StepBound(layout, CFG)
+    for _ in range(4):
+        tasks = [(rng.randrange(4), rng.choice([0.01, 0.02, 0.5])) for _ in range(rng.randint(1, 5))]
+        new, updates = nefedavg_round(layout, state, tasks, gen)
+        ks = sorted({k for k, _ in tasks})
+        new.inconsistent = moved(layout, state, ks, gen, [rng.choice([0.01, 0.02, 0.5]) for _ in ks]).inconsistent
+        past = {n: list(h) for n, h in bound.history.items()}
+        want = brute(state, new, past, CFG.step_k, CFG.min_cover)
+        want_cells, entries = brute_cells(layout, state, new, updates, past, CFG.step_k, CFG.min_cover)
+        got = new.clone()
+        bound.apply(state, got, updates)
+        for k in range(layout.num_submodels):
+            for n in got.inconsistent[k]:
+                torch.testing.assert_close(got.inconsistent[k][n], want.inconsistent[k][n], rtol=1e-5, atol=1e-6)
+        for n in got.consistent:
+            torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
+        bound.commit()
+        for n in bound.cells:  # a round's entry is the median of its well-covered cells, and only then
+            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
+        state = got
+
+
+WIDTHS = [(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]
+
+
+def test_a_lone_minus_weights_on_the_outer_ring_is_bounded_and_well_covered_cells_are_untouched() -> None:
+    """Two honest updates on submodels 1 and 2 and -weights on submodel 3, the only update of its outer ring:
+    after a few honest rounds (the history) the ring moves at most k x the typical cell step; the cells the
+    three updates share keep NeFedAvg's average bit for bit."""
+    layout = Layout.build(tiny_profile(WIDTHS))
+    state, gen, bound = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(5), StepBound(layout, CFG)
+    for _ in range(3):
+        honest, updates = nefedavg_round(layout, state, [(0, 0.01), (1, 0.01), (2, 0.01)], gen)
+        got = honest.clone()
+        bound.apply(state, got, updates)
+        for n, t in honest.consistent.items():  # cells covered 3, 2 and 1 times by alike steps: none bounded
+            assert torch.equal(got.consistent[n], t), n
+        bound.commit()
+    minus = {n: -t for n, t in state.extract(layout, 2).items() if n in layout.upload_shapes(2)}
+    new, updates = nefedavg_round(layout, state, [(0, 0.01), (1, 0.01)], gen, evil=(2, minus))
+    plain = new.clone()
+    bound.apply(state, new, updates)
+    name = next(n for n in bound.cells if n.endswith("conv1.weight") and len(bound.cells[n]) == 3)
+    (outer, _), (middle, _), (inner, _) = bound.cells[name]
+    step = [float((new.consistent[name][b] - state.consistent[name][b]).square().mean().sqrt()) for b in outer]
+    weight = float(state.consistent[name][outer[0]].square().mean().sqrt())
+    assert max(step) <= CFG.step_k * 0.02 and max(step) < weight / 10  # -weights would have moved it by its size
+    for b in inner:  # covered by all three updates: the average as NeFedAvg made it
+        assert torch.equal(new.consistent[name][b], plain.consistent[name][b])
+
+
+def test_an_attacker_alone_on_the_outer_rings_cannot_ratchet_the_cell_bound() -> None:
+    """30 rounds of two honest updates and the attacker's on the largest submodel: 3 x an honest step where the
+    others cover it too (what the centre check's size clip lets through) and 1e3 on its outer ring, which one
+    update decides and so never enters the history: the bound stays k x the honest cell steps and holds the
+    ring to it every round."""
+    layout = Layout.build(tiny_profile(WIDTHS))
+    state, gen, bound = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(6), StepBound(layout, CFG)
+    shared = [n for n in bound.cells if len(bound.cells[n]) == 3]
+    for r in range(30):
+        delta = {n: torch.randn(shape, generator=gen) * 0.03 for n, shape in layout.upload_shapes(2).items()}
+        for n in shared:
+            for b in bound.cells[n][0][0]:
+                delta[n][b] = 1e3
+        new, updates = nefedavg_round(layout, state, [(0, 0.01), (1, 0.01)], gen, evil=(2, delta))
+        bound.apply(state, new, updates)
+        bound.commit()
+        for n in shared if r >= 1 else []:  # round 1 is the warm-up: two well-covered cells, no history
+            ring_ = torch.cat([(new.consistent[n][b] - state.consistent[n][b]).reshape(-1) for b in bound.cells[n][0][0]])
+            assert float(ring_.square().mean().sqrt()) <= CFG.step_k * 0.02 * (1 + 1e-6), n
+        state = new
+    for n in shared:
+        assert max(bound.history[n]) < 0.02, n  # averages of honest steps and the clipped attacker's
