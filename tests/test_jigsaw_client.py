@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 
 from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator, device_budgets
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
+from nefl.data import DATASETS, ArrayDataset
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport
 from nefl.jigsaw.methods import METHODS, get_method
 from nefl.jigsaw.policy import chain_log_prob, tokens_for
+from nefl.jigsaw.shards import ClientData, ClientShard, ShardSpec
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import ModuleMeta, base_for_budget, build_module, fixed_bytes, load_base, peak_bytes
 from nefl.messages import MessageError
@@ -220,3 +222,17 @@ def test_every_method_runs_its_phases_on_real_data(method: str) -> None:
         assert [r["critic_warm"] for r in policy_rows] == [False, True]
     else:
         assert all("critic_loss" not in r for r in policy_rows)
+
+
+@pytest.mark.parametrize("images", [450, 5])
+def test_a_task_round_trains_on_full_batches_only_and_on_something_when_the_shard_is_small(images: int) -> None:
+    """A last batch of 2 images (450 at batch 32) undid whole rounds in `make demo-fedjigsaw` (BatchNorm on 2
+    images): every training batch is full when the shard holds one, and a shard smaller than a batch still trains."""
+    info = DATASETS["fashion-mnist"]
+    ds = ArrayDataset(torch.zeros(images, *info.shape, dtype=torch.uint8), torch.zeros(images, dtype=torch.long), info)
+    idx = torch.arange(images)
+    spec = ShardSpec(clients=1, seed=0, non_iid=0.1, max_samples_per_client=None, val_fraction=0.1, test_per_client=1,
+                     proxy_samples=0, probe_samples=1, batch_size=32)
+    shard = ClientShard(0, ClientData(idx, idx[:1], idx[:1], idx[:0], idx[:0], torch.ones(10)), ds, ds, ds, spec)
+    sizes = [len(y) for _, y in shard.task(3).train]
+    assert sizes == ([32] * (images // 32) if images >= 32 else [images])

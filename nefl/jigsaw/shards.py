@@ -134,8 +134,13 @@ class ClientShard:
         return self.spec.seed * 1_000_003 + r * 1009 + self.client
 
     def task(self, r: int) -> Loaders:
-        return Loaders(BatchLoader(self.train, self.data.train, self.spec.batch_size, shuffle=True, augment=True,
-                                   seed=self._seed(r)), plain(self.train, self.data.val))
+        """The round's training batches are all full when the shard holds a batch or more: a device with 450
+        images and batch 32 would otherwise end every round on a step of 2 images, whose BatchNorm statistics
+        and gradient can undo the round (measured: docs/fedjigsaw.md, Deploying). A new shuffle each round,
+        so no image is left out for good."""
+        idx = self.data.train
+        return Loaders(BatchLoader(self.train, idx, self.spec.batch_size, shuffle=True, augment=True, seed=self._seed(r),
+                                   drop_last=idx.numel() >= self.spec.batch_size), plain(self.train, self.data.val))
 
     def proxy_task(self, r: int) -> Loaders:
         """No augmentation: a flip would change what a rotation looks like."""
