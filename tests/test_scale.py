@@ -33,6 +33,7 @@ from nefl.robust import NormBound, update_norm
 from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer, parse_public_key, verify
 from nefl.state import GlobalState, Layout
+from nefl.step_bound import StepBound
 from nefl.topics import Topics
 from nefl.wire import Reassembler, encode, split_chunk
 from tests.helpers import random_ladder
@@ -190,16 +191,21 @@ def fleet(procs, name: str, broker: str, devices: int, *extra: str):
 
 def expected_state(tmp, rounds: list[int]) -> GlobalState:
     """The global state one process would reach from the same deltas: the seeded init, then per round
-    a NeFedAvg of exactly the updates the coordinator reports as merged."""
+    a NeFedAvg of exactly the updates the coordinator reports as merged, committed through the default
+    step bound as `serve` commits it (aggregator/federation.py `_commit`)."""
     layout = Layout.build(load_profile(PROFILE))
     state = GlobalState.init(layout, 0)
+    steps = StepBound(layout, AggregationConfig())
     m = metrics(tmp)
     for r in rounds:
         agg = NeFedAvg(layout)
         for c in sorted(m[r]["reported"]):
             k = m[r]["assigned"][c] - 1
             agg.add(k, device_delta(layout, k, c, r))
-        state = agg.finalize(state)
+        candidate = agg.finalize(state)
+        steps.apply(state, candidate, agg.updates)
+        steps.commit()
+        state = candidate
     return state
 
 
