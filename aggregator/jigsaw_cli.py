@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
                               PasswordOption, UsernameOption)
 from nefl.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
@@ -58,7 +58,7 @@ def jigsaw_command(
     seed: int = typer.Option(D.seed, help="Seed for init, budgets, partitions, policies and augmentation."),
     data_root: Optional[str] = typer.Option(D.data_root, help="Dataset root (torchvision layout)."),
     out: Optional[str] = typer.Option(D.out, help="Directory for metrics.jsonl, config.json and the final checkpoint."),
-    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    threads: ThreadsOption = None,
 ) -> None:
     """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client."""
     err = console(stderr=True)

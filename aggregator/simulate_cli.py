@@ -13,7 +13,7 @@ from rich.table import Table
 
 from aggregator import robust_options as ro
 from aggregator.assignment import Assignment
-from nefl.cli_options import ScheduleOption, WarmupOption
+from nefl.cli_options import ScheduleOption, ThreadsOption, WarmupOption
 from nefl.extras import full_install_required
 from nefl.profile import ProfileError
 from nefl.settings import Attack, TrainConfig, Weighting
@@ -42,7 +42,7 @@ def simulate_command(
     max_samples_per_client: Optional[int] = typer.Option(None, min=1, help="Cap each client's data (faster runs)."),
     data_root: Optional[str] = typer.Option(None, help="Dataset root (torchvision layout)."),
     out: Optional[str] = typer.Option(None, help="Directory for metrics.jsonl, config.json and the final checkpoint."),
-    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    threads: ThreadsOption = None,
     device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
     assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
                                           "(every submodel trained each round when the pool allows) or largest."),

@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.extras import full_install_required
 from nefl.logs import setup_logging
@@ -50,7 +50,7 @@ def jigsaw_command(
     ca_cert: CaCertOption = None,
     certfile: CertfileOption = None,
     keyfile: KeyfileOption = None,
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    threads: ThreadsOption = None,
     log_level: LogLevelOption = "info",
     log_format: LogFormatOption = "plain",
 ) -> None:

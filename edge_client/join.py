@@ -22,7 +22,7 @@ import typer
 
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.extras import full_install_required
 from nefl.listen import parse_listen
@@ -106,7 +106,7 @@ def join_command(
     ca_cert: CaCertOption = None,
     certfile: CertfileOption = None,
     keyfile: KeyfileOption = None,
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    threads: ThreadsOption = None,
     seed: int = typer.Option(0, help="Seed of local shuffling and augmentation."),
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
                                    help="The aggregator's public key (`aggregator key` prints it) or a file holding it; "

@@ -34,6 +34,7 @@ ScheduleOption = Annotated[str, typer.Option(
                           "cosine decay to 0 over the rounds (its pretrained-ViT protocol).")]
 WarmupOption = Annotated[int, typer.Option("--warmup-rounds", min=0, help="Rounds of linear lr warmup before the schedule.")]
 
+ThreadsOption = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch CPU threads (default: torch's choice).")]
 LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Least severe events logged.")]
 LogFormatOption = Annotated[LogFormat, typer.Option(
     "--log-format", help="plain: a readable line per event; json: one object per line (time, level, logger, msg, "
