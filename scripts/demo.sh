@@ -18,19 +18,8 @@ OUT=${OUT:-runs/demo}
 # per submodel after round 5, measured by three runs of this script on 2 cores (seeded: all three printed
 # the same table). Far from converged: the research simulator reaches 67-77% after 60 rounds (docs/results.md).
 EXPECTED="about 10% before training, 42-64% per submodel after 5 rounds of 500 images per client"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-
-PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-rm -rf "$OUT"
-mkdir -p "$OUT/logs"
-PIDS=()
-# A CLI started in the background through its shell function below runs in a subshell, and `$!` is that
-# subshell: kill its children too, or the Python process (edge-client serve) outlives the demo.
-cleanup() { for pid in "${PIDS[@]}"; do pkill -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done; }
-trap cleanup EXIT
-
-aggregator() { "$PYTHON" -c 'from aggregator.cli import app; app()' "$@"; }
-edge_client() { "$PYTHON" -c 'from edge_client.cli import app; app()' "$@"; }
+# shellcheck source=scripts/demo-common.sh
+source scripts/demo-common.sh
 
 echo "== aggregator (embedded broker on 127.0.0.1:$PORT), $ROUNDS rounds; logs in $OUT/logs"
 aggregator serve --embedded-port "$PORT" --federation demo --rounds "$ROUNDS" \

@@ -16,17 +16,8 @@ POLICY_ROUNDS=${POLICY_ROUNDS:-2}
 SAMPLES=${SAMPLES:-500}          # task images per device
 ARCHS=${ARCHS:-cnn-2,cnn-3,cnn-4,cnn-6}
 OUT=${OUT:-runs/demo-fedjigsaw}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-
-PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-rm -rf "$OUT"
-mkdir -p "$OUT/logs"
-PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do pkill -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done; }
-trap cleanup EXIT
-
-aggregator() { "$PYTHON" -c 'from aggregator.cli import app; app()' "$@"; }
-edge_client() { "$PYTHON" -c 'from edge_client.cli import app; app()' "$@"; }
+# shellcheck source=scripts/demo-common.sh
+source scripts/demo-common.sh
 COMMON=(--archs "$ARCHS" --rounds "$ROUNDS" --max-samples-per-client "$SAMPLES" --test-per-client 500 --proxy-samples 80)
 
 echo "== coordinator (embedded broker on 127.0.0.1:$PORT): $POLICY_ROUNDS policy + $ROUNDS model-training rounds; logs in $OUT/logs"
