@@ -158,5 +158,5 @@ class LocalDevice:
         log.info(f"round {task.round}: submodel {task.submodel + 1} took {measured:.3f} s a step, predicted "
                  f"{predicted:.3f} s ({measured / predicted - 1:+.0%}); others wanted {self.running.others_busy:.1f} "
                  f"of {during.cpu_count} cores; idle-device step now {self.running.measured[cost.index]:.3f} s "
-                 f"(calibrated {cost.step_seconds:.3f} s), untrained submodels x{self.running.correction:.2f}",
+                 f"(calibrated {cost.step_seconds:.3f} s, x{self.running.ratio(cost):.2f}: the scale of untrained submodels near it)",
                  extra={"round": task.round, "submodel": task.submodel + 1})

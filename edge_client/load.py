@@ -2,7 +2,7 @@
 cost model (edge_client/costmodel.py measures; this scales its measurements to the moment).
 
 `predict_seconds` turns a calibrated step time into a round's time under the current load:
-    step_seconds * ceil(samples / batch) * epochs * slowdown(snapshot) * correction / speed
+    idle_step * ceil(samples / batch) * epochs * slowdown(snapshot) / speed
 with slowdown = max(1, (others' CPU demand in cores + training threads) / cores), the fair share the
 scheduler gives the training threads, times THROTTLED_SLOWDOWN when the Pi firmware throttles or a
 thermal zone is at or above `hot_limit_c` (the clock is then capped at roughly half). "Others" is
@@ -12,9 +12,12 @@ table holds idle-device step times and the load is not counted twice.
 
 `RunningCalibration` closes the loop: after every round the device divides the seconds per step
 it measured by the slowdown the round's load explains; that idle-device step time replaces the
-trained submodel's calibration (a running average), and its ratio to the calibration scales the
-submodels not trained yet. A calibration that is wrong for whatever reason (data loading, a busy
-moment, another clock) is thus corrected from the next round on instead of persisting.
+trained submodel's calibration (a running average). A submodel not trained yet takes its calibration
+times the measured-to-calibrated ratio of the trained submodel nearest to it in MACs (calibration
+errors depend on size: a busy moment, caches, per-step overhead), and never less than a smaller
+submodel or more than a larger one was measured to take. A calibration that is wrong for whatever
+reason (data loading, a busy moment, another clock) is thus corrected from the next round on instead
+of persisting.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 THROTTLED_SLOWDOWN = 2.0
 SATURATED = 0.97  # machine busy share from which others' CPU use may understate what they would take
 MIN_ACTIVE = 0.2  # of its threads' worth: our tree was working in the interval, not idling
-CORRECTION_ALPHA = 0.5  # weight of the newest round in the running correction
+CORRECTION_ALPHA = 0.5  # weight of the newest round in a submodel's running step time
 LOAD_MEMORY_S = 60.0  # how long the load seen during a round still counts as expected in the next
 
 
@@ -86,8 +89,8 @@ class RunningCalibration:
 
     A round's measured seconds per step, divided by the slowdown the load during that round explains,
     is the idle-device step time of the submodel it trained: it replaces that submodel's calibration
-    (a running average), and its ratio to the calibration feeds `correction`, which scales the
-    submodels not trained yet. `others_busy` is the load (others' demand, cores) of the latest round,
+    (a running average); the submodels not trained yet are scaled by the nearest trained one's ratio
+    to its calibration (`ratio`) and kept between the measured smaller and larger ones. `others_busy` is the load (others' demand, cores) of the latest round,
     kept as a floor for predictions within `memory_s` of it while the machine stays saturated (then
     others' CPU use cannot tell how much they want): load that comes with this device's own rounds
     (a co-located device training in the same rounds) is then expected, and what the device
@@ -97,9 +100,9 @@ class RunningCalibration:
     and then it would never train to learn better."""
 
     alpha: float = CORRECTION_ALPHA
-    correction: float = 1.0
     others_busy: float = 0.0
     measured: dict[int, float] = field(default_factory=dict)  # submodel -> idle-device seconds per step
+    calibrated: dict[int, SubmodelCost] = field(default_factory=dict)  # the trained submodels' calibrations
     memory_s: float = LOAD_MEMORY_S
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     observed_at: float = -math.inf
@@ -108,11 +111,26 @@ class RunningCalibration:
         recent = self.clock() - self.observed_at < self.memory_s
         return self.others_busy if recent and saturated(snapshot) else 0.0
 
+    def ratio(self, cost: SubmodelCost) -> float:
+        """Measured over calibrated idle step time of the trained submodel nearest to `cost` in MACs
+        (1 before any round): how wrong the calibration is for submodels of about this size."""
+        if not self.calibrated:
+            return 1.0
+        near = min(self.calibrated.values(), key=lambda c: (abs(math.log(max(c.macs, 1) / max(cost.macs, 1))), -c.macs))
+        assert near.step_seconds is not None  # observe() keeps calibrated submodels only
+        return self.measured[near.index] / near.step_seconds
+
     def idle_step(self, cost: SubmodelCost) -> float | None:
-        """Seconds per step on the idle device: measured in rounds if trained, else the corrected calibration."""
+        """Seconds per step on the idle device: measured in rounds if trained, else the calibration times
+        the nearest trained submodel's ratio, no faster than a measured smaller submodel and no slower than
+        a measured larger one."""
         if cost.index in self.measured:
             return self.measured[cost.index]
-        return None if cost.step_seconds is None else cost.step_seconds * self.correction
+        if cost.step_seconds is None:
+            return None
+        floor = max((self.measured[c.index] for c in self.calibrated.values() if c.macs <= cost.macs), default=0.0)
+        ceiling = min((self.measured[c.index] for c in self.calibrated.values() if c.macs >= cost.macs), default=math.inf)
+        return min(max(cost.step_seconds * self.ratio(cost), floor), ceiling)
 
     def step_seconds(self, cost: SubmodelCost, table: CostTable, snapshot: DeviceSnapshot,
                      hot_limit_c: float = HOT_LIMIT_C) -> float | None:
@@ -131,11 +149,9 @@ class RunningCalibration:
         self.others_busy = others_demand(during, table.threads, working=True) if table.device == "cpu" else 0.0
         self.observed_at = self.clock()
         idle = step_seconds / slowdown(during, table.threads, table.device, hot_limit_c, working=True)
-        ratio = idle / cost.step_seconds
-        first = not self.measured
         self.measured[cost.index] = _average(self.measured.get(cost.index), idle, self.alpha)
-        self.correction = ratio if first else _average(self.correction, ratio, self.alpha)
-        return ratio
+        self.calibrated[cost.index] = cost
+        return idle / cost.step_seconds
 
 
 def _average(old: float | None, new: float, alpha: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -144,15 +145,53 @@ def test_running_calibration_learns_the_measured_step_time():
     assert run.step_seconds(cost, t, snap()) == pytest.approx(0.03)
     assert run.observe(cost, t, 0.09, loaded) == pytest.approx(2.0)  # twice what calibration and load explain
     assert run.measured == {2: pytest.approx(0.06)} and run.others_busy == pytest.approx(2.0)
-    assert run.correction == pytest.approx(2.0)  # the submodels not trained yet are scaled alike
+    assert run.ratio(t.costs[4]) == pytest.approx(2.0)  # the submodels not trained yet are scaled by it
     # the next prediction: the loops are still there (and count at least as much as during the round)
     assert run.step_seconds(cost, t, busy(own=0.0, others=2.0)) == pytest.approx(0.06 * 1.5)
     assert run.step_seconds(t.costs[4], t, snap()) == pytest.approx(0.05 * 2.0 * 1.5)
     run.observe(cost, t, 0.045, loaded)  # the next round matched the calibration: both move halfway
-    assert run.measured[2] == pytest.approx(0.045) and run.correction == pytest.approx(1.5)
+    assert run.measured[2] == pytest.approx(0.045) and run.ratio(t.costs[0]) == pytest.approx(1.5)
     sel = select_submodel(t, busy(0.0, 2.0), 320, 1, deadline_s=0.7, safety_margin=0.0, running=run)
     assert [round(f.seconds, 3) for f in sel.fits] == [round(10 * s * 1.5, 3) for s in (0.015, 0.03, 0.045, 0.06, 0.075)]
     assert sel.index == 2  # 0.675 s of the 0.7 s deadline; the calibration alone would have allowed all five
+
+
+def test_an_untrained_submodel_is_scaled_by_its_nearest_trained_one_and_kept_in_order():
+    """Calibration errors depend on size: an untrained submodel takes the ratio of the trained one
+    nearest in MACs, and is never predicted faster than a smaller one or slower than a larger one was
+    measured (the benchmark's case: submodel 5 predicted under submodel 3's measured step)."""
+    t, run = table(), RunningCalibration()  # calibrated 0.01 .. 0.05 s a step; MACs 1e6 .. 5e6
+    run.observe(t.costs[0], t, 0.03, snap())  # submodel 1 ran at 3x its calibration
+    run.observe(t.costs[2], t, 0.033, snap())  # submodel 3 at 1.1x
+    assert run.ratio(t.costs[4]) == pytest.approx(1.1) and run.ratio(t.costs[1]) == pytest.approx(1.1)  # 2e6 is nearer 3e6
+    assert run.idle_step(t.costs[4]) == pytest.approx(0.055)
+    assert run.idle_step(t.costs[1]) == pytest.approx(0.03)  # 0.02 x 1.1 is under submodel 1's measured 0.03
+    slow_mid = RunningCalibration()
+    slow_mid.observe(t.costs[2], t, 0.09, snap())  # submodel 3 at 3x
+    slow_mid.observe(t.costs[4], t, 0.05, snap())  # submodel 5 as calibrated
+    assert slow_mid.idle_step(t.costs[3]) == pytest.approx(0.05)  # 0.04 x 1 (nearest: 5) under 3's 0.09, over 5's
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.001, 1.0), min_size=5, max_size=5), st.sets(st.integers(0, 4), min_size=1),
+       st.lists(st.floats(0.001, 1.0), min_size=5, max_size=5))
+def test_untrained_predictions_stay_between_the_measured_neighbours(calib, trained, truth):
+    """Brute force: whatever the calibrations and measurements, an untrained submodel's prediction is the
+    nearest trained submodel's ratio times its calibration, clamped to [largest measured step among
+    smaller submodels, smallest among larger ones] (the ceiling wins when the measurements disagree)."""
+    t = table(steps_s=tuple(calib))
+    run = RunningCalibration()
+    for k in sorted(trained):
+        run.observe(t.costs[k], t, truth[k], snap())
+    for k in range(5):
+        if k in trained:
+            assert run.idle_step(t.costs[k]) == pytest.approx(truth[k])
+            continue
+        near = min(trained, key=lambda j: (abs(math.log((j + 1) / (k + 1))), -j))
+        guess = calib[k] * truth[near] / calib[near]
+        floor = max((truth[j] for j in trained if j < k), default=0.0)
+        ceiling = min((truth[j] for j in trained if j > k), default=math.inf)
+        assert run.idle_step(t.costs[k]) == pytest.approx(min(max(guess, floor), ceiling))
 
 
 def test_the_load_of_the_last_round_is_expected_only_for_a_while():
