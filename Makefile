@@ -35,8 +35,8 @@ test: env env-flower system-deps  ## the whole test suite (about 25 minutes on 2
 	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
 
-test-under-load: env system-deps  ## the whole suite with two busy-loop processes beside it: it must hold on a loaded machine
-	scripts/with-busy-loops.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+test-under-load: env env-flower system-deps  ## `make test` with two busy-loop processes beside it: the suite must hold on a loaded machine
+	scripts/with-busy-loops.sh $(MAKE) --no-print-directory test
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
 	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'
