@@ -13,8 +13,8 @@ measures the smallest submodel cold and warm: the difference is the one-time fra
 kernel pages, thread pools) that a real first round also pays, so it is added to every submodel.
 
 How those costs scale with the load now, and what real rounds teach about them, is
-edge_client/load.py. A calibration measured on a busy device is divided by the slowdown others
-caused during it (`calibrate(load=...)`), so the table holds idle-device step times.
+edge_client/load.py. The table holds idle-device step times: on one CPU thread the step's CPU time,
+otherwise the wall time divided by the slowdown others caused during it (`calibrate(load=...)`).
 """
 
 from __future__ import annotations
@@ -174,8 +174,9 @@ class CudaMeter:
 
 
 def measure_step(build: Callable[[], Any], layout_profile: Any, batch_size: int, device: str, meter: Any,
-                 sync: Callable[[], None] = lambda: None, repeats: int = TIMED_STEPS) -> tuple[int, float]:
-    """Peak memory growth of building + one SGD step from scratch, then the fastest of `repeats` steps."""
+                 sync: Callable[[], None] = lambda: None, repeats: int = TIMED_STEPS) -> tuple[int, float, float]:
+    """Peak memory growth of building + one SGD step from scratch, then the fastest of `repeats` steps in
+    wall time and in this process's CPU time (what the step needs whatever else the cores run)."""
     meter.start()
     model = build().to(device).train()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=TrainConfig.lr, momentum=TrainConfig.momentum)
@@ -190,12 +191,13 @@ def measure_step(build: Callable[[], Any], layout_profile: Any, batch_size: int,
 
     step()
     peak = meter.stop()
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
-    return peak, min(times)
+        cpu.append(time.process_time() - c0)
+    return peak, min(times), min(cpu)
 
 
 def _measure_all(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -205,18 +207,18 @@ def _measure_all(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     meter: Any = RssMeter() if device == "cpu" else CudaMeter()
     sync = (lambda: None) if device == "cpu" else torch.cuda.synchronize
 
-    def measure(k: int) -> tuple[int, float]:
+    def measure(k: int) -> tuple[int, float, float]:
         spec = profile.submodels[k]
         return measure_step(lambda: build_submodel(profile, spec, method.learnable_steps), profile,
                             job["batch_size"], device, meter, sync)
 
     indices = job["indices"]
-    cold, _ = measure(indices[0])
-    warm, _ = measure(indices[0])
+    cold, _, _ = measure(indices[0])
+    warm, _, _ = measure(indices[0])
     overhead = max(0, cold - warm)
     for k in indices:
-        peak, seconds = measure(k)
-        yield {"index": k, "peak": peak + overhead, "seconds": seconds, "overhead": overhead}
+        peak, seconds, cpu_seconds = measure(k)
+        yield {"index": k, "peak": peak + overhead, "seconds": seconds, "cpu_seconds": cpu_seconds, "overhead": overhead}
 
 
 def worker_main() -> None:
@@ -299,6 +301,17 @@ def _run_worker(layout: Layout, indices: list[int], batch_size: int, device: str
     return results, f"calibration process failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"
 
 
+def idle_seconds(entry: dict[str, Any], device: str, threads: int) -> float:
+    """A cached measurement's step time on the idle device. One CPU thread: its CPU time, which others'
+    load does not stretch (the fastest wall time of a few steps beside busy loops is not: a small step
+    may fit in one time slice at full speed, a large one is shared, so dividing both by one slowdown
+    left small submodels 1.5-2.3x too fast against large ones). Otherwise (several threads, a GPU, a
+    cache without CPU times): the wall time divided by the slowdown others caused meanwhile."""
+    if device == "cpu" and threads == 1 and isinstance(entry.get("cpu_seconds"), (int, float)) and entry["cpu_seconds"] > 0:
+        return float(entry["cpu_seconds"])
+    return entry["seconds"] / entry.get("slowdown", 1.0)
+
+
 def calibrate(
     layout: Layout, batch_size: int, *, device: str = "cpu", threads: int | None = None,
     cache_dir: Path = CALIBRATION_DIR, indices: list[int] | None = None, force: bool = False,
@@ -320,13 +333,12 @@ def calibrate(
             load()  # the interval the next snapshot reads starts here
         results, error = _run_worker(layout, missing, batch_size, device, threads, on_result)
         busy = 1.0 if load is None else slowdown(load(), threads, device, working=True)
-        entries.update({str(k): {**{n: r[n] for n in ("peak", "seconds", "overhead")}, "slowdown": busy}
+        entries.update({str(k): {**{n: r[n] for n in ("peak", "seconds", "cpu_seconds", "overhead")}, "slowdown": busy}
                         for k, r in results.items()})
         errors = {k: error for k in missing if k not in results and error}
         _write_cache(path, entries, layout, batch_size, device, threads)
     costs = tuple(
-        replace(c, measured_peak=entries[str(c.index)]["peak"],
-                step_seconds=entries[str(c.index)]["seconds"] / entries[str(c.index)].get("slowdown", 1.0))
+        replace(c, measured_peak=entries[str(c.index)]["peak"], step_seconds=idle_seconds(entries[str(c.index)], device, threads))
         if str(c.index) in entries else replace(c, error=errors.get(c.index))
         for c in table.costs
     )

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from edge_client.cli import app
-from edge_client.costmodel import CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path, calibrate
+from edge_client.costmodel import CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path, calibrate, idle_seconds
 from edge_client.load import MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, RunningCalibration, others_demand, slowdown
 from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
 from edge_client.select import HYSTERESIS, DeviceBudget, select_submodel
@@ -283,6 +283,16 @@ def test_calibration_measures_real_steps_and_is_cached(wd_layout, tmp_path):
     assert second.measured_now == () and second.costs == first.costs
     assert first.cache_file.stat().st_mtime_ns == mtime
     assert cache_path(wd_layout, 16, "cpu", 1, tmp_path) != first.cache_file  # another batch size: another entry
+    cached = json.loads(first.cache_file.read_text())["submodels"]
+    assert small.step_seconds == cached["0"]["cpu_seconds"] > 0  # one thread: the step's CPU time
+
+
+def test_idle_step_time_is_cpu_time_on_one_thread_else_wall_time_over_the_slowdown():
+    entry = {"seconds": 0.3, "cpu_seconds": 0.12, "slowdown": 1.5}  # measured beside two busy loops
+    assert idle_seconds(entry, "cpu", 1) == 0.12  # the busy loops stretched the wall time, not the CPU time
+    assert idle_seconds(entry, "cpu", 2) == pytest.approx(0.2)  # several threads: CPU time sums them
+    assert idle_seconds(entry, "cuda", 1) == pytest.approx(0.2)
+    assert idle_seconds({"seconds": 0.3, "slowdown": 1.5}, "cpu", 1) == pytest.approx(0.2)  # a cache from before
 
 
 @pytest.fixture(scope="module")
