@@ -304,15 +304,20 @@ class Screened(RoundAggregate):
     """The centre check in front of any rule: a majority vote on direction, and a bound on size.
 
     Each update is reduced to its relative norm (to its submodel's weight norm) and a sketch of the
-    round's shared core. An update must point the same way (a positive cosine) as at least `min_agree`
-    of the round's other updates, or it is dropped: with fewer than half of the updates hostile, an
-    honest update agrees with the honest majority and a flipped or foreign one does not, whatever its
-    size (a median centre of three sketches, one of them 9x the others, follows the large one where the
-    two honest ones differ). The vote acts only while at least half of the updates reach `min_agree`:
-    honest updates can point apart, and then no update is dropped for its direction. One larger than `max_norm_ratio` x the round's median relative norm is
-    clipped to that. The first `hold` updates are judged together, later ones on arrival against the
-    `compare` most recent (streaming: memory is `hold` updates plus one sketch per update). With fewer
-    than `min_cover` updates in the round there is no majority and nothing is screened."""
+    round's shared core. An update must point the same way as at least `min_agree` of the round's other
+    updates, or it is dropped: with fewer than half of the updates hostile, an honest update agrees with
+    the honest majority and a flipped or foreign one does not, whatever its size (a median centre of
+    three sketches, one of them 9x the others, follows the large one where the two honest ones differ).
+    Pointing the same way means a cosine above `agree_z` / sqrt(sketch size), not merely above 0: an
+    update unrelated to the others (-weights in a net with batch norm after every conv is near orthogonal
+    to honest updates) has a cosine of either sign by chance, and a positive one with half of the others
+    by a coin flip. The vote acts only while at least half of the updates reach `min_agree`: honest
+    updates can point apart, and then no update is dropped for its direction. One larger than
+    `max_norm_ratio` x the round's median relative norm is clipped to that, and one the vote could not
+    confirm (short of `min_agree` in a round where the vote abstained) to the median itself. The first
+    `hold` updates are judged together, later ones on arrival against the `compare` most recent
+    (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
+    in the round there is no majority and nothing is screened."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
@@ -324,6 +329,7 @@ class Screened(RoundAggregate):
         self.mergeable = inner.mergeable
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
+        self.margin = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # the least cosine that counts as agreeing
         # row i: update i's sketch; rows grow by doubling, so a vote is one product with a slice, not a stack
         self.sketches = torch.empty(max(1, min(len(assignments), self.compare + 1)), self.sketch.size)
         self.count = 0  # sketches held
@@ -350,22 +356,24 @@ class Screened(RoundAggregate):
             self._judge_pending()
 
     def agrees(self, i: int) -> float:
-        """The share of the other sketches (the `compare` most recent) with a positive dot product with sketch i."""
+        """The share of the other sketches (the `compare` most recent) whose cosine with sketch i exceeds the margin."""
         n = self.count
         lo = max(0, n - self.compare - 1)
         lo += i < lo  # i is not among the most recent: the `compare` before the newest
-        positive = (self.sketches[lo:n] @ self.sketches[i]) > 0
+        rows, mine = self.sketches[lo:n], self.sketches[i]
+        norms = torch.linalg.vector_norm(rows, dim=1) * torch.linalg.vector_norm(mine)
+        agree = rows @ mine > self.margin * norms
         if lo <= i:
-            positive[i - lo] = False  # not itself
-        return float(positive.sum()) / (n - lo - (lo <= i))
+            agree[i - lo] = False  # not itself
+        return float(agree.sum()) / (n - lo - (lo <= i))
 
-    def _outvoted(self, pending: list[tuple[Held, int, float]]) -> set[int]:
-        """Sketch indices to drop: those short of `min_agree`, but only while at least half of the round's
-        updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
-        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the
-        size bound alone applies."""
+    def _short(self, pending: list[tuple[Held, int, float]]) -> tuple[set[int], bool]:
+        """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least half of the
+        round's updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
+        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the size
+        bound alone applies, at the median for the updates it could not confirm."""
         if self.count < self.cfg.min_cover or not self.sketch.size:
-            return set()
+            return set(), False
         short = set()
         for h, i, _ in pending:
             share = self.agreement[h.client] = round(self.agrees(i), 4)
@@ -373,17 +381,18 @@ class Screened(RoundAggregate):
                 short.add(i)
         self.judged += len(pending)
         self.agreed += len(pending) - len(short)
-        return short if 2 * self.agreed >= self.judged else set()
+        return short, 2 * self.agreed >= self.judged
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
-        outvoted = self._outvoted(pending)
-        median_ratio = float(torch.tensor(self.ratios).median()) if len(self.ratios) >= self.cfg.min_cover else math.inf
+        short, vote = self._short(pending)
+        ratios = torch.tensor(self.ratios, dtype=torch.float64)  # float64: the median update itself is not clipped
+        median_ratio = float(ratios.median()) if len(self.ratios) >= self.cfg.min_cover else math.inf
         for h, i, ratio in pending:
-            if i in outvoted:
+            if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue
-            delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
+            delta, limit = h.delta, (1.0 if i in short else self.cfg.max_norm_ratio) * median_ratio
             if ratio > limit:
                 self.clipped[h.client] = factor = limit / ratio
                 delta = {n: t.mul_(factor) for n, t in delta.items()}

@@ -289,7 +289,38 @@ def test_when_no_update_has_a_majority_none_is_dropped_for_its_direction() -> No
     agg.finalize(state)
     assert agg.facts()["agreement"] == {"a": 0.0, "b": 0.0, "evil": 0.0}
     assert agg.dropped == {}
-    assert set(agg.facts()["clipped_to_centre"]) == {"evil"}
+    # none confirmed by the vote: each is held to the round's median relative norm, not to 3 x it
+    median = sorted(agg.ratios)[1]
+    assert set(agg.clipped) == {c for c, r in zip("ab", agg.ratios) if r > median} | {"evil"}
+    assert all(agg.clipped[c] == pytest.approx(median / r) for c, r in zip(("a", "b", "evil"), agg.ratios) if r > median)
+
+
+def test_an_update_unrelated_to_the_others_is_not_carried_by_a_chance_positive_cosine() -> None:
+    """-weights in a net with batch norm after every conv is near orthogonal to honest updates, so the sign of
+    its cosine with each is a coin flip (over `serve` it had a positive cosine with one of the two honest updates
+    in 3 rounds of 4, was kept and moved the model to chance). Agreeing takes a cosine above agree_z spreads of
+    unrelated vectors' cosine: a positive 0.015 with both honest updates does not count, their 0.5 does."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    (a, b), _ = honest_and_hostile(layout, 0, 2, seed=6, noise=1.0)  # pairwise cosine about 0.5
+    names = [n for n in a if n not in layout.inconsistent]
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in names])  # noqa: E731
+    va, vb = flat(a), flat(b)
+    basis, _ = torch.linalg.qr(torch.stack([va, vb], 1))
+    r = torch.randn(va.shape, generator=torch.Generator().manual_seed(7))
+    r -= basis @ (basis.T @ r)  # orthogonal to both honest updates
+    v = r + 0.01 * r.norm() * (va / va.norm() + vb / vb.norm())
+    assert 0 < float(v @ va) and 0 < float(v @ vb)  # the old vote counted it as agreeing with both
+    evil, at = {}, 0
+    for n in names:
+        evil[n], at = 9 * v[at:at + a[n].numel()].reshape(a[n].shape), at + a[n].numel()
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg.add(0, a, client="a")
+    agg.add(0, b, client="b")
+    agg.add(0, {**{n: torch.zeros_like(t) for n, t in a.items()}, **evil}, client="evil")
+    agg.finalize(state)
+    assert agg.dropped == {"evil": "against_centre"}
+    assert agg.agreement == {"a": 0.5, "b": 0.5, "evil": 0.0}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -306,19 +337,22 @@ def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) 
 
 
 def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
-    """agrees(i) against its definition: the share of the `compare` most recent other sketches with a
-    positive dot product, for updates judged on arrival and for ones held from the start."""
+    """agrees(i) against its definition: the share of the `compare` most recent other sketches whose cosine
+    with it exceeds agree_z / sqrt(sketch size), for updates judged on arrival and for ones held from the start."""
     layout = Layout.build(tiny_profile([(1.0, 1.0, ((1.0, 1.0), (1.0, 1.0)))]))
     state = GlobalState.init(layout, seed=0)
     clients = {f"c{i}": 0 for i in range(30)}
     agg = begin(layout, state, AggregationConfig(hold=4, sketch=64), clients)
     agg.compare = 5
     g = torch.Generator().manual_seed(1)
-    for c in clients:
-        agg.add_validated(0, {n: torch.randn(s, generator=g) for n, s in layout.upload_shapes(0).items()}, client=c)
+    base = {n: torch.randn(s, generator=g) for n, s in layout.upload_shapes(0).items()}
+    for c in clients:  # a shared direction of random sign and weight: cosines on both sides of the margin
+        w = 2 * float(torch.rand(1, generator=g)) - 1
+        agg.add_validated(0, {n: w * t + torch.randn(t.shape, generator=g) for n, t in base.items()}, client=c)
         rows, n = agg.sketches[:agg.count], agg.count
         for i in range(n):
             others = [rows[j] for j in range(max(0, n - agg.compare - 1), n) if j != i][-agg.compare:]
             if others:
-                want = sum(float(rows[i] @ o) > 0 for o in others) / len(others)
+                want = sum(float(rows[i] @ o) / float(rows[i].norm() * o.norm()) > 3 / math.sqrt(64)
+                           for o in others) / len(others)
                 assert agg.agrees(i) == pytest.approx(want, abs=1e-12)
