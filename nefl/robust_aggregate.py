@@ -308,14 +308,17 @@ class Screened(RoundAggregate):
     updates, or it is dropped: with fewer than half of the updates hostile, an honest update agrees with
     the honest majority and a flipped or foreign one does not, whatever its size (a median centre of
     three sketches, one of them 9x the others, follows the large one where the two honest ones differ).
-    Pointing the same way means a cosine above `agree_z` / sqrt(sketch size), not merely above 0: an
-    update unrelated to the others (-weights in a net with batch norm after every conv is near orthogonal
-    to honest updates) has a cosine of either sign by chance, and a positive one with half of the others
-    by a coin flip. The vote acts only while at least half of the updates reach `min_agree`: honest
-    updates can point apart, and then no update is dropped for its direction. One larger than
-    `max_norm_ratio` x the round's median relative norm is clipped to that, and one the vote could not
-    confirm (short of `min_agree` in a round where the vote abstained) to the median itself. The first
-    `hold` updates are judged together, later ones on arrival against the `compare` most recent
+    Pointing the same way means a cosine above the margin, not merely above 0: an update unrelated to the
+    others (-weights in a net with batch norm after every conv is near orthogonal to honest updates) has a
+    cosine of either sign by chance, and a positive one with half of the others by a coin flip. The margin
+    is `agree_z` / sqrt(sketch size), the spread of unrelated vectors' cosine, or `agree_of_strongest` x
+    the round's strongest pairwise cosine where that is lower: honest updates of submodels far apart in
+    size can align more weakly than the spread, and a hostile update raising the strongest cosine only
+    brings the margin back to the spread's. The vote acts only while at least half of the updates reach
+    `min_agree`: honest updates can point apart, and then no update is dropped for its direction. One
+    larger than `max_norm_ratio` x the round's median relative norm is clipped to that, and one the vote
+    could not confirm (short of `min_agree` in a round where the vote abstained) to the median itself. The
+    first `hold` updates are judged together, later ones on arrival against the `compare` most recent
     (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
     in the round there is no majority and nothing is screened."""
 
@@ -329,7 +332,8 @@ class Screened(RoundAggregate):
         self.mergeable = inner.mergeable
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
-        self.margin = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # the least cosine that counts as agreeing
+        self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
+        self.strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
         # row i: update i's sketch; rows grow by doubling, so a vote is one product with a slice, not a stack
         self.sketches = torch.empty(max(1, min(len(assignments), self.compare + 1)), self.sketch.size)
         self.count = 0  # sketches held
@@ -349,23 +353,32 @@ class Screened(RoundAggregate):
             self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:max(1, self.count)])])
         self.sketches[self.count] = self.sketch(delta)
         self.count += 1
+        self.strongest = max([self.strongest, *self.cosines(self.count - 1).tolist()])
         self.ratios.append(ratio)
         self.updates[k] += 1
         self.pending.append((Held(client, k, delta, num_samples), self.count - 1, ratio))
         if self.count >= self.hold:
             self._judge_pending()
 
-    def agrees(self, i: int) -> float:
-        """The share of the other sketches (the `compare` most recent) whose cosine with sketch i exceeds the margin."""
+    @property
+    def margin(self) -> float:
+        """The least cosine that counts as pointing the same way."""
+        return max(0.0, min(self.spread, self.cfg.agree_of_strongest * self.strongest))
+
+    def cosines(self, i: int) -> torch.Tensor:
+        """Sketch i's cosines with the others it is compared with (the `compare` most recent)."""
         n = self.count
         lo = max(0, n - self.compare - 1)
         lo += i < lo  # i is not among the most recent: the `compare` before the newest
         rows, mine = self.sketches[lo:n], self.sketches[i]
         norms = torch.linalg.vector_norm(rows, dim=1) * torch.linalg.vector_norm(mine)
-        agree = rows @ mine > self.margin * norms
-        if lo <= i:
-            agree[i - lo] = False  # not itself
-        return float(agree.sum()) / (n - lo - (lo <= i))
+        cos = torch.where(norms > 0, rows @ mine / norms.clamp_min(1e-30), 0.0)
+        return torch.cat([cos[:i - lo], cos[i - lo + 1:]]) if lo <= i else cos  # not itself
+
+    def agrees(self, i: int) -> float:
+        """The share of the other sketches (the `compare` most recent) whose cosine with sketch i exceeds the margin."""
+        cos = self.cosines(i)
+        return float((cos > self.margin).sum()) / max(1, len(cos))
 
     def _short(self, pending: list[tuple[Held, int, float]]) -> tuple[set[int], bool]:
         """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least half of the

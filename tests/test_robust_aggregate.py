@@ -323,6 +323,23 @@ def test_an_update_unrelated_to_the_others_is_not_carried_by_a_chance_positive_c
     assert agg.agreement == {"a": 0.5, "b": 0.5, "evil": 0.0}
 
 
+def test_weakly_aligned_honest_updates_still_outvote_a_flip() -> None:
+    """Honest updates of submodels far apart in size can align by less than the spread of unrelated vectors'
+    cosine (over `serve`, submodels 5 and 1 on their shared core); the margin then follows the round's strongest
+    cosine down, so the two still agree and a flip of one of them is dropped, not kept for want of a vote."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(8)
+    a, e = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(2))
+    b = {n: e[n] + 0.03 * a[n] for n in a}  # cosine about 0.03: under the spread 3 / sqrt(2,777) = 0.057
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    for c, d in (("a", a), ("b", b), ("evil", {n: -9 * t for n, t in b.items()})):
+        agg.add(0, d, client=c)
+    agg.finalize(state)
+    assert 0 < agg.margin < agg.spread
+    assert agg.dropped == {"evil": "against_centre"} and agg.agreement == {"a": 0.5, "b": 0.5, "evil": 0.0}
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) -> None:
     """The gather from the flat buffer (positions worked out once per tiling) picks the same elements as
@@ -338,7 +355,8 @@ def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) 
 
 def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
     """agrees(i) against its definition: the share of the `compare` most recent other sketches whose cosine
-    with it exceeds agree_z / sqrt(sketch size), for updates judged on arrival and for ones held from the start."""
+    with it exceeds the margin (agree_z / sqrt(sketch size), or half the strongest cosine between an arrival and
+    the sketches it was compared with, if lower), for updates judged on arrival and for ones held from the start."""
     layout = Layout.build(tiny_profile([(1.0, 1.0, ((1.0, 1.0), (1.0, 1.0)))]))
     state = GlobalState.init(layout, seed=0)
     clients = {f"c{i}": 0 for i in range(30)}
@@ -350,9 +368,12 @@ def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
         w = 2 * float(torch.rand(1, generator=g)) - 1
         agg.add_validated(0, {n: w * t + torch.randn(t.shape, generator=g) for n, t in base.items()}, client=c)
         rows, n = agg.sketches[:agg.count], agg.count
+        cos = lambda x, y: float(x @ y) / float(x.norm() * y.norm())  # noqa: E731
+        strongest = max([0.0] + [cos(rows[m], rows[j]) for m in range(n) for j in range(max(0, m - agg.compare), m)])
+        margin = min(3 / math.sqrt(64), 0.5 * strongest)
+        assert agg.margin == pytest.approx(margin, abs=1e-6)
         for i in range(n):
             others = [rows[j] for j in range(max(0, n - agg.compare - 1), n) if j != i][-agg.compare:]
             if others:
-                want = sum(float(rows[i] @ o) / float(rows[i].norm() * o.norm()) > 3 / math.sqrt(64)
-                           for o in others) / len(others)
+                want = sum(cos(rows[i], o) > margin for o in others) / len(others)
                 assert agg.agrees(i) == pytest.approx(want, abs=1e-12)
