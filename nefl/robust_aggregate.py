@@ -314,9 +314,10 @@ class Screened(RoundAggregate):
     is `agree_z` / sqrt(sketch size), the spread of unrelated vectors' cosine, or `agree_of_strongest` x
     the round's strongest pairwise cosine where that is lower: honest updates of submodels far apart in
     size can align more weakly than the spread, and a hostile update raising the strongest cosine only
-    brings the margin back to the spread's. The vote acts only while at least half of the updates reach
-    `min_agree`: honest updates can point apart, and then no update is dropped for its direction. One
-    larger than `max_norm_ratio` x the round's median relative norm is clipped to that, and one the vote
+    brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
+    one is already an outlier). The vote acts only while at least half of the updates reach `min_agree`:
+    honest updates can point apart, and then no update is dropped for its direction. One larger than
+    `max_norm_ratio` x the round's median relative norm is clipped to that, and one the vote
     could not confirm (short of `min_agree` in a round where the vote abstained) to the median itself. The
     first `hold` updates are judged together, later ones on arrival against the `compare` most recent
     (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
@@ -353,7 +354,7 @@ class Screened(RoundAggregate):
             self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:max(1, self.count)])])
         self.sketches[self.count] = self.sketch(delta)
         self.count += 1
-        self.strongest = max([self.strongest, *self.cosines(self.count - 1).tolist()])
+        self.strongest = max([self.strongest, *self.cosines(self.count - 1, self._others(self.count - 1)).tolist()])
         self.ratios.append(ratio)
         self.updates[k] += 1
         self.pending.append((Held(client, k, delta, num_samples), self.count - 1, ratio))
@@ -365,20 +366,33 @@ class Screened(RoundAggregate):
         """The least cosine that counts as pointing the same way."""
         return max(0.0, min(self.spread, self.cfg.agree_of_strongest * self.strongest))
 
-    def cosines(self, i: int) -> torch.Tensor:
-        """Sketch i's cosines with the others it is compared with (the `compare` most recent)."""
+    def _others(self, i: int) -> torch.Tensor:
+        """The indices of the sketches sketch i is compared with: the `compare` most recent, not itself."""
         n = self.count
         lo = max(0, n - self.compare - 1)
         lo += i < lo  # i is not among the most recent: the `compare` before the newest
-        rows, mine = self.sketches[lo:n], self.sketches[i]
+        others = torch.arange(lo, n)
+        return others[others != i]
+
+    def cosines(self, i: int, others: torch.Tensor) -> torch.Tensor:
+        rows, mine = self.sketches[others], self.sketches[i]
         norms = torch.linalg.vector_norm(rows, dim=1) * torch.linalg.vector_norm(mine)
-        cos = torch.where(norms > 0, rows @ mine / norms.clamp_min(1e-30), 0.0)
-        return torch.cat([cos[:i - lo], cos[i - lo + 1:]]) if lo <= i else cos  # not itself
+        return torch.where(norms > 0, rows @ mine / norms.clamp_min(1e-30), 0.0)
 
     def agrees(self, i: int) -> float:
-        """The share of the other sketches (the `compare` most recent) whose cosine with sketch i exceeds the margin."""
-        cos = self.cosines(i)
-        return float((cos > self.margin).sum()) / max(1, len(cos))
+        """The share of the voters among the others sketch i is compared with whose cosine with it exceeds the
+        margin. Voters are the updates within the size bound: one above it is already an outlier, and over
+        `serve` a flip at 9 x, by a chance cosine with one of two weakly aligned honest updates, outvoted the other."""
+        others = self._others(i)
+        limit = self.cfg.max_norm_ratio * self.median_ratio()
+        voters = others[torch.tensor([self.ratios[j] <= limit for j in others.tolist()], dtype=torch.bool)]
+        return float((self.cosines(i, voters) > self.margin).sum()) / max(1, len(voters))
+
+    def median_ratio(self) -> float:
+        """The median of the round's relative norms (infinite while there are too few for a centre)."""
+        if len(self.ratios) < self.cfg.min_cover:
+            return math.inf
+        return float(torch.tensor(self.ratios, dtype=torch.float64).median())  # float64: the median one is not clipped
 
     def _short(self, pending: list[tuple[Held, int, float]]) -> tuple[set[int], bool]:
         """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least half of the
@@ -399,8 +413,7 @@ class Screened(RoundAggregate):
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
         short, vote = self._short(pending)
-        ratios = torch.tensor(self.ratios, dtype=torch.float64)  # float64: the median update itself is not clipped
-        median_ratio = float(ratios.median()) if len(self.ratios) >= self.cfg.min_cover else math.inf
+        median_ratio = self.median_ratio()
         for h, i, ratio in pending:
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"

@@ -320,7 +320,7 @@ def test_an_update_unrelated_to_the_others_is_not_carried_by_a_chance_positive_c
     agg.add(0, {**{n: torch.zeros_like(t) for n, t in a.items()}, **evil}, client="evil")
     agg.finalize(state)
     assert agg.dropped == {"evil": "against_centre"}
-    assert agg.agreement == {"a": 0.5, "b": 0.5, "evil": 0.0}
+    assert agg.agreement == {"a": 1.0, "b": 1.0, "evil": 0.0}  # evil, outsized, does not vote
 
 
 def test_weakly_aligned_honest_updates_still_outvote_a_flip() -> None:
@@ -337,7 +337,25 @@ def test_weakly_aligned_honest_updates_still_outvote_a_flip() -> None:
         agg.add(0, d, client=c)
     agg.finalize(state)
     assert 0 < agg.margin < agg.spread
-    assert agg.dropped == {"evil": "against_centre"} and agg.agreement == {"a": 0.5, "b": 0.5, "evil": 0.0}
+    assert agg.dropped == {"evil": "against_centre"}
+    assert agg.agreement == {"a": 1.0, "b": 1.0, "evil": 0.0}  # evil, outsized, does not vote
+
+
+def test_an_outsized_update_does_not_vote() -> None:
+    """Over `serve`, late in training, two honest updates aligned by less than the margin and a flip at 9 x had a
+    chance cosine with one of them: it confirmed that one and the other honest update was dropped. An update above
+    the size bound does not vote: nobody has a majority and nothing is dropped (the outsized one, agreeing with b,
+    is clipped to the bound)."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(9)
+    a, b, r = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(3))
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    for c, d in (("a", a), ("b", b), ("evil", {n: 9 * (r[n] + 0.3 * b[n]) for n in a})):  # evil: cosine 0.3 with b
+        agg.add(0, d, client=c)
+    agg.finalize(state)
+    assert agg.dropped == {} and agg.agreement == {"a": 0.0, "b": 0.0, "evil": 0.5}
+    assert agg.clipped["evil"] == pytest.approx(3 * sorted(agg.ratios)[1] / agg.ratios[2])  # it agrees with b
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -364,16 +382,18 @@ def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
     agg.compare = 5
     g = torch.Generator().manual_seed(1)
     base = {n: torch.randn(s, generator=g) for n, s in layout.upload_shapes(0).items()}
-    for c in clients:  # a shared direction of random sign and weight: cosines on both sides of the margin
-        w = 2 * float(torch.rand(1, generator=g)) - 1
-        agg.add_validated(0, {n: w * t + torch.randn(t.shape, generator=g) for n, t in base.items()}, client=c)
+    for m, c in enumerate(clients):  # a shared direction of random sign and weight: cosines on both sides of the
+        w = 2 * float(torch.rand(1, generator=g)) - 1  # margin; every seventh outsized, left out of the vote
+        size = 20.0 if m % 7 == 6 else 1.0
+        agg.add_validated(0, {n: size * (w * t + torch.randn(t.shape, generator=g)) for n, t in base.items()}, client=c)
         rows, n = agg.sketches[:agg.count], agg.count
         cos = lambda x, y: float(x @ y) / float(x.norm() * y.norm())  # noqa: E731
         strongest = max([0.0] + [cos(rows[m], rows[j]) for m in range(n) for j in range(max(0, m - agg.compare), m)])
         margin = min(3 / math.sqrt(64), 0.5 * strongest)
         assert agg.margin == pytest.approx(margin, abs=1e-6)
+        limit = 3 * float(torch.tensor(agg.ratios, dtype=torch.float64).median()) if n >= 3 else math.inf
         for i in range(n):
-            others = [rows[j] for j in range(max(0, n - agg.compare - 1), n) if j != i][-agg.compare:]
-            if others:
-                want = sum(cos(rows[i], o) > margin for o in others) / len(others)
-                assert agg.agrees(i) == pytest.approx(want, abs=1e-12)
+            others = [j for j in range(max(0, n - agg.compare - 1), n) if j != i][-agg.compare:]
+            voters = [rows[j] for j in others if agg.ratios[j] <= limit]  # the size bound's outliers do not vote
+            want = sum(cos(rows[i], o) > margin for o in voters) / max(1, len(voters))
+            assert agg.agrees(i) == pytest.approx(want, abs=1e-12)
