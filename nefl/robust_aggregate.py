@@ -317,8 +317,8 @@ class Screened(RoundAggregate):
     brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
     one is already an outlier). The vote acts only while at least half of the updates reach `min_agree`:
     honest updates can point apart, and then no update is dropped for its direction. One larger than
-    `max_norm_ratio` x the round's median relative norm is clipped to that, and one the vote
-    could not confirm (short of `min_agree` in a round where the vote abstained) to the median itself. The
+    `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
+    to the median itself if not (short of `min_agree` in a round where the vote abstained). The
     first `hold` updates are judged together, later ones on arrival against the `compare` most recent
     (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
     in the round there is no majority and nothing is screened."""
@@ -398,7 +398,7 @@ class Screened(RoundAggregate):
         """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least half of the
         round's updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
         compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the size
-        bound alone applies, at the median for the updates it could not confirm."""
+        bound alone applies, at the median for the outsized updates it could not confirm."""
         if self.count < self.cfg.min_cover or not self.sketch.size:
             return set(), False
         short = set()
@@ -418,7 +418,9 @@ class Screened(RoundAggregate):
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue
-            delta, limit = h.delta, (1.0 if i in short else self.cfg.max_norm_ratio) * median_ratio
+            delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
+            if ratio > limit and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
+                limit = median_ratio
             if ratio > limit:
                 self.clipped[h.client] = factor = limit / ratio
                 delta = {n: t.mul_(factor) for n, t in delta.items()}
