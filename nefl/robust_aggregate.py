@@ -315,7 +315,7 @@ class Screened(RoundAggregate):
     the round's strongest pairwise cosine where that is lower: honest updates of submodels far apart in
     size can align more weakly than the spread, and a hostile update raising the strongest cosine only
     brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
-    one is already an outlier). The vote acts only while at least half of the updates reach `min_agree`:
+    one is already an outlier). The vote acts only while `vote_quorum` of the updates reach `min_agree`:
     honest updates can point apart, and then no update is dropped for its direction. One larger than
     `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
     to the median itself if not (short of `min_agree` in a round where the vote abstained). The
@@ -395,8 +395,8 @@ class Screened(RoundAggregate):
         return float(torch.tensor(self.ratios, dtype=torch.float64).median())  # float64: the median one is not clipped
 
     def _short(self, pending: list[tuple[Held, int, float]]) -> tuple[set[int], bool]:
-        """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least half of the
-        round's updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
+        """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least `vote_quorum`
+        of the round's updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
         compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the size
         bound alone applies, at the median for the outsized updates it could not confirm."""
         if self.count < self.cfg.min_cover or not self.sketch.size:
@@ -408,7 +408,7 @@ class Screened(RoundAggregate):
                 short.add(i)
         self.judged += len(pending)
         self.agreed += len(pending) - len(short)
-        return short, 2 * self.agreed >= self.judged
+        return short, self.agreed >= self.cfg.vote_quorum * self.judged - 1e-9
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
