@@ -357,6 +357,24 @@ def test_an_outsized_update_does_not_vote() -> None:
     assert agg.clipped["evil"] == pytest.approx(3 * sorted(agg.ratios)[1] / agg.ratios[2])  # it agrees with b
 
 
+def test_a_bare_majority_drops_nobody() -> None:
+    """Late rounds of many small, diverse honest updates: 3 of 5 agree, 2 are unrelated to everyone. Under half as
+    the quorum the vote dropped the 2 (over the short simulation, 4 honest updates of 10, and a submodel fell
+    behind); it acts only while two thirds reach agreement."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    agreeing, _ = honest_and_hostile(layout, 0, 3, seed=10, noise=1.0)  # pairwise cosine about 0.5
+    unrelated, _ = honest_and_hostile(layout, 0, 2, seed=11, noise=30.0)  # about 0 with everyone, the same size
+    unrelated = [{n: t / 30 for n, t in d.items()} for d in unrelated]
+    clients = {f"c{i}": 0 for i in range(5)}
+    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, clients, 1)
+    for c, d in zip(clients, agreeing + unrelated):
+        agg.add(0, d, client=c)
+    agg.finalize(state)
+    assert [agg.agreement[c] for c in clients] == [0.5, 0.5, 0.5, 0.0, 0.0]
+    assert agg.dropped == {} and agg.clipped == {}
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) -> None:
     """The gather from the flat buffer (positions worked out once per tiling) picks the same elements as
