@@ -37,14 +37,15 @@ Rule = Annotated[str, typer.Option(
                          "server); each over exactly the updates that cover an element (docs/security.md).")]
 Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-mean: the fraction cut at each end.")]
 CentreCheck = Annotated[Optional[bool], typer.Option(
-    "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a positive "
-                                             "cosine with fewer than --min-agreement of the others), clip ones far "
+    "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a cosine "
+                                             "above a significance margin with fewer than --min-agreement of the "
+                                             "others within the size bound), clip ones far "
                                              "larger than the median, and bound each per-submodel tensor's step (BN, "
                                              "step sizes) by its peers' and its history; default on, "
                                              "off under DP.", show_default=False)]
 MinAgree = Annotated[float, typer.Option(
-    "--min-agreement", min=0, max=1, help="Centre check: the least share of the round's other updates an update must "
-                                          "point the same way as.")]
+    "--min-agreement", min=0, max=1, help="Centre check: the least share of the round's other updates (those within "
+                                          "--max-norm-ratio) an update must point the same way as.")]
 MaxNormRatio = Annotated[float, typer.Option(
     "--max-norm-ratio", min=1, help="Centre check (and thin coverage): clip an update above this x the round's median "
                                     "relative norm.")]

@@ -304,15 +304,24 @@ class Screened(RoundAggregate):
     """The centre check in front of any rule: a majority vote on direction, and a bound on size.
 
     Each update is reduced to its relative norm (to its submodel's weight norm) and a sketch of the
-    round's shared core. An update must point the same way (a positive cosine) as at least `min_agree`
-    of the round's other updates, or it is dropped: with fewer than half of the updates hostile, an
-    honest update agrees with the honest majority and a flipped or foreign one does not, whatever its
-    size (a median centre of three sketches, one of them 9x the others, follows the large one where the
-    two honest ones differ). The vote acts only while at least half of the updates reach `min_agree`:
-    honest updates can point apart, and then no update is dropped for its direction. One larger than `max_norm_ratio` x the round's median relative norm is
-    clipped to that. The first `hold` updates are judged together, later ones on arrival against the
-    `compare` most recent (streaming: memory is `hold` updates plus one sketch per update). With fewer
-    than `min_cover` updates in the round there is no majority and nothing is screened."""
+    round's shared core. An update must point the same way as at least `min_agree` of the round's other
+    updates, or it is dropped: with fewer than half of the updates hostile, an honest update agrees with
+    the honest majority and a flipped or foreign one does not, whatever its size (a median centre of
+    three sketches, one of them 9x the others, follows the large one where the two honest ones differ).
+    Pointing the same way means a cosine above the margin, not merely above 0: an update unrelated to the
+    others (-weights in a net with batch norm after every conv is near orthogonal to honest updates) has a
+    cosine of either sign by chance, and a positive one with half of the others by a coin flip. The margin
+    is `agree_z` / sqrt(sketch size), the spread of unrelated vectors' cosine, or `agree_of_strongest` x
+    the round's strongest pairwise cosine where that is lower: honest updates of submodels far apart in
+    size can align more weakly than the spread, and a hostile update raising the strongest cosine only
+    brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
+    one is already an outlier). The vote acts only while `vote_quorum` of the updates reach `min_agree`:
+    honest updates can point apart, and then no update is dropped for its direction. One larger than
+    `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
+    to the median itself if not (short of `min_agree` in a round where the vote abstained). The
+    first `hold` updates are judged together, later ones on arrival against the `compare` most recent
+    (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
+    in the round there is no majority and nothing is screened."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
@@ -324,6 +333,8 @@ class Screened(RoundAggregate):
         self.mergeable = inner.mergeable
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
+        self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
+        self.strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
         # row i: update i's sketch; rows grow by doubling, so a vote is one product with a slice, not a stack
         self.sketches = torch.empty(max(1, min(len(assignments), self.compare + 1)), self.sketch.size)
         self.count = 0  # sketches held
@@ -343,29 +354,53 @@ class Screened(RoundAggregate):
             self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:max(1, self.count)])])
         self.sketches[self.count] = self.sketch(delta)
         self.count += 1
+        self.strongest = max([self.strongest, *self.cosines(self.count - 1, self._others(self.count - 1)).tolist()])
         self.ratios.append(ratio)
         self.updates[k] += 1
         self.pending.append((Held(client, k, delta, num_samples), self.count - 1, ratio))
         if self.count >= self.hold:
             self._judge_pending()
 
-    def agrees(self, i: int) -> float:
-        """The share of the other sketches (the `compare` most recent) with a positive dot product with sketch i."""
+    @property
+    def margin(self) -> float:
+        """The least cosine that counts as pointing the same way."""
+        return max(0.0, min(self.spread, self.cfg.agree_of_strongest * self.strongest))
+
+    def _others(self, i: int) -> torch.Tensor:
+        """The indices of the sketches sketch i is compared with: the `compare` most recent, not itself."""
         n = self.count
         lo = max(0, n - self.compare - 1)
         lo += i < lo  # i is not among the most recent: the `compare` before the newest
-        positive = (self.sketches[lo:n] @ self.sketches[i]) > 0
-        if lo <= i:
-            positive[i - lo] = False  # not itself
-        return float(positive.sum()) / (n - lo - (lo <= i))
+        others = torch.arange(lo, n)
+        return others[others != i]
 
-    def _outvoted(self, pending: list[tuple[Held, int, float]]) -> set[int]:
-        """Sketch indices to drop: those short of `min_agree`, but only while at least half of the round's
-        updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
-        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the
-        size bound alone applies."""
+    def cosines(self, i: int, others: torch.Tensor) -> torch.Tensor:
+        rows, mine = self.sketches[others], self.sketches[i]
+        norms = torch.linalg.vector_norm(rows, dim=1) * torch.linalg.vector_norm(mine)
+        return torch.where(norms > 0, rows @ mine / norms.clamp_min(1e-30), 0.0)
+
+    def agrees(self, i: int) -> float:
+        """The share of the voters among the others sketch i is compared with whose cosine with it exceeds the
+        margin. Voters are the updates within the size bound: one above it is already an outlier, and over
+        `serve` a flip at 9 x, by a chance cosine with one of two weakly aligned honest updates, outvoted the other."""
+        others = self._others(i)
+        limit = self.cfg.max_norm_ratio * self.median_ratio()
+        voters = others[torch.tensor([self.ratios[j] <= limit for j in others.tolist()], dtype=torch.bool)]
+        return float((self.cosines(i, voters) > self.margin).sum()) / max(1, len(voters))
+
+    def median_ratio(self) -> float:
+        """The median of the round's relative norms (infinite while there are too few for a centre)."""
+        if len(self.ratios) < self.cfg.min_cover:
+            return math.inf
+        return float(torch.tensor(self.ratios, dtype=torch.float64).median())  # float64: the median one is not clipped
+
+    def _short(self, pending: list[tuple[Held, int, float]]) -> tuple[set[int], bool]:
+        """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least `vote_quorum`
+        of the round's updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
+        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the size
+        bound alone applies, at the median for the outsized updates it could not confirm."""
         if self.count < self.cfg.min_cover or not self.sketch.size:
-            return set()
+            return set(), False
         short = set()
         for h, i, _ in pending:
             share = self.agreement[h.client] = round(self.agrees(i), 4)
@@ -373,17 +408,19 @@ class Screened(RoundAggregate):
                 short.add(i)
         self.judged += len(pending)
         self.agreed += len(pending) - len(short)
-        return short if 2 * self.agreed >= self.judged else set()
+        return short, self.agreed >= self.cfg.vote_quorum * self.judged - 1e-9
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
-        outvoted = self._outvoted(pending)
-        median_ratio = float(torch.tensor(self.ratios).median()) if len(self.ratios) >= self.cfg.min_cover else math.inf
+        short, vote = self._short(pending)
+        median_ratio = self.median_ratio()
         for h, i, ratio in pending:
-            if i in outvoted:
+            if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue
             delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
+            if ratio > limit and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
+                limit = median_ratio
             if ratio > limit:
                 self.clipped[h.client] = factor = limit / ratio
                 delta = {n: t.mul_(factor) for n, t in delta.items()}

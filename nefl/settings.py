@@ -85,6 +85,15 @@ class AggregationConfig:
     # drop updates pointing away from the round's majority, clip outsized ones, bound per-submodel tensors' steps at commit
     centre_check: bool = True
     min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
+    # pointing the same way: a sketch cosine above agree_z / sqrt(sketch size), agree_z spreads of the cosine of unrelated
+    # vectors (-weights in a batch-norm net is near orthogonal to honest updates: the sign of its cosine is a coin flip),
+    # or above agree_of_strongest x the round's strongest pairwise cosine where that is lower (rounds of weakly aligned
+    # honest updates: nested submodels far apart in size)
+    agree_z: float = 3.0
+    agree_of_strongest: float = 0.5
+    # the vote drops updates only while at least this share of the round's reach min_agree (a bare half dropped 4
+    # honest updates of 10 in a late round of diverse updates; with 3 updates it is 2 of 3 either way)
+    vote_quorum: float = 2 / 3
     max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
     min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
     hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
@@ -101,6 +110,11 @@ class AggregationConfig:
             raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
         if not 0 <= self.min_agree <= 1:
             raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
+        if not 0.5 <= self.vote_quorum <= 1:
+            raise ValueError(f"the vote's quorum must be in [0.5, 1], got {self.vote_quorum}")
+        if not (math.isfinite(self.agree_z) and self.agree_z >= 0 and 0 <= self.agree_of_strongest <= 1):
+            raise ValueError(f"need agree_z >= 0 (finite) and agree_of_strongest in [0, 1], got {self.agree_z}, "
+                             f"{self.agree_of_strongest}")
         if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
             raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
         if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
