@@ -315,7 +315,7 @@ class Screened(RoundAggregate):
     the round's strongest pairwise cosine where that is lower: honest updates of submodels far apart in
     size can align more weakly than the spread, and a hostile update raising the strongest cosine only
     brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
-    one is already an outlier). The vote acts only while `vote_quorum` of the updates reach `min_agree`:
+    one is already an outlier). The vote acts only while `vote_quorum` of the voters reach `min_agree`:
     honest updates can point apart, and then no update is dropped for its direction. One larger than
     `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
     to the median itself if not (short of `min_agree` in a round where the vote abstained). The
@@ -335,14 +335,19 @@ class Screened(RoundAggregate):
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
         self.strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
-        # row i: update i's sketch; rows grow by doubling, so a vote is one product with a slice, not a stack
-        self.sketches = torch.empty(max(1, min(len(assignments), self.compare + 1)), self.sketch.size)
+        # row i: update i's sketch, its norm and relative norm; rows grow by doubling, so a vote is one product with a
+        # slice, not a stack, and nothing about an earlier update is recomputed
+        rows = max(1, min(len(assignments), self.compare + 1))
+        self.sketches = torch.empty(rows, self.sketch.size)
+        self.norms = torch.empty(rows)
+        self.ratio_of = torch.empty(rows, dtype=torch.float64)
         self.count = 0  # sketches held
         self.ratios: list[float] = []
+        self.arrival: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))  # i, others, cosines
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
-        self.judged = self.agreed = 0  # updates voted on, and those that reached `min_agree`
+        self.judged = self.agreed = 0  # voters judged, and those that reached `min_agree`
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:
@@ -350,14 +355,16 @@ class Screened(RoundAggregate):
         update_weight(self.weighting, num_samples)
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
         ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
-        if self.count == len(self.sketches):
-            self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:max(1, self.count)])])
-        self.sketches[self.count] = self.sketch(delta)
-        self.count += 1
-        self.strongest = max([self.strongest, *self.cosines(self.count - 1, self._others(self.count - 1)).tolist()])
+        i = self._row()
+        self.sketches[i] = self.sketch(delta)
+        self.norms[i] = torch.linalg.vector_norm(self.sketches[i])
+        self.ratio_of[i] = ratio
         self.ratios.append(ratio)
+        others = self._others(i)
+        self.arrival = (i, others, self.cosines(i, others))
+        self.strongest = max([self.strongest, *self.arrival[2].tolist()])
         self.updates[k] += 1
-        self.pending.append((Held(client, k, delta, num_samples), self.count - 1, ratio))
+        self.pending.append((Held(client, k, delta, num_samples), i, ratio))
         if self.count >= self.hold:
             self._judge_pending()
 
@@ -374,19 +381,41 @@ class Screened(RoundAggregate):
         others = torch.arange(lo, n)
         return others[others != i]
 
-    def cosines(self, i: int, others: torch.Tensor) -> torch.Tensor:
-        rows, mine = self.sketches[others], self.sketches[i]
-        norms = torch.linalg.vector_norm(rows, dim=1) * torch.linalg.vector_norm(mine)
-        return torch.where(norms > 0, rows @ mine / norms.clamp_min(1e-30), 0.0)
+    def _row(self) -> int:
+        """The index of a new sketch's row, the rows doubled when full."""
+        if self.count == len(self.sketches):
+            grow = max(1, self.count)
+            self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:grow])])
+            self.norms = torch.cat([self.norms, torch.empty_like(self.norms[:grow])])
+            self.ratio_of = torch.cat([self.ratio_of, torch.empty_like(self.ratio_of[:grow])])
+        self.count += 1
+        return self.count - 1
 
-    def agrees(self, i: int) -> float:
-        """The share of the voters among the others sketch i is compared with whose cosine with it exceeds the
-        margin. Voters are the updates within the size bound: one above it is already an outlier, and over
-        `serve` a flip at 9 x, by a chance cosine with one of two weakly aligned honest updates, outvoted the other."""
+    def cosines(self, i: int, others: torch.Tensor) -> torch.Tensor:
+        norms = self.norms[others] * self.norms[i]
+        return torch.where(norms > 0, self.sketches[others] @ self.sketches[i] / norms.clamp_min(1e-30), 0.0)
+
+    def compared(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The others sketch i is compared with and its cosines with them: those of its arrival while it is the
+        newest (an update judged on arrival costs one product, not two)."""
+        j, others, cos = self.arrival
+        if j == i == self.count - 1:
+            return others, cos
         others = self._others(i)
-        limit = self.cfg.max_norm_ratio * self.median_ratio()
-        voters = others[torch.tensor([self.ratios[j] <= limit for j in others.tolist()], dtype=torch.bool)]
-        return float((self.cosines(i, voters) > self.margin).sum()) / max(1, len(voters))
+        return others, self.cosines(i, others)
+
+    def voter_limit(self) -> float:
+        """The relative norm above which an update is outsized: it is clipped, and it does not vote."""
+        return self.cfg.max_norm_ratio * self.median_ratio()
+
+    def agrees(self, i: int, limit: float | None = None) -> float:
+        """The share of the voters among the others sketch i is compared with whose cosine with it exceeds the
+        margin. Voters are the updates within the size bound (`voter_limit`, given when judging many at once): one
+        above it is already an outlier, and over `serve` a flip at 9 x, by a chance cosine with one of two weakly
+        aligned honest updates, outvoted the other."""
+        others, cos = self.compared(i)
+        voting = self.ratio_of[others] <= (self.voter_limit() if limit is None else limit)
+        return float((cos[voting] > self.margin).sum()) / max(1, int(voting.sum()))
 
     def median_ratio(self) -> float:
         """The median of the round's relative norms (infinite while there are too few for a centre)."""
@@ -394,26 +423,29 @@ class Screened(RoundAggregate):
             return math.inf
         return float(torch.tensor(self.ratios, dtype=torch.float64).median())  # float64: the median one is not clipped
 
-    def _short(self, pending: list[tuple[Held, int, float]]) -> tuple[set[int], bool]:
+    def _short(self, pending: list[tuple[Held, int, float]], limit: float) -> tuple[set[int], bool]:
         """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least `vote_quorum`
-        of the round's updates reach it. Honest updates can point apart (non-IID shards, submodels of different size
-        compared on their shared core); then nobody has a majority, the vote has nothing to go by, and the size
-        bound alone applies, at the median for the outsized updates it could not confirm."""
+        of the round's voters (updates within the size bound `limit`) reach it. Honest updates can point apart
+        (non-IID shards, submodels of different size compared on their shared core); then nobody has a majority,
+        the vote has nothing to go by, and the size bound alone applies, at the median for the outsized updates it
+        could not confirm. Outsized updates count for the quorum no more than they vote: three flips at 9 x among
+        ten updates, all in the first `hold`, left 5 of 8 agreeing, the vote abstained and the flips went in."""
         if self.count < self.cfg.min_cover or not self.sketch.size:
             return set(), False
         short = set()
-        for h, i, _ in pending:
-            share = self.agreement[h.client] = round(self.agrees(i), 4)
+        for h, i, ratio in pending:
+            share = self.agreement[h.client] = round(self.agrees(i, limit), 4)
             if share < self.cfg.min_agree:
                 short.add(i)
-        self.judged += len(pending)
-        self.agreed += len(pending) - len(short)
+            if ratio <= limit:
+                self.judged += 1
+                self.agreed += share >= self.cfg.min_agree
         return short, self.agreed >= self.cfg.vote_quorum * self.judged - 1e-9
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
-        short, vote = self._short(pending)
         median_ratio = self.median_ratio()
+        short, vote = self._short(pending, self.cfg.max_norm_ratio * median_ratio)
         for h, i, ratio in pending:
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"

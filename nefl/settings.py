@@ -91,8 +91,8 @@ class AggregationConfig:
     # honest updates: nested submodels far apart in size)
     agree_z: float = 3.0
     agree_of_strongest: float = 0.5
-    # the vote drops updates only while at least this share of the round's reach min_agree (a bare half dropped 4
-    # honest updates of 10 in a late round of diverse updates; with 3 updates it is 2 of 3 either way)
+    # the vote drops updates only while at least this share of the round's voters (updates within the size bound)
+    # reach min_agree (a bare half dropped 4 honest updates of 10 in a late round of diverse updates)
     vote_quorum: float = 2 / 3
     max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
     min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic

@@ -375,6 +375,24 @@ def test_a_bare_majority_drops_nobody() -> None:
     assert agg.dropped == {} and agg.clipped == {}
 
 
+def test_outsized_updates_do_not_count_against_the_quorum() -> None:
+    """30% attackers sending 9 x flips, all among the first `hold`: 5 honest of those 8 agree, under two thirds
+    of 8, and the vote abstained (the simulator's IID run fell to 13%). The flips are outsized and do not vote,
+    so they do not count for the quorum either: 5 of 5 voters agree and the flips are dropped."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    honest, _ = honest_and_hostile(layout, 0, 7, seed=12, noise=1.0)  # pairwise cosine about 0.5
+    order = ["h0", "evil0", "evil1", "h1", "h2", "evil2", "h3", "h4", "h5", "h6"]
+    clients = {c: 0 for c in order}
+    agg = AggregationRule(layout, AggregationConfig(hold=8)).begin_round(state, clients, 1)
+    for c in order:
+        d = honest[int(c[1:])] if c.startswith("h") else {n: -9 * t for n, t in honest[int(c[4:])].items()}
+        agg.add(0, d, client=c)
+    agg.finalize(state)
+    assert agg.dropped == {f"evil{i}": "against_centre" for i in range(3)}
+    assert (agg.judged, agg.agreed) == (7, 7)  # the seven honest updates: 5 judged together, 2 on arrival
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) -> None:
     """The gather from the flat buffer (positions worked out once per tiling) picks the same elements as
