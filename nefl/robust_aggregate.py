@@ -342,7 +342,6 @@ class Screened(RoundAggregate):
         self.norms = torch.empty(rows)
         self.ratio_of = torch.empty(rows, dtype=torch.float64)
         self.count = 0  # sketches held
-        self.ratios: list[float] = []
         self.arrival: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))  # i, others, cosines
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
@@ -359,7 +358,6 @@ class Screened(RoundAggregate):
         self.sketches[i] = self.sketch(delta)
         self.norms[i] = torch.linalg.vector_norm(self.sketches[i])
         self.ratio_of[i] = ratio
-        self.ratios.append(ratio)
         others = self._others(i)
         self.arrival = (i, others, self.cosines(i, others))
         self.strongest = max([self.strongest, *self.arrival[2].tolist()])
@@ -417,11 +415,16 @@ class Screened(RoundAggregate):
         voting = self.ratio_of[others] <= (self.voter_limit() if limit is None else limit)
         return float((cos[voting] > self.margin).sum()) / max(1, int(voting.sum()))
 
+    @property
+    def ratios(self) -> list[float]:
+        """The round's relative norms, in arrival order."""
+        return self.ratio_of[:self.count].tolist()
+
     def median_ratio(self) -> float:
         """The median of the round's relative norms (infinite while there are too few for a centre)."""
-        if len(self.ratios) < self.cfg.min_cover:
+        if self.count < self.cfg.min_cover:
             return math.inf
-        return float(torch.tensor(self.ratios, dtype=torch.float64).median())  # float64: the median one is not clipped
+        return float(self.ratio_of[:self.count].median())  # float64: the median one is not clipped
 
     def _short(self, pending: list[tuple[Held, int, float]], limit: float) -> tuple[set[int], bool]:
         """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least `vote_quorum`
