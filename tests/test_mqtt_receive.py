@@ -122,12 +122,13 @@ def test_a_publish_payload_is_the_packet_buffer_itself():
     """No copy on the way out: the payload is a bytearray, writable (an update is decoded in place)."""
     c, seen = ours(), []
     c._send_puback = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
-    c.on_message = lambda cl, u, m: seen.append(m.payload)
+    c.on_message = lambda cl, u, m: seen.append(m.payload) or seen.append(m.payload is c._in_packet["packet"])
     c._sock = Trickle(publish_packet(1, b"nefl/f/update/c1", bytes(range(256)) * 8192, 7), [65536])
     for _ in range(64):
         c._sock.readable()
         c._packet_read()
-    assert len(seen) == 1 and isinstance(seen[0], bytearray) and seen[0] == bytes(range(256)) * 8192
+    assert len(seen) == 2 and isinstance(seen[0], bytearray) and seen[0] == bytes(range(256)) * 8192
+    assert seen[1], "the payload is a copy, not the buffer the packet was received into"
 
 
 def test_a_claimed_length_costs_no_memory_before_its_bytes():
