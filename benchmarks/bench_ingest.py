@@ -67,7 +67,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("centre check (sketch, direction vote)", r"robust_aggregate\.py"),
     ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
     ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
-    ("receipts (encode + publish)", r"worker\.py:(receipt|publish_up)|paho|threading|queue"),
+    ("receipts (encode + publish)", r"worker\.py:(\w+\.)?(receipt|publish_up)|paho|threading|queue"),
     ("logging", r"logging|logs\.py"),
     ("routing + checks (Python)", r"worker\.py|intake\.py|federation\.py|topics\.py"),
 ]
@@ -386,8 +386,9 @@ def spy_summary(path: Path) -> dict[str, float]:
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         frames = [f for f in stack.split(";") if f]
-        name = next((c for f in reversed(frames) for c, pattern in [*SPY_EXTRA, *CATEGORIES] if re.search(pattern, spy_key(f))),
-                    "other (interpreter, imports)")
+        name = "start-up (imports)" if any("_find_and_load" in f for f in frames) else \
+            next((c for f in reversed(frames) for c, pattern in [*SPY_EXTRA, *CATEGORIES] if re.search(pattern, spy_key(f))),
+                 "other (interpreter)")
         shares[name] = shares.get(name, 0) + int(n)
         total += int(n)
     return {k: v / max(1, total) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
