@@ -455,8 +455,10 @@ def report(data: dict, command: str) -> list[str]:
     lines += ["", "**Hashes**, one thread, ms per MiB: " + ", ".join(f"{k} {v:.2f}" for k, v in data["hashes"].items()) + ".",
               ""]
     for label, shares in data.get("spy", {}).items():
-        lines += [f"**{label}**, sampled with py-spy (`py-spy record --nonblocking --format raw`, 50 Hz) while `make "
-                  "bench-scale` ran it: share of its samples by what the deepest recognised frame does: "
+        lines += [f"**{label}**, sampled with py-spy (`py-spy record --nonblocking --threads --format raw`, 50 Hz) through a "
+                  "federation of benchmarks/bench_scale.py (its `federation()`, real mosquitto and `loadtest` devices): share of "
+                  "its samples by what the deepest recognised frame does (py-spy counts a thread waiting for a core as busy, so "
+                  "on this loaded machine the start-up's share is above its share of CPU time): "
                   + ", ".join(f"{k} {v:.0%}" for k, v in shares.items() if v >= 0.01) + ".", ""]
     lines += ["**A device's upload** (" + data["upload"][0].get("profile", "resnet18-cifar10-wd submodel 5") + ", 256 KiB "
               "chunks: encode, hash, sign, frame), ms of CPU per MiB here: "
@@ -500,7 +502,7 @@ def main() -> None:
     out = ROOT / ("runs/bench-ingest-quick.md" if quick else "docs/benchmarks.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "PYTHONPATH=. python benchmarks/bench_ingest.py" + (" --quick" if quick else "") + \
-        (f" --before {args.before}" if args.before else "")
+        (f" --before {args.before}" if args.before else "") + "".join(f" --py-spy '{spy}'" for spy in args.py_spy)
     replace_section(out, SECTION, report(data, command))
     print(f"wrote {out}")
 
