@@ -46,6 +46,7 @@ from nefl.messages import WorkerRound  # noqa: E402
 from nefl.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
 from nefl.robust import reference_norm  # noqa: E402
+from nefl.robust_aggregate import Screened  # noqa: E402
 from nefl.signing import Signer  # noqa: E402
 from nefl.state import GlobalState, Layout  # noqa: E402
 from nefl.topics import Topics  # noqa: E402
@@ -66,7 +67,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("centre check (sketch, direction vote)", r"robust_aggregate\.py"),
     ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
     ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
-    ("receipts (encode + publish)", r"worker\.py:(receipt|publish_up)|paho|threading|queue"),
+    ("receipts (encode + publish)", r"worker\.py:(\w+\.)?(receipt|publish_up)|paho|threading|queue"),
     ("logging", r"logging|logs\.py"),
     ("routing + checks (Python)", r"worker\.py|intake\.py|federation\.py|topics\.py"),
 ]
@@ -163,16 +164,18 @@ def worker_profile(profile_name: str, devices: int, chunk_bytes: int, submodel: 
 
 
 PUBLISHER = """
-import sys, paho.mqtt.client as mqtt
-port, n, size = (int(x) for x in sys.argv[1:4])
+import sys, time, paho.mqtt.client as mqtt
+port, n, size, rate = (int(x) for x in sys.argv[1:5])
 c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-pub")
 c.max_inflight_messages_set(20)
 c.connect("127.0.0.1", port)
 c.loop_start()
 body = bytes(range(256)) * (size // 256)
-last = None
+last, t0 = None, time.monotonic()
 for i in range(n):
     last = c.publish("bench/x", body, qos=1)
+    if rate:  # paced: the receiver keeps up and its socket holds a few KiB at a time, as under a live fleet
+        time.sleep(max(0.0, t0 + (i + 1) * size / (rate << 20) - time.monotonic()))
 last.wait_for_publish(120)
 c.disconnect()
 c.loop_stop()
@@ -247,33 +250,41 @@ def receive_aiomqtt(port: int, n: int, ready: Callable[[], None]) -> int:
 RECEIVERS = {"paho-mqtt 2.x (nefl.mqtt.Connection)": receive_paho, "gmqtt": receive_gmqtt, "aiomqtt": receive_aiomqtt}
 
 
+PACED_MIB_S = 50  # about the update stream of the fleet load test on this machine (docs/benchmarks.md, fleet load test)
+
+
 def receive_path(total_mib: int, sizes: list[int]) -> list[dict]:
     """CPU per MiB of each MQTT client receiving `total_mib` MiB from mosquitto in messages of each size
-    (QoS 1, one publisher in another process), and of mosquitto forwarding it, from the same runs."""
+    (QoS 1, one publisher in another process), and of mosquitto forwarding it, from the same runs: as fast as
+    the publisher can (bursts: the receiver's socket fills), then paced at PACED_MIB_S (paho's two readers only)."""
     out = []
     broker = MosquittoBroker("127.0.0.1", 0)
     broker.start()
     try:
         mosq = psutil.Process(broker.proc.pid)
-        for size in sizes:
-            n = max(4, (total_mib << 20) // size)
-            for name, receive in RECEIVERS.items():
-                marks: dict[str, float] = {}
+        runs = [(size, 0, name) for size in sizes for name in RECEIVERS]
+        runs += [(size, PACED_MIB_S, name) for size in sizes for name in RECEIVERS if name.startswith("paho")]
+        for size, rate, name in runs:
+            receive = RECEIVERS[name]
+            n = max(4, ((total_mib // 4 if rate else total_mib) << 20) // size)
+            marks: dict[str, float] = {}
 
-                def ready() -> None:
-                    marks["cpu"], marks["broker"] = process_cpu(), sum(mosq.cpu_times()[:2])
-                    marks["pub"] = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(broker.port), str(n), str(size)])
+            def ready() -> None:
+                marks["cpu"], marks["broker"] = process_cpu(), sum(mosq.cpu_times()[:2])
+                marks["pub"] = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(broker.port), str(n), str(size),
+                                                 str(rate)])
 
-                try:
-                    nbytes = receive(broker.port, n, ready)
-                except ImportError:
-                    continue
-                cpu, broker_cpu = process_cpu() - marks["cpu"], sum(mosq.cpu_times()[:2]) - marks["broker"]
-                marks["pub"].wait(60)
-                mib = nbytes / 2**20
-                out.append({"client": name, "message_kib": size // 1024, "mib": mib, "client_ms_per_mib": cpu * 1000 / mib,
-                            "mosquitto_ms_per_mib": broker_cpu * 1000 / mib})
-                print(json.dumps(out[-1]), flush=True)
+            try:
+                nbytes = receive(broker.port, n, ready)
+            except ImportError:
+                continue
+            cpu, broker_cpu = process_cpu() - marks["cpu"], sum(mosq.cpu_times()[:2]) - marks["broker"]
+            marks["pub"].wait(60)
+            mib = nbytes / 2**20
+            out.append({"client": name, "message_kib": size // 1024, "paced_mib_s": rate, "mib": mib,
+                        "client_ms_per_mib": cpu * 1000 / mib,
+                        "mosquitto_ms_per_mib": broker_cpu * 1000 / mib})
+            print(json.dumps(out[-1]), flush=True)
     finally:
         broker.stop()
     return out
@@ -309,20 +320,20 @@ def hashes(mib: int = 8) -> dict[str, float]:
 
 
 def stock_paho(port: int, n: int, ready: Callable[[], None]) -> int:
-    """The same Connection with paho's own PUBLISH decoder (the copies nefl.mqtt.Client saves)."""
+    """The same Connection with paho's own reader and PUBLISH decoder (the allocations and copies nefl.mqtt.Client saves)."""
     import paho.mqtt.client as mqtt
 
     from nefl import mqtt as nefl_mqtt
 
-    fast = nefl_mqtt.Client._handle_publish
-    nefl_mqtt.Client._handle_publish = mqtt.Client._handle_publish
+    fast = nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read
+    nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read = mqtt.Client._handle_publish, mqtt.Client._packet_read
     try:
         return receive_paho(port, n, ready)
     finally:
-        nefl_mqtt.Client._handle_publish = fast
+        nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read = fast
 
 
-RECEIVERS["paho-mqtt 2.x, its own PUBLISH decoder"] = stock_paho
+RECEIVERS["paho-mqtt 2.x, its own reader and PUBLISH decoder"] = stock_paho
 
 
 def old_wire():
@@ -375,8 +386,9 @@ def spy_summary(path: Path) -> dict[str, float]:
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         frames = [f for f in stack.split(";") if f]
-        name = next((c for f in reversed(frames) for c, pattern in [*SPY_EXTRA, *CATEGORIES] if re.search(pattern, spy_key(f))),
-                    "other (interpreter, imports)")
+        name = "start-up (imports)" if any("_find_and_load" in f for f in frames) else \
+            next((c for f in reversed(frames) for c, pattern in [*SPY_EXTRA, *CATEGORIES] if re.search(pattern, spy_key(f))),
+                 "other (interpreter)")
         shares[name] = shares.get(name, 0) + int(n)
         total += int(n)
     return {k: v / max(1, total) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
@@ -386,6 +398,19 @@ def spy_key(frame: str) -> str:
     """'func (path/file.py:line)' as 'file.py:func' (and the path), for the category patterns."""
     m = re.match(r"(.*) \((.*):\d+\)$", frame)
     return f"{Path(m.group(2)).name}:{m.group(1)} {m.group(2)}" if m else frame
+
+
+def window_note(worker: list[dict]) -> str:
+    """What a round's size does to the per-MiB cost: the centre check compares each arrival with up to
+    `Screened.compare` earlier sketches, so a round of the fleet load test's size costs more than the small one."""
+    rows = sorted((r for r in worker if r["profile"] == "resnet20-fmnist-w" and r["chunk_bytes"] == 4 << 20),
+                  key=lambda r: r["devices"])
+    small, big = rows[0], rows[-1]
+    centre = "centre check (sketch, direction vote)"
+    return (f"A round's size matters: the centre check compares each update with up to {Screened.compare} earlier ones of "
+            f"its round, so {big['devices']} resnet20 updates (the fleet load test's round) cost {big['ms_per_mib']:.2f} ms "
+            f"per MiB, of which the centre check {big['parts_ms_per_mib'].get(centre, 0):.2f}, against {small['ms_per_mib']:.2f} "
+            f"and {small['parts_ms_per_mib'].get(centre, 0):.2f} for {small['devices']}.")
 
 
 def report(data: dict, command: str) -> list[str]:
@@ -410,6 +435,7 @@ def report(data: dict, command: str) -> list[str]:
     for c in cats:
         lines.append(f"| {c} | " + " | ".join(f"{r['parts_ms_per_mib'].get(c, 0):.2f}" for r in data["worker"]) + " |")
     lines.append("| **total** | " + " | ".join(f"**{r['ms_per_mib']:.2f}**" for r in data["worker"]) + " |")
+    lines += ["", window_note(data["worker"])]
     before = data.get("before")
     if before:
         prov_b = before.get("provenance") or {"commit": f"{BEFORE} (wire v1)", "date": before.get("note", "")}
@@ -418,15 +444,21 @@ def report(data: dict, command: str) -> list[str]:
                   + "; ".join(f"{r['profile']} {r['chunk_bytes'] >> 10} KiB chunks {r['ms_per_mib']:.1f} ms/MiB"
                               for r in before["worker"]) + "."]
     lines += ["", "**The MQTT client's receive path.** Each client receives the same stream from mosquitto (QoS 1, one "
-              "publisher in another process); CPU of the receiving process (all threads) and of mosquitto over the "
-              "same transfer:", "", "| client | message KiB | client ms/MiB | mosquitto ms/MiB |", "|---|---:|---:|---:|"]
+              "publisher in another process), sent as fast as the publisher can (the receiver's socket fills: bursts) or "
+              f"paced at {PACED_MIB_S} MiB/s (the receiver keeps up, and each read returns what a few segments brought, "
+              "as under a live fleet); CPU of the receiving process (all threads) and of mosquitto over the same transfer:",
+              "", "| client | message KiB | sent | client ms/MiB | mosquitto ms/MiB |", "|---|---:|---|---:|---:|"]
     for r in data["receive"]:
-        lines.append(f"| {r['client']} | {r['message_kib']} | {r['client_ms_per_mib']:.2f} | {r['mosquitto_ms_per_mib']:.2f} |")
+        sent = f"paced, {r['paced_mib_s']} MiB/s" if r.get("paced_mib_s") else "bursts"
+        lines.append(f"| {r['client']} | {r['message_kib']} | {sent} | {r['client_ms_per_mib']:.2f} | "
+                     f"{r['mosquitto_ms_per_mib']:.2f} |")
     lines += ["", "**Hashes**, one thread, ms per MiB: " + ", ".join(f"{k} {v:.2f}" for k, v in data["hashes"].items()) + ".",
               ""]
     for label, shares in data.get("spy", {}).items():
-        lines += [f"**{label}**, sampled with py-spy (`py-spy record --nonblocking --format raw`, 50 Hz) while `make "
-                  "bench-scale` ran it: share of its samples by what the deepest recognised frame does: "
+        lines += [f"**{label}**, sampled with py-spy (`py-spy record --nonblocking --threads --format raw`, 50 Hz) through a "
+                  "federation of benchmarks/bench_scale.py (its `federation()`, real mosquitto and `loadtest` devices): share of "
+                  "its samples by what the deepest recognised frame does (py-spy counts a thread waiting for a core as busy, so "
+                  "on this loaded machine the start-up's share is above its share of CPU time): "
                   + ", ".join(f"{k} {v:.0%}" for k, v in shares.items() if v >= 0.01) + ".", ""]
     lines += ["**A device's upload** (" + data["upload"][0].get("profile", "resnet18-cifar10-wd submodel 5") + ", 256 KiB "
               "chunks: encode, hash, sign, frame), ms of CPU per MiB here: "
@@ -447,7 +479,8 @@ def main() -> None:
     torch.set_num_threads(1)
     quick = args.quick
     runs = [("resnet20-fmnist-w", 8 if quick else 40, None, 256 << 10), ("resnet20-fmnist-w", 8 if quick else 40, None, 4 << 20),
-            ("resnet18-cifar10-wd", 1 if quick else 3, 4, 256 << 10), ("resnet18-cifar10-wd", 1 if quick else 3, 4, 4 << 20)]
+            ("resnet18-cifar10-wd", 1 if quick else 3, 4, 256 << 10), ("resnet18-cifar10-wd", 1 if quick else 3, 4, 4 << 20),
+            ("resnet20-fmnist-w", 40 if quick else 400, None, 4 << 20)]  # the fleet load test's round: a full comparison window
     data: dict = {"worker": []}
     for profile, devices, k, chunk in runs:
         data["worker"].append(worker_profile(profile, devices, chunk, k))
@@ -469,7 +502,7 @@ def main() -> None:
     out = ROOT / ("runs/bench-ingest-quick.md" if quick else "docs/benchmarks.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "PYTHONPATH=. python benchmarks/bench_ingest.py" + (" --quick" if quick else "") + \
-        (f" --before {args.before}" if args.before else "")
+        (f" --before {args.before}" if args.before else "") + "".join(f" --py-spy '{spy}'" for spy in args.py_spy)
     replace_section(out, SECTION, report(data, command))
     print(f"wrote {out}")
 

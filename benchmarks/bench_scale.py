@@ -403,8 +403,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, few devices; report to runs/")
     ap.add_argument("--from-json", type=Path, help="re-render the report from an earlier run's raw results")
     ap.add_argument("--note", default="", help="a line added to the machine description (e.g. concurrent load)")
+    ap.add_argument("--stage", action="append", choices=sorted(STAGES), default=[],
+                    help="run only this ingest stage (repeatable) and print its CPU per MiB against mosquitto's; writes nothing")
     args = ap.parse_args()
     s = QUICK if args.quick else FULL
+    if args.stage:
+        return run_stages(s, args.stage)
     out = ROOT / ("runs/bench-scale-quick.md" if args.quick else "docs/benchmarks.md")
     img = ROOT / ("runs/scale.png" if args.quick else "docs/img/scale.png")
     raw = ROOT / ("runs" if args.quick else "benchmarks/results") / "scale.json"
@@ -429,6 +433,25 @@ def main() -> None:
     print(f"wrote {out} and {img}")
 
 
+STAGES = {"one_worker": lambda s: dict(workers=1, devices=s.devices, fleet_procs=s.fleet_procs),
+          "plain": lambda s: dict(workers=0, devices=s.devices // 2, fleet_procs=s.fleet_procs, chunk_kib=None)}
+
+
+def run_stages(s: Setting, names: list[str]) -> None:
+    """A before/after check of the ingest path without the whole run: the named stages of measure(), as there."""
+    idle = idle_process()
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        for name in names:
+            d = Path(tmp) / name
+            d.mkdir()
+            r = federation(s, tmp=d, **STAGES[name](s))
+            role = "workers" if r["workers"] else "coordinator"
+            mine, broker = cpu_per_mib(r, role, idle), cpu_per_mib(r, "mosquitto", idle)
+            print(json.dumps({"stage": name, "role": role, "ms_per_mib": round(mine, 2), "mosquitto_ms_per_mib": round(broker, 2),
+                              "ratio": round(mine / broker, 2), "updates_per_s": round(r["updates_per_s"], 1),
+                              "load": load_average(), "idle_cpu_s": idle["cpu_s"]}), flush=True)
+
+
 def measure(s: Setting) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         results = []
@@ -440,7 +463,7 @@ def measure(s: Setting) -> dict:
         ingest = {"one_worker": next(r for r in results if r["workers"] == 1),
                   "external": next(r for r in results if r["workers"] == 0)}
         for name, kw in (("embedded", dict(workers=0, devices=s.devices, fleet_procs=s.fleet_procs, embedded=True)),
-                         ("plain", dict(workers=0, devices=s.devices // 2, fleet_procs=s.fleet_procs, chunk_kib=None)),
+                         ("plain", STAGES["plain"](s)),
                          ("large", dict(workers=1, devices=s.large_devices, fleet_procs=1, profile=s.large_profile,
                                         chunk_kib=65536, rounds=3))):
             d = Path(tmp) / name

@@ -69,11 +69,95 @@ def parse_broker(url: str, username: str | None = None, password: str | None = N
 
 
 class Client(mqtt.Client):
-    """paho's client, but a QoS 0/1 PUBLISH (MQTT 3.1.1) hands its payload on as one bytearray slice of the
-    packet: paho's decoder copies the rest of the packet three times (struct.unpack for the topic, the
-    message id, the payload), the largest part of its receive CPU on multi-MiB updates (docs/benchmarks.md,
-    "Ingest profile"). The payload is writable, so an update's single chunk is decoded in place. QoS 2 and
-    MQTT 5 packets take paho's own path."""
+    """paho's client with a receive path that copies a PUBLISH's payload once, from the kernel into the buffer
+    the application gets (docs/benchmarks.md, "Ingest profile").
+
+    paho's reader calls `sock.recv(remaining)` until a packet is complete: under a live stream each call returns
+    a few KiB, but CPython allocates the whole remaining size first (an mmap, page faults and a munmap per call
+    for a large packet), then paho copies what came into the packet, and its decoder copies the payload again.
+    Here a packet's body is received with `recv_into` straight into one buffer (grown by doubling as bytes
+    arrive, so a claimed length costs no memory before its bytes come), and a QoS 0/1 PUBLISH (MQTT 3.1.1)
+    hands on that same buffer, its topic and message id cut off the front (O(1) for a bytearray). The payload
+    is writable, so an update's single chunk is decoded in place. QoS 2 and MQTT 5 packets take paho's decoder,
+    sockets without recv_into (websockets) paho's reader."""
+
+    FIRST_BUFFER = 1 << 20  # a body's first allocation; larger ones double towards the packet's length
+
+    def _packet_read(self) -> mqtt.MQTTErrorCode:
+        if not hasattr(self._sock, "recv_into"):
+            return super()._packet_read()
+        pkt = self._in_packet
+        try:
+            while not pkt["have_remaining"]:
+                if not self._read_fixed_header_byte(pkt):
+                    return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+                if len(pkt["remaining_count"]) > 4:  # the MQTT limit: a longer length is a broken or hostile peer
+                    return mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+            for _ in range(100):  # paho's bound: back to the network loop now and then on a huge packet
+                if pkt["to_process"] <= 0:
+                    break
+                if not self._read_body(pkt):
+                    return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+            else:
+                if pkt["to_process"] > 0:
+                    return mqtt.MQTTErrorCode.MQTT_ERR_AGAIN
+        except BlockingIOError:
+            return mqtt.MQTTErrorCode.MQTT_ERR_AGAIN
+        except OSError as err:
+            self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
+            return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+        pkt["pos"] = 0
+        try:
+            rc = self._packet_handle()
+        except MalformedPacket as exc:
+            self._easy_log(mqtt.MQTT_LOG_DEBUG, "Received malformed packet: %s", exc)
+            rc = mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+        self._in_packet = {"command": 0, "have_remaining": 0, "remaining_count": [], "remaining_mult": 1,
+                           "remaining_length": 0, "packet": bytearray(), "to_process": 0, "pos": 0}
+        with self._msgtime_mutex:
+            self._last_bytes_received = mqtt.time_func()
+        return rc
+
+    def _read_fixed_header_byte(self, pkt: dict) -> bool:
+        """One byte of the command or of the remaining length (a byte at a time, as paho: they are five at most).
+        False: the connection closed."""
+        byte = self._sock_recv(1)
+        if not byte:
+            return False
+        if pkt["command"] == 0:
+            pkt["command"] = byte[0]
+            return True
+        pkt["remaining_count"].append(byte[0])
+        pkt["remaining_length"] += (byte[0] & 127) * pkt["remaining_mult"]
+        pkt["remaining_mult"] *= 128
+        if not byte[0] & 128:
+            pkt["have_remaining"] = 1
+            pkt["to_process"] = pkt["remaining_length"]
+            pkt["packet"] = bytearray(min(pkt["remaining_length"], self.FIRST_BUFFER))
+        return True
+
+    def _read_body(self, pkt: dict) -> bool:
+        """Receive what the socket has of the body into its buffer. False: the connection closed."""
+        packet, length = pkt["packet"], pkt["remaining_length"]
+        got = length - pkt["to_process"]
+        if got == len(packet):
+            packet += bytes(min(length, 2 * len(packet)) - got)
+        view = memoryview(packet)[got:]
+        try:
+            n = self._sock.recv_into(view)
+        except ssl.SSLWantReadError as err:
+            raise BlockingIOError from err
+        except ssl.SSLWantWriteError as err:
+            self._call_socket_register_write()
+            raise BlockingIOError from err
+        finally:
+            view.release()
+        if n == 0:
+            return False
+        pkt["to_process"] -= n
+        with self._msgtime_mutex:
+            self._last_bytes_received = mqtt.time_func()
+        return True
 
     def _handle_publish(self) -> mqtt.MQTTErrorCode:
         command, packet = self._in_packet["command"], self._in_packet["packet"]
@@ -87,7 +171,8 @@ class Client(mqtt.Client):
         message = mqtt.MQTTMessage(mid=int.from_bytes(packet[topic_end:at], "big") if qos else 0,
                                    topic=bytes(packet[2:topic_end]))
         message.dup, message.qos, message.retain = bool(command & 0x08), qos, bool(command & 0x01)
-        message.payload = packet[at:]
+        del packet[:at]  # the payload is the packet's buffer itself, not a copy
+        message.payload = packet
         message.timestamp = time.monotonic()
         self._handle_on_message(message)
         if qos == 0 or self._manual_ack:

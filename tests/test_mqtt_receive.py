@@ -1,0 +1,208 @@
+"""nefl.mqtt.Client's receive path (recv_into one buffer per packet, the payload handed on without a copy)
+against paho's own reader and decoder on the same byte streams: well-formed PUBLISH packets cut into pieces
+as a live stream delivers them (a few bytes at a time, or in bursts), and hostile tails after them."""
+
+from __future__ import annotations
+
+import paho.mqtt.client as mqtt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nefl.mqtt import Client
+
+
+class Trickle:
+    """A non-blocking socket's receive side: `stream` in pieces of the given sizes, one piece per readable
+    moment (BlockingIOError in between, as after a select), then end of stream (b"", a closed connection)."""
+
+    def __init__(self, stream: bytes, pieces: list[int]) -> None:
+        self.stream, self.pieces, self.at, self.budget = stream, pieces or [1 << 30], 0, 0
+
+    def readable(self) -> bool:
+        if self.at >= len(self.stream):
+            return True  # the close is readable too
+        self.budget = self.pieces[0]
+        self.pieces = self.pieces[1:] + self.pieces[:1]
+        return True
+
+    def _take(self, n: int) -> bytes:
+        if self.at >= len(self.stream):
+            return b""
+        if self.budget <= 0:
+            raise BlockingIOError
+        out = self.stream[self.at:self.at + min(n, self.budget)]
+        self.at += len(out)
+        self.budget -= len(out)
+        return out
+
+    def recv(self, n: int) -> bytes:
+        return self._take(n)
+
+    def close(self) -> None:
+        pass
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
+        data = self._take(nbytes or len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+class NoRecvInto:
+    """A socket without recv_into (as paho's websocket wrapper): the client must take paho's reader."""
+
+    def __init__(self, inner: Trickle) -> None:
+        self.inner = inner
+
+    def recv(self, n: int) -> bytes:
+        return self.inner.recv(n)
+
+    def close(self) -> None:
+        pass
+
+
+def publish_packet(qos: int, topic: bytes, payload: bytes, mid: int) -> bytes:
+    body = len(topic).to_bytes(2, "big") + topic + (mid.to_bytes(2, "big") if qos else b"") + payload
+    length, n = bytearray(), len(body)
+    while True:
+        n, digit = n // 128, n % 128
+        length.append(digit | (0x80 if n else 0))
+        if not n:
+            break
+    return bytes([0x30 | (qos << 1)]) + bytes(length) + body
+
+
+def run(client: mqtt.Client, sock: Trickle, wrap=lambda s: s) -> tuple[list[tuple], list[int], str]:
+    """Read the whole stream: the messages (topic, mid, qos, retain, payload), the PUBACKs sent, and how it ended."""
+    got, acked = [], []
+    client.on_message = lambda c, u, m: got.append((m.topic, m.mid, m.qos, m.retain, bytes(m.payload), type(m.payload)))
+    client._send_puback = lambda mid: acked.append(mid) or mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    client._sock = wrap(sock)
+    end = "reads"
+    for _ in range(100_000):
+        sock.readable()
+        try:
+            rc = client._packet_read()
+        except Exception as e:  # paho's handlers raise on some garbage: the same on both paths
+            end = f"raised {type(e).__name__}"
+            break
+        if rc not in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN):
+            end = f"rc {int(rc)}"
+            break
+    return [g[:5] for g in got], acked, end
+
+
+def stock() -> mqtt.Client:
+    """paho's reader and decoder, unchanged."""
+    return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+
+
+def ours(first_buffer: int = Client.FIRST_BUFFER) -> Client:
+    c = Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    c.FIRST_BUFFER = first_buffer  # small: the buffer's doubling runs on small packets too
+    return c
+
+
+messages = st.lists(st.tuples(st.sampled_from([0, 1]), st.binary(min_size=1, max_size=40), st.binary(max_size=3000),
+                              st.integers(1, 65535)), max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages, st.lists(st.integers(1, 5000), max_size=8), st.binary(max_size=40), st.sampled_from([1, 7, 1 << 20]))
+def test_the_receive_path_agrees_with_paho_on_any_stream(msgs, pieces, tail, first_buffer):
+    """Same messages, same acknowledgements, same ending (closed, protocol error or paho's own exception)
+    whatever the cut of the stream, the buffer's first size, and whatever garbage follows the packets."""
+    stream = b"".join(publish_packet(*m) for m in msgs) + tail
+    want = run(stock(), Trickle(stream, pieces))
+    got = run(ours(first_buffer), Trickle(stream, pieces))
+    assert got == want
+    assert [m[4] for m in got[0][:len(msgs)]] == [p for _, _, p, _ in msgs][:len(got[0])]
+
+
+def test_a_publish_payload_is_the_packet_buffer_itself():
+    """No copy on the way out: the payload is a bytearray, writable (an update is decoded in place)."""
+    c, seen = ours(), []
+    c._send_puback = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    c.on_message = lambda cl, u, m: seen.append(m.payload) or seen.append(m.payload is c._in_packet["packet"])
+    c._sock = Trickle(publish_packet(1, b"nefl/f/update/c1", bytes(range(256)) * 8192, 7), [65536])
+    for _ in range(64):
+        c._sock.readable()
+        c._packet_read()
+    assert len(seen) == 2 and isinstance(seen[0], bytearray) and seen[0] == bytes(range(256)) * 8192
+    assert seen[1], "the payload is a copy, not the buffer the packet was received into"
+
+
+def test_a_claimed_length_costs_no_memory_before_its_bytes():
+    """A peer that claims the MQTT maximum (256 MiB) and sends nothing more gets one first buffer, not 256 MiB."""
+    c = ours(first_buffer=4096)
+    c._sock = Trickle(bytes([0x30, 0xFF, 0xFF, 0xFF, 0x7F]) + bytes(1000), [5 + 35])
+    c._sock.readable()
+    assert c._packet_read() == mqtt.MQTTErrorCode.MQTT_ERR_AGAIN
+    assert len(c._in_packet["packet"]) == 4096 and c._in_packet["to_process"] == 268_435_455 - 35
+
+
+def test_a_socket_without_recv_into_takes_paho_reader():
+    stream = publish_packet(1, b"a/b", b"payload" * 100, 9)
+    assert run(ours(), Trickle(stream, [5]), NoRecvInto) == run(stock(), Trickle(stream, [5]))
+
+
+def test_the_receive_path_over_tls(tmp_path):
+    """recv_into on a non-blocking TLS socket: a record not yet whole is SSLWantReadError, which must read as
+    "again" (not a lost connection); messages sent in pieces arrive whole and in order."""
+    import datetime
+    import socket
+    import ssl
+    import threading
+    import time
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key()).serial_number(1)
+            .not_valid_before(datetime.datetime(2020, 1, 1)).not_valid_after(datetime.datetime(2100, 1, 1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    client_ctx = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    a, b = socket.socketpair()
+    wrapped = {}
+    handshake = threading.Thread(target=lambda: wrapped.update(server=server_ctx.wrap_socket(a, server_side=True)))
+    handshake.start()
+    client_sock = client_ctx.wrap_socket(b, server_hostname="localhost")
+    handshake.join(10)
+    server = wrapped["server"]
+    msgs = [(1, b"nefl/f/update/c%d" % i, bytes([i]) * (70_000 * i + 5), i + 1) for i in range(4)]
+    stream = b"".join(publish_packet(*m) for m in msgs)
+
+    def send() -> None:
+        for at in range(0, len(stream), 9000):
+            server.sendall(stream[at:at + 9000])
+            time.sleep(0.001)
+
+    sender = threading.Thread(target=send)
+    client_sock.setblocking(False)
+    c, got = ours(first_buffer=50_000), []
+    c._send_puback = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    c.on_message = lambda cl, u, m: got.append((m.topic.encode(), m.mid, bytes(m.payload)))
+    c._sock = client_sock
+    sender.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < len(msgs) and time.monotonic() < deadline:
+            rc = c._packet_read()
+            assert rc in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN)
+            if rc == mqtt.MQTTErrorCode.MQTT_ERR_AGAIN:
+                time.sleep(0.0005)
+    finally:
+        sender.join(20)
+        c._sock = None
+        client_sock.close()
+        server.close()
+    assert got == [(topic, mid, payload) for _, topic, payload, mid in msgs]
