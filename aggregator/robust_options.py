@@ -39,9 +39,8 @@ Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-me
 CentreCheck = Annotated[Optional[bool], typer.Option(
     "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a cosine "
                                              "above a significance margin with fewer than --min-agreement of the "
-                                             "others within the size bound), keep ones far larger than the median "
-                                             "only if two thirds of those agree (clipped), and bound each "
-                                             "per-submodel tensor's step (BN, "
+                                             "others within the size bound), clip ones far "
+                                             "larger than the median, and bound each per-submodel tensor's step (BN, "
                                              "step sizes) by its peers' and its history; default on, "
                                              "off under DP.", show_default=False)]
 MinAgree = Annotated[float, typer.Option(
@@ -49,8 +48,7 @@ MinAgree = Annotated[float, typer.Option(
                                           "--max-norm-ratio) an update must point the same way as.")]
 MaxNormRatio = Annotated[float, typer.Option(
     "--max-norm-ratio", min=1, help="Centre check (and thin coverage): clip an update above this x the round's median "
-                                    "relative norm; the centre check drops it unless two thirds of the others within "
-                                    "the bound point the same way.")]
+                                    "relative norm.")]
 RootData = Annotated[Optional[str], typer.Option(
     "--root-data", help="fltrust: the dataset whose test split holds the server's root set (default: the evaluation "
                         "dataset; its root images are left out of evaluation).")]

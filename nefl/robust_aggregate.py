@@ -318,9 +318,8 @@ class Screened(RoundAggregate):
     brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
     one is already an outlier). The vote acts only while `vote_quorum` of the voters reach `min_agree`:
     honest updates can point apart, and then no update is dropped for its direction. One larger than
-    `max_norm_ratio` x the round's median relative norm is clipped to that if `vote_quorum` of the voters
-    agree with it, and dropped if not, vote or no vote: nothing speaks for an update both outsized and short
-    of a clear majority (on non-IID shards a flip agrees with half of the diverse honest updates by chance). The
+    `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
+    to the median itself if not (short of `min_agree` in a round where the vote abstained). The
     first `hold` updates are judged together, later ones on arrival against the `compare` most recent
     (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
     in the round there is no majority and nothing is screened."""
@@ -455,16 +454,15 @@ class Screened(RoundAggregate):
 
     def _judge_pending(self) -> None:
         pending, self.pending = self.pending, []
-        limit = self.voter_limit()
-        short, vote = self._short(pending, limit)
+        median_ratio = self.median_ratio()
+        short, vote = self._short(pending, self.cfg.max_norm_ratio * median_ratio)
         for h, i, ratio in pending:
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue
-            if ratio > limit and self.agreement.get(h.client, 1.0) < self.cfg.vote_quorum:
-                self.dropped[h.client] = "outsized_unconfirmed"  # outsized, and short of a clear majority
-                continue
-            delta = h.delta
+            delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
+            if ratio > limit and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
+                limit = median_ratio
             if ratio > limit:
                 self.clipped[h.client] = factor = limit / ratio
                 delta = {n: t.mul_(factor) for n, t in delta.items()}
