@@ -27,7 +27,7 @@ import torch
 from aggregator.federation import Federation, Rejected
 from aggregator.intake import DeviceKeys
 from nefl.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
-from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BYTES, BoundSettings, PartialSummary, Receipt, RoundClose,
+from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BATCH_BYTES, BoundSettings, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            ScreenSettings, StatusBook, WorkerRound, WorkerStatus)
 from nefl.profile import Profile
 from nefl.robust import NormBound, reference_norm, update_norm
@@ -179,7 +179,11 @@ class WorkerPool:
         elif not self.fed.aggregator.mergeable:
             raise Rejected("not_mergeable", f"{kind} from {worker}: the {self.fed.aggregator.name} aggregator merges no partials")
         elif kind == "receipt":
-            self._receipt(worker, Receipt.from_json(body, MAX_RECEIPT_BYTES))
+            for rc in ReceiptBatch.from_json(body, MAX_RECEIPT_BATCH_BYTES).receipts:
+                try:  # one bad receipt is counted on its own; the rest of the batch stands
+                    self._receipt(worker, rc)
+                except Rejected as e:
+                    self.reject(e.reason, worker, str(e))
         elif kind == "summary":
             summary = PartialSummary.from_json(body, MAX_PLAN_BYTES)
             if summary.run == self._run and summary.round == self._round:

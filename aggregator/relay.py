@@ -4,7 +4,7 @@ To the site's devices the relay's broker looks like the coordinator's: it copies
 signed tasks (for the site's clients only), model chunks, control and server status down, and the
 devices' announces, declines and statuses up, so the coordinator picks and pins site devices like any other.
 Updates stay on the site: the relay checks and sums them as an aggregator worker does (same checks,
-same plan; aggregator/worker.py) and sends the coordinator a receipt per update and one partial
+same plan; aggregator/worker.py) and sends the coordinator a receipt per update (in signed batches) and one partial
 aggregate per round. Bytes crossing the WAN per round are then O(model) for updates, plus a few
 hundred bytes per device for announces, declines, statuses and tasks, instead of one update per
 device. The command line is in aggregator/scale_cli.py.

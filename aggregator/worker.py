@@ -38,7 +38,8 @@ from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
-from nefl.messages import MAX_PLAN_BYTES, MessageError, PartialSummary, Receipt, RoundClose, WorkerRound, WorkerStatus
+from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
+                           WorkerRound, WorkerStatus)
 from nefl.mqtt import QOS, BrokerSettings, Connection
 from nefl.profile import parse_profile
 from nefl.robust import NormBound
@@ -59,6 +60,7 @@ class WorkerConfig:
     group: str = "nefl-workers"
     shared: bool = True  # False: a lone worker (or a relay) takes update/+ itself
     server_key: str | None = None  # verify the coordinator's round plans and close requests
+    receipt_linger_s: float = 0.02  # a receipt waits this long for others to share its signature and publish
 
 
 def owner_of(client: str, owners: list[str]) -> str | None:
@@ -92,6 +94,8 @@ class Worker:
         self.incarnation = 0  # the newest incarnation of the coordinator seen (older plans are replays)
         self.sent: set[tuple[str, int]] = set()  # (run, round) partials already published
         self.early: list[tuple[str, bytes, bool]] = []  # updates of a round whose plan has not arrived yet
+        self.receipts: list[Receipt] = []  # not yet sent: they go as one signed batch
+        self._receipts_since = 0.0  # monotonic time of the oldest of them
         self.bytes_up = 0  # what this process published to the coordinator's broker
         self._up_mark = 0  # bytes_up at the last partial
         self.stopping = False
@@ -134,6 +138,8 @@ class Worker:
                 self.route(conn, topic, payload)
         for key in self.reasm.expire() if self.reasm is not None else []:
             self.receipt(key[2], "timeout", f"chunk set of round {key[1]} incomplete after {self.reasm.timeout_s}s")
+        if self.receipts and time.monotonic() - self._receipts_since >= self.cfg.receipt_linger_s:
+            self.send_receipts()
         if not busy:
             time.sleep(wait_s)
 
@@ -218,7 +224,9 @@ class Worker:
             fed.round = None  # anything arriving now is late for this round
 
     def publish_partial(self, run: str, index: int, fed: Federation | None) -> None:
-        """The partial (possibly empty) for (run, round): tensors first, then the summary naming them."""
+        """The partial (possibly empty) for (run, round): the receipts still held, the tensors, then the summary
+        naming them (in this order on one connection, so the coordinator has every receipt the summary relies on)."""
+        self.send_receipts()
         num = self.layout.num_submodels if self.layout else 0
         summary = PartialSummary(run=run, round=index, weights=[0.0] * num, updates=[0] * num)
         if fed is not None and fed.agg.total_updates:
@@ -275,10 +283,21 @@ class Worker:
         rc = Receipt(run=self.plan.run if self.plan else "none", round=index, client=client, outcome=outcome[:64],
                      detail=detail[:300], late=late, attributed=attributed, nbytes=nbytes, samples=samples, norm=norm,
                      metrics={k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str))})
-        self.publish_up(self.topics.worker(self.me, "receipt"), self.key.sign(rc.to_json()))
+        if not self.receipts:
+            self._receipts_since = time.monotonic()
+        self.receipts.append(rc)
+        if len(self.receipts) >= MAX_RECEIPTS:
+            self.send_receipts()
+
+    def send_receipts(self) -> None:
+        """The receipts held, as one signed batch."""
+        if self.receipts:
+            batch, self.receipts = self.receipts, []
+            self.publish_up(self.topics.worker(self.me, "receipt"), self.key.sign(ReceiptBatch(receipts=batch).to_json()))
 
     def stop(self) -> None:
         self.stopping = True
+        self.send_receipts()
         for conn in dict.fromkeys([*self.sources, self.up]):
             last = (self.topics.worker(self.me, "status"), self.status_message("offline", self.up.stamp))
             conn.stop(last if conn is self.up else None)

@@ -103,27 +103,41 @@ class Run:
                 pass
         return out
 
-    def watch(self, until: subprocess.Popen, timeout_s: float) -> dict[str, dict[str, float]]:
-        """Sample every 0.3 s until `until` exits: peak RSS per role (largest single process) and CPU seconds."""
+    def watch(self, until: subprocess.Popen, timeout_s: float, metrics_path: Path, last_round: int) -> dict:
+        """Sample every 0.2 s until `until` exits: peak RSS per role (largest single process), and CPU seconds per
+        role and per thread kind (the MQTT client's network thread, the rest) between the metrics lines of round 1
+        and of `last_round`: the measured rounds only, so start-up, round 1's warm-up and shutdown do not blur
+        a per-MiB figure (a process's start-up alone is seconds, a resnet20 round of 400 updates a few)."""
         peak: dict[str, float] = {}
-        cpu: dict[tuple[str, int], float] = {}
+        marks: dict[str, dict[tuple[str, str], float]] = {}
         end = time.monotonic() + timeout_s
         while until.poll() is None:
             if time.monotonic() > end:
                 raise RuntimeError(f"run did not finish in {timeout_s}s; logs in {self.tmp}")
+            closed = rounds_closed(metrics_path)
+            now: dict[tuple[str, str], float] = {}
             for role, procs in self.components().items():
                 for p in procs:
                     try:
                         peak[role] = max(peak.get(role, 0.0), p.memory_info().rss / 2**20)
-                        t = p.cpu_times()
-                        cpu[(role, p.pid)] = t.user + t.system
+                        for kind, s in thread_cpu(p).items():
+                            now[(role, kind)] = now.get((role, kind), 0.0) + s
                     except psutil.NoSuchProcess:
                         pass
-            time.sleep(0.3)
-        cpu_by_role: dict[str, float] = {}
-        for (role, _), s in cpu.items():
-            cpu_by_role[role] = cpu_by_role.get(role, 0.0) + s
-        return {"peak_rss_mib": peak, "cpu_s": cpu_by_role}
+            if closed >= 1 and "start" not in marks:
+                marks["start"] = now
+            if closed >= last_round and "end" not in marks:
+                marks["end"] = now
+            time.sleep(0.2)
+        if "end" not in marks:
+            raise RuntimeError(f"the run ended before round {last_round} closed; logs in {self.tmp}")
+        cpu: dict[str, float] = {}
+        threads: dict[str, dict[str, float]] = {}
+        for (role, kind), s in marks["end"].items():
+            spent = s - marks["start"].get((role, kind), 0.0)
+            cpu[role] = cpu.get(role, 0.0) + spent
+            threads.setdefault(role, {})[kind] = spent
+        return {"peak_rss_mib": peak, "cpu_s": cpu, "thread_cpu_s": threads}
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -134,6 +148,22 @@ class Run:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def rounds_closed(path: Path) -> int:
+    """The highest round with a metrics line so far (0 before the first closes)."""
+    try:
+        return max((json.loads(line)["round"] for line in path.read_text().splitlines() if line.strip()), default=0)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return 0
+
+
+def thread_cpu(p: psutil.Process) -> dict[str, float]:
+    """CPU seconds of a process: "main" its main thread's, "threads" its other threads' (in a Python process of the
+    kit, the MQTT clients' network threads), those that ended included."""
+    t = p.cpu_times()
+    main = next((th.user_time + th.system_time for th in p.threads() if th.id == p.pid), 0.0)
+    return {"main": main, "threads": t.user + t.system - main}
 
 
 def idle_process() -> dict[str, float]:
@@ -174,7 +204,7 @@ def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Pa
         run.start("loadtest", [*CLI, "loadtest", "--broker", broker, "--federation", "b", "--profile", profile,
                                "--devices", str(devices), "--procs", str(fleet_procs), "--pool", "8", *chunks,
                                "--duration", "1200", "--log-level", "warning"])
-        watched = run.watch(coord, 1500)
+        watched = run.watch(coord, 1500, tmp / "run" / "metrics.jsonl", rounds)
         if coord.returncode != 0:
             raise RuntimeError(f"coordinator failed; see {tmp}/coordinator.log")
     finally:
@@ -183,11 +213,8 @@ def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Pa
     wall = sum(m["train_wall_s"] for m in rounds)
     n = sum(len(m["reported"]) for m in rounds)
     nbytes = sum(m["bytes_in"] for m in rounds)
-    everything = metrics(tmp / "run" / "metrics.jsonl")
     return {"workers": workers, "devices": devices, "fleet_procs": fleet_procs, "updates": n, "expected": devices * len(rounds),
-            "profile": profile, "chunk_kib": chunk_kib, "embedded": embedded,
-            "mib_total": sum(m["bytes_in"] for m in everything) / 2**20,
-            "all_updates": sum(len(m["reported"]) + m.get("workers", {}).get("lost_updates", 0) for m in everything),
+            "profile": profile, "chunk_kib": chunk_kib, "embedded": embedded, "mib_measured": nbytes / 2**20,
             "updates_per_s": n / wall, "mib_per_s": nbytes / wall / 2**20, "mean_update_kib": nbytes / max(1, n) / 1024,
             "close_s": [m.get("workers", {}).get("collect_s") for m in rounds],
             "aggregate_s": [m.get("aggregate_s") for m in rounds], "round_wall_s": [m["train_wall_s"] for m in rounds],
@@ -229,7 +256,7 @@ def relay_bytes(s: Setting, tmp: Path) -> dict:
         run.start("loadtest", [*CLI, "loadtest", "--broker", down, "--federation", "b", "--profile", s.profile,
                                "--devices", str(s.relay_devices), "--pool", "8", "--chunk-kib", "4096", "--duration", "1200",
                                "--log-level", "warning"])
-        run.watch(coord, 1500)
+        run.watch(coord, 1500, tmp / "run" / "metrics.jsonl", s.rounds)
     finally:
         run.stop()
     per_round = [int(x) for x in re.findall(r"partial of \d+ update\(s\) sent \((\d+) bytes up since", (tmp / "relay.log").read_text())]
@@ -238,7 +265,7 @@ def relay_bytes(s: Setting, tmp: Path) -> dict:
     return {"devices": s.relay_devices, "relay_up_bytes": per_round, "update_bytes": update_bytes}
 
 
-def plot(results: list[dict], idle: dict[str, float], path: Path) -> None:
+def plot(results: list[dict], path: Path) -> None:
     """Left: ingest rate against workers (MiB/s written at each point). Right: where the CPU goes per update."""
     import matplotlib
 
@@ -258,7 +285,7 @@ def plot(results: list[dict], idle: dict[str, float], path: Path) -> None:
     ax.set_title(f"{results[0]['devices']} simulated devices, 2 shared cores", fontsize=10)
     bottom = [0.0] * len(results)
     for role in ("mosquitto", "coordinator", "workers", "loadtest"):
-        ms = [cpu_per_update(r, role, idle) for r in results]
+        ms = [cpu_per_update(r, role) for r in results]
         bx.bar([str(x) for x in xs], ms, bottom=bottom, label=role)
         bottom = [b + m for b, m in zip(bottom, ms)]
     bx.set_xlabel("aggregator workers")
@@ -270,27 +297,24 @@ def plot(results: list[dict], idle: dict[str, float], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def cpu_per_update(r: dict, role: str, idle: dict[str, float]) -> float:
-    """CPU milliseconds a component spent per update over the whole run, less each process's start-up
-    (python + torch import, measured apart); mosquitto is C and starts in no time."""
-    fleet = r["fleet_procs"] + 1 if r["fleet_procs"] > 1 else 1  # the shards and the parent that started them
-    procs = {"coordinator": 1, "workers": r["workers"], "loadtest": fleet}.get(role, 0)
-    spent = r["cpu_s"].get(role, 0.0) - procs * idle["cpu_s"]
-    return max(0.0, spent) * 1000 / max(1, r["all_updates"])
+def cpu_per_update(r: dict, role: str, kind: str | None = None) -> float:
+    """CPU milliseconds a component (or one kind of its threads) spent per update in the measured rounds."""
+    spent = r["cpu_s"].get(role, 0.0) if kind is None else r["thread_cpu_s"].get(role, {}).get(kind, 0.0)
+    return spent * 1000 / max(1, r["updates"])
 
 
-def cpu_per_mib(r: dict, role: str, idle: dict[str, float]) -> float:
-    """CPU milliseconds a component spent per MiB of update ingested over the whole run (start-up excluded)."""
-    return cpu_per_update(r, role, idle) * max(1, r["all_updates"]) / max(1e-9, r["mib_total"])
+def cpu_per_mib(r: dict, role: str, kind: str | None = None) -> float:
+    """CPU milliseconds a component spent per MiB of update ingested in the measured rounds."""
+    return cpu_per_update(r, role, kind) * max(1, r["updates"]) / max(1e-9, r["mib_measured"])
 
 
-def per_mib(ingest: dict, idle: dict[str, float]) -> list[str]:
+def per_mib(ingest: dict) -> list[str]:
     """The ingest paragraphs: worker and plain serve against mosquitto per MiB, embedded against external."""
     one, large, plain = ingest["one_worker"], ingest["large"], ingest["plain"]
     embedded, external = ingest["embedded"], ingest["external"]
 
     def versus(r: dict, role: str) -> str:
-        mine, broker = cpu_per_mib(r, role, idle), cpu_per_mib(r, "mosquitto", idle)
+        mine, broker = cpu_per_mib(r, role), cpu_per_mib(r, "mosquitto")
         return f"{mine:.2f} ms of CPU per MiB against mosquitto's {broker:.2f} ms in the same run ({mine / broker:.1f}x)"
 
     return [
@@ -328,15 +352,15 @@ def zero_vs_one(by: dict[int, dict], cost: dict[str, float], alone: float) -> st
             "and mosquitto already fill nothing runs beside it; workers pay off where they get cores of their own.")
 
 
-def analysis(results: list[dict], idle: dict[str, float]) -> list[str]:
+def analysis(results: list[dict]) -> list[str]:
     """Where the curve flattens and what the per-update costs predict for larger hosts, from this run's numbers."""
     by = {r["workers"]: r for r in results}
     best = max(results, key=lambda r: r["updates_per_s"])
     one = by.get(1, best)
     mib = one["mean_update_kib"] / 1024
-    cost = {role: cpu_per_update(one, role, idle) for role in ("mosquitto", "coordinator", "workers", "loadtest")}
-    worker_ms = ", ".join(f"{cpu_per_update(r, 'workers', idle):.1f}" for r in results if r["workers"])
-    alone = cpu_per_update(by[0], "coordinator", idle) if 0 in by else float("nan")
+    cost = {role: cpu_per_update(one, role) for role in ("mosquitto", "coordinator", "workers", "loadtest")}
+    worker_ms = ", ".join(f"{cpu_per_update(r, 'workers'):.1f}" for r in results if r["workers"])
+    alone = cpu_per_update(by[0], "coordinator") if 0 in by else float("nan")
     return [
         f"The curve peaks at {best['workers']} worker(s), {best['updates_per_s']:.0f} updates/s "
         f"({best['mib_per_s']:.0f} MiB/s), and " + ("has not flattened by then. " if best is results[-1] else "falls beyond. ")
@@ -364,8 +388,9 @@ def report(s: Setting, results: list[dict], big: dict, relay: dict, idle: dict[s
              f"- load average at the end of the run: {prov['load']}; wall time {wall_s:.0f} s", "",
              f"Profile {s.profile}; every device takes part in every round and sends as fast as it can (deltas from a "
              f"pool of 8 per submodel, one MQTT message per update); rates over rounds 2-{s.rounds} (round 1 warms up). "
-             "CPU per update: each component's CPU time over the whole run less its processes' start-up "
-             f"({idle['cpu_s']:.1f} s each), divided by all updates; `loadtest` is the simulated fleet.", "",
+             "CPU per update and per MiB: each component's CPU time from the close of round 1 to the close of the last "
+             "round (sampled every 0.2 s; per-round publishing, plans, partials and checkpoints included, start-up and "
+             "shutdown not), over the updates and bytes of rounds 2 on; `loadtest` is the simulated fleet.", "",
              "| workers | devices | updates | updates/s | MiB/s | mean update KiB | round close s | "
              + " | ".join(f"CPU ms/update {r}" for r in roles) + " | CPU ms/MiB mosquitto | CPU ms/MiB coordinator | "
              "CPU ms/MiB workers |",
@@ -375,13 +400,13 @@ def report(s: Setting, results: list[dict], big: dict, relay: dict, idle: dict[s
         lines.append(f"| {r['workers']} | {r['devices']} | {r['updates']}/{r['expected']} | {r['updates_per_s']:.1f} | "
                      f"{r['mib_per_s']:.1f} | {r['mean_update_kib']:.0f} | "
                      + (f"{sum(close) / len(close):.2f} | " if close else "- | ")
-                     + " | ".join(f"{cpu_per_update(r, role, idle):.1f}" for role in roles) + " | "
-                     + " | ".join(f"{cpu_per_mib(r, role, idle):.2f}" for role in ("mosquitto", "coordinator", "workers"))
+                     + " | ".join(f"{cpu_per_update(r, role):.1f}" for role in roles) + " | "
+                     + " | ".join(f"{cpu_per_mib(r, role):.2f}" for role in ("mosquitto", "coordinator", "workers"))
                      + " |")
     if ingest:
-        lines += [""] + per_mib(ingest, idle)
+        lines += [""] + per_mib(ingest)
     lines += ["", f"![updates/s against workers, and CPU per update by component]({img})", ""]
-    lines += [" ".join(analysis(results, idle)), ""]
+    lines += [" ".join(analysis(results)), ""]
     rss = big["peak_rss_mib"]
     lines += [f"At {big['devices']} devices ({big['workers']} workers): {big['updates']}/{big['expected']} updates in "
               f"{sum(big['round_wall_s']):.1f} s of rounds 2-{s.rounds}, {big['updates_per_s']:.1f} updates/s (bigger rounds spread "
@@ -425,7 +450,7 @@ def main() -> None:
                               "note": args.note}
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(data, indent=1))
-    plot(data["scaling"], data["idle"], img)
+    plot(data["scaling"], img)
     command = "PYTHONPATH=. python benchmarks/bench_scale.py" + (" --quick" if args.quick else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     replace_section(out, SECTION, report(s, data["scaling"], data["big"], data["relay"], data["idle"], data["provenance"], command, data["wall_s"],
@@ -439,17 +464,16 @@ STAGES = {"one_worker": lambda s: dict(workers=1, devices=s.devices, fleet_procs
 
 def run_stages(s: Setting, names: list[str]) -> None:
     """A before/after check of the ingest path without the whole run: the named stages of measure(), as there."""
-    idle = idle_process()
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
-        for name in names:
-            d = Path(tmp) / name
+        for n, name in enumerate(names):
+            d = Path(tmp) / f"{n}-{name}"
             d.mkdir()
             r = federation(s, tmp=d, **STAGES[name](s))
             role = "workers" if r["workers"] else "coordinator"
-            mine, broker = cpu_per_mib(r, role, idle), cpu_per_mib(r, "mosquitto", idle)
+            mine, broker = cpu_per_mib(r, role), cpu_per_mib(r, "mosquitto")
             print(json.dumps({"stage": name, "role": role, "ms_per_mib": round(mine, 2), "mosquitto_ms_per_mib": round(broker, 2),
-                              "ratio": round(mine / broker, 2), "updates_per_s": round(r["updates_per_s"], 1),
-                              "load": load_average(), "idle_cpu_s": idle["cpu_s"]}), flush=True)
+                              "ratio": round(mine / broker, 2), "threads_ms_per_mib": round(cpu_per_mib(r, role, "threads"), 2),
+                              "updates_per_s": round(r["updates_per_s"], 1), "load": load_average()}), flush=True)
 
 
 def measure(s: Setting) -> dict:

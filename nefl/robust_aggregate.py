@@ -320,8 +320,11 @@ class Screened(RoundAggregate):
     honest updates can point apart, and then no update is dropped for its direction. One larger than
     `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
     to the median itself if not (short of `min_agree` in a round where the vote abstained). The
-    first `hold` updates are judged together, later ones on arrival against the `compare` most recent
-    (streaming: memory is `hold` updates plus one sketch per update). With fewer than `min_cover` updates
+    first `hold` updates are judged together, later ones each as of its arrival (the median, margin and
+    others it had then) against the `compare` most recent (streaming: memory is `hold` updates plus one
+    sketch per update). Later ones are judged in batches of up to `hold`, so that one product with the recent
+    sketches scores a batch: reading 256 sketches (4 MiB) costs more than the arithmetic, and a worker took
+    a resnet20 update's largest single cost from doing it per update. With fewer than `min_cover` updates
     in the round there is no majority and nothing is screened."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
@@ -335,7 +338,7 @@ class Screened(RoundAggregate):
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
-        self.strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
+        self._strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
         # row i: update i's sketch, its norm and relative norm; rows grow by doubling, so a vote is one product with a
         # slice, not a stack, and nothing about an earlier update is recomputed
         rows = max(1, min(len(assignments), self.compare + 1))
@@ -343,7 +346,11 @@ class Screened(RoundAggregate):
         self.norms = torch.empty(rows)
         self.ratio_of = torch.empty(rows, dtype=torch.float64)
         self.count = 0  # sketches held
-        self.arrival: tuple[int, torch.Tensor, torch.Tensor] = (-1, torch.empty(0), torch.empty(0))  # i, others, cosines
+        self.scored = 0  # sketches whose arrival cosines are folded into the strongest
+        # sketch i (pending) -> the first of the others it was compared with on arrival (they run to i - 1), those
+        # cosines, and the strongest cosine of the round up to and including its arrival
+        self.arrivals: dict[int, tuple[int, torch.Tensor, float]] = {}
+        self.streaming = False  # the first `hold` were judged: the rest are judged each as of its arrival
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
@@ -359,18 +366,41 @@ class Screened(RoundAggregate):
         self.sketches[i] = self.sketch(delta)
         self.norms[i] = torch.linalg.vector_norm(self.sketches[i])
         self.ratio_of[i] = ratio
-        others = self._others(i)
-        self.arrival = (i, others, self.cosines(i, others))
-        self.strongest = max([self.strongest, *self.arrival[2].tolist()])
         self.updates[k] += 1
         self.pending.append((Held(client, k, delta, num_samples), i, ratio))
-        if self.count >= self.hold:
+        if self.count >= self.hold and (not self.streaming or len(self.pending) >= self.hold):
             self._judge_pending()
+
+    @property
+    def strongest(self) -> float:
+        """The largest cosine between a sketch and one it was compared with on arrival."""
+        self._score()
+        return self._strongest
 
     @property
     def margin(self) -> float:
         """The least cosine that counts as pointing the same way."""
-        return max(0.0, min(self.spread, self.cfg.agree_of_strongest * self.strongest))
+        return self._margin(self.strongest)
+
+    def _margin(self, strongest: float) -> float:
+        return max(0.0, min(self.spread, self.cfg.agree_of_strongest * strongest))
+
+    def _score(self) -> None:
+        """The arrival cosines of the sketches added since the last call, in one product of the recent rows with
+        theirs: sketch i was compared on arrival with the `compare` before it."""
+        first, n = self.scored, self.count
+        if first == n:
+            return
+        lo = max(0, first - self.compare)
+        norms = self.norms[lo:n, None] * self.norms[None, first:n]
+        cos = torch.where(norms > 0, self.sketches[lo:n] @ self.sketches[first:n].T / norms.clamp_min(1e-30), 0.0)
+        for b, i in enumerate(range(first, n)):
+            a = max(0, i - self.compare)
+            mine = cos[a - lo:i - lo, b]
+            if len(mine):
+                self._strongest = max(self._strongest, float(mine.max()))
+            self.arrivals[i] = (a, mine, self._strongest)
+        self.scored = n
 
     def _others(self, i: int) -> torch.Tensor:
         """The indices of the sketches sketch i is compared with: the `compare` most recent, not itself."""
@@ -401,11 +431,11 @@ class Screened(RoundAggregate):
         return cos[others - lo]
 
     def compared(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The others sketch i is compared with and its cosines with them: those of its arrival while it is the
-        newest (an update judged on arrival costs one product, not two)."""
-        j, others, cos = self.arrival
-        if j == i == self.count - 1:
-            return others, cos
+        """The others sketch i is compared with now and its cosines with them: those of its arrival while it is the
+        newest (one product, not two)."""
+        if i == self.count - 1 and i in self.arrivals:
+            a, cos, _ = self.arrivals[i]
+            return torch.arange(a, i), cos
         others = self._others(i)
         return others, self.cosines(i, others)
 
@@ -419,32 +449,40 @@ class Screened(RoundAggregate):
         above it is already an outlier, and over `serve` a flip at 9 x, by a chance cosine with one of two weakly
         aligned honest updates, outvoted the other."""
         others, cos = self.compared(i)
-        voting = self.ratio_of[others] <= (self.voter_limit() if limit is None else limit)
-        return float((cos[voting] > self.margin).sum()) / max(1, int(voting.sum()))
+        return self._share(self.ratio_of[others], cos, self.voter_limit() if limit is None else limit, self.margin)
+
+    @staticmethod
+    def _share(ratios: torch.Tensor, cos: torch.Tensor, limit: float, margin: float) -> float:
+        """The share of the voters (relative norms `ratios` within `limit`) whose cosine `cos` exceeds `margin`."""
+        voting = ratios <= limit
+        return float((cos[voting] > margin).sum()) / max(1, int(voting.sum()))
 
     @property
     def ratios(self) -> list[float]:
         """The round's relative norms, in arrival order."""
         return self.ratio_of[:self.count].tolist()
 
-    def median_ratio(self) -> float:
-        """The median of the round's relative norms (infinite while there are too few for a centre)."""
-        if self.count < self.cfg.min_cover:
+    def median_ratio(self, n: int | None = None) -> float:
+        """The median of the relative norms of the round's first `n` updates, all by default (infinite while
+        there are too few for a centre)."""
+        n = self.count if n is None else n
+        if n < self.cfg.min_cover:
             return math.inf
-        return float(self.ratio_of[:self.count].median())  # float64: the median one is not clipped
+        return float(self.ratio_of[:n].median())  # float64: the median one is not clipped
 
-    def _short(self, pending: list[tuple[Held, int, float]], limit: float) -> tuple[set[int], bool]:
+    def _short(self, pending: list[tuple[Held, int, float]], limit: float, n: int,
+               share_of: Callable[[int, float], float]) -> tuple[set[int], bool]:
         """Sketch indices short of `min_agree`, and whether the vote drops them: only while at least `vote_quorum`
         of the round's voters (updates within the size bound `limit`) reach it. Honest updates can point apart
         (non-IID shards, submodels of different size compared on their shared core); then nobody has a majority,
         the vote has nothing to go by, and the size bound alone applies, at the median for the outsized updates it
         could not confirm. Outsized updates count for the quorum no more than they vote: three flips at 9 x among
         ten updates, all in the first `hold`, left 5 of 8 agreeing, the vote abstained and the flips went in."""
-        if self.count < self.cfg.min_cover or not self.sketch.size:
+        if n < self.cfg.min_cover or not self.sketch.size:
             return set(), False
         short = set()
         for h, i, ratio in pending:
-            share = self.agreement[h.client] = round(self.agrees(i, limit), 4)
+            share = self.agreement[h.client] = round(share_of(i, limit), 4)
             if share < self.cfg.min_agree:
                 short.add(i)
             if ratio <= limit:
@@ -453,19 +491,37 @@ class Screened(RoundAggregate):
         return short, self.agreed >= self.cfg.vote_quorum * self.judged - 1e-9
 
     def _judge_pending(self) -> None:
+        """The held updates: the first `hold` together, each against all the others, with the round as it stands;
+        later ones each as of its arrival."""
         pending, self.pending = self.pending, []
-        median_ratio = self.median_ratio()
-        short, vote = self._short(pending, self.cfg.max_norm_ratio * median_ratio)
+        if not pending:
+            return
+        self._score()
+        if not self.streaming:
+            self.streaming = self.count >= self.hold
+            self._judge(pending, self.count, self.agrees)
+            return
+        for entry in pending:
+            i = entry[1]
+            a, cos, strongest = self.arrivals[i]
+            self._judge([entry], i + 1, lambda _, limit: self._share(self.ratio_of[a:i], cos, limit, self._margin(strongest)))
+
+    def _judge(self, pending: list[tuple[Held, int, float]], n: int, share_of: Callable[[int, float], float]) -> None:
+        """Drop, clip or keep each of `pending`, with the round as it stood at its first `n` updates."""
+        median_ratio = self.median_ratio(n)
+        limit = self.cfg.max_norm_ratio * median_ratio
+        short, vote = self._short(pending, limit, n, share_of)
         for h, i, ratio in pending:
+            self.arrivals.pop(i, None)
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue
-            delta, limit = h.delta, self.cfg.max_norm_ratio * median_ratio
-            if ratio > limit and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
-                limit = median_ratio
-            if ratio > limit:
-                self.clipped[h.client] = factor = limit / ratio
-                delta = {n: t.mul_(factor) for n, t in delta.items()}
+            delta, bound = h.delta, limit
+            if ratio > bound and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
+                bound = median_ratio
+            if ratio > bound:
+                self.clipped[h.client] = factor = bound / ratio
+                delta = {name: t.mul_(factor) for name, t in delta.items()}
             self.inner.add_validated(h.k, delta, h.samples, client=h.client, owned=True)
 
     def merge(self, other: RoundAggregate) -> None:

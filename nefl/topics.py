@@ -44,7 +44,7 @@ coordinator takes worker messages only signed by a key the operator authorised (
     workers/round         coordinator -> workers  retained  signed round plan (assignments, bounds)
     workers/close         coordinator -> workers            signed "send your partial for round r"
     worker/{id}/status    worker -> coordinator   retained  "online"; last will "offline"
-    worker/{id}/receipt   worker -> coordinator             one per accepted or rejected update
+    worker/{id}/receipt   worker -> coordinator             a signed batch: one receipt per accepted or rejected update
     worker/{id}/partial   worker -> coordinator             chunked safetensors of its partial sums
     worker/{id}/summary   worker -> coordinator             weights, counts, clients of that partial
     worker/{id}/forward   worker -> worker                  a chunk of a multi-chunk update, to its owner

@@ -29,7 +29,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from nefl.aggregate import NeFedAvg
-from nefl.messages import (Announce, ClientStatus, PartialSummary, Receipt, RoundClose, ServerStatus, Task,
+from nefl.messages import (Announce, ClientStatus, PartialSummary, Receipt, ReceiptBatch, RoundClose, ServerStatus, Task,
                            TrainingSettings, WorkerRound, WorkerStatus)
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
@@ -95,7 +95,7 @@ class Attacker:
                 for outcome in ("accepted", "update_norm"):
                     rc = Receipt(run=task.run, round=task.round, client=t.client_of(topic, "task"), outcome=outcome,
                                  samples=10, norm=1e-9, attributed=True)
-                    self.send(t.worker(worker, "receipt"), self.key.sign(rc.to_json()))
+                    self.send(t.worker(worker, "receipt"), self.key.sign(ReceiptBatch(receipts=[rc]).to_json()))
                     self.count("receipts_forged")
         elif topic == t.workers_round and payload:
             self.plan = WorkerRound.from_json(split_signed(payload)[0], 16 << 20)

@@ -432,3 +432,37 @@ def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
             voters = [rows[j] for j in others if agg.ratios[j] <= limit]  # the size bound's outliers do not vote
             want = sum(cos(rows[i], o) > margin for o in voters) / max(1, len(voters))
             assert agg.agrees(i) == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_judging_arrivals_in_batches_decides_as_judging_each_on_arrival(seed: int) -> None:
+    """After the first `hold`, updates are judged in batches (one product with the recent sketches per batch),
+    each as of its arrival: the same drops, clips, agreement and sums as judging every arrival at once, which
+    forcing a judgement after each add does."""
+    rng = random.Random(seed)
+    layout = Layout.build(random_ladder(rng, n=3) if seed % 2 else tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ks = [rng.randrange(layout.num_submodels) for _ in range(40)]
+    bases = {k: {n: torch.randn(s, generator=g) for n, s in layout.upload_shapes(k).items()} for k in set(ks)}
+    stream = []
+    for i, k in enumerate(ks):  # mostly honest; flips at 9 x, outsized and small ones among them
+        w = rng.choice([1.0] * 6 + [-9.0, -9.0, 20.0, 0.1])
+        stream.append((f"c{i}", k, {n: w * t + rng.choice([0.3, 1.0]) * torch.randn(t.shape, generator=g)
+                                     for n, t in bases[k].items()}))
+    clients = {c: k for c, k, _ in stream}
+    runs = []
+    for each_on_arrival in (False, True):
+        agg = begin(layout, state, AggregationConfig(hold=4, sketch=256), clients)
+        agg.compare = 6
+        for c, k, d in stream:
+            agg.add(k, {n: t.clone() for n, t in d.items()}, client=c)
+            if each_on_arrival and agg.count >= agg.hold:
+                agg._judge_pending()
+            assert len(agg.pending) <= agg.hold
+        runs.append((agg, agg.finalize(state)))
+    (a, new_a), (b, new_b) = runs
+    assert a.dropped or a.clipped  # the stream exercises the vote or the size bound
+    assert a.dropped or seed % 2  # one submodel: the vote acts
+    assert (a.dropped, a.clipped, a.agreement, a.judged, a.agreed) == (b.dropped, b.clipped, b.agreement, b.judged, b.agreed)
+    assert_state_close(new_a, new_b, atol=1e-6)

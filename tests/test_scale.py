@@ -26,7 +26,7 @@ from aggregator.partials import Held, check_partial, plan_bound, plan_screen
 from aggregator.worker import Worker, WorkerConfig, owner_of
 from nefl.aggregate import NeFedAvg
 from nefl.checkpoint import load_checkpoint
-from nefl.messages import MessageError, PartialSummary, Receipt, RoundClose, WorkerRound
+from nefl.messages import MessageError, PartialSummary, ReceiptBatch, RoundClose, WorkerRound
 from nefl.mqtt import BrokerSettings
 from nefl.profile import load_profile
 from nefl.robust import NormBound, update_norm
@@ -142,8 +142,12 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
                            update("b", 0)]:
         w.route(w.up, topic, payload)
     w.route(w.up, t.workers_close, signer.sign(RoundClose(federation="t", run="r1", round=1).to_json()))
-    w.route(w.up, *update("b", 1))  # after the close: late
-    receipts = [Receipt.from_json(verify(p, own)) for topic, p in sent if topic == t.worker("w1", "receipt")]
+    w.route(w.up, *update("b", 1))  # after the close: late, and held until the linger ends
+    assert [r.outcome for r in w.receipts] == ["stale_round"]
+    w.send_receipts()
+    batches = [ReceiptBatch.from_json(verify(p, own), 1 << 20) for topic, p in sent if topic == t.worker("w1", "receipt")]
+    assert len(batches) == 2  # one sent before the partial, one after the close
+    receipts = [r for b in batches for r in b.receipts]
     assert [(r.client, r.outcome) for r in receipts] == [
         (None, "unsigned"), ("a", "accepted"), ("b", "malformed_header"), ("c", "unassigned"), ("b", "client_mismatch"),
         ("b", "submodel_mismatch"), ("b", "stale_round")]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
 from aggregator.enrolment import Enrolment
-from nefl.messages import VERSION, Announce, ClientStatus, Control, Decline, Receipt
+from nefl.messages import VERSION, Announce, ClientStatus, Control, Decline, Receipt, ReceiptBatch
 from nefl.mqtt import parse_broker
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
@@ -97,6 +97,20 @@ def test_killer_messages_are_counted_rejections(server):
     assert server.fed.round.received == {"raw"}
 
 
+def test_a_batch_of_receipts_is_judged_receipt_by_receipt(server):
+    """A worker's receipts come in signed batches: a bad one is counted on its own, the others stand."""
+    rcs = [Receipt(run="other-run", round=1, client="raw", outcome="accepted", samples=10, norm=1.0),  # wrong run
+           Receipt(run=server.run_id, round=1, client="nobody", outcome="accepted", samples=10, norm=1.0),  # not assigned
+           Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0, nbytes=7),
+           Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)]  # twice
+    server.handle(T.worker("w1", "receipt"), WORKER.sign(ReceiptBatch(receipts=rcs).to_json()))
+    assert server.fed.rejected == {"wrong_run": 1, "stale_receipt": 1, "duplicate_update": 1}
+    assert server.fed.round.received == {"raw"} and server.pool.held["raw"].worker == "w1"
+    server.handle(T.worker("w1", "receipt"), WORKER.sign(rcs[2].to_json()))  # a lone receipt is not a batch
+    server.handle(T.worker("w1", "receipt"), WORKER.sign(b'{"v":%d,"type":"receipts","receipts":[]}' % VERSION))
+    assert server.fed.rejected["invalid_receipts"] == 2
+
+
 def _signed_server(tmp_path, layout) -> tuple[Server, Signer]:
     """A server with one participant, "dev", that signs with its device key."""
     cfg = ServeConfig(profile=PROFILE, federation="t", checkpoint_dir=str(tmp_path), clients_per_round=3, round_timeout=60)
@@ -151,7 +165,8 @@ def test_server_handle_never_raises(server, data):
         value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
         payload = WORKER.sign(json.dumps({"v": VERSION, **value}).encode())
     elif kind == "receipt":
-        body = Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0).to_json()
+        rc = Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)
+        body = ReceiptBatch(receipts=[rc] * data.draw(st.integers(1, 3))).to_json()
         payload = WORKER.sign(mutate(data, body[:-1]) + b"}")  # only a JSON object's bytes are signed
     elif kind == "decline":
         payload = mutate(data, Decline(client="raw", federation="t", run=server.run_id, round=1, submodel=0).to_json())
