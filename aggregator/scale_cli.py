@@ -20,6 +20,7 @@ import typer
 from aggregator.keys import KeyDir
 from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
                               PasswordOption, UsernameOption)
+from nefl.heap import freeze_startup
 from nefl.logs import setup_logging
 from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
@@ -162,6 +163,7 @@ def loadtest_command(
     fleet.start()
     log.info(f"{len(fleet.names)} simulated devices connecting to {settings.url}")
     t0 = time.monotonic()
+    freeze_startup()
     try:
         fleet.send_loop()
     except KeyboardInterrupt:

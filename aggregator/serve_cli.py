@@ -32,6 +32,7 @@ from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
 from nefl.settings import TrainConfig
+from nefl.heap import freeze_startup
 from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError
 from nefl.tokens import fingerprint
@@ -200,6 +201,7 @@ def serve_command(
     if web is not None:
         log.info(f"dashboard on {web.url}, Prometheus metrics on {web.url}metrics")
     local = start_local_workers(workers, settings, federation, signer.public_text, keys, log_level) if workers else []
+    freeze_startup()
     try:
         server.run()
         _linger(web, http_linger)

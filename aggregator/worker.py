@@ -38,6 +38,7 @@ from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
+from nefl.heap import freeze_startup
 from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            WorkerRound, WorkerStatus)
 from nefl.mqtt import QOS, BrokerSettings, Connection
@@ -316,6 +317,7 @@ def run_until_signalled(build: Callable[[], Worker]) -> None:
         w.stopping = True
 
     signal.signal(signal.SIGTERM, _term)
+    freeze_startup()
     try:
         w.run()
     except KeyboardInterrupt:

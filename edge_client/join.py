@@ -25,6 +25,7 @@ from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_
 from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
 from nefl.extras import full_install_required
+from nefl.heap import freeze_startup
 from nefl.listen import parse_listen
 from nefl.logs import setup_logging
 from nefl.messages import DEFAULT_CHUNK_BYTES
@@ -161,4 +162,5 @@ def join_command(
         raise typer.Exit(0) from None
     log.info(f"client {cid}: {local.samples} training samples; joining federation {federation!r} on {settings.url}"
              + (f"; Prometheus metrics on http://{listen[0]}:{listen[1]}/metrics" if listen else ""))
+    freeze_startup()
     raise typer.Exit(run(agent, conn, settings))

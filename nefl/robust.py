@@ -21,7 +21,7 @@ import torch
 from nefl.choices import check_choice
 from nefl.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_WARMUP, DEFAULT_WINDOW
 from nefl.state import GlobalState, Layout
-from nefl.tensors import Tiled, corner
+from nefl.tensors import Tiled, corner, l2_norm
 
 REASON = "update_norm"
 # reject: refuse an oversized update; clip: scale it down to the bound (DP-FedAvg's clipping)
@@ -38,25 +38,6 @@ class UpdateRejected(ValueError):
         self.reason = REASON
 
 
-_ROW = 4096  # elements per float32 partial norm: short sums stay accurate; the partials combine in float64
-
-
-def _tensor_norm(t: torch.Tensor) -> float:
-    """L2 norm of one tensor at float32 speed with float64's range and accuracy: float32 norms of
-    4096-element rows (a float32 sum over millions of elements drifts by ~1%, and a float64 cast of the
-    whole tensor costs ~30x the time), combined in float64. A row that overflows (or holds NaN/inf), or a
-    total small enough for squares to underflow, takes the exact float64 path."""
-    if t.dtype == torch.float32 and t.numel() >= _ROW:
-        flat = t.reshape(-1)
-        rows = flat.numel() // _ROW
-        partial = torch.linalg.vector_norm(flat[:rows * _ROW].view(rows, _ROW), dim=1)
-        total = math.hypot(float(torch.linalg.vector_norm(partial, dtype=torch.float64)),
-                           float(torch.linalg.vector_norm(flat[rows * _ROW:], dtype=torch.float64)))
-        if math.isfinite(total) and total > 1e-18:
-            return total
-    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
-
-
 def update_norm(delta: dict[str, torch.Tensor]) -> float:
     """Global L2 norm accumulated in float64: an fp32 sum of squares is already inf for one 3e38
     entry, which would make a finite update look non-finite and so impossible to clip.
@@ -65,11 +46,8 @@ def update_norm(delta: dict[str, torch.Tensor]) -> float:
     one per tensor (a resnet20 update has 116), and once: the bound and the centre check both ask, and
     the answer is kept with the buffer's version counter, so a write into the buffer recomputes it."""
     if not isinstance(delta, Tiled):
-        return _finite_or_inf(math.hypot(*(_tensor_norm(t) for t in delta.values())))
-    version = delta.flat._version
-    if delta.normed is None or delta.normed[0] != version:
-        delta.normed = (version, _finite_or_inf(_tensor_norm(delta.flat)))
-    return delta.normed[1]
+        return _finite_or_inf(math.hypot(*(l2_norm(t) for t in delta.values())))
+    return _finite_or_inf(delta.norm())
 
 
 def _finite_or_inf(total: float) -> float:

@@ -22,6 +22,7 @@ centre of what it saw).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from nefl.aggregate import NeFedAvg, RoundAggregate, Weighting, tensor_bytes, update_weight
@@ -79,6 +81,13 @@ class Sketch:
         self.index = torch.randperm(total, generator=gen)[:size].sort().values if total > size else None
         self.size = min(total, size)
         self._gathers: dict[tuple, torch.Tensor] = {}  # by an update's tiling: where its sketch lies in its buffer
+
+    def into(self, delta: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """The sketch of `delta` written into `out` (a row of the round's sketches): one gather, no temporary."""
+        if isinstance(delta, Tiled) and self.core:
+            torch.index_select(delta.flat, 0, self._gather(delta), out=out)
+        else:
+            out.copy_(self(delta))
 
     def __call__(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
         if not self.core:
@@ -344,7 +353,9 @@ class Screened(RoundAggregate):
         rows = max(1, min(len(assignments), self.compare + 1))
         self.sketches = torch.empty(rows, self.sketch.size)
         self.norms = torch.empty(rows)
-        self.ratio_of = torch.empty(rows, dtype=torch.float64)
+        self.ratio_of = np.empty(rows)  # float64; numpy: a vote's few small operations cost less than torch's dispatch
+        self._sorted: list[float] = []  # the relative norms so far, sorted: the median as each update arrives
+        self.medians: dict[int, float] = {}  # sketch i (pending) -> the median relative norm as of its arrival
         self.count = 0  # sketches held
         self.scored = 0  # sketches whose arrival cosines are folded into the strongest
         # sketch i (pending) -> the first of the others it was compared with on arrival (they run to i - 1), those
@@ -363,9 +374,11 @@ class Screened(RoundAggregate):
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
         ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
         i = self._row()
-        self.sketches[i] = self.sketch(delta)
-        self.norms[i] = torch.linalg.vector_norm(self.sketches[i])
+        self.sketch.into(delta, self.sketches[i])
+        torch.linalg.vector_norm(self.sketches[i], out=self.norms[i])
         self.ratio_of[i] = ratio
+        bisect.insort(self._sorted, ratio)
+        self.medians[i] = self.median_ratio()
         self.updates[k] += 1
         self.pending.append((Held(client, k, delta, num_samples), i, ratio))
         if self.count >= self.hold and (not self.streaming or len(self.pending) >= self.hold):
@@ -416,7 +429,7 @@ class Screened(RoundAggregate):
             grow = max(1, self.count)
             self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:grow])])
             self.norms = torch.cat([self.norms, torch.empty_like(self.norms[:grow])])
-            self.ratio_of = torch.cat([self.ratio_of, torch.empty_like(self.ratio_of[:grow])])
+            self.ratio_of = np.concatenate([self.ratio_of, np.empty(grow)])
         self.count += 1
         return self.count - 1
 
@@ -449,26 +462,25 @@ class Screened(RoundAggregate):
         above it is already an outlier, and over `serve` a flip at 9 x, by a chance cosine with one of two weakly
         aligned honest updates, outvoted the other."""
         others, cos = self.compared(i)
-        return self._share(self.ratio_of[others], cos, self.voter_limit() if limit is None else limit, self.margin)
+        return self._share(self.ratio_of[others.numpy()], cos, self.voter_limit() if limit is None else limit, self.margin)
 
     @staticmethod
-    def _share(ratios: torch.Tensor, cos: torch.Tensor, limit: float, margin: float) -> float:
-        """The share of the voters (relative norms `ratios` within `limit`) whose cosine `cos` exceeds `margin`."""
+    def _share(ratios: np.ndarray, cos: torch.Tensor, limit: float, margin: float) -> float:
+        """The share of the voters (relative norms `ratios` within `limit`) whose cosine `cos` exceeds `margin`
+        (compared in float32, as the cosines are)."""
         voting = ratios <= limit
-        return float((cos[voting] > margin).sum()) / max(1, int(voting.sum()))
+        return np.count_nonzero(cos.numpy()[voting] > np.float32(margin)) / max(1, np.count_nonzero(voting))
 
     @property
     def ratios(self) -> list[float]:
         """The round's relative norms, in arrival order."""
         return self.ratio_of[:self.count].tolist()
 
-    def median_ratio(self, n: int | None = None) -> float:
-        """The median of the relative norms of the round's first `n` updates, all by default (infinite while
-        there are too few for a centre)."""
-        n = self.count if n is None else n
-        if n < self.cfg.min_cover:
-            return math.inf
-        return float(self.ratio_of[:n].median())  # float64: the median one is not clipped
+    def median_ratio(self) -> float:
+        """The median of the round's relative norms, the lower of the middle two for an even count (the median one
+        is not clipped), infinite while there are too few for a centre."""
+        n = len(self._sorted)
+        return self._sorted[(n - 1) // 2] if n >= self.cfg.min_cover else math.inf
 
     def _short(self, pending: list[tuple[Held, int, float]], limit: float, n: int,
                share_of: Callable[[int, float], float]) -> tuple[set[int], bool]:
@@ -499,20 +511,23 @@ class Screened(RoundAggregate):
         self._score()
         if not self.streaming:
             self.streaming = self.count >= self.hold
-            self._judge(pending, self.count, self.agrees)
+            self._judge(pending, self.count, self.median_ratio(), self.agrees)
             return
         for entry in pending:
             i = entry[1]
             a, cos, strongest = self.arrivals[i]
-            self._judge([entry], i + 1, lambda _, limit: self._share(self.ratio_of[a:i], cos, limit, self._margin(strongest)))
+            self._judge([entry], i + 1, self.medians[i],
+                        lambda _, limit: self._share(self.ratio_of[a:i], cos, limit, self._margin(strongest)))
 
-    def _judge(self, pending: list[tuple[Held, int, float]], n: int, share_of: Callable[[int, float], float]) -> None:
-        """Drop, clip or keep each of `pending`, with the round as it stood at its first `n` updates."""
-        median_ratio = self.median_ratio(n)
+    def _judge(self, pending: list[tuple[Held, int, float]], n: int, median_ratio: float,
+               share_of: Callable[[int, float], float]) -> None:
+        """Drop, clip or keep each of `pending`, with the round as it stood at its first `n` updates (median
+        relative norm `median_ratio`)."""
         limit = self.cfg.max_norm_ratio * median_ratio
         short, vote = self._short(pending, limit, n, share_of)
         for h, i, ratio in pending:
             self.arrivals.pop(i, None)
+            self.medians.pop(i, None)
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue

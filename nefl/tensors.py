@@ -82,11 +82,31 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_ROW = 4096  # elements per float32 partial norm: short sums stay accurate; the partials combine in float64
+
+
+def l2_norm(t: torch.Tensor) -> float:
+    """L2 norm of one tensor at float32 speed with float64's range and accuracy: float32 norms of
+    4096-element rows (a float32 sum over millions of elements drifts by ~1%, and a float64 cast of the
+    whole tensor costs ~30x the time), combined in float64. A row that overflows (or holds NaN/inf), or a
+    total small enough for squares to underflow, takes the exact float64 path. Finite for finite input of
+    any float32 size, NaN or inf otherwise: so it doubles as the finite check."""
+    if t.dtype == torch.float32 and t.numel() >= _ROW:
+        flat = t.reshape(-1)
+        rows = flat.numel() // _ROW
+        partial = torch.linalg.vector_norm(flat[:rows * _ROW].view(rows, _ROW), dim=1)
+        total = math.hypot(float(torch.linalg.vector_norm(partial, dtype=torch.float64)),
+                           float(torch.linalg.vector_norm(flat[rows * _ROW:], dtype=torch.float64)))
+        if math.isfinite(total) and total > 1e-18:
+            return total
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+
+
 class Tiled(dict):
     """Tensors that are views exactly tiling one flat float32 buffer, `flat`, as nefl/wire.py decodes an
     update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor,
     and `tiling` says their names and shapes in one object. Only the decoder builds one; anything derived
-    from it (a clipped copy) is a plain dict again. `normed` caches the norm (nefl/robust.py) with the
+    from it (a clipped copy) is a plain dict again. `normed` caches the norm (`norm`) with the
     buffer's version counter, which every in-place write to `flat` or a view of it bumps.
 
     lazy=True (an aggregator's updates, which it checks and sums as flat buffers) makes the views on the
@@ -103,6 +123,14 @@ class Tiled(dict):
         self.flat, self.tiling, self._empty = flat, tiling, True
         if not lazy:
             self._fill()
+
+    def norm(self) -> float:
+        """L2 norm of `flat` (l2_norm), kept with the buffer's version counter: the decoder's finite check, the
+        bound and the centre check all ask, and a write into the buffer recomputes it."""
+        version = self.flat._version
+        if self.normed is None or self.normed[0] != version:
+            self.normed = (version, l2_norm(self.flat))
+        return self.normed[1]
 
     def _fill(self) -> None:
         if self._empty:

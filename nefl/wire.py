@@ -216,7 +216,7 @@ def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[
     lazy: the views are made on first use (nefl.tensors.Tiled)."""
     import torch
 
-    from nefl.tensors import Tiled, all_finite
+    from nefl.tensors import Tiled
 
     if len(payload) < 8:
         raise WireError("malformed_payload", "not a safetensors payload (too short)")
@@ -230,9 +230,10 @@ def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[
     data = torch.from_numpy(payload[start:]) if start % item == 0 else torch.from_numpy(payload[start:].copy())
     flat = data.view(_torch_dtype(dtype))
     flat = flat if dtype == "fp32" else flat.to(torch.float32)
-    if not all_finite(flat):
+    tiled = Tiled(flat, tiling, lazy)
+    if not math.isfinite(tiled.norm()):  # one pass that the norm bound then reuses, not a sum of its own
         raise WireError("non_finite", "non-finite values")
-    return Tiled(flat, tiling, lazy)
+    return tiled
 
 
 CACHED_HEADER_BYTES = 64 << 10  # safetensors headers parsed once and kept (256 of them at most: 16 MiB)

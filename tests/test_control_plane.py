@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from aggregator.enrolment import Enrolment, EnrolmentPolicy, Grant, append
 from aggregator.server import ServeConfig, Server, Start
-from nefl.messages import Announce, ClientStatus, Receipt, Sent, Task, WorkerStatus
+from nefl.messages import Announce, ClientStatus, Receipt, ReceiptBatch, Sent, Task, WorkerStatus
 from nefl.mqtt import parse_broker
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
@@ -58,7 +58,7 @@ def update(layout: Layout, client: str, device: Signer, value: float = 0.0, roun
 def test_plain_serve_hears_no_worker_and_forged_worker_messages_are_counted(tmp_path, layout):
     srv, _ = server(tmp_path, layout)
     assert not any("/worker/" in t for t in srv._subscriptions())  # the forged-receipt attack has nobody to talk to
-    forged = Receipt(run=srv.run_id, round=1, client="c1", outcome="update_norm").to_json()
+    forged = ReceiptBatch(receipts=[Receipt(run=srv.run_id, round=1, client="c1", outcome="update_norm")]).to_json()
     srv.handle(T.worker("w1", "receipt"), forged)
     assert srv.fed.rejected == {"unauthorised_worker": 1}
     w1, thief = key(), key()
@@ -88,10 +88,10 @@ def test_a_receipt_must_stay_within_the_bound_and_name_the_run(tmp_path, layout)
     for rc in (Receipt(run="old", round=1, client="c1", outcome="accepted", samples=10, norm=1.0),
                Receipt(run=srv.run_id, round=1, client="c1", outcome="accepted", samples=10, norm=bound * 2),
                Receipt(run=srv.run_id, round=1, client="c1", outcome="accepted", samples=10)):
-        srv.handle(T.worker("w1", "receipt"), w1.sign(rc.to_json()))
+        srv.handle(T.worker("w1", "receipt"), w1.sign(ReceiptBatch(receipts=[rc]).to_json()))
     assert srv.fed.rejected == {"wrong_run": 1, "bad_receipt": 2} and not srv.fed.round.received
-    srv.handle(T.worker("w1", "receipt"), w1.sign(Receipt(run=srv.run_id, round=1, client="c1", outcome="update_norm",
-                                                          attributed=True).to_json()))
+    refused = Receipt(run=srv.run_id, round=1, client="c1", outcome="update_norm", attributed=True)
+    srv.handle(T.worker("w1", "receipt"), w1.sign(ReceiptBatch(receipts=[refused]).to_json()))
     assert srv.fed.round.refused == {"c1": "update_norm"} and srv.fed.complete()  # nobody left to wait for
 
 
