@@ -105,6 +105,7 @@ class RoundState:
     norms: dict[str, float] = field(default_factory=dict)  # client -> its accepted update's norm
     # accepted here while workers take the round's updates (a resend): folded at close unless a worker had it
     deferred: dict[str, tuple[int, dict[str, torch.Tensor], int]] = field(default_factory=dict)
+    waited: str | None = None  # the participant `complete` last found the round waiting for
 
 
 def state_digest(state: GlobalState) -> str:
@@ -355,18 +356,27 @@ class Federation:
     def waiting_for(self, now: float | None = None) -> list[str]:
         """Participants that may still report: not reported, and online or offline for less than the
         grace period (a broker restart sends every device's last will, and the devices come back)."""
-        r = self.round
         now = time.monotonic() if now is None else now
-        gone = set(self.gone_offline())
-        return [c for c in r.assignments if c not in r.received and c not in r.refused
-                and (c not in gone or (c in self.clients and now - self.clients[c].last_seen < self.offline_grace_s))]
+        return [c for c in self.round.assignments if self._waits_for(c, now)]
+
+    def _waits_for(self, client: str, now: float) -> bool:
+        r, info = self.round, self.clients.get(client)
+        if client in r.received or client in r.refused:
+            return False
+        return info is not None and (info.online or now - info.last_seen < self.offline_grace_s)
 
     def complete(self, now: float | None = None) -> bool:
         """Every participant still online reported, or the deadline passed: a participant whose last
-        will says offline (and stays offline for the grace period) does not hold the round."""
+        will says offline (and stays offline for the grace period) does not hold the round. Asked after
+        every message: the participant it waited for last time is checked first, so a call costs O(1) until
+        that one reports (a scan of all participants per message made a round of N devices cost O(N^2))."""
         r = self.round
         now = time.monotonic() if now is None else now
-        return not self.waiting_for(now) or now >= r.deadline
+        if now >= r.deadline:
+            return True
+        if r.waited is None or not self._waits_for(r.waited, now):
+            r.waited = next((c for c in r.assignments if self._waits_for(c, now)), None)
+        return r.waited is None
 
     def close_round(self) -> dict[str, Any]:
         """Fold the aggregate into the global state (only with quorum); returns the round's facts.

@@ -267,3 +267,28 @@ def test_a_participant_gone_offline_holds_the_round_only_for_the_grace_period() 
     fed.set_online("b", False, now=21.0)
     assert fed.complete(now=31.5)  # gone for good: long before the 60 s deadline
     assert fed.close_round()["went_offline"] == ["b"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_complete_agrees_with_waiting_for_through_any_sequence_of_events(seed: int) -> None:
+    """`complete` checks the participant it waited for last time first (O(1) per message); whatever happens in
+    between (reports, refusals, wills, returns, time), it answers as the full scan of `waiting_for` does."""
+    rng = random.Random(seed)
+    fed = _federation(per_round=8)
+    clients = [f"c{i}" for i in range(8)]
+    for c in clients:
+        join(fed, c, Announce(client=c, max_submodel=5, samples=10))
+    fed.open_round(1, now=0.0)
+    now = 0.0
+    for _ in range(60):
+        now += rng.choice([0.0, 0.5, 3.0, 11.0])
+        c, event = rng.choice(clients), rng.choice(["report", "refuse", "offline", "online", "none", "none"])
+        r = fed.round
+        if event == "report" and c not in r.received:
+            _update(fed, c)
+        elif event == "refuse":
+            fed.refused(c, 1, "update_norm")
+        elif event in ("offline", "online"):
+            fed.set_online(c, event == "online", now=now)
+        assert fed.complete(now=min(now, 59.0)) == (not fed.waiting_for(min(now, 59.0)))
+    assert fed.complete(now=60.0)  # the deadline
