@@ -58,7 +58,7 @@ FEDERATION = "b"
 
 # what each function's own time is for; the first pattern that matches (file:function) wins
 CATEGORIES: list[tuple[str, str]] = [
-    ("signature (Ed25519)", r"ed25519|signing\.py:(verify|split_signed)|b64decode|binascii"),
+    ("signature (Ed25519)", r"ed25519|crypto_sign_open|signing\.py:(verify|split_signed)|b64decode|binascii"),
     ("hash", r"_hashlib|blake3|wire\.py:.*(digest|leaf|root|proof)"),
     ("header parse", r"messages\.py|msgspec|wire\.py:(parse_chunk|split_chunk|_parse)"),
     ("safetensors decode + finite", r"safetensors|tensors\.py:(all_finite|first_non_finite)|wire\.py:(decode_payload|_tensors)|"
@@ -67,7 +67,8 @@ CATEGORIES: list[tuple[str, str]] = [
     ("centre check (sketch, direction vote)", r"robust_aggregate\.py"),
     ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
     ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
-    ("receipts (encode + publish)", r"worker\.py:(\w+\.)?(receipt|publish_up)|paho|threading|queue"),
+    ("receipts (encode + publish)", r"worker\.py:(\w+\.)?(receipt|send_receipts|publish_up)|signing\.py:sign|"
+                                    r"crypto_sign\.py:crypto_sign$|crypto_sign>|paho|threading|queue"),
     ("logging", r"logging|logs\.py"),
     ("routing + checks (Python)", r"worker\.py|intake\.py|federation\.py|topics\.py"),
 ]
