@@ -63,7 +63,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("header parse", r"messages\.py|msgspec|wire\.py:(parse_chunk|split_chunk|_parse)"),
     ("safetensors decode + finite", r"safetensors|tensors\.py:(all_finite|first_non_finite)|wire\.py:(decode_payload|_tensors)|"
                                     r"frombuffer|isfinite"),
-    ("norm bound", r"robust\.py"),
+    ("norm bound", r"robust\.py|tensors\.py:(l2_norm|norm)$"),
     ("centre check (sketch, direction vote)", r"robust_aggregate\.py"),
     ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
     ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
@@ -403,15 +403,16 @@ def spy_key(frame: str) -> str:
 
 def window_note(worker: list[dict]) -> str:
     """What a round's size does to the per-MiB cost: the centre check compares each arrival with up to
-    `Screened.compare` earlier sketches, so a round of the fleet load test's size costs more than the small one."""
+    `Screened.compare` earlier sketches, while each round's fixed costs fall on fewer bytes in a small one."""
     rows = sorted((r for r in worker if r["profile"] == "resnet20-fmnist-w" and r["chunk_bytes"] == 4 << 20),
                   key=lambda r: r["devices"])
     small, big = rows[0], rows[-1]
     centre = "centre check (sketch, direction vote)"
-    return (f"A round's size matters: the centre check compares each update with up to {Screened.compare} earlier ones of "
-            f"its round, so {big['devices']} resnet20 updates (the fleet load test's round) cost {big['ms_per_mib']:.2f} ms "
-            f"per MiB, of which the centre check {big['parts_ms_per_mib'].get(centre, 0):.2f}, against {small['ms_per_mib']:.2f} "
-            f"and {small['parts_ms_per_mib'].get(centre, 0):.2f} for {small['devices']}.")
+    return (f"A round's size: {big['devices']} resnet20 updates (the fleet load test's round) cost {big['ms_per_mib']:.2f} ms "
+            f"per MiB, of which the centre check {big['parts_ms_per_mib'].get(centre, 0):.2f} (each update is compared with up "
+            f"to {Screened.compare} earlier ones of its round, scored in batches), against {small['ms_per_mib']:.2f} and "
+            f"{small['parts_ms_per_mib'].get(centre, 0):.2f} for {small['devices']}, where each round's own costs (a fresh "
+            "worker's plan, the sketch's sample and positions, the partial) fall on a tenth of the bytes.")
 
 
 def report(data: dict, command: str) -> list[str]:
