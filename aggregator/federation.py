@@ -361,7 +361,7 @@ class Federation:
 
     def _waits_for(self, client: str, now: float) -> bool:
         r, info = self.round, self.clients.get(client)
-        if client in r.received or client in r.refused:
+        if client not in r.assignments or client in r.received or client in r.refused:  # a decline leaves assignments
             return False
         return info is not None and (info.online or now - info.last_seen < self.offline_grace_s)
 

@@ -272,7 +272,7 @@ def test_a_participant_gone_offline_holds_the_round_only_for_the_grace_period() 
 @pytest.mark.parametrize("seed", range(5))
 def test_complete_agrees_with_waiting_for_through_any_sequence_of_events(seed: int) -> None:
     """`complete` checks the participant it waited for last time first (O(1) per message); whatever happens in
-    between (reports, refusals, wills, returns, time), it answers as the full scan of `waiting_for` does."""
+    between (reports, refusals, declines, wills, returns, time), it answers as the full scan of `waiting_for` does."""
     rng = random.Random(seed)
     fed = _federation(per_round=8)
     clients = [f"c{i}" for i in range(8)]
@@ -282,10 +282,12 @@ def test_complete_agrees_with_waiting_for_through_any_sequence_of_events(seed: i
     now = 0.0
     for _ in range(60):
         now += rng.choice([0.0, 0.5, 3.0, 11.0])
-        c, event = rng.choice(clients), rng.choice(["report", "refuse", "offline", "online", "none", "none"])
+        c, event = rng.choice(clients), rng.choice(["report", "refuse", "decline", "offline", "online", "none", "none"])
         r = fed.round
-        if event == "report" and c not in r.received:
+        if event == "report" and c in r.assignments and c not in r.received:
             _update(fed, c)
+        elif event == "decline" and c in r.assignments and c not in r.received:
+            fed.decline(c, _decline(c, 1, r.assignments[c]))
         elif event == "refuse":
             fed.refused(c, 1, "update_norm")
         elif event in ("offline", "online"):
