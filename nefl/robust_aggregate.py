@@ -332,8 +332,8 @@ class Screened(RoundAggregate):
     first `hold` updates are judged together, later ones each as of its arrival (the median, margin and
     others it had then) against the `compare` most recent (streaming: memory is `hold` updates plus one
     sketch per update). Later ones are judged in batches of up to `hold`, so that one product with the recent
-    sketches scores a batch: reading 256 sketches (4 MiB) costs more than the arithmetic, and a worker took
-    a resnet20 update's largest single cost from doing it per update. With fewer than `min_cover` updates
+    sketches scores a batch: reading 256 sketches (4 MiB) costs more than the arithmetic, and done per update
+    it was the largest single cost of a worker's resnet20 update. With fewer than `min_cover` updates
     in the round there is no majority and nothing is screened."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
