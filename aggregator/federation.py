@@ -114,7 +114,7 @@ def state_digest(state: GlobalState) -> str:
     for name, t in sorted(state.flat().items()):
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, not a copy
     return h.hexdigest()
 
 

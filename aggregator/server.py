@@ -13,6 +13,7 @@ this server signs names its run incarnation and a sequence number, so none repla
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import secrets
@@ -49,7 +50,7 @@ from nefl.state import GlobalState, Layout
 from nefl.signing import Signer, split_signed, verify, verify_self_signed
 from nefl.topics import Topics
 from nefl.train import TrainConfig
-from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, WireError, encode, parse_chunk
+from nefl.wire import DEFAULT_CHUNK_BYTES, ChunkHeader, Reassembler, WireError, encode, parse_chunk, parse_header, split_chunk
 
 STATUS_FILE = "status.json"
 PENDING_STATUSES = 1_000  # statuses of ids invited to enrol, kept until their enrolling announce (oldest out)
@@ -105,6 +106,16 @@ class Start:
 
 log = logging.getLogger(__name__)
 
+
+
+def _model_header(first_message: bytes) -> ChunkHeader:
+    """The header of a round's published model (its first message), parsed once: every participant's task names it."""
+    return _parsed_header(split_chunk(first_message)[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_header(head: bytes) -> ChunkHeader:
+    return parse_header(head)
 
 class Server(Transport):
     def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer,
@@ -436,7 +447,7 @@ class Server(Transport):
                 self.client.publish(self.topics.task(c), self._task(r.index, k), qos=QOS, retain=True)
 
     def _task(self, index: int, k: int, resend: bool = False) -> bytes:
-        model = parse_chunk(self._published[k][0]).header
+        model = _model_header(self._published[k][0])
         return self.signer.sign(Task(
             federation=self.cfg.federation, run=self.run_id, round=index, submodel=k,
             lr=self.train_cfg.lr_at(index - 1, self.cfg.rounds), epochs=self.cfg.local_epochs,

@@ -5,6 +5,7 @@ Both apps connect the same way (URL, credentials, TLS, backoff, last will), so i
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -68,20 +69,66 @@ def parse_broker(url: str, username: str | None = None, password: str | None = N
                           password or parsed.password or os.environ.get(ENV_PASSWORD), ca_cert, certfile, keyfile)
 
 
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.restype, _new_bytearray.argtypes = ctypes.py_object, (ctypes.c_char_p, ctypes.c_ssize_t)
+_resize_bytearray = ctypes.pythonapi.PyByteArray_Resize
+_resize_bytearray.restype, _resize_bytearray.argtypes = ctypes.c_int, (ctypes.py_object, ctypes.c_ssize_t)
+
+
+def _unfilled(n: int) -> bytearray:
+    """A bytearray of n bytes not zero-filled (CPython's C API with a NULL source): zeroing a body's buffer cost
+    the network thread as much as the kernel's copy into it, and every byte is received before it is read."""
+    return _new_bytearray(None, n)
+
+
+def _grow(buffer: bytearray, n: int) -> None:
+    """Lengthen `buffer` to n bytes in place, its new tail not zero-filled (no view of it may be held)."""
+    if _resize_bytearray(buffer, n) != 0:
+        raise MemoryError(f"cannot grow a receive buffer to {n} bytes")
+
+
 class Client(mqtt.Client):
     """paho's client with a receive path that copies a PUBLISH's payload once, from the kernel into the buffer
-    the application gets (docs/benchmarks.md, "Ingest profile").
+    the application gets, and asks the kernel as little as it can (docs/benchmarks.md, "Ingest profile").
 
-    paho's reader calls `sock.recv(remaining)` until a packet is complete: under a live stream each call returns
-    a few KiB, but CPython allocates the whole remaining size first (an mmap, page faults and a munmap per call
-    for a large packet), then paho copies what came into the packet, and its decoder copies the payload again.
-    Here a packet's body is received with `recv_into` straight into one buffer (grown by doubling as bytes
-    arrive, so a claimed length costs no memory before its bytes come), and a QoS 0/1 PUBLISH (MQTT 3.1.1)
-    hands on that same buffer, its topic and message id cut off the front (O(1) for a bytearray). The payload
-    is writable, so an update's single chunk is decoded in place. QoS 2 and MQTT 5 packets take paho's decoder,
-    sockets without recv_into (websockets) paho's reader."""
+    paho's reader takes a packet's fixed header one `recv(1)` at a time (two to five system calls a packet) and
+    its body with `recv(remaining)`: CPython allocates the whole remaining size first, paho copies what came
+    into the packet, and its decoder copies the payload again. Here the socket is read ahead in blocks of
+    `READ_AHEAD` whenever a fixed header is wanted, so a header, and a small packet whole, come out of memory;
+    a body's rest is received with `recv_into` straight into its own buffer (not zero-filled first: every
+    byte of it is written by the socket before it is handed on; grown as bytes arrive, so a claimed length
+    costs no memory before its bytes come). A QoS 0/1 PUBLISH (MQTT 3.1.1) hands on that same buffer, its
+    topic and message id cut off the front (O(1) for a bytearray), writable, so an update's single chunk is
+    decoded in place. A packet the network thread queues itself (a PUBACK) does not wake that thread through
+    paho's socket pair: the loop's next select asks to write anyway. QoS 2 and MQTT 5 packets take paho's
+    decoder, sockets without recv_into (websockets) paho's reader."""
 
     FIRST_BUFFER = 1 << 20  # a body's first allocation; larger ones double towards the packet's length
+    READ_AHEAD = 1 << 16  # bytes asked of the socket at once while a fixed header is read
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ahead = bytearray(self.READ_AHEAD)
+        self._ahead_at = self._ahead_end = 0  # bytes read ahead and not yet taken: _ahead[_ahead_at:_ahead_end]
+
+    def _sock_close(self) -> None:
+        super()._sock_close()
+        self._ahead_at = self._ahead_end = 0  # what the old connection sent is not the new one's
+
+    def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
+        """paho's, then on while packets read ahead remain: select would not wake for them."""
+        rc = super().loop_read(max_packets)
+        while rc == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS and self._sock is not None and self._ahead_at < self._ahead_end:
+            rc = super().loop_read(max_packets)  # each packet read takes at least a byte of what was read ahead
+        return rc
+
+    def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
+                      info: mqtt.MQTTMessageInfo | None = None) -> mqtt.MQTTErrorCode:
+        if self._thread is None or threading.current_thread() is not self._thread:
+            return super()._packet_queue(command, packet, mid, qos, info)
+        self._out_packet.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
+                                 "packet": packet, "info": info})
+        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
 
     def _packet_read(self) -> mqtt.MQTTErrorCode:
         if not hasattr(self._sock, "recv_into"):
@@ -89,10 +136,13 @@ class Client(mqtt.Client):
         pkt = self._in_packet
         try:
             while not pkt["have_remaining"]:
-                if not self._read_fixed_header_byte(pkt):
+                if self._ahead_at == self._ahead_end and not self._read_ahead():
                     return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+                self._fixed_header_byte(pkt, self._ahead[self._ahead_at])
+                self._ahead_at += 1
                 if len(pkt["remaining_count"]) > 4:  # the MQTT limit: a longer length is a broken or hostile peer
                     return mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+            self._take_ahead(pkt)
             for _ in range(100):  # paho's bound: back to the network loop now and then on a huge packet
                 if pkt["to_process"] <= 0:
                     break
@@ -118,33 +168,16 @@ class Client(mqtt.Client):
             self._last_bytes_received = mqtt.time_func()
         return rc
 
-    def _read_fixed_header_byte(self, pkt: dict) -> bool:
-        """One byte of the command or of the remaining length (a byte at a time, as paho: they are five at most).
-        False: the connection closed."""
-        byte = self._sock_recv(1)
-        if not byte:
-            return False
-        if pkt["command"] == 0:
-            pkt["command"] = byte[0]
-            return True
-        pkt["remaining_count"].append(byte[0])
-        pkt["remaining_length"] += (byte[0] & 127) * pkt["remaining_mult"]
-        pkt["remaining_mult"] *= 128
-        if not byte[0] & 128:
-            pkt["have_remaining"] = 1
-            pkt["to_process"] = pkt["remaining_length"]
-            pkt["packet"] = bytearray(min(pkt["remaining_length"], self.FIRST_BUFFER))
-        return True
+    def _read_ahead(self) -> bool:
+        """Fill the read-ahead block from the socket. False: the connection closed."""
+        n = self._recv_into(memoryview(self._ahead))
+        self._ahead_at, self._ahead_end = 0, n
+        return n > 0
 
-    def _read_body(self, pkt: dict) -> bool:
-        """Receive what the socket has of the body into its buffer. False: the connection closed."""
-        packet, length = pkt["packet"], pkt["remaining_length"]
-        got = length - pkt["to_process"]
-        if got == len(packet):
-            packet += bytes(min(length, 2 * len(packet)) - got)
-        view = memoryview(packet)[got:]
+    def _recv_into(self, view: memoryview) -> int:
+        """recv_into with paho's reading of TLS's want-read and want-write (BlockingIOError: again later)."""
         try:
-            n = self._sock.recv_into(view)
+            return self._sock.recv_into(view)
         except ssl.SSLWantReadError as err:
             raise BlockingIOError from err
         except ssl.SSLWantWriteError as err:
@@ -152,6 +185,40 @@ class Client(mqtt.Client):
             raise BlockingIOError from err
         finally:
             view.release()
+
+    def _fixed_header_byte(self, pkt: dict, byte: int) -> None:
+        """One byte of the command or of the remaining length (five at most); the body's buffer once it is known."""
+        if pkt["command"] == 0:
+            pkt["command"] = byte
+            return
+        pkt["remaining_count"].append(byte)
+        pkt["remaining_length"] += (byte & 127) * pkt["remaining_mult"]
+        pkt["remaining_mult"] *= 128
+        if not byte & 128:
+            pkt["have_remaining"] = 1
+            pkt["to_process"] = pkt["remaining_length"]
+            pkt["packet"] = _unfilled(min(pkt["remaining_length"], self.FIRST_BUFFER))
+
+    def _take_ahead(self, pkt: dict) -> None:
+        """The start of a body that came with its header (a small packet whole): read ahead, so copied once more
+        (at most READ_AHEAD bytes)."""
+        n = min(self._ahead_end - self._ahead_at, pkt["to_process"])
+        if n <= 0:
+            return
+        got = pkt["remaining_length"] - pkt["to_process"]
+        if got + n > len(pkt["packet"]):
+            _grow(pkt["packet"], got + n)
+        pkt["packet"][got:got + n] = memoryview(self._ahead)[self._ahead_at:self._ahead_at + n]
+        self._ahead_at += n
+        pkt["to_process"] -= n
+
+    def _read_body(self, pkt: dict) -> bool:
+        """Receive what the socket has of the body into its buffer. False: the connection closed."""
+        packet, length = pkt["packet"], pkt["remaining_length"]
+        got = length - pkt["to_process"]
+        if got == len(packet):
+            _grow(packet, min(length, 2 * len(packet)))
+        n = self._recv_into(memoryview(packet)[got:])
         if n == 0:
             return False
         pkt["to_process"] -= n

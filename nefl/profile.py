@@ -6,6 +6,7 @@ validation error names the file, the submodel and the field so a user can fix th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -97,9 +98,10 @@ class Profile:
             **extra,
         }
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
-        """Identity of the model family: checkpoints and exports refuse a profile that differs."""
+        """Identity of the model family: checkpoints and exports refuse a profile that differs. Kept (the profile
+        is frozen): every signed task names it."""
         canon = {k: v for k, v in self.to_dict().items() if k not in ("description",)}
         return hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -113,11 +113,14 @@ class UpdateGuard:
     def __init__(self, bound: NormBound, num_submodels: int) -> None:
         self.bound = bound
         self.history: list[OrderedDict[str, float]] = [OrderedDict() for _ in range(num_submodels)]
+        self._medians: dict[int, float | None] = {}  # per submodel, until its history changes: asked once per update
 
     def median(self, k: int) -> float | None:
         """Median of submodel k's recent clients' norms; None until `warmup` clients have one."""
-        h = self.history[k]
-        return statistics.median(h.values()) if len(h) >= self.bound.warmup else None
+        if k not in self._medians:
+            h = self.history[k]
+            self._medians[k] = statistics.median(h.values()) if len(h) >= self.bound.warmup else None
+        return self._medians[k]
 
     def limit(self, k: int, reference: float | None) -> tuple[float, str]:
         """The tightest active bound for submodel k and a short description of where it comes from."""
@@ -157,6 +160,7 @@ class UpdateGuard:
         """Remember a kept update's norm as its client's latest (call once it is in the new state)."""
         if math.isfinite(norm) and norm >= 0:
             h = self.history[k]
+            self._medians.pop(k, None)
             h.pop(client, None)
             h[client] = float(norm)
             while len(h) > self.bound.window:
@@ -186,7 +190,7 @@ class UpdateGuard:
                 raise ValueError(f"update-guard history of submodel {k + 1} is not a list of finite norms per client: "
                                  "the checkpoint's guard state is corrupt")
             history.append(OrderedDict(list(zip(ids, (float(x) for x in h)))[-self.bound.window:]))
-        self.history = history
+        self.history, self._medians = history, {}
 
 
 def check_state(state: GlobalState, max_abs: float = DEFAULT_MAX_ABS) -> str | None:

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -92,11 +93,13 @@ def l2_norm(t: torch.Tensor) -> float:
     total small enough for squares to underflow, takes the exact float64 path. Finite for finite input of
     any float32 size, NaN or inf otherwise: so it doubles as the finite check."""
     if t.dtype == torch.float32 and t.numel() >= _ROW:
-        flat = t.reshape(-1)
+        flat = t.detach().reshape(-1)
         rows = flat.numel() // _ROW
-        partial = torch.linalg.vector_norm(flat[:rows * _ROW].view(rows, _ROW), dim=1)
-        total = math.hypot(float(torch.linalg.vector_norm(partial, dtype=torch.float64)),
-                           float(torch.linalg.vector_norm(flat[rows * _ROW:], dtype=torch.float64)))
+        # the partials and the short tail combine in numpy: two float64 reductions in torch cost as much as the
+        # float32 pass over the rows (a resnet20 update: 60 us -> 30 us)
+        partial = torch.linalg.vector_norm(flat[:rows * _ROW].view(rows, _ROW), dim=1).cpu().numpy().astype(np.float64)
+        tail = flat[rows * _ROW:].cpu().numpy().astype(np.float64)
+        total = math.sqrt(float(partial @ partial) + float(tail @ tail))
         if math.isfinite(total) and total > 1e-18:
             return total
     return float(torch.linalg.vector_norm(t, dtype=torch.float64))

@@ -206,3 +206,54 @@ def test_the_receive_path_over_tls(tmp_path):
         client_sock.close()
         server.close()
     assert got == [(topic, mid, payload) for _, topic, payload, mid in msgs]
+
+
+def test_one_loop_read_takes_every_packet_read_ahead():
+    """Packets that came in one read are read ahead together: the same loop_read must deliver them all, since
+    the socket no longer looks readable to select (paho's own loop_read takes one packet per call here)."""
+    msgs = [(1, b"nefl/f/status/c%d" % i, b"x" * (10 + i), i + 1) for i in range(5)]
+    c, got = ours(), []
+    c._send_puback = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    c.on_message = lambda cl, u, m: got.append(m.mid)
+    c._sock = Trickle(b"".join(publish_packet(*m) for m in msgs), [1 << 20])
+    c._sock.readable()
+    assert c.loop_read() == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert got == [1, 2, 3, 4, 5] and c._ahead_at == c._ahead_end
+
+
+def test_a_new_connection_does_not_read_the_old_one_ahead():
+    """Bytes read ahead on a connection that closed are not the start of the next connection's stream."""
+    c = ours()
+    c._sock = Trickle(publish_packet(0, b"a/b", b"1", 0) + bytes([0x30, 0x05]), [1 << 20])
+    c._sock.readable()
+    c._packet_read()
+    assert c._ahead_at < c._ahead_end  # the next packet's first bytes wait
+    c._sock_close()
+    assert c._ahead_at == c._ahead_end == 0
+
+
+class CountingPair:
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def send(self, data: bytes) -> int:
+        self.sent += 1
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_packet_the_network_thread_queues_does_not_wake_it():
+    """A PUBACK queued while reading is written on the loop's next turn (select asks to write when packets
+    wait); only another thread's packet needs the socket pair's wake-up."""
+    import threading
+
+    c = ours()
+    c._sockpairW = pair = CountingPair()
+    c._thread = threading.current_thread()
+    assert c._packet_queue(0x40, b"\x40\x02\x00\x07", 7, 0) == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert pair.sent == 0 and c.want_write() and c._out_packet[-1]["packet"] == b"\x40\x02\x00\x07"
+    c._thread = threading.Thread(target=lambda: None)
+    c._packet_queue(0x40, b"\x40\x02\x00\x08", 8, 0)
+    assert pair.sent == 1 and len(c._out_packet) == 2
