@@ -459,7 +459,9 @@ def main() -> None:
 
 
 STAGES = {"one_worker": lambda s: dict(workers=1, devices=s.devices, fleet_procs=s.fleet_procs),
-          "plain": lambda s: dict(workers=0, devices=s.devices // 2, fleet_procs=s.fleet_procs, chunk_kib=None)}
+          "plain": lambda s: dict(workers=0, devices=s.devices // 2, fleet_procs=s.fleet_procs, chunk_kib=None),
+          "large": lambda s: dict(workers=1, devices=s.large_devices, fleet_procs=1, profile=s.large_profile,
+                                  chunk_kib=65536, rounds=3)}
 
 
 def run_stages(s: Setting, names: list[str]) -> None:
@@ -487,9 +489,7 @@ def measure(s: Setting) -> dict:
         ingest = {"one_worker": next(r for r in results if r["workers"] == 1),
                   "external": next(r for r in results if r["workers"] == 0)}
         for name, kw in (("embedded", dict(workers=0, devices=s.devices, fleet_procs=s.fleet_procs, embedded=True)),
-                         ("plain", STAGES["plain"](s)),
-                         ("large", dict(workers=1, devices=s.large_devices, fleet_procs=1, profile=s.large_profile,
-                                        chunk_kib=65536, rounds=3))):
+                         ("plain", STAGES["plain"](s)), ("large", STAGES["large"](s))):
             d = Path(tmp) / name
             d.mkdir()
             ingest[name] = federation(s, tmp=d, **kw)
