@@ -110,16 +110,23 @@ class Client(mqtt.Client):
         super().__init__(*args, **kwargs)
         self._ahead = bytearray(self.READ_AHEAD)
         self._ahead_at = self._ahead_end = 0  # bytes read ahead and not yet taken: _ahead[_ahead_at:_ahead_end]
+        self._drain_only = False  # loop_read is taking what was read ahead: no new read-ahead
 
     def _sock_close(self) -> None:
         super()._sock_close()
         self._ahead_at = self._ahead_end = 0  # what the old connection sent is not the new one's
 
     def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
-        """paho's, then on while packets read ahead remain: select would not wake for them."""
+        """paho's, then on through the packets already read ahead (select would not wake for them), without
+        reading the socket ahead again: a stream that never pauses must not keep the loop from writing its
+        PUBACKs and pings."""
         rc = super().loop_read(max_packets)
-        while rc == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS and self._sock is not None and self._ahead_at < self._ahead_end:
-            rc = super().loop_read(max_packets)  # each packet read takes at least a byte of what was read ahead
+        self._drain_only = True
+        try:
+            while rc == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS and self._sock is not None and self._ahead_at < self._ahead_end:
+                rc = super().loop_read(max_packets)  # each packet read takes at least a byte of what was read ahead
+        finally:
+            self._drain_only = False
         return rc
 
     def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
@@ -136,8 +143,11 @@ class Client(mqtt.Client):
         pkt = self._in_packet
         try:
             while not pkt["have_remaining"]:
-                if self._ahead_at == self._ahead_end and not self._read_ahead():
-                    return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+                if self._ahead_at == self._ahead_end:
+                    if self._drain_only:
+                        return mqtt.MQTTErrorCode.MQTT_ERR_AGAIN  # the socket still looks readable to select
+                    if not self._read_ahead():
+                        return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
                 self._fixed_header_byte(pkt, self._ahead[self._ahead_at])
                 self._ahead_at += 1
                 if len(pkt["remaining_count"]) > 4:  # the MQTT limit: a longer length is a broken or hostile peer

@@ -257,3 +257,34 @@ def test_a_packet_the_network_thread_queues_does_not_wake_it():
     c._thread = threading.Thread(target=lambda: None)
     c._packet_queue(0x40, b"\x40\x02\x00\x08", 8, 0)
     assert pair.sent == 1 and len(c._out_packet) == 2
+
+
+
+class Flood:
+    """A socket that always has more: PINGRESPs (two bytes, all header) without end, from a broker that never
+    pauses, in reads that always end inside a fixed header."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
+        self.reads += 1
+        assert self.reads < 100, "loop_read keeps reading a stream that never pauses"
+        n = min(nbytes or len(buffer), 9_999 if self.reads == 1 else 10_000)
+        start = 0 if self.reads == 1 else 1  # every read after the first ends one byte into a packet, as the first
+        buffer[:n] = (b"\xd0\x00" * (n // 2 + 2))[start:start + n]
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+def test_one_loop_read_returns_on_a_stream_that_never_pauses():
+    """What was read ahead is delivered, but the socket is not read ahead again in the same call: the loop must
+    get back to writing PUBACKs and pings however fast packets come."""
+    c, handled = ours(), []
+    handle = c._packet_handle
+    c._packet_handle = lambda: handled.append(1) or handle()
+    c._sock = sock = Flood()
+    assert c.loop_read() == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert sock.reads == 1 and len(handled) == 9_999 // 2
