@@ -107,7 +107,6 @@ class Start:
 log = logging.getLogger(__name__)
 
 
-
 def _model_header(first_message: bytes) -> ChunkHeader:
     """The header of a round's published model (its first message), parsed once: every participant's task names it."""
     return _parsed_header(split_chunk(first_message)[0])
@@ -116,6 +115,7 @@ def _model_header(first_message: bytes) -> ChunkHeader:
 @functools.lru_cache(maxsize=64)
 def _parsed_header(head: bytes) -> ChunkHeader:
     return parse_header(head)
+
 
 class Server(Transport):
     def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer,

@@ -82,9 +82,9 @@ def _unfilled(n: int) -> bytearray:
 
 
 def _grow(buffer: bytearray, n: int) -> None:
-    """Lengthen `buffer` to n bytes in place, its new tail not zero-filled (no view of it may be held)."""
-    if _resize_bytearray(buffer, n) != 0:
-        raise MemoryError(f"cannot grow a receive buffer to {n} bytes")
+    """Lengthen `buffer` to n bytes in place, its new tail not zero-filled (no view of it may be held). A failure
+    raises here: ctypes turns the C API's error (MemoryError, BufferError) into the exception."""
+    _resize_bytearray(buffer, n)
 
 
 class Client(mqtt.Client):
