@@ -13,6 +13,7 @@ import torch
 
 from nefl.data import ArrayDataset, BatchLoader, load_dataset
 from nefl.state import GlobalState, Layout, load_module_state, module_state
+from nefl.threads import all_cores
 from nefl.train import evaluate, recompute_bn_stats
 
 
@@ -44,7 +45,10 @@ class Evaluator:
     def accuracy(self, state: GlobalState, max_samples: int | None = None) -> list[float]:
         """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);
         static-BN statistics are recalibrated into `state` first."""
-        n = min(self.n if max_samples is None else max_samples, len(self.test))
+        with all_cores():  # a served federation's ingest runs on one thread (nefl/threads.py); this is one large job
+            return self._accuracy(state, min(self.n if max_samples is None else max_samples, len(self.test)))
+
+    def _accuracy(self, state: GlobalState, n: int) -> list[float]:
         out = []
         for k, model in enumerate(self.modules):
             load_module_state(model, state.extract(self.layout, k))

@@ -17,6 +17,7 @@ import torch
 from nefl.data import ArrayDataset, BatchLoader
 from nefl.state import GlobalState, Layout
 from nefl.settings import DEFAULT_ROOT_SAMPLES
+from nefl.threads import all_cores
 from nefl.train import TrainConfig, local_train
 
 
@@ -52,5 +53,6 @@ class RootUpdates:
         loader = BatchLoader(self.data, self.indices, self.train.batch_size, shuffle=True, augment=True,
                              seed=self.seed * 7919 + index * 31 + k)
         cfg = self.train.for_round(max(0, index - 1), self.rounds)
-        return local_train(self.modules[k], state.extract(self.layout, k), loader, cfg,
-                           upload=self.layout.upload_shapes(k), device=self.device).delta
+        with all_cores():  # one training run, not a stream of small operations (nefl/threads.py)
+            return local_train(self.modules[k], state.extract(self.layout, k), loader, cfg,
+                               upload=self.layout.upload_shapes(k), device=self.device).delta

@@ -26,6 +26,7 @@ from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError, load_profile
 from nefl.signing import Signer
+from nefl.threads import one_per_process
 from nefl.topics import check_name
 
 log = logging.getLogger("aggregator.worker")
@@ -133,14 +134,26 @@ def loadtest_command(
     seed: int = typer.Option(0, help="Seed of the deltas (with client id and round)."),
     duration: float = typer.Option(600.0, min=1, help="Stop after this many seconds even if the federation goes on."),
     shard: str = typer.Option(None, hidden=True, help="I/P: run only devices i with i mod P == I (set for child processes)."),
+    enroll: bool = typer.Option(False, "--enroll", help="Enrol the devices' keys (derived from --seed and their ids, so "
+                                "anyone can derive them: a load test's federation only) in the federation's journal in "
+                                "KEY_DIR, for a closed federation's load test, and exit."),
+    key_dir: KeyDirOption = None,
     log_level: LogLevelOption = "info",
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."""
-    from aggregator.loadtest import Fleet, FleetConfig, log
+    from aggregator.loadtest import Fleet, FleetConfig, device_grants, log
     from nefl.state import Layout
 
     setup_logging(log_level, log_format)
+    if enroll:
+        from aggregator.enrolment import append
+
+        grants = device_grants(FleetConfig(federation=federation, prefix=prefix, devices=devices, seed=seed))
+        journal = KeyDir(check_name("federation name", federation), key_dir).journal
+        append(journal, *grants)
+        print(f"{len(grants)} simulated devices enrolled in {journal}", file=sys.stderr)
+        return
     try:
         settings = parse_broker(broker)
         layout = Layout.build(load_profile(profile))
@@ -163,6 +176,7 @@ def loadtest_command(
     fleet.start()
     log.info(f"{len(fleet.names)} simulated devices connecting to {settings.url}")
     t0 = time.monotonic()
+    one_per_process()
     freeze_startup()
     try:
         fleet.send_loop()

@@ -35,6 +35,7 @@ from nefl.settings import TrainConfig
 from nefl.heap import freeze_startup
 from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError
+from nefl.threads import one_per_process
 from nefl.tokens import fingerprint
 from nefl.topics import Topics
 
@@ -201,6 +202,7 @@ def serve_command(
     if web is not None:
         log.info(f"dashboard on {web.url}, Prometheus metrics on {web.url}metrics")
     local = start_local_workers(workers, settings, federation, signer.public_text, keys, log_level) if workers else []
+    one_per_process()
     freeze_startup()
     try:
         server.run()

@@ -47,6 +47,7 @@ from nefl.robust import NormBound
 from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer, parse_public_key, verify
 from nefl.state import GlobalState, Layout
+from nefl.threads import one_per_process
 from nefl.topics import Topics, check_name
 from nefl.wire import Reassembler, WireError, encode, parse_chunk
 
@@ -317,6 +318,7 @@ def run_until_signalled(build: Callable[[], Worker]) -> None:
         w.stopping = True
 
     signal.signal(signal.SIGTERM, _term)
+    one_per_process()
     freeze_startup()
     try:
         w.run()
