@@ -79,12 +79,12 @@ Entry = Grant | Revoke
 _decode = msgspec.json.Decoder(Entry)
 
 
-def append(journal: Path, entry: Entry) -> None:
-    """One line, durably, in a file only its owner reads (verifiers let anyone who reads them enrol)."""
+def append(journal: Path, *entries: Entry) -> None:
+    """A line per entry, durably, in a file only its owner reads (verifiers let anyone who reads them enrol)."""
     journal.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        os.write(fd, msgspec.json.encode(entry) + b"\n")
+        os.write(fd, b"".join(msgspec.json.encode(e) + b"\n" for e in entries))
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -1,7 +1,8 @@
 """`aggregator loadtest`: a fleet of simulated devices against a real broker and real aggregators.
 
 Each simulated device is its own MQTT connection and behaves like `edge-client join` on the wire
-(status with last will, announce, task, update in chunks) but sends a random delta of its assigned
+(its own Ed25519 key, which signs its statuses and last will, its announce, its update headers and the
+notice that an update is out; a task; the update in chunks) but sends a random delta of its assigned
 submodel instead of training, so hundreds to thousands of devices fit in a few processes and the
 aggregation side (broker, coordinator, workers, relays) is what gets measured. The deltas are a
 pure function of (seed, client, round, submodel), so a test can recompute exactly what the
@@ -19,14 +20,16 @@ from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from nefl.messages import Announce, ClientStatus, Control, MessageError, Task
-from nefl.mqtt import QOS, BrokerSettings, make_client
-from nefl.signing import split_signed
+from aggregator.enrolment import Grant
+from nefl.messages import Announce, ClientStatus, Control, MessageError, Sent, Task
+from nefl.mqtt import QOS, BrokerSettings, make_client, next_stamp
+from nefl.signing import Signer, split_signed
 from nefl.state import Layout
 from nefl.tensors import corner
 from nefl.topics import Topics
-from nefl.wire import DEFAULT_CHUNK_BYTES, encode
+from nefl.wire import DEFAULT_CHUNK_BYTES, encode, parse_chunk
 
 log = logging.getLogger("aggregator.loadtest")
 
@@ -54,6 +57,23 @@ def _seed_of(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
+def device_key(seed: int, client: str) -> Signer:
+    """A simulated device's Ed25519 key, derived from the fleet's seed and its id: anyone can derive it, so it is
+    enrolled (`loadtest --enroll`) only in a load test's federation."""
+    return Signer(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"loadtest key|{seed}|{client}".encode()).digest()))
+
+
+def device_grants(cfg: FleetConfig) -> list[Grant]:
+    """The journal entries that enrol every device of the fleet with its key (a closed federation's load test)."""
+    now = time.time()
+    return [Grant(client=name, created=now, key=device_key(cfg.seed, name).public_text)
+            for name in device_names(cfg)]
+
+
+def device_names(cfg: FleetConfig) -> list[str]:
+    return [f"{cfg.prefix}{i:05d}" for i in range(cfg.first, cfg.devices, cfg.stride)]
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     federation: str = "default"
@@ -77,9 +97,11 @@ class Fleet:
     def __init__(self, cfg: FleetConfig, settings: BrokerSettings, layout: Layout) -> None:
         self.cfg, self.settings, self.layout = cfg, settings, layout
         self.topics = Topics(cfg.federation)
-        self.names = [f"{cfg.prefix}{i:05d}" for i in range(cfg.first, cfg.devices, cfg.stride)]
+        self.names = device_names(cfg)
         self.clients: dict[str, mqtt.Client] = {}
-        self.work: queue.Queue[tuple[str, int, int]] = queue.Queue()
+        self.keys = {name: device_key(cfg.seed, name) for name in self.names}
+        self.stamps = {name: next_stamp(0) for name in self.names}  # each connection's, as Connection stamps them
+        self.work: queue.Queue[tuple[str, str, int, int]] = queue.Queue()
         self.ended = threading.Event()
         self.done: set[tuple[str, int]] = set()  # (client, round) already queued
         self.sent = self.bytes = 0
@@ -91,22 +113,28 @@ class Fleet:
 
     def start(self) -> None:
         for i, name in zip(range(self.cfg.first, self.cfg.devices, self.cfg.stride), self.names):
-            c = make_client(self.settings, name, self.topics.status(name),
-                            ClientStatus(state="offline").to_json(), (1, 30))
+            c = make_client(self.settings, name, self.topics.status(name), self.status(name, "offline"), (1, 30))
             c.on_connect = self._on_connect(name, self.bound(i))
             c.on_message = self._on_message
             c.connect_async(self.settings.host, self.settings.port, keepalive=60)
             c.loop_start()
             self.clients[name] = c
 
+    def status(self, name: str, state: str) -> bytes:
+        """The device's signed status for its current connection stamp (the offline one is its last will)."""
+        return self.keys[name].sign(ClientStatus(state=state, seq=self.stamps[name]).to_json())
+
     def _on_connect(self, name: str, bound: int):
         def on_connect(c, userdata, flags, reason_code, properties) -> None:
             if reason_code.is_failure:
                 return
+            key = self.keys[name]
             c.subscribe([(self.topics.task(name), QOS), (self.topics.control, QOS)])
-            c.publish(self.topics.status(name), ClientStatus(state="online").to_json(), qos=QOS, retain=True)
-            c.publish(self.topics.announce(name), Announce(client=name, samples=self.cfg.samples,
-                                                           max_submodel=bound).to_json(), qos=QOS, retain=True)
+            c.publish(self.topics.status(name), self.status(name, "online"), qos=QOS, retain=True)
+            c.publish(self.topics.announce(name), key.sign(Announce(client=name, samples=self.cfg.samples, max_submodel=bound,
+                                                                    key=key.public_text).to_json()), qos=QOS, retain=True)
+            self.stamps[name] = next_stamp(self.stamps[name])  # the next connection's, with its own last will
+            c.will_set(self.topics.status(name), self.status(name, "offline"), qos=QOS, retain=True)
         return on_connect
 
     def _on_message(self, c, userdata, m) -> None:
@@ -128,7 +156,7 @@ class Fleet:
             if (client, task.round) in self.done:
                 return
             self.done.add((client, task.round))
-        self.work.put((client, task.round, task.submodel))
+        self.work.put((client, task.run, task.round, task.submodel))
 
     def delta(self, client: str, round_: int, k: int) -> dict[str, torch.Tensor]:
         cfg = self.cfg
@@ -146,16 +174,19 @@ class Fleet:
         next_at = time.monotonic()
         while not self.ended.is_set() and time.monotonic() < end:
             try:
-                client, r, k = self.work.get(timeout=0.2)
+                client, run, r, k = self.work.get(timeout=0.2)
             except queue.Empty:
                 continue
             if cfg.rate > 0:
                 time.sleep(max(0.0, next_at - time.monotonic()))
                 next_at = max(next_at, time.monotonic() - 1.0) + 1.0 / cfg.rate
+            key, c = self.keys[client], self.clients[client]
             msgs = encode(self.delta(client, r, k), kind="update", federation=cfg.federation, round=r, submodel=k,
-                          client=client, samples=cfg.samples, chunk_bytes=cfg.chunk_bytes)
+                          client=client, samples=cfg.samples, chunk_bytes=cfg.chunk_bytes, sign=key.sign)
             for m in msgs:
-                self.clients[client].publish(self.topics.update(client), m, qos=QOS)
+                c.publish(self.topics.update(client), m, qos=QOS)
+            c.publish(self.topics.sent(client), key.sign(Sent(client=client, run=run, round=r, submodel=k,
+                                                              digest=parse_chunk(msgs[0]).header.digest).to_json()), qos=QOS)
             self.sent += 1
             self.bytes += sum(map(len, msgs))
 

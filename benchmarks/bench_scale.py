@@ -66,7 +66,8 @@ class Run:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # the commands as an operator runs them: no thread settings of the benchmark's own (nefl/threads.py)
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -194,7 +195,8 @@ def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Pa
         if not embedded:
             run.mosquitto(port)
         where = ["--embedded-port", str(port), "--embedded-broker", "mosquitto"] if embedded else ["--broker", broker]
-        coord = run.start("coordinator", [*CLI, "serve", "--profile", profile, *where, "--federation", "b",
+        keys = enroll_fleet(run, tmp, devices)
+        coord = run.start("coordinator", [*CLI, "serve", "--profile", profile, *where, "--federation", "b", *keys,
                                           "--rounds", str(rounds), "--clients-per-round", str(devices), "--min-clients", "1",
                                           "--round-timeout", "600", "--join-wait", "60", *chunks,
                                           "--checkpoint-dir", str(tmp / "run"), "--workers", str(workers),
@@ -221,6 +223,16 @@ def federation(s: Setting, workers: int, devices: int, fleet_procs: int, tmp: Pa
             "lost": sum(m.get("workers", {}).get("lost_updates", 0) for m in rounds), **watched}
 
 
+def enroll_fleet(run: Run, tmp: Path, devices: int, prefix: str = "sim") -> list[str]:
+    """The key-dir option of a closed federation whose journal enrols the fleet's device keys: every device signs
+    its messages as `edge-client join` does, and the coordinator takes only enrolled keys (open enrolment would pin
+    new keys at most 60 a minute)."""
+    keys = ["--key-dir", str(tmp / "keys")]
+    subprocess.run([*CLI, "loadtest", "--broker", "mqtt://127.0.0.1:1", "--federation", "b", "--devices", str(devices),
+                    "--prefix", prefix, "--enroll", *keys], env=run.env, check=True, capture_output=True)
+    return keys
+
+
 def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end and proc.poll() is None:
@@ -240,7 +252,7 @@ def relay_bytes(s: Setting, tmp: Path) -> dict:
         run.mosquitto(central)
         run.mosquitto(site)
         up, down = f"mqtt://127.0.0.1:{central}", f"mqtt://127.0.0.1:{site}"
-        keys = ["--federation", "b", "--key-dir", str(tmp / "keys")]
+        keys = ["--federation", "b", *enroll_fleet(run, tmp, s.relay_devices)]
         # the coordinator takes only authorised relays' receipts and partials: the operator's `enroll --worker`
         relay_key = subprocess.run([*CLI, "relay", "--site-broker", down, "--upstream", up, "--relay-id", "site",
                                     "--print-key", *keys], env=run.env, check=True,

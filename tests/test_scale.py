@@ -275,7 +275,11 @@ def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     relay_key = subprocess.run([*relay, "--print-key"], env=relay_env, capture_output=True, text=True, timeout=60).stdout.strip()
     subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "enroll", "site-a", "--worker", "--key",
                     relay_key, "--federation", "t"], env=procs.env, check=True, capture_output=True, timeout=60)
-    serve(procs, up, 1, 3)  # authorising a worker leaves device enrolment open
+    for prefix, n in (("site", 2), ("dir", 1)):  # the devices' keys too: a closed federation takes only these
+        subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "loadtest", "--broker", up,
+                        "--federation", "t", "--devices", str(n), "--prefix", prefix, "--enroll"], env=procs.env,
+                       check=True, capture_output=True, timeout=60)
+    serve(procs, up, 1, 3)
     procs.env, env = relay_env, procs.env
     procs.start("relay", relay)
     procs.env = env
