@@ -30,7 +30,7 @@ from nefl.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
 from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BATCH_BYTES, BoundSettings, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            ScreenSettings, StatusBook, WorkerRound, WorkerStatus)
 from nefl.profile import Profile
-from nefl.robust import NormBound, reference_norm, update_norm
+from nefl.robust import NormBound, update_norm
 from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer, verify
 from nefl.state import Layout
@@ -274,8 +274,7 @@ class WorkerPool:
         plan = WorkerRound(
             federation=self.topics.federation, run=run, round=r.index, profile=self.profile.to_dict(),
             profile_hash=layout.profile.hash, assignments=dict(r.assignments), keys=keys,
-            references=[reference_norm(fed.state, layout, k) if k in r.assignments.values() else 0.0
-                        for k in range(layout.num_submodels)],
+            references=[fed.weight_norm(k) if k in r.assignments.values() else 0.0 for k in range(layout.num_submodels)],
             norms=[fed.guard.recent(k) for k in range(layout.num_submodels)], bound=plan_bound(fed.robustness.bound),
             screen=plan_screen(fed.robustness.aggregation),
             deadline_s=fed.round_timeout, max_update_bytes=self.max_update_bytes, chunk_bytes=self.chunk_bytes,

@@ -32,7 +32,7 @@ from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
 from nefl.settings import TrainConfig
-from nefl.heap import freeze_startup
+from nefl.heap import freeze_startup, keep_freed_memory
 from nefl.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError
 from nefl.threads import one_per_process
@@ -203,6 +203,7 @@ def serve_command(
         log.info(f"dashboard on {web.url}, Prometheus metrics on {web.url}metrics")
     local = start_local_workers(workers, settings, federation, signer.public_text, keys, log_level) if workers else []
     one_per_process()
+    keep_freed_memory()
     freeze_startup()
     try:
         server.run()

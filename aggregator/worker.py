@@ -38,7 +38,7 @@ from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
-from nefl.heap import freeze_startup
+from nefl.heap import freeze_startup, keep_freed_memory
 from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            WorkerRound, WorkerStatus)
 from nefl.mqtt import QOS, BrokerSettings, Connection
@@ -319,6 +319,7 @@ def run_until_signalled(build: Callable[[], Worker]) -> None:
 
     signal.signal(signal.SIGTERM, _term)
     one_per_process()
+    keep_freed_memory()
     freeze_startup()
     try:
         w.run()

@@ -1,4 +1,5 @@
-"""Start-up's objects out of the cyclic garbage collector's reach, for long-running commands.
+"""Memory settings for long-running commands: start-up's objects out of the cyclic garbage collector's reach,
+and (for the aggregator's processes) freed memory kept by malloc for the next message.
 
 A process that imported torch and the kit holds about 330,000 objects the collector tracks, and each full
 collection walks all of them (0.2 s here). An aggregator's stream of updates leaves enough survivors (each
@@ -11,6 +12,7 @@ command is set up, just before its loop.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 
@@ -18,3 +20,22 @@ def freeze_startup() -> None:
     """Collect start-up's garbage, then move every object still alive to the permanent generation."""
     gc.collect()
     gc.freeze()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+KEEP_FREED_BYTES = 1 << 30  # free memory at the top of a heap this large before glibc gives it back
+LARGEST_FROM_HEAP = 32 << 20  # allocations up to this come from malloc's heaps, not fresh mmaps (glibc's maximum)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the kernel, for a process
+    that receives a stream of updates: each message's buffer (hundreds of KiB to tens of MiB) was a fresh mmap, or
+    heap memory trimmed after the previous one was freed, so the kernel's copy into it took a page fault per page
+    (25,000 a second in an aggregator worker under the fleet load test; 5,000 with this). The process keeps its peak
+    heap. False where the C library is not glibc (nothing changed)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES)) and bool(mallopt(_M_MMAP_THRESHOLD, LARGEST_FROM_HEAP))

@@ -5,6 +5,7 @@ subscriber. The same attacks run over real mosquitto in tests/test_control_attac
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -171,3 +172,22 @@ def test_an_update_noticed_but_never_received_is_asked_for_again(tmp_path, layou
     for m in msgs:
         srv.handle(T.resend("c1"), m)
     assert r.received == {"c1"} and srv.resends.facts() == {"lost_to_unknown": 1, "resend_requested": ["c1"]}
+
+
+def test_a_notice_after_its_update_is_moot_and_not_even_verified(tmp_path, layout):
+    """On one connection a device's update arrives before its notice that it is out: the notice can change
+    nothing then, so the server spends no signature check on it (a forged one is not counted either)."""
+    srv, _ = server(tmp_path, layout)
+    dev = key()
+    join(srv, "c1", dev)
+    r = srv.fed.open_round(1)
+    srv.resends.open_round()
+    msgs = update(layout, "c1", dev)
+    for m in msgs:
+        srv.handle(T.update("c1"), m)
+    assert r.received == {"c1"}
+    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=parse_chunk(msgs[0]).header.digest)
+    with mock.patch("aggregator.server.verify", side_effect=AssertionError("verified a moot notice")):
+        srv.handle(T.sent("c1"), dev.sign(notice.to_json()))
+        srv.handle(T.sent("c1"), notice.to_json())  # unsigned, which is refused before its update
+    assert srv.fed.rejected == {} and srv.resends.noticed == {}
