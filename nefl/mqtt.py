@@ -23,6 +23,7 @@ from paho.mqtt.exception import MalformedPacket
 from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 
 QOS = 1
+PUBACK_HEAD = bytes((mqtt.PUBACK, 2))  # a PUBACK's fixed header: its message id follows
 
 
 class Transport(Protocol):
@@ -108,6 +109,8 @@ class Client(mqtt.Client):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # (topic, payload) of each QoS 0/1 PUBLISH, in place of on_message (which gets paho's message objects)
+        self.on_payload: Callable[[str, bytearray], None] | None = None
         self._ahead = bytearray(self.READ_AHEAD)
         self._ahead_at = self._ahead_end = 0  # bytes read ahead and not yet taken: _ahead[_ahead_at:_ahead_end]
         self._drain_only = False  # loop_read is taking what was read ahead: no new read-ahead
@@ -245,16 +248,38 @@ class Client(mqtt.Client):
         at = topic_end + (2 if qos else 0)
         if len(packet) < 2 or topic_end == 2 or at > len(packet):
             raise MalformedPacket("PUBLISH shorter than its topic and message id")
-        message = mqtt.MQTTMessage(mid=int.from_bytes(packet[topic_end:at], "big") if qos else 0,
-                                   topic=bytes(packet[2:topic_end]))
-        message.dup, message.qos, message.retain = bool(command & 0x08), qos, bool(command & 0x01)
+        mid = int.from_bytes(packet[topic_end:at], "big") if qos else 0
+        topic = bytes(packet[2:topic_end])
         del packet[:at]  # the payload is the packet's buffer itself, not a copy
-        message.payload = packet
-        message.timestamp = time.monotonic()
-        self._handle_on_message(message)
+        if self.on_payload is not None:
+            self._deliver(topic, packet)
+        else:
+            message = mqtt.MQTTMessage(mid=mid, topic=topic)
+            message.dup, message.qos, message.retain = bool(command & 0x08), qos, bool(command & 0x01)
+            message.payload = packet
+            message.timestamp = time.monotonic()
+            self._handle_on_message(message)
         if qos == 0 or self._manual_ack:
             return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
-        return self._send_puback(message.mid)
+        return self._send_puback(mid)
+
+    def _send_puback(self, mid: int) -> mqtt.MQTTErrorCode:
+        """paho's, without its debug log call and packing on the way."""
+        return self._packet_queue(mqtt.PUBACK, PUBACK_HEAD + mid.to_bytes(2, "big"), mid, 1)
+
+    def _deliver(self, topic: bytes, payload: bytearray) -> None:
+        """`on_payload(topic, payload)`, without paho's message object, topic matching and locks around its
+        callbacks (half the network thread's Python per message); a topic that is not UTF-8 is dropped (the
+        broker should never forward one), and a callback's exception is logged, as paho logs its callbacks'."""
+        try:
+            name = topic.decode("utf-8")
+        except UnicodeDecodeError:
+            self._easy_log(mqtt.MQTT_LOG_ERR, "dropped a PUBLISH whose topic is not UTF-8")
+            return
+        try:
+            self.on_payload(name, payload)
+        except Exception as err:  # noqa: BLE001  the network thread must go on, whatever a callback does
+            self._easy_log(mqtt.MQTT_LOG_ERR, "caught exception in on_payload: %s", err)
 
 
 def make_client(settings: BrokerSettings, client_id: str, will_topic: str | None, will_payload: bytes,
@@ -312,7 +337,7 @@ class Connection:
         self.client.on_connect = self._on_connect
         self.client.on_connect_fail = self._on_connect_fail
         self.client.on_disconnect = self._on_disconnect
-        self.client.on_message = lambda c, u, m: self._enqueue(m.topic, m.payload)  # bytes, or Client's bytearray
+        self.client.on_payload = self._enqueue  # the payload: the buffer it was received into
 
     def start(self) -> None:
         self.log.info(f"connecting to {self.settings.url}")

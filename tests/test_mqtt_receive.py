@@ -71,10 +71,13 @@ def publish_packet(qos: int, topic: bytes, payload: bytes, mid: int) -> bytes:
     return bytes([0x30 | (qos << 1)]) + bytes(length) + body
 
 
-def run(client: mqtt.Client, sock: Trickle, wrap=lambda s: s) -> tuple[list[tuple], list[int], str]:
-    """Read the whole stream: the messages (topic, mid, qos, retain, payload), the PUBACKs sent, and how it ended."""
+def run(client: mqtt.Client, sock: Trickle, wrap=lambda s: s, payloads: bool = False) -> tuple[list[tuple], list[int], str]:
+    """Read the whole stream: the messages (topic, mid, qos, retain, payload), the PUBACKs sent, and how it ended.
+    payloads: through Client.on_payload (topic and payload only), as nefl.mqtt.Connection takes them."""
     got, acked = [], []
     client.on_message = lambda c, u, m: got.append((m.topic, m.mid, m.qos, m.retain, bytes(m.payload), type(m.payload)))
+    if payloads:
+        client.on_payload = lambda topic, payload: got.append((topic, bytes(payload), type(payload)))
     client._send_puback = lambda mid: acked.append(mid) or mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
     client._sock = wrap(sock)
     end = "reads"
@@ -116,6 +119,26 @@ def test_the_receive_path_agrees_with_paho_on_any_stream(msgs, pieces, tail, fir
     got = run(ours(first_buffer), Trickle(stream, pieces))
     assert got == want
     assert [m[4] for m in got[0][:len(msgs)]] == [p for _, _, p, _ in msgs][:len(got[0])]
+    if all(is_utf8(t) for _, t, _, _ in msgs):  # else paho raises in its handler (the next test)
+        topics, acked, end = run(ours(first_buffer), Trickle(stream, pieces), payloads=True)
+        assert (acked, end) == want[1:]
+        assert topics == [(topic, payload, bytearray) for topic, _, _, _, payload in want[0]]  # in place, the same
+
+
+def is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_a_topic_that_is_not_utf8_is_dropped_and_the_stream_goes_on():
+    """paho's handler raises (out of its network loop); on_payload's path drops that message, acknowledges it
+    (QoS 1: the broker must not send it again) and takes the next."""
+    stream = publish_packet(1, b"\x80bad", b"x", 3) + publish_packet(1, b"a/b", b"y", 4)
+    assert run(stock(), Trickle(stream, [])) == ([], [], "raised UnicodeDecodeError")
+    assert run(ours(), Trickle(stream, []), payloads=True) == ([("a/b", b"y", bytearray)], [3, 4], "rc 7")
 
 
 def test_a_publish_payload_is_the_packet_buffer_itself():
@@ -288,3 +311,11 @@ def test_one_loop_read_returns_on_a_stream_that_never_pauses():
     c._sock = sock = Flood()
     assert c.loop_read() == mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
     assert sock.reads == 1 and len(handled) == 9_999 // 2
+
+
+def test_a_puback_is_the_packet_paho_would_queue():
+    queued = {}
+    for name, c in (("paho", stock()), ("ours", ours())):
+        c._packet_queue = lambda command, packet, mid, qos, info=None, name=name: queued.setdefault(name, (command, bytes(packet), mid, qos))
+        c._send_puback(0x1234)
+    assert queued["ours"] == queued["paho"]
