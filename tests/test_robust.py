@@ -371,3 +371,27 @@ def test_a_decoded_updates_norm_is_computed_once_and_again_after_a_write() -> No
     assert update_norm(wired) == pytest.approx(update_norm(delta), rel=1e-6)
     wired["b"][7] = math.inf
     assert update_norm(wired) == math.inf
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 30_000), st.sampled_from([1e-30, 1e-12, 1.0, 1e12, 1e19, 1e30]), st.integers(0, 2**32 - 1),
+       st.sampled_from(["contiguous", "transposed", "offset"]), st.sampled_from([None, "nan", "inf"]))
+def test_l2_norm_against_float64(n, scale, seed, layout, bad):
+    """The row-wise float32 norm against an exact float64 one, whatever the size (rows and a tail), the magnitude
+    (squares that overflow or underflow float32 take the float64 path), the layout (a view, an unaligned start) and
+    non-finite values (NaN or inf: the finite check)."""
+    from nefl.tensors import l2_norm
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n + 1, generator=g) * scale
+    t = {"contiguous": t[:n], "offset": t[1:], "transposed": t[:n - n % 2].view(2, -1).t() if n > 1 else t[:n]}[layout]
+    if bad:
+        t[(seed % t.shape[0],) + (0,) * (t.dim() - 1)] = float(bad)
+    want = float(torch.linalg.vector_norm(t.double()))
+    got = l2_norm(t)
+    if bad == "nan":
+        assert math.isnan(got)
+    elif bad == "inf":
+        assert got == math.inf
+    else:
+        assert got == pytest.approx(want, rel=1e-6)
