@@ -45,11 +45,13 @@ def measured_by(command: str, p: dict) -> str:
 
 
 def replace_section(out: Path, section: str, lines: list[str]) -> None:
-    """Replace a benchmark's `## ` section of a report (or append it), leaving the others alone."""
+    """Replace a benchmark's `## ` section of a report where it stands (or append it), leaving the others alone."""
     text = out.read_text() if out.exists() else "# System benchmarks\n"
     parts = re.split(r"(?m)^(?=## )", text)
-    kept = [p for p in parts if not p.startswith(section)]
-    out.write_text("".join(kept).rstrip() + "\n\n" + "\n".join(lines).rstrip() + "\n")
+    new = "\n".join(lines).rstrip() + "\n\n"
+    at = next((i for i, p in enumerate(parts) if p.startswith(section)), None)
+    parts = [*parts, new] if at is None else [*parts[:at], new, *parts[at + 1:]]
+    out.write_text("".join(p if p.endswith("\n\n") or p is parts[-1] else p.rstrip() + "\n\n" for p in parts).rstrip() + "\n")
 
 
 def write_section(doc: Path, start: str, end: str, lines: list[str]) -> None:
