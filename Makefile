@@ -6,7 +6,7 @@ FLOWER_VENV ?= .venv-flower
 FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env env-flower wheel system-deps test test-under-load test-fast demo demo-fedjigsaw bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
+.PHONY: env env-flower wheel system-deps test test-extended test-all test-under-load test-fast demo demo-fedjigsaw bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,16 +30,21 @@ wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (
 system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
-test: env env-flower system-deps  ## the whole test suite (about 25 minutes on 2 busy cores); the Flower tests run in .venv-flower (about 100 s)
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)  # the slowest tests listed: the suite must stay fast
+test: env env-flower system-deps  ## unit tests and a few end-to-end runs (about 12 minutes on 2 cores), then the Flower tests in .venv-flower (about 100 s)
+	$(PY) -m pytest -q --durations=15 -m "not extended" $(PYTEST_ARGS)  # the slowest tests listed: the suite must stay fast
 	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
 
-test-under-load: env env-flower system-deps  ## `make test` with two busy-loop processes beside it: the suite must hold on a loaded machine
-	scripts/with-busy-loops.sh $(MAKE) --no-print-directory test
+test-extended: env system-deps  ## the longer end-to-end runs `make test` leaves out (about 13 minutes on 2 cores)
+	$(PY) -m pytest -q --durations=15 -m extended $(PYTEST_ARGS)
+
+test-all: test test-extended  ## everything: what CI runs (about 25 minutes on 2 cores)
+
+test-under-load: env env-flower system-deps  ## `make test-all` with two busy-loop processes beside it: the suite must hold on a loaded machine
+	scripts/with-busy-loops.sh $(MAKE) --no-print-directory test-all
 
 test-fast: env  ## unit tests only (skips the end-to-end runs marked slow)
-	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs them'
+	@echo 'test-fast: deselecting tests marked slow (MQTT federations and attacks, wheel installs, long simulations and exports); `make test` runs a few of them, `make test-all` every one'
 	$(PY) -m pytest -q -m "not slow" -rs $(PYTEST_ARGS)
 
 demo: env system-deps  ## embedded broker + aggregator + 5 edge clients on Fashion-MNIST, then export + adaptive inference

@@ -32,7 +32,7 @@ MAX_LISTED = 200  # client ids listed in a server status; counts carry the rest
 # the largest MQTT message a publisher sends: tensor payloads are cut in chunks of it (nefl/wire.py), under
 # EMQX's 1 MB default; here, not in wire.py, so that command lines show it without importing torch. 1000 KiB, not
 # the 256 KiB it was: a resnet20 update is one message, not three, and plain `serve` under the fleet load test spent
-# 5.4-6.0 ms of CPU per MiB against 6.0-7.1 (the broker about the same, everything together 3-17% less: docs/scale.md)
+# 5.4-6.0 ms of CPU per MiB against 6.0-7.1, the broker about the same (docs/scale.md, "Seventh pass")
 DEFAULT_CHUNK_BYTES = 1000 * 1024
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"

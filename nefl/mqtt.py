@@ -100,7 +100,8 @@ class Client(mqtt.Client):
     byte of it is written by the socket before it is handed on; grown as bytes arrive, so a claimed length
     costs no memory before its bytes come). A QoS 0/1 PUBLISH (MQTT 3.1.1) hands on that same buffer, its
     topic and message id cut off the front (O(1) for a bytearray), writable, so an update's single chunk is
-    decoded in place. A packet the network thread queues itself (a PUBACK) does not wake that thread through
+    decoded in place; with `on_payload` set (a Connection sets it) as (topic, payload), without paho's message
+    object and callback machinery. A packet the network thread queues itself (a PUBACK) does not wake that thread through
     paho's socket pair: the loop's next select asks to write anyway. QoS 2 and MQTT 5 packets take paho's
     decoder, sockets without recv_into (websockets) paho's reader."""
 
@@ -338,6 +339,7 @@ class Connection:
         self.client.on_connect_fail = self._on_connect_fail
         self.client.on_disconnect = self._on_disconnect
         self.client.on_payload = self._enqueue  # the payload: the buffer it was received into
+        self.client.on_message = self._on_message  # what takes paho's decoder (QoS 2, which nothing here asks for)
 
     def start(self) -> None:
         self.log.info(f"connecting to {self.settings.url}")
@@ -354,6 +356,13 @@ class Connection:
         self.connected = False  # a disconnect we asked for is not a lost connection
         self.client.disconnect()
         self.client.loop_stop()
+
+    def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
+        try:
+            topic = message.topic
+        except UnicodeDecodeError:  # a hostile broker's: paho would raise it out of its network loop
+            return
+        self._enqueue(topic, message.payload)
 
     def _enqueue(self, topic: str, payload: bytes | bytearray) -> None:
         try:

@@ -108,7 +108,7 @@ def broker_setup(procs: Procs, port: int, acl: bool) -> tuple[list[str], dict[st
 
 @needs_mosquitto
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("acl", [False, True], ids=["anonymous", "acl"])
+@pytest.mark.parametrize("acl", [pytest.param(False, marks=pytest.mark.extended), True], ids=["anonymous", "acl"])
 def test_one_device_cannot_stop_or_spoil_the_federation(procs, tmp_path, acl):
     port = free_port()
     agg_broker, creds = broker_setup(procs, port, acl)

@@ -190,7 +190,7 @@ def one_thread():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("busy", [False, True], ids=["just-trained", "beside-a-cpu-hog"])
+@pytest.mark.parametrize("busy", [pytest.param(False, marks=pytest.mark.extended), True], ids=["just-trained", "beside-a-cpu-hog"])
 def test_a_device_takes_the_next_task_its_measured_step_time_fits(tmp_path, calibration, hog, one_thread, busy):
     if busy:
         hog(2)

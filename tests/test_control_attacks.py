@@ -102,6 +102,7 @@ def assert_state_sane(procs: Procs) -> None:
     assert all(bool(torch.isfinite(t).all()) and float(t.abs().max()) < 100 for t in state.values())
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("acl", [False, True], ids=["anonymous", "acl"])
@@ -131,6 +132,7 @@ def test_forged_workers_and_a_silent_subscriber_cost_at_most_a_resend(procs, acl
         assert counted.get("unauthorised_worker", 0) >= 1 and counted.get("bad_signature", 0) >= 1, counted
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("acl", [False, True], ids=["anonymous", "acl"])

@@ -346,6 +346,7 @@ def profile_toml(profile: Profile) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", [TINY_VIT, TINY_MBV2], ids=["vit", "mobilenetv2"])
@@ -381,6 +382,7 @@ def test_every_submodel_exports_to_onnx_with_parity(tmp_path: Path, monkeypatch:
 
 # -- a federation ----------------------------------------------------------------------------------------
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_mobilenet_federation_over_the_embedded_broker(procs, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from aggregator.federation import state_digest
 from nefl.checkpoint import load_checkpoint
+from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.profile import load_profile
 from nefl.state import GlobalState, Layout
 from nefl.topics import Topics
@@ -179,7 +180,7 @@ def bad_inputs(layout: Layout, round_: int, k: int) -> list[tuple[str, bytes, st
     other = (k + 1) % layout.num_submodels
     g = torch.Generator().manual_seed(0)
     return [
-        ("raw", bytes(2 << 20), "oversized"),
+        ("raw", bytes(4 * DEFAULT_CHUNK_BYTES + 1), "oversized"),  # the server takes 4 x its chunk size at most
         ("raw", b"NEFL\x02\x00\x00\x05\x00\x00\x00\x00{oops", "malformed_header"),
         ("raw", bytes(torch.randint(0, 256, (3000,), generator=g, dtype=torch.uint8).tolist()), "malformed_header"),
         ("raw", msg(federation="other"), "wrong_federation"),
@@ -273,6 +274,7 @@ def test_mosquitto_federation_learns_and_survives_bad_input(procs, tmp_path):
         assert f"rejected {reason}" in log
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.slow
 @pytest.mark.timeout(180)
@@ -297,6 +299,7 @@ def test_client_killed_mid_round_does_not_hold_the_round(procs, tmp_path):
     assert sorted(m[2]["reported"]) == ["c1", "c2"]  # the dead client is offline (last will) and not waited for
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.slow
 @pytest.mark.timeout(180)
@@ -322,6 +325,7 @@ def test_aggregator_killed_and_resumed_bit_identical(procs, tmp_path):
     assert sorted(m[3]["reported"]) == ["c1", "c2"]
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.slow
 @pytest.mark.timeout(180)

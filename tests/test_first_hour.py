@@ -32,6 +32,7 @@ def round_timeout() -> int:
     return max(15, math.ceil(needed))
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(1800)  # rounds stretch with the load: see round_timeout
 def test_two_identical_bare_joins_train_every_submodel(procs, tmp_path):
     timeout = round_timeout()

@@ -20,6 +20,7 @@ def _jigsaw(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_fedjigsaw_gets_every_client_above_chance_on_fashion_mnist(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -59,6 +59,7 @@ def rows(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_mosquitto
 def test_four_devices_over_mqtt_reproduce_the_simulator(tmp_path: Path) -> None:
@@ -110,6 +111,7 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory):
         procs.stop_all()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_mosquitto
 def test_a_device_that_goes_offline_mid_round_is_not_waited_for(hostile_run) -> None:
@@ -121,6 +123,7 @@ def test_a_device_that_goes_offline_mid_round_is_not_waited_for(hostile_run) -> 
     assert set(final) == {"d0", "d1", "d3"} and all(a > 0.1 for a in final.values()), final
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_mosquitto
 def test_a_poisoned_module_is_rejected_counted_and_its_source_unhurt(hostile_run) -> None:

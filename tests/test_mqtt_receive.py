@@ -319,3 +319,30 @@ def test_a_puback_is_the_packet_paho_would_queue():
         c._packet_queue = lambda command, packet, mid, qos, info=None, name=name: queued.setdefault(name, (command, bytes(packet), mid, qos))
         c._send_puback(0x1234)
     assert queued["ours"] == queued["paho"]
+
+
+def test_a_connection_takes_every_publish_a_hostile_broker_sends():
+    """QoS 0 and 1 through on_payload, QoS 2 (never subscribed to here) through paho's decoder: all reach the
+    inbox, and a topic that is not UTF-8 is dropped on either path without stopping the network loop."""
+    import logging
+
+    from nefl.mqtt import BrokerSettings, Connection
+
+    conn = Connection(BrokerSettings("127.0.0.1", 1), "t", None, b"", logging.getLogger("t"))
+    def qos2(topic: bytes, payload: bytes, mid: int) -> bytes:  # delivered once its PUBREL comes
+        return bytes([0x34]) + publish_packet(1, topic, payload, mid)[1:] + bytes([0x62, 2]) + mid.to_bytes(2, "big")
+
+    stream = b"".join([publish_packet(0, b"a/0", b"zero", 0), publish_packet(1, b"a/1", b"one", 5), qos2(b"a/2", b"two", 6),
+                       publish_packet(1, b"\xff/x", b"bad", 7), qos2(b"\xfe", b"bad", 8), publish_packet(1, b"a/3", b"three", 9)])
+    c = conn.client
+    c._send_puback = c._send_pubrec = c._send_pubcomp = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+    c._sock = Trickle(stream, [])
+    for _ in range(20):
+        c._sock.readable()
+        if c._packet_read() not in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN):
+            break
+    got = []
+    while not conn.inbox.empty():
+        topic, payload = conn.inbox.get_nowait()
+        got.append((topic, bytes(payload)))
+    assert got == [("a/0", b"zero"), ("a/1", b"one"), ("a/2", b"two"), ("a/3", b"three")]

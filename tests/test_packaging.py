@@ -143,6 +143,7 @@ def test_profile_list_fails_when_no_profile_is_found(tmp_path: Path, monkeypatch
     assert result.exit_code == 2 and "no profiles found" in result.output
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_small_install_runs_inference_without_torch(wheel: Path, exported: tuple[Path, Path], tmp_path: Path) -> None:

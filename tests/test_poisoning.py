@@ -21,6 +21,7 @@ def attacker(procs: Procs, broker: str, kind: str, scale: float = 9.0, first: in
                                 "--broker", broker, "--client-id", "evil", "--threads", "1", *client_args(3, 160, 5), *extra])
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.timeout(420)
 def test_a_flipped_scaled_delta_is_left_out_and_the_honest_ones_are_kept(procs, tmp_path):

@@ -86,6 +86,7 @@ def broker_args(port: int, procs) -> list[str]:
     return ["--broker", f"mqtt://127.0.0.1:{port}", "--federation", "t", "--checkpoint-dir", str(procs.tmp / "run")]
 
 
+@pytest.mark.extended
 def test_three_devices_swap_while_serving_and_a_slow_canary_is_rolled_back(procs, exports: dict[str, Path]) -> None:
     broker = free_port()
     procs.mosquitto(broker)

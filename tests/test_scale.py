@@ -223,6 +223,7 @@ def assert_state_matches(tmp, rounds: list[int]) -> None:
     assert worst <= 1e-6, worst
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.slow
 @pytest.mark.timeout(300)

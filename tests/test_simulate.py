@@ -47,6 +47,7 @@ def test_simulated_federation_replays_the_paper_draws_of_the_old_round_loop() ->
         fed.close_round()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # a few minutes on 2 quiet cores; margin for a machine loaded by other jobs
 @pytest.mark.skipif(not SYSTEM_FASHION_MNIST_DIR.exists(), reason="needs apt-get install dataset-fashion-mnist")
@@ -106,6 +107,7 @@ def test_device_errors_name_the_fix(monkeypatch) -> None:
     assert check_device("cpu") == torch.device("cpu")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 @pytest.mark.skipif(not SYSTEM_FASHION_MNIST_DIR.exists(), reason="needs apt-get install dataset-fashion-mnist")
