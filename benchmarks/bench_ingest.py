@@ -33,7 +33,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil  # noqa: E402
-import torch  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
 from aggregator.broker import MosquittoBroker  # noqa: E402
@@ -42,13 +41,15 @@ from aggregator.loadtest import device_delta  # noqa: E402
 from aggregator.partials import plan_bound, plan_screen  # noqa: E402
 from aggregator.worker import Worker, WorkerConfig  # noqa: E402
 from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
-from nefl.messages import WorkerRound  # noqa: E402
+from nefl.heap import keep_freed_memory  # noqa: E402
+from nefl.messages import DEFAULT_CHUNK_BYTES, WorkerRound  # noqa: E402
 from nefl.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
 from nefl.profile import load_profile  # noqa: E402
 from nefl.robust import reference_norm  # noqa: E402
 from nefl.robust_aggregate import Screened  # noqa: E402
 from nefl.signing import Signer  # noqa: E402
 from nefl.state import GlobalState, Layout  # noqa: E402
+from nefl.threads import one_per_process  # noqa: E402
 from nefl.topics import Topics  # noqa: E402
 from nefl.wire import encode  # noqa: E402
 
@@ -133,6 +134,7 @@ def ingest(profile_name: str, layout: Layout, messages: list, assignments: dict,
     w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"),
                Signer(Ed25519PrivateKey.generate()))
     w.on_plan(plan_for(layout, profile_name, assignments, keys, chunk_bytes))
+    messages = [(topic, bytearray(m)) for topic, m in messages]  # as nefl.mqtt.Client hands them on: writable, decoded in place
     t0 = time.thread_time()
     if prof is not None:
         prof.enable()
@@ -404,7 +406,7 @@ def spy_key(frame: str) -> str:
 def window_note(worker: list[dict]) -> str:
     """What a round's size does to the per-MiB cost: the centre check compares each arrival with up to
     `Screened.compare` earlier sketches, while each round's fixed costs fall on fewer bytes in a small one."""
-    rows = sorted((r for r in worker if r["profile"] == "resnet20-fmnist-w" and r["chunk_bytes"] == 4 << 20),
+    rows = sorted((r for r in worker if r["profile"] == "resnet20-fmnist-w" and r["chunk_bytes"] == DEFAULT_CHUNK_BYTES),
                   key=lambda r: r["devices"])
     small, big = rows[0], rows[-1]
     centre = "centre check (sketch, direction vote)"
@@ -478,17 +480,19 @@ def main() -> None:
     ap.add_argument("--py-spy", action="append", default=[], metavar="LABEL=RAW",
                     help="summarise a py-spy raw profile of a process in the report (repeatable)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    one_per_process()  # as `aggregator worker` runs: torch and the BLAS on one thread, freed memory kept for the next message
+    keep_freed_memory()
     quick = args.quick
-    runs = [("resnet20-fmnist-w", 8 if quick else 40, None, 256 << 10), ("resnet20-fmnist-w", 8 if quick else 40, None, 4 << 20),
-            ("resnet18-cifar10-wd", 1 if quick else 3, 4, 256 << 10), ("resnet18-cifar10-wd", 1 if quick else 3, 4, 4 << 20),
-            ("resnet20-fmnist-w", 40 if quick else 400, None, 4 << 20)]  # the fleet load test's round: a full comparison window
+    r20, r18, window = (8, 1, 40) if quick else (40, 3, 400)
+    runs = [("resnet20-fmnist-w", r20, None, 256 << 10), ("resnet20-fmnist-w", r20, None, DEFAULT_CHUNK_BYTES),
+            ("resnet18-cifar10-wd", r18, 4, DEFAULT_CHUNK_BYTES), ("resnet18-cifar10-wd", r18, 4, 4 << 20),
+            ("resnet20-fmnist-w", window, None, DEFAULT_CHUNK_BYTES)]  # the fleet load test's round: a full comparison window
     data: dict = {"worker": []}
     for profile, devices, k, chunk in runs:
         data["worker"].append(worker_profile(profile, devices, chunk, k))
         print(json.dumps(data["worker"][-1]), flush=True)
     if not args.worker_only:
-        data["receive"] = receive_path(32 if quick else 192, [256 << 10, 4 << 20])
+        data["receive"] = receive_path(32 if quick else 192, [256 << 10, DEFAULT_CHUNK_BYTES, 4 << 20])
         data["hashes"] = hashes()
         data["upload"] = device_upload()
     data["spy"] = {label: spy_summary(Path(raw)) for label, raw in (a.split("=", 1) for a in args.py_spy)}

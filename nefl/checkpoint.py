@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from nefl.fsio import atomic_write, fsync_dir, fsync_file
 from nefl.profile import Profile, ProfileError, load_profile
 from nefl.state import GlobalState, Layout, all_finite
+from nefl.wire import encode_tensors
 
 STATE_FILE, META_FILE, PROFILE_FILE, ROUND_METRICS_FILE = "state.safetensors", "meta.json", "profile.toml", "metrics.json"
 POINTER_FILE, SNAPSHOTS_DIR, METRICS_FILE = "CURRENT", "checkpoints", "metrics.jsonl"
@@ -113,7 +114,7 @@ def _next_name(snapshots: Path) -> str:
 def _snapshot_files(state: GlobalState, layout: Layout, meta: dict[str, Any],
                     metrics: dict[str, Any] | None) -> dict[str, Callable[[Path], None]]:
     """The snapshot's writers, with the JSON already serialised: a value json can't take fails before the disk is touched."""
-    flat = {k: v.contiguous() for k, v in state.flat().items()}
+    flat = state.flat()
     full_meta = {**meta, "profile": layout.profile.name, "profile_hash": profile_hash(layout), "method": layout.method.name}
     texts = {META_FILE: json.dumps(full_meta, indent=2)}
     profile_src = Path(layout.profile.source)
@@ -121,7 +122,7 @@ def _snapshot_files(state: GlobalState, layout: Layout, meta: dict[str, Any],
         texts[PROFILE_FILE] = profile_src.read_text()
     if metrics is not None:
         texts[ROUND_METRICS_FILE] = _metrics_line(metrics)
-    files: dict[str, Callable[[Path], None]] = {STATE_FILE: lambda p: save_file(flat, str(p))}
+    files: dict[str, Callable[[Path], None]] = {STATE_FILE: lambda p: p.write_bytes(encode_tensors(flat, None))}
     for name, text in texts.items():
         files[name] = lambda p, text=text: p.write_text(text)
     return files

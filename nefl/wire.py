@@ -167,6 +167,15 @@ def merkle_root_of(data: bytes | memoryview, index: int, count: int, proof: memo
 _ST_DTYPES = {"fp32": ("F32", 4), "fp16": ("F16", 2)}
 
 
+@functools.cache
+def _st_names() -> dict[torch.dtype, str]:
+    """safetensors' name of each torch dtype a tensor file may hold (torch imported on first use)."""
+    import torch
+
+    return {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+            torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
 class _StEntry(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str
     shape: list[Annotated[int, msgspec.Meta(ge=0)]]
@@ -181,32 +190,44 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "fp16": torch.float16}[name]
 
 
-def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str = "fp32") -> bytearray:
-    """A safetensors file of `tensors` (sorted by name, data 8-byte aligned), written with one copy of
-    the tensor data: what `safetensors.torch.load` reads, built without its two intermediate copies."""
+def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str | None = "fp32") -> bytearray:
+    """A safetensors file of `tensors` in `dtype` ("fp32", "fp16"; None: each tensor's own, as a checkpoint
+    keeps them), written with one copy of the tensor data: what `safetensors.torch.load` reads, built without
+    its two intermediate copies. Data 8-byte aligned, wider dtypes first, then by name (so each tensor is
+    aligned to its width; of one dtype, the bytes safetensors writes). Tensors that need no cast are copied by
+    one numpy concatenation into the buffer: 488 tensors (resnet20-fmnist-w's state) took 3.0 ms one torch
+    copy at a time, 2.1 ms so, and safetensors' own `save_file` 8.4 ms. numpy, not torch.cat: a process forked
+    after torch's thread pool ran (the checkpoint tests' crashing writer) hangs in its next parallel operation."""
     import torch
 
-    want = _torch_dtype(dtype)
-    st_dtype, item = _ST_DTYPES[dtype]
-    names = sorted(tensors)
+    want, st_names = None if dtype is None else _torch_dtype(dtype), _st_names()
+    kind = {n: want or t.dtype for n, t in tensors.items()}
+    if unnamed := sorted(n for n, k in kind.items() if k not in st_names):
+        raise ValueError(f"tensor(s) {unnamed} of a dtype safetensors has no name for")
+    names = sorted(tensors, key=lambda n: (-kind[n].itemsize, n))  # wider first: each tensor aligned to its own width
     header: dict[str, Any] = {}
     offset = 0
     for n in names:
-        size = tensors[n].numel() * item
-        header[n] = {"dtype": st_dtype, "shape": list(tensors[n].shape), "data_offsets": [offset, offset + size]}
+        size = tensors[n].numel() * kind[n].itemsize
+        header[n] = {"dtype": st_names[kind[n]], "shape": list(tensors[n].shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = msgspec.json.encode(header)
     head += b" " * (-(8 + len(head)) % 8)
     out = bytearray(8 + len(head) + offset)
     out[:8] = struct.pack("<Q", len(head))
     out[8:8 + len(head)] = head
-    if offset:
-        flat = torch.frombuffer(out, dtype=torch.uint8, offset=8 + len(head)).view(want)
-        at = 0
-        for n in names:
-            t = tensors[n].detach()
-            flat[at:at + t.numel()].view(t.shape).copy_(t)
-            at += t.numel()
+    if not offset:
+        return out
+    if all(tensors[n].dtype == kind[n] for n in names):  # no cast: each tensor's bytes, laid end to end by numpy
+        np.concatenate([tensors[n].detach().reshape(-1).view(torch.uint8).numpy() for n in names],
+                       out=np.frombuffer(out, dtype=np.uint8, offset=8 + len(head)))
+        return out
+    body = torch.frombuffer(out, dtype=torch.uint8, offset=8 + len(head))
+    at = 0
+    for n in names:
+        size = tensors[n].numel() * kind[n].itemsize
+        body[at:at + size].view(kind[n]).copy_(tensors[n].detach().reshape(-1))
+        at += size
     return out
 
 
