@@ -218,7 +218,7 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str | None = "fp32")
     out[8:8 + len(head)] = head
     if not offset:
         return out
-    if all(tensors[n].dtype == kind[n] for n in names):  # no cast: each tensor's bytes, laid end to end by numpy
+    if all(tensors[n].dtype == kind[n] and tensors[n].device.type == "cpu" for n in names):  # no cast: numpy lays them end to end
         np.concatenate([tensors[n].detach().reshape(-1).view(torch.uint8).numpy() for n in names],
                        out=np.frombuffer(out, dtype=np.uint8, offset=8 + len(head)))
         return out
