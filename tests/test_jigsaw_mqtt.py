@@ -90,7 +90,10 @@ def test_four_devices_over_mqtt_reproduce_the_simulator(tmp_path: Path) -> None:
             assert set(mine) == set(twin)
             assert all(torch.equal(mine[k], twin[k]) for k in twin), c  # one torch thread on both sides: same float order
         moved = {k: sum(r["bytes"].get(k, 0) for r in got) for k in ("module_out", "module_in", "return_out", "return_in")}
-        assert moved["module_out"] == moved["module_in"] > 0 and moved["return_out"] == moved["return_in"] > 0, moved
+        # each side counts what it sent or received into its next report: a source that reported its last round before
+        # a borrower's final fetch reached it (a fast host) never reports those module bytes, nor a return that came
+        # after its last report; the receiving side of a module and the sending side of a return always report first
+        assert 0 < moved["module_out"] <= moved["module_in"] and 0 < moved["return_in"] <= moved["return_out"], moved
     finally:
         procs.stop_all()
 
