@@ -27,7 +27,7 @@ from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError, load_profile
 from nefl.signing import Signer
 from nefl.threads import one_per_process
-from nefl.topics import check_name
+from nefl.topics import WORKER_GROUP, check_name
 
 log = logging.getLogger("aggregator.worker")
 
@@ -62,7 +62,9 @@ def worker_command(
                                          "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
     federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
     worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
-    group: str = typer.Option("nefl-workers", help="Shared-subscription group: the broker spreads updates over its members."),
+    group: str = typer.Option(WORKER_GROUP, help="Shared-subscription group: the broker spreads updates over its members. On "
+                              "a broker that devices reach, make it a secret (a device in the group takes away its "
+                              "share of the updates, even under an ACL)."),
     shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
                                 "broker without shared subscriptions)."),
     server_key: CoordinatorKeyOption = None,

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ from nefl.robust_aggregate import AggregationConfig
 from nefl.signing import Signer, parse_public_key, verify
 from nefl.state import GlobalState, Layout
 from nefl.threads import one_per_process
-from nefl.topics import Topics, check_name
+from nefl.topics import WORKER_GROUP, Topics, check_name
 from nefl.wire import Reassembler, WireError, encode, parse_chunk
 
 log = logging.getLogger("aggregator.worker")
@@ -59,7 +60,10 @@ EARLY_MESSAGES = 10_000  # update chunks held while their round's plan is on its
 class WorkerConfig:
     federation: str = "default"
     worker_id: str = "worker-1"
-    group: str = "nefl-workers"
+    # a device that joins the group (mosquitto's acl_file grants any subscription) takes its share of updates
+    # away: the broker drops them for want of read access, or hands them to it. Name it as a secret on a broker
+    # devices reach; `serve --workers N` draws one per run
+    group: str = WORKER_GROUP
     shared: bool = True  # False: a lone worker (or a relay) takes update/+ itself
     server_key: str | None = None  # verify the coordinator's round plans and close requests
     receipt_linger_s: float = 0.02  # a receipt waits this long for others to share its signature and publish
@@ -337,8 +341,10 @@ def start_local_workers(n: int, settings: BrokerSettings, federation: str, serve
                         log_level: str = "info") -> list[subprocess.Popen]:
     """`aggregator serve --workers N`: N worker processes on this host, sharing the update stream
     (a lone worker takes it unshared, which also works on brokers without shared subscriptions); each
-    signs with its key in `keys`, which the caller authorised."""
+    signs with its key in `keys`, which the caller authorised. Their group name is drawn at random, so a
+    device cannot join their shared subscription and make the broker drop its share of the updates."""
     env = {**os.environ, "NEFL_SERVER_KEY": server_key}
+    group = f"{WorkerConfig.group}-{secrets.token_hex(8)}"
     if settings.username:
         env.update({ENV_USERNAME: settings.username, ENV_PASSWORD: settings.password or ""})
     tls = [f"--{flag}={value}" for flag, value in (("ca-cert", settings.ca_cert), ("certfile", settings.certfile),
@@ -346,7 +352,7 @@ def start_local_workers(n: int, settings: BrokerSettings, federation: str, serve
     return [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "worker",
                               "--broker", settings.url, "--federation", federation, "--worker-id", wid,
                               "--key", str(keys.worker_key_path(wid)), "--shared" if n > 1 else "--no-shared",
-                              "--log-level", log_level, *tls], env=env)
+                              "--group", group, "--log-level", log_level, *tls], env=env)
             for wid in local_worker_ids(n, federation)]
 
 

@@ -60,6 +60,9 @@ WORKER_KINDS = ("status", "receipt", "partial", "summary", "forward")
 JIGSAW_KINDS = ("hello", "done", "report", "advice", "meta", "fetch", "module", "return")
 
 
+WORKER_GROUP = "nefl-workers"  # the workers' shared-subscription group unless told another (a secret one: docs/security.md)
+
+
 def check_name(kind: str, value: str) -> str:
     """Federation and client ids become topic levels, so wildcards and slashes are refused."""
     if not _NAME.fullmatch(value):
