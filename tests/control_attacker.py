@@ -34,7 +34,7 @@ from nefl.messages import (Announce, ClientStatus, PartialSummary, Receipt, Rece
 from nefl.profile import load_profile
 from nefl.signing import Signer, split_signed
 from nefl.state import Layout
-from nefl.topics import Topics
+from nefl.topics import WORKER_GROUP, Topics
 from nefl.wire import encode, parse_chunk
 
 
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--broker", required=True)
     ap.add_argument("--federation", default="t")
     ap.add_argument("--profile", default="resnet8-fmnist-w")
-    ap.add_argument("--group", default="nefl-workers")
+    ap.add_argument("--group", default=WORKER_GROUP)
     ap.add_argument("--workers", nargs="*", default=["t-w1", "t-w2"])
     ap.add_argument("--client-id", default="evil")
     ap.add_argument("--username")
