@@ -19,11 +19,13 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
+from tests.control_attacker import workers_group
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"
@@ -54,8 +56,8 @@ ATTACKS = [
            "plain", (("@forge-workers",),)),
     Attack("forged partial + summary (--workers 2)", "merged: every submodel at 0.10, |w| 4.26e3, bound history 1e-9; "
            "rounds 6-8 committed nothing", "workers", (("@forge-workers",),), workers=2),
-    Attack("silent $share member (--workers 2)", "8 of 16 honest updates swallowed, each round ran to its 20 s timeout",
-           "workers", (("silent",),), workers=2),
+    Attack("silent $share member who knows the group (--workers 2)", "8 of 16 honest updates swallowed, each round ran "
+           "to its 20 s timeout", "workers", (("@silent",),), workers=2),
     Attack("12,000 made-up ids", "rounds 4-7 drew only fake ids and committed nothing; honest clients trained 3 of 7 rounds",
            "plain", (("flood", "12000"),)),
     Attack("victim's id claimed first + 20,000 signed announces", "victim locked out for good (key_mismatch); 13,732 ids "
@@ -138,9 +140,7 @@ def federation(attack: Attack | None, control: str, rounds: int, work: Path) -> 
             f.by_key(c, work / "cache")
         steps = attack.steps if attack else ()
         for step in (s for s in steps if not s[0].startswith("@")):
-            p = f.attacker(step[0], *step)
-            if step[0] != "silent":
-                p.wait(600)
+            f.attacker(step[0], *step).wait(600)
         if attack is not None and attack.resume:
             f.attacker("capture", "capture", str(work / "old-run.json"))
             first = f.serve("agg", rounds - 2, 2, 0)
@@ -162,7 +162,7 @@ def federation(attack: Attack | None, control: str, rounds: int, work: Path) -> 
             agg = f.serve("agg", rounds, 3 if third else 2, workers)
             _wait_for(work / "agg.log", "waiting for clients")
             for step in (s for s in steps if s[0].startswith("@")):
-                f.attacker(step[0][1:], step[0][1:], *step[1:])
+                f.attacker(step[0][1:], step[0][1:], *step[1:], *_insider(step[0][1:], agg))
             for c in HONEST:
                 f.device(c, *(("--join-token", tokens[c]) if c in tokens else ()))
             if third:  # the attacker, or in its control the same device honest
@@ -173,8 +173,20 @@ def federation(attack: Attack | None, control: str, rounds: int, work: Path) -> 
         f.run.stop()
 
 
+def _insider(attack: str, agg: subprocess.Popen) -> tuple[str, ...]:
+    """A silent member in the default group would get its own copy and take nothing from the workers (serve
+    draws a secret group per run), so it is given the group as an insider would know it: read off a worker."""
+    if attack != "silent":
+        return ()
+    end = time.monotonic() + 60
+    while (group := workers_group(agg)) is None and time.monotonic() < end:
+        time.sleep(0.3)
+    if group is None:
+        raise RuntimeError("serve started no worker with a --group after 60 s")
+    return ("--group", group)
+
+
 def _wait_for(log: Path, text: str, timeout: float = 300) -> None:
-    import time
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if log.exists() and text in log.read_text():

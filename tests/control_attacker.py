@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import psutil
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -187,6 +189,15 @@ class Attacker:
                 time.sleep(1)
         self.c.disconnect()
         self.c.loop_stop()
+
+
+def workers_group(serve: subprocess.Popen) -> str | None:
+    """The shared-subscription group `serve --workers` drew, from a worker's command line (an insider's knowledge)."""
+    for child in psutil.Process(serve.pid).children():
+        cmd = child.cmdline()
+        if "--group" in cmd:
+            return cmd[cmd.index("--group") + 1]
+    return None
 
 
 def main() -> None:

@@ -23,13 +23,13 @@ import json
 import subprocess
 import sys
 
-import psutil
 import pytest
 import torch
 
 from nefl.checkpoint import load_checkpoint
 from nefl.signing import Signer
 from nefl.tokens import fingerprint
+from tests.control_attacker import workers_group
 from tests.test_attacks import ACL, PASSWORD
 from tests.test_federation import Procs, finish, free_port, metrics, needs_mosquitto, wait_for
 
@@ -139,15 +139,6 @@ def test_forged_workers_and_a_silent_subscriber_cost_at_most_a_resend(procs, acl
         forged = report(procs, "forger")
         assert forged.get("receipts_forged", 0) and forged.get("partials_forged", 0)
         assert counted.get("unauthorised_worker", 0) >= 1 and counted.get("bad_signature", 0) >= 1, counted
-
-
-def workers_group(agg) -> str | None:
-    """The shared-subscription group `serve --workers` drew, from a worker's command line (an insider's knowledge)."""
-    for child in psutil.Process(agg.pid).children():
-        cmd = child.cmdline()
-        if "--group" in cmd:
-            return cmd[cmd.index("--group") + 1]
-    return None
 
 
 @pytest.mark.extended
