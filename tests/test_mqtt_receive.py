@@ -4,6 +4,8 @@ as a live stream delivers them (a few bytes at a time, or in bursts), and hostil
 
 from __future__ import annotations
 
+import threading
+
 import paho.mqtt.client as mqtt
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -174,7 +176,6 @@ def test_the_receive_path_over_tls(tmp_path):
     import datetime
     import socket
     import ssl
-    import threading
     import time
 
     from cryptography import x509
@@ -270,8 +271,6 @@ class CountingPair:
 def test_a_packet_the_network_thread_queues_does_not_wake_it():
     """A PUBACK queued while reading is written on the loop's next turn (select asks to write when packets
     wait); only another thread's packet needs the socket pair's wake-up."""
-    import threading
-
     c = ours()
     c._sockpairW = pair = CountingPair()
     c._thread = threading.current_thread()
@@ -346,3 +345,35 @@ def test_a_connection_takes_every_publish_a_hostile_broker_sends():
         topic, payload = conn.inbox.get_nowait()
         got.append((topic, bytes(payload)))
     assert got == [("a/0", b"zero"), ("a/1", b"one"), ("a/2", b"two"), ("a/3", b"three")]
+
+
+class Sink:
+    """A socket's send side that takes at most `piece` bytes a call, and notes what kind of buffer it was given."""
+
+    def __init__(self, piece: int) -> None:
+        self.piece, self.sent, self.kinds = piece, bytearray(), set()
+
+    def send(self, buffer) -> int:
+        self.kinds.add(type(buffer))
+        self.sent += bytes(buffer[:self.piece])
+        return min(self.piece, len(buffer))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_large_packet_goes_out_in_pieces_without_copying_its_rest():
+    """paho's writer sends `packet[pos:]` after each partial send, a copy of the rest of a bytes packet (quadratic in
+    a 42.7 MiB update); queued as a view, each send is handed a slice of the packet itself, and the bytes that go
+    out are the packet's."""
+    packet = bytes(range(256)) * 4000
+    c = ours()
+    c._sock = sink = Sink(piece=7_777)
+    c._thread = threading.Thread(target=lambda: None)  # queued from another thread: written when the loop writes
+    c._sockpairW = CountingPair()
+    c._packet_queue(mqtt.PUBLISH, packet, 1, 1)
+    for _ in range(1000):
+        if not c._out_packet:
+            break
+        c._packet_write()
+    assert bytes(sink.sent) == packet and sink.kinds == {memoryview}

@@ -373,18 +373,30 @@ def test_a_decoded_updates_norm_is_computed_once_and_again_after_a_write() -> No
     assert update_norm(wired) == math.inf
 
 
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `t` whose data starts 2 bytes past a 4-byte boundary."""
+    raw = np.zeros(4 * t.numel() + 6, dtype=np.uint8)
+    start = 2 + (-raw.ctypes.data) % 4
+    view = torch.from_numpy(raw[start:start + 4 * t.numel()]).view(torch.float32)
+    view.copy_(t.reshape(-1))
+    assert view.data_ptr() % 4 == 2
+    return view
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 30_000), st.sampled_from([1e-30, 1e-12, 1.0, 1e12, 1e19, 1e30]), st.integers(0, 2**32 - 1),
-       st.sampled_from(["contiguous", "transposed", "offset"]), st.sampled_from([None, "nan", "inf"]))
+       st.sampled_from(["contiguous", "transposed", "offset", "misaligned"]), st.sampled_from([None, "nan", "inf"]))
 def test_l2_norm_against_float64(n, scale, seed, layout, bad):
     """The row-wise float32 norm against an exact float64 one, whatever the size (rows and a tail), the magnitude
-    (squares that overflow or underflow float32 take the float64 path), the layout (a view, an unaligned start) and
+    (squares that overflow or underflow float32 take the float64 path), the layout (a view, a start one element
+    in, a buffer at an address that is no multiple of 4, as an update decoded in place from an MQTT packet) and
     non-finite values (NaN or inf: the finite check)."""
     from nefl.tensors import l2_norm
 
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(n + 1, generator=g) * scale
-    t = {"contiguous": t[:n], "offset": t[1:], "transposed": t[:n - n % 2].view(2, -1).t() if n > 1 else t[:n]}[layout]
+    t = {"contiguous": t[:n], "offset": t[1:], "transposed": t[:n - n % 2].view(2, -1).t() if n > 1 else t[:n],
+         "misaligned": misaligned(t[:n])}[layout]
     if bad:
         t[(seed % t.shape[0],) + (0,) * (t.dim() - 1)] = float(bad)
     want = float(torch.linalg.vector_norm(t.double()))

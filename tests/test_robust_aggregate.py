@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from nefl.aggregate import NeFedAvg
 from nefl.robust_aggregate import (AggregationConfig, AggregationRule, Screened, Sketch, coordinate_median, coverage_cells,
-                                   shared_core, trimmed_mean)
+                                   distinct_sample, shared_core, trimmed_mean)
 from nefl.state import GlobalState, Layout
 from tests.helpers import off_the_wire, random_ladder, tiny_profile
 from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates
@@ -404,6 +404,24 @@ def test_the_sketch_of_a_decoded_update_is_the_sketch_of_its_tensors(seed: int) 
         for k in range(layout.num_submodels):
             delta = {n: torch.randn(s) for n, s in layout.upload_shapes(k).items()}
             assert torch.equal(sketch(off_the_wire(delta)), sketch(delta))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 50), st.integers(0, 2**32 - 1))
+def test_the_sketch_picks_distinct_sorted_positions_in_range(total: int, size: int, seed: int) -> None:
+    picked = distinct_sample(total + size, size, torch.Generator().manual_seed(seed))
+    assert picked.numel() == size and bool((picked[1:] > picked[:-1]).all())
+    assert 0 <= int(picked[0]) and int(picked[-1]) < total + size
+
+
+def test_the_sketch_samples_positions_uniformly() -> None:
+    """Every position equally likely, in the branch that draws with replacement (total >= 4 x size): a chi-square
+    test of 40,000 draws of 5 of 40 positions (39 degrees of freedom; 72 is its 0.999 quantile)."""
+    counts = torch.zeros(40)
+    for seed in range(40_000):
+        counts[distinct_sample(40, 5, torch.Generator().manual_seed(seed))] += 1
+    expected = 40_000 * 5 / 40
+    assert float(((counts - expected) ** 2 / expected).sum()) < 72
 
 
 def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
