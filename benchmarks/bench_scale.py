@@ -321,6 +321,14 @@ def cpu_per_mib(r: dict, role: str, kind: str | None = None) -> float:
     return cpu_per_update(r, role, kind) * max(1, r["updates"]) / max(1e-9, r["mib_measured"])
 
 
+def pairs_note(ingest: dict) -> str:
+    """Each alternating pair's ratio, where the run measured pairs (earlier runs: one of each)."""
+    pairs = ingest.get("broker_pairs")
+    if not pairs:
+        return ""
+    return f" ({len(pairs)} alternating pairs pooled; each pair {', '.join(f'{e / x:.2f}x' for x, e in pairs)})"
+
+
 def per_mib(ingest: dict) -> list[str]:
     """The ingest paragraphs: worker and plain serve against mosquitto per MiB, embedded against external."""
     one, large, plain = ingest["one_worker"], ingest["large"], ingest["plain"]
@@ -342,10 +350,10 @@ def per_mib(ingest: dict) -> list[str]:
         "Where that time goes, function by function: the \"Ingest profile\" section.",
         "",
         f"**Embedded broker.** `serve` without `--broker` starts mosquitto as its child (aggregator/broker.py); with "
-        f"{embedded['devices']} devices and no workers it ingested {embedded['mib_per_s']:.1f} MiB/s "
+        f"{embedded['devices']} devices and no workers, rounds 2-{embedded['rounds']}, it ingested {embedded['mib_per_s']:.1f} MiB/s "
         f"({embedded['updates_per_s']:.1f} updates/s) against {external['mib_per_s']:.1f} MiB/s "
         f"({external['updates_per_s']:.1f} updates/s) on an external mosquitto in the same run: "
-        f"{embedded['mib_per_s'] / external['mib_per_s']:.2f}x. Where no mosquitto is installed it falls back to amqtt "
+        f"{embedded['mib_per_s'] / external['mib_per_s']:.2f}x{pairs_note(ingest)}. Where no mosquitto is installed it falls back to amqtt "
         "(about a tenth of mosquitto's throughput: the \"Wire\" section).",
         "",
     ]
@@ -495,6 +503,18 @@ def run_stages(s: Setting, names: list[str]) -> None:
                               "updates_per_s": round(r["updates_per_s"], 1), "load": load_average()}), flush=True)
 
 
+BROKER_PAIRS = 2  # embedded against external mosquitto, each over 3 x the rounds
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Runs of one configuration as one: rates over all their measured rounds (no CPU figures: not summed)."""
+    wall = sum(sum(r["round_wall_s"]) for r in runs)
+    first = {k: v for k, v in runs[0].items() if k not in ("cpu_s", "thread_cpu_s", "peak_rss_mib")}
+    return {**first, "updates": sum(r["updates"] for r in runs), "mib_measured": sum(r["mib_measured"] for r in runs),
+            "updates_per_s": sum(r["updates"] for r in runs) / wall,
+            "mib_per_s": sum(r["mib_measured"] for r in runs) / wall, "runs": len(runs)}
+
+
 def measure(s: Setting) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         results = []
@@ -503,10 +523,19 @@ def measure(s: Setting) -> dict:
             d.mkdir()
             results.append(federation(s, w, s.devices, s.fleet_procs, d))
             print(json.dumps(results[-1]), flush=True)
-        ingest = {"one_worker": next(r for r in results if r["workers"] == 1),
-                  "external": next(r for r in results if r["workers"] == 0)}
-        for name, kw in (("embedded", dict(workers=0, devices=s.devices, fleet_procs=s.fleet_procs, embedded=True)),
-                         ("plain", STAGES["plain"](s)), ("large", STAGES["large"](s))):
+        ingest = {"one_worker": next(r for r in results if r["workers"] == 1)}
+        pairs = []
+        for n in range(BROKER_PAIRS):  # alternately: a few seconds of rounds left the ratio 0.68-1.07x between runs
+            pair = []
+            for embedded in (False, True):
+                d = Path(tmp) / f"broker-{n}-{'embedded' if embedded else 'external'}"
+                d.mkdir()
+                pair.append(federation(s, 0, s.devices, s.fleet_procs, d, embedded=embedded, rounds=3 * s.rounds))
+                print(json.dumps(pair[-1]), flush=True)
+            pairs.append(pair)
+        ingest["external"], ingest["embedded"] = (pooled([p[i] for p in pairs]) for i in (0, 1))
+        ingest["broker_pairs"] = [[p[0]["mib_per_s"], p[1]["mib_per_s"]] for p in pairs]
+        for name, kw in (("plain", STAGES["plain"](s)), ("large", STAGES["large"](s))):
             d = Path(tmp) / name
             d.mkdir()
             ingest[name] = federation(s, tmp=d, **kw)
