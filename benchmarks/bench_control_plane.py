@@ -146,7 +146,7 @@ def federation(attack: Attack | None, control: str, rounds: int, work: Path) -> 
             first = f.serve("agg", rounds - 2, 2, 0)
             for c in HONEST:
                 f.device(c, "--join-token", tokens[c])
-            f.run.watch(first, 60 * rounds + 300)
+            f.run.finish(first, 60 * rounds + 300)
             fresh = work / "fresh-cache"
             for c in HONEST:  # fresh devices, as the issue's, that know the server key
                 f.by_key(c, fresh)
@@ -167,7 +167,7 @@ def federation(attack: Attack | None, control: str, rounds: int, work: Path) -> 
                 f.device(c, *(("--join-token", tokens[c]) if c in tokens else ()))
             if third:  # the attacker, or in its control the same device honest
                 f.device("mal", "--join-token", f.cli("enroll", "mal"), attack=("scaled-flip", "1e30", "1") if attack else ())
-        f.run.watch(agg, 60 * rounds + 600)
+        f.run.finish(agg, 60 * rounds + 600)
         return f.metrics(), f.reports()
     finally:
         f.run.stop()

@@ -140,6 +140,13 @@ class Run:
             threads.setdefault(role, {})[kind] = spent
         return {"peak_rss_mib": peak, "cpu_s": cpu, "thread_cpu_s": threads}
 
+    def finish(self, until: subprocess.Popen, timeout_s: float) -> None:
+        """Wait for `until` to exit, sampling nothing (benchmarks that judge outcomes, not CPU)."""
+        try:
+            until.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"run did not finish in {timeout_s}s; logs in {self.tmp}") from None
+
     def stop(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:

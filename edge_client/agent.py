@@ -180,6 +180,11 @@ class Agent:
             return
         else:
             msg = cls.from_json(verify(payload, self.pin.key))
+            if msg.federation == self.cfg.federation and msg.incarnation > self.incarnation:
+                # a newer run of the pinned server whose status has not reached this device yet (a replayed old
+                # status came first, or the task overtook it): taken once that status is adopted
+                self.held[topic] = payload
+                return
             if msg.federation != self.cfg.federation or msg.run != self.run_id or msg.incarnation != self.incarnation:
                 raise MessageError("stale_run" if msg.incarnation < self.incarnation else "wrong_run",
                                    f"{type(msg).__name__} of {msg.federation}/{msg.run} (incarnation {msg.incarnation}), "

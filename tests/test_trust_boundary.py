@@ -302,6 +302,12 @@ def test_an_earlier_runs_end_replayed_does_not_end_a_fresh_device(tmp_path):
     assert not a2.ended and a2.run_id == "new" and a2.dropped["stale_run"] == 1
     a.dispatch(T.server_status, finished)
     assert a.dropped["stale_run"] == 1 and a.run_id == "new"
+    a3, _, _ = make_agent(tmp_path / "early", pinned=False, server_key=new.signer.public_text)
+    a3.dispatch(T.server_status, finished)  # the replay first, then the new run's task before its status
+    a3.dispatch(T.task("c1"), new.task())
+    assert a3.task is None and not a3.dropped
+    a3.dispatch(T.server_status, new.status())
+    assert a3.run_id == "new" and a3.task is not None and not a3.dropped
     restarted, _, _ = make_agent(tmp_path, None, server_key=new.signer.public_text)  # the same run file
     restarted.dispatch(T.server_status, finished)
     assert restarted.dropped["stale_run"] == 1 and restarted.run_id is None
