@@ -130,9 +130,11 @@ class Sketch:
 def distinct_sample(total: int, size: int, gen: torch.Generator) -> torch.Tensor:
     """`size` distinct indices below `total`, a uniformly random subset, sorted. Drawn with replacement until
     enough are distinct, then `size` of those at random: O(size log size), where `randperm(total)` is O(total)
-    (11 M elements of a resnet18 ladder's core, each round in each worker: 0.1-0.2 s). Given how many distinct
-    values the draws hold, every subset of that many is equally likely, so a random `size` of them is too."""
-    if total < 4 * size:  # the draws would repeat often: the permutation costs little here
+    (11 M elements of a resnet18 ladder's core, each round in each worker: 0.4 s). Given how many distinct
+    values the draws hold, every subset of that many is equally likely, so a random `size` of them is too.
+    Below 16 x `size` the permutation costs at most a few ms and keeps the draws earlier runs made (the small
+    ladders' simulations and tests)."""
+    if total < 16 * size:
         return torch.randperm(total, generator=gen)[:size].sort().values
     picked = torch.empty(0, dtype=torch.int64)
     while picked.numel() < size:
