@@ -19,13 +19,13 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
 from tests.control_attacker import workers_group
+from tests.test_federation import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"
@@ -178,21 +178,11 @@ def _insider(attack: str, agg: subprocess.Popen) -> tuple[str, ...]:
     draws a secret group per run), so it is given the group as an insider would know it: read off a worker."""
     if attack != "silent":
         return ()
-    end = time.monotonic() + 60
-    while (group := workers_group(agg)) is None and time.monotonic() < end:
-        time.sleep(0.3)
-    if group is None:
-        raise RuntimeError("serve started no worker with a --group after 60 s")
-    return ("--group", group)
+    return ("--group", wait_for(lambda: workers_group(agg), 60, "a worker of serve with its --group"))
 
 
 def _wait_for(log: Path, text: str, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if log.exists() and text in log.read_text():
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"{log}: no {text!r} after {timeout}s")
+    wait_for(lambda: log.exists() and text in log.read_text(), timeout, f"{text!r} in {log}")
 
 
 def summary(attack: Attack, lines: list[dict], reports: dict[str, int], control: list[dict], timing: list[dict]) -> dict:

@@ -516,10 +516,10 @@ BROKER_PAIRS = 2  # embedded against external mosquitto, each over 3 x the round
 def pooled(runs: list[dict]) -> dict:
     """Runs of one configuration as one: rates over all their measured rounds (no CPU figures: not summed)."""
     wall = sum(sum(r["round_wall_s"]) for r in runs)
+    updates, mib = sum(r["updates"] for r in runs), sum(r["mib_measured"] for r in runs)
     first = {k: v for k, v in runs[0].items() if k not in ("cpu_s", "thread_cpu_s", "peak_rss_mib")}
-    return {**first, "updates": sum(r["updates"] for r in runs), "mib_measured": sum(r["mib_measured"] for r in runs),
-            "updates_per_s": sum(r["updates"] for r in runs) / wall,
-            "mib_per_s": sum(r["mib_measured"] for r in runs) / wall, "runs": len(runs)}
+    return {**first, "updates": updates, "mib_measured": mib, "updates_per_s": updates / wall, "mib_per_s": mib / wall,
+            "runs": len(runs)}
 
 
 def measure(s: Setting) -> dict:

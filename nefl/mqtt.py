@@ -137,7 +137,7 @@ class Client(mqtt.Client):
                       info: mqtt.MQTTMessageInfo | None = None) -> mqtt.MQTTErrorCode:
         # paho's writer sends `packet[pos:]` after each partial send: a copy of the rest of a bytes packet, so
         # O(size^2 / send size) per message. A worker's network thread, sending its partials of resnet18 updates,
-        # spent 1.8-2.1 ms per MiB ingested, 0.6 with a view, whose slice is free (docs/scale.md, "Ninth pass")
+        # spent 1.8-2.3 ms per MiB ingested, 0.6 with a view, whose slice is free (docs/scale.md, "Ninth pass")
         packet = memoryview(packet)
         if self._thread is None or threading.current_thread() is not self._thread:
             return super()._packet_queue(command, packet, mid, qos, info)
