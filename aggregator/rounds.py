@@ -86,12 +86,13 @@ class RoundDriver:
         self.metrics_dir = Path(metrics_dir) if metrics_dir else self.checkpoint_dir
         self.meta = meta  # extra checkpoint metadata (the simulator's dataset, say)
         self.accuracy: list[float] | None = None
+        self._digested: tuple[GlobalState, tuple[int, ...], str] | None = None  # (state, its tensors, its digest)
 
     def evaluate_start(self) -> dict[str, Any] | None:
         """Round 0: the initial state's accuracy (learning curves start at the initialisation)."""
         if self.evaluator is None or not self.plan.eval_every:
             return None
-        facts = {"round": 0, **self._scores(self.plan.eval_samples), "start_sha256": state_digest(self.fed.state)}
+        facts = {"round": 0, **self._scores(self.plan.eval_samples), "start_sha256": self.digest()}
         if self.metrics_dir is not None:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
             append_metrics(self.metrics_dir, facts)
@@ -105,7 +106,7 @@ class RoundDriver:
 
     def open_round(self, index: int) -> OpenRound:
         """Participants and their submodels (`fed.round.assignments`) for round `index`."""
-        t0, start_digest = time.monotonic(), state_digest(self.fed.state)
+        t0, start_digest = time.monotonic(), self.digest()
         self.fed.open_round(index)
         return OpenRound(index, t0, start_digest)
 
@@ -132,13 +133,23 @@ class RoundDriver:
         if self.checkpoint_dir is not None:
             save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,
                             {"round": index, "rounds": plan.rounds, "federation": fed.name, "accuracy": self.accuracy,
-                             "state_sha256": state_digest(fed.state), "update_guard": fed.guard.state_dict(),
+                             "state_sha256": self.digest(), "update_guard": fed.guard.state_dict(),
                              **({"step_bound": fed.steps.state_dict()} if fed.steps is not None else {}),
                              UPDATES_TOTAL_KEY: fed.trained_updates, **self.meta()},
                             metrics=facts)
             append_metrics(self.metrics_dir, facts)
         self.transport.recorded(facts, time.perf_counter() - t_ckpt)
         return facts
+
+    def digest(self) -> str:
+        """state_digest of the current state, once per state: a round's checkpoint and the next round's start
+        name the same weights (a resnet18 state is 45 MB of sha256). A tensor replaced changes its id (the cache
+        holds the state, so no id is reused meanwhile), one written in place its version counter."""
+        state = self.fed.state
+        versions = tuple(x for t in state.flat().values() for x in (id(t), t._version))
+        if self._digested is None or self._digested[0] is not state or self._digested[1] != versions:
+            self._digested = (state, versions, state_digest(state))
+        return self._digested[2]
 
     def _scores(self, samples: int | None) -> dict[str, Any]:
         acc = self.evaluator.accuracy(self.fed.state, samples)

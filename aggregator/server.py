@@ -453,12 +453,13 @@ class Server(Transport):
         r = self.fed.round
         if r is None:
             return
-        for k, msgs in self._published.items():
-            for i, m in enumerate(msgs):
-                self.client.publish(self.topics.model_chunk(k, i), m, qos=QOS, retain=True)
-        for c, k in r.assignments.items():
-            if c not in r.received:
-                self.client.publish(self.topics.task(c), self._task(r.index, k), qos=QOS, retain=True)
+        with self.client.batched():
+            for k, msgs in self._published.items():
+                for i, m in enumerate(msgs):
+                    self.client.publish(self.topics.model_chunk(k, i), m, qos=QOS, retain=True)
+            for c, k in r.assignments.items():
+                if c not in r.received:
+                    self.client.publish(self.topics.task(c), self._task(r.index, k), qos=QOS, retain=True)
 
     def _task(self, index: int, k: int, resend: bool = False) -> bytes:
         model = _model_header(self._published[k][0])
@@ -480,20 +481,21 @@ class Server(Transport):
         r = fed.round
         self.reasm.discard_rounds_before(index)
         self._published = {}
-        for k in sorted(set(r.assignments.values())):
-            msgs = encode(fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
-                          round=index, submodel=k, client="server", chunk_bytes=self.cfg.chunk_bytes)
-            self._published[k] = msgs
-            for i, m in enumerate(msgs):
-                self.publish(self.topics.model_chunk(k, i), m, retain=True)
-        self.pool.open(self.run_id, self.layout)  # before the tasks: a worker knows the round before its updates come
-        self.resends.open_round()
-        for c, k in r.assignments.items():
-            self.publish(self.topics.task(c), self._task(index, k), retain=True)
-        self.observer.round_opened(index, r.assignments, self.cfg.round_timeout)
-        log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())),
-                 extra={"round": index})
-        self.publish_status("training")
+        with self.client.batched():  # the round's opening in one go: one wake of the network thread, not hundreds
+            for k in sorted(set(r.assignments.values())):
+                msgs = encode(fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
+                              round=index, submodel=k, client="server", chunk_bytes=self.cfg.chunk_bytes)
+                self._published[k] = msgs
+                for i, m in enumerate(msgs):
+                    self.publish(self.topics.model_chunk(k, i), m, retain=True)
+            self.pool.open(self.run_id, self.layout)  # before the tasks: a worker knows the round before its updates come
+            self.resends.open_round()
+            for c, k in r.assignments.items():
+                self.publish(self.topics.task(c), self._task(index, k), retain=True)
+            self.observer.round_opened(index, r.assignments, self.cfg.round_timeout)
+            log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())),
+                     extra={"round": index})
+            self.publish_status("training")
         while not fed.complete():
             self.pump(r.deadline)
         self._closed_s = closed_s = time.monotonic() - r.started
@@ -502,8 +504,9 @@ class Server(Transport):
             why = f"without waiting for {', '.join(gone)} (went offline)" if gone else "at its deadline"
             log.info(f"round {index} closed {why}, {closed_s:.1f} s after it opened (deadline {self.cfg.round_timeout:g} s): "
                      f"{len(r.received)}/{len(r.assignments)} updates")
-        for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
-            self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
+        with self.client.batched():
+            for c in r.assignments:  # a retained task outliving its round would send a restarted client astray
+                self.client.publish(self.topics.task(c), b"", qos=QOS, retain=True)
         self._worker_facts = self.pool.close(self.pump)  # merges the workers' and relays' partials into the aggregate
         self.late += self.pool.late
 

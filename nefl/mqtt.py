@@ -5,6 +5,7 @@ Both apps connect the same way (URL, credentials, TLS, backoff, last will), so i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -12,7 +13,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlparse
@@ -115,6 +116,7 @@ class Client(mqtt.Client):
         self._ahead = bytearray(self.READ_AHEAD)
         self._ahead_at = self._ahead_end = 0  # bytes read ahead and not yet taken: _ahead[_ahead_at:_ahead_end]
         self._drain_only = False  # loop_read is taking what was read ahead: no new read-ahead
+        self._batching: threading.Thread | None = None  # the thread inside batched(): its packets wake no one yet
 
     def _sock_close(self) -> None:
         super()._sock_close()
@@ -133,13 +135,32 @@ class Client(mqtt.Client):
             self._drain_only = False
         return rc
 
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Publishes in this block queue their packets without waking the network thread for each one (paho
+        writes a byte to its socket pair per publish, and the network thread wakes, selects and writes that one
+        packet); one wake at the end sends them all. For bursts from one thread (a round's tasks, their clears);
+        nothing in the block may wait for its own publishes, which are not sent before the block ends."""
+        if self._batching is not None or self._thread is None:  # nested, or no network thread to wake
+            yield
+            return
+        self._batching = threading.current_thread()
+        try:
+            yield
+        finally:
+            self._batching = None
+            if self._out_packet and self._sockpairW is not None:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    self._sockpairW.send(b"0")
+
     def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
                       info: mqtt.MQTTMessageInfo | None = None) -> mqtt.MQTTErrorCode:
         # paho's writer sends `packet[pos:]` after each partial send: a copy of the rest of a bytes packet, so
         # O(size^2 / send size) per message. A worker's network thread, sending its partials of resnet18 updates,
         # spent 1.8-2.3 ms per MiB ingested, 0.6 with a view, whose slice is free (docs/scale.md, "Ninth pass")
         packet = memoryview(packet)
-        if self._thread is None or threading.current_thread() is not self._thread:
+        current = threading.current_thread()
+        if self._thread is None or (current is not self._thread and current is not self._batching):
             return super()._packet_queue(command, packet, mid, qos, info)
         self._out_packet.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
                                  "packet": packet, "info": info})
