@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nefl.aggregate import NeFedAvg, UpdateError
+from nefl.aggregate import NeFedAvg, UpdateError, coverage_mean
 from nefl.methods import get_method
-from nefl.state import GlobalState, Layout
+from nefl.state import GlobalState, Layout, corner
 from nefl.tensors import ring
 from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, off_the_wire, random_ladder, tiny_profile
 
@@ -220,19 +220,49 @@ def test_rings_partition_the_difference_of_two_corners(shapes) -> None:
     assert torch.equal(hits, want)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_nested_fast_path_equals_the_general_one(seed: int) -> None:
-    """The ring-by-ring division of nested corners against the coverage-tensor formula it replaced."""
+@pytest.mark.parametrize("seed", range(8))
+def test_fold_equals_the_coverage_rule(seed: int) -> None:
+    """finalize's fold against coverage_mean, the rule written once for any windows: nested and non-nested
+    ladders, groups missing (the full model too: then tensors no group has whole start from a new buffer),
+    weights that are no sample counts (a robust rule's trust), -0.0 where nothing covers it; `state` untouched."""
     rng = random.Random(seed)
-    layout = Layout.build(tiny_profile([(0.25, 0.25, FULL), (0.5, 0.5, ((1.0, 0.0), (1.0, 1.0))),
-                                        (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    nested = tiny_profile([(0.25, 0.25, FULL), (0.5, 0.5, ((1.0, 0.0), (1.0, 1.0))), (0.75, 0.75, FULL), (1.0, 1.0, FULL)])
+    layout = Layout.build(nested if seed % 2 else random_ladder(rng, TINY_BOTTLENECK if seed % 4 == 2 else TINY_BASIC))
     state = GlobalState.init(layout, seed=seed)
-    agg = NeFedAvg(layout, "samples" if seed % 2 else "uniform")
-    for k, d, ns in random_updates(layout, [rng.randint(0, 3) for _ in range(4)], torch.Generator().manual_seed(seed)):
-        agg.add(k, d, ns)
+    for t in state.consistent.values():
+        t[torch.rand(t.shape, generator=torch.Generator().manual_seed(seed)) < 0.3] = -0.0
+    before = state.clone()
+    counts = [rng.randint(0, 2) for _ in range(layout.num_submodels)]
+    counts[-1] = 0 if seed % 4 < 2 else 1
+    agg = NeFedAvg(layout)
+    for k, delta, _ in random_updates(layout, counts, torch.Generator().manual_seed(seed)):
+        agg.add_weighted(k, delta, rng.uniform(0.05, 3.0))
+    parts = {n: [(corner(g[n].shape), g[n].clone(), float(agg.weights[k])) for k, g in enumerate(agg.groups) if n in g]
+             for n in state.consistent}
+    covers = {n: agg.coverage(n).expand(t.shape) for n, t in state.consistent.items()}
+    new = agg.finalize(state)
     for n, old in state.consistent.items():
-        general = agg._general_update(n, old)
-        torch.testing.assert_close(agg._consistent_update(n, old), general, atol=1e-6, rtol=1e-6, msg=n)
+        assert torch.equal(old.view(torch.int32), before.consistent[n].view(torch.int32))
+        assert new.consistent[n].shape == old.shape and new.consistent[n].dtype == old.dtype
+        torch.testing.assert_close(new.consistent[n], coverage_mean(old, parts[n]), atol=1e-6, rtol=1e-6, msg=n)
+        bare = covers[n] == 0
+        assert torch.equal(new.consistent[n][bare].view(torch.int32), old[bare].view(torch.int32)), n
+
+
+def test_a_state_in_another_dtype_stays_in_it() -> None:
+    """The group sums are float32; a float64 state gets float64 tensors back, its uncovered elements bit for bit."""
+    skip = ((1.0, 0.0), (1.0, 0.0))
+    layout = Layout.build(tiny_profile([(0.3, 0.5, skip), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=4)
+    state.consistent = {n: t.double() / 3 for n, t in state.consistent.items()}
+    agg = NeFedAvg(layout)
+    agg.add(0, {n: torch.ones(s) for n, s in layout.upload_shapes(0).items()})
+    new = agg.finalize(state)
+    assert all(t.dtype == torch.float64 for t in new.consistent.values())
+    w = "stages.1.0.conv1.weight"
+    assert torch.equal(new.consistent[w][4:], state.consistent[w][4:])
+    assert torch.equal(new.consistent["stages.0.1.conv1.weight"], state.consistent["stages.0.1.conv1.weight"])
+    torch.testing.assert_close(new.consistent[w][:4, :2], state.consistent[w][:4, :2] + 1)
 
 
 def test_owned_updates_are_adopted_and_others_never_written() -> None:
@@ -281,12 +311,13 @@ def test_a_decoded_updates_layout_is_judged_as_the_per_tensor_check_judges_it() 
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
-def test_nefedavg_of_decoded_updates_equals_nefedavg_of_plain_ones(weighting: str) -> None:
+@pytest.mark.parametrize("counts", [[2, 3, 1], [2, 3, 0]])
+def test_nefedavg_of_decoded_updates_equals_nefedavg_of_plain_ones(weighting: str, counts: list[int]) -> None:
     """The flat fast path (the first update's buffer adopted, later ones added as one buffer) sums exactly
-    what the per-tensor path sums."""
+    what the per-tensor path sums, whether the full model's group sum holds the new tensors or a new buffer does."""
     layout = Layout.build(random_ladder(random.Random(5), n=3))
     state = GlobalState.init(layout, seed=1)
-    ups = random_updates(layout, [2, 3, 1], torch.Generator().manual_seed(2))
+    ups = random_updates(layout, counts, torch.Generator().manual_seed(2))
     plain, wired = NeFedAvg(layout, weighting), NeFedAvg(layout, weighting)
     for k, delta, samples in ups:
         plain.add(k, {n: t.clone() for n, t in delta.items()}, samples)

@@ -18,6 +18,7 @@ from nefl.robust import NormBound
 from nefl.settings import AggregationConfig
 from nefl.state import GlobalState, Layout
 from nefl.step_bound import StepBound
+from nefl.tensors import corner
 from tests.helpers import random_ladder, tiny_profile
 from tests.test_aggregate import FULL
 
@@ -290,3 +291,121 @@ def test_an_attacker_alone_on_the_outer_rings_cannot_ratchet_the_cell_bound() ->
         state = new
     for n in shared:
         assert max(bound.history[n]) < 0.02, n  # averages of honest steps and the clipped attacker's
+
+
+# --- what no resnet ladder has, and values a bad update sends ----------------------------------------------
+
+def odd_layout() -> tuple[Layout, GlobalState]:
+    """Three nested submodels by hand: empty and 0-dim tensors, a 2-D per-submodel tensor, names only the
+    larger submodels hold, shared tensors cut in their last dim only or with elements no submodel holds,
+    float64 tensors next to float32 ones."""
+    S = torch.Size
+    shared = {"conv.weight": [S((2, 2, 3, 3)), S((4, 3, 3, 3)), S((6, 4, 3, 3))],
+              "fc.weight": [S((5, 2)), S((5, 4)), S((5, 6))], "wide.weight": [S((2, 3, 2)), S((4, 3, 2)), S((6, 3, 2))],
+              "empty.weight": [S((0, 1)), S((0, 2)), S((0, 3))], "none.weight": [S((3, 0))] * 3,
+              "scale": [S(())] * 3, "half.bias": [None, S((3,)), S((4,))]}
+    own = {"bn.weight": [S((2,)), S((4,)), S((6,))], "bn.running_var": [S((2,)), S((4,)), S((6,))],
+           "blk.step": [S(())] * 3, "proj.weight": [S((2, 2)), S((3, 3)), S((4, 4))],
+           "gone.running_var": [S((0,))] * 3, "top.running_var": [None, None, S((3,))]}
+    full = {n: s[-1] for n, s in [*shared.items(), *own.items()]} | {"wide.weight": S((8, 3, 2)), "none.weight": S((4, 0))}
+    subs = [{n: s[k] for n, s in [*shared.items(), *own.items()] if s[k] is not None} for k in range(3)]
+    layout = Layout(None, None, full, subs, frozenset(own), frozenset())  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(7)
+
+    def init(name: str, shape: torch.Size) -> torch.Tensor:
+        t = torch.randn(shape, generator=gen, dtype=torch.float64)
+        t = t.abs() + 0.5 if name.endswith("running_var") else t
+        return t if name in ("fc.weight", "blk.step") else t.float()
+
+    state = GlobalState({n: init(n, s) for n, s in full.items() if n in shared},
+                        [{n: init(n, s) for n, s in sub.items() if n in own} for sub in subs])
+    return layout, state
+
+
+def test_the_bound_matches_brute_force_on_odd_tensors() -> None:
+    """As `test_the_bound_matches_brute_force`, on `odd_layout`: the shared tensors' outer rings (one update
+    each) at times moved 50 x their inner cells, so that they are bounded, and the copies at random scales."""
+    layout, state = odd_layout()
+    rng, gen = random.Random(8), torch.Generator().manual_seed(8)
+    bound, bounded, updates = StepBound(layout, CFG), {}, [2, 1, 1]
+    for _ in range(6):
+        new = moved(layout, state, [0, 1, 2], gen, [rng.choice([0.01, 0.02, 0.5]) for _ in range(3)])
+        for n, t in new.consistent.items():
+            scale = torch.full(t.shape, rng.choice([0.01, 0.5]), dtype=torch.float64)
+            scale[corner(layout.sub_shapes[1][n])] = 0.01
+            new.consistent[n] = (t + torch.randn(t.shape, generator=gen, dtype=torch.float64) * scale).to(t.dtype)
+        past = {n: list(h) for n, h in bound.history.items()}
+        want = brute(state, new, past, CFG.step_k, CFG.min_cover)
+        want_cells, entries = brute_cells(layout, state, new, updates, past, CFG.step_k, CFG.min_cover)
+        got = new.clone()
+        for k, count in bound.apply(state, got, updates).items():
+            bounded[k] = bounded.get(k, 0) + count
+        for k in range(layout.num_submodels):
+            for n in got.inconsistent[k]:
+                assert got.inconsistent[k][n].dtype == state.inconsistent[k][n].dtype
+                torch.testing.assert_close(got.inconsistent[k][n], want.inconsistent[k][n], rtol=1e-5, atol=1e-6)
+        for n in got.consistent:
+            assert got.consistent[n].dtype == state.consistent[n].dtype
+            torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
+        bound.commit()
+        for n in bound.cells:
+            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
+        state = got
+    assert bounded.get(2, 0) > 0  # rings and copies were bounded, not only compared
+
+
+def test_non_finite_and_non_positive_values_and_negative_zero() -> None:
+    """A copy's NaN or -1 running variance is rebuilt from its log step (a NaN value's step is 0), scaled to the
+    bound, and stays positive, as does a lone copy's 0 within the bound (warm-up); a NaN step size is no peer;
+    -0.0 for 0.0 is no move (a copy of step 0 would have made the median 0 and bounded the moved copy to
+    nothing), NaN for NaN is (its step is set to 0: a NaN in the old state stays); a thin cell's inf value
+    puts its step size at inf and the cell back to the old state, a thin cell's NaN size is no move: the
+    rule's values stay."""
+    layout = Layout.build(tiny_profile(WIDTHS))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(9)
+    gamma, var = gamma_and_var(layout)
+    bias, mean, var2 = gamma.replace("weight", "bias"), var.replace("var", "mean"), var.replace("bn1", "bn2")
+    state.inconsistent[2][mean][0] = math.nan
+    new = moved(layout, state, [0, 1], gen, [0.01, 0.01])
+    new.inconsistent[2] = {n: t + 0.01 for n, t in state.inconsistent[2].items()}
+    new.inconsistent[2][mean][0] = 0.0
+    new.inconsistent[2][mean][1:] = state.inconsistent[2][mean][1:]
+    for k in range(3):
+        new.inconsistent[k][var2] = state.inconsistent[k][var2].clone()
+    new.inconsistent[2][var2][0] = 0.0
+    for k in (0, 1):
+        new.inconsistent[k][bias] = -state.inconsistent[k][bias]  # all 0.0: -0.0
+    new.inconsistent[2][bias] = state.inconsistent[2][bias] + 0.5
+    new.inconsistent[2][var][:3] = torch.tensor([math.nan, -1.0, 0.0])
+    new.inconsistent[2][gamma][0] = math.nan
+    cells_ = [n for n in sorted(layout.global_shapes) if n.endswith("conv1.weight") and n not in layout.inconsistent][:2]
+    updates = [1, 1, 1]
+    new.consistent = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in state.consistent.items()}
+    bound = StepBound(layout, CFG)
+    for n in [gamma, var, *cells_]:
+        bound.history[n].extend([0.01] * 3)
+    (ring_inf, _), (ring_nan, _) = bound.cells[cells_[0]][0], bound.cells[cells_[1]][0]
+    assert len(bound.cells[cells_[0]]) == len(bound.cells[cells_[1]]) == 3
+    new.consistent[cells_[0]][ring_inf[0]][(0,) * 4] = math.inf
+    new.consistent[cells_[1]][ring_nan[0]][(0,) * 4] = math.nan
+    rule = new.clone()
+    bounded = bound.apply(state, new, updates)
+    old_var, got_var = state.inconsistent[2][var], new.inconsistent[2][var]
+    assert bool((got_var > 0).all()) and bool(got_var.isfinite().all()) and got_var[0] == old_var[0]
+    peers = [float((new.inconsistent[k][var] / state.inconsistent[k][var]).log().square().mean().sqrt()) for k in (0, 1)]
+    limit = CFG.step_k * statistics.median([*peers, 0.01, 0.01, 0.01])
+    assert float((got_var / old_var).double().log().square().mean().sqrt()) == pytest.approx(limit, rel=1e-4)
+    got_gamma = new.inconsistent[2][gamma]
+    assert got_gamma[0] == state.inconsistent[2][gamma][0] and torch.equal(got_gamma[1:], rule.inconsistent[2][gamma][1:])
+    assert torch.equal(new.inconsistent[2][bias], rule.inconsistent[2][bias])  # a lone copy: warm-up, no bound
+    assert float(new.inconsistent[2][var2][0]) == pytest.approx(1e-30, rel=1e-4, abs=0)
+    torch.testing.assert_close(new.inconsistent[2][var2][1:], state.inconsistent[2][var2][1:], rtol=1e-6, atol=0)
+    assert new.inconsistent[2][mean][0].isnan() and torch.equal(new.inconsistent[2][mean][1:], state.inconsistent[2][mean][1:])
+    for b in ring_inf:
+        assert torch.equal(new.consistent[cells_[0]][b], state.consistent[cells_[0]][b])
+    assert torch.equal(new.consistent[cells_[1]].isnan(), rule.consistent[cells_[1]].isnan())
+    assert torch.equal(new.consistent[cells_[1]].nan_to_num(), rule.consistent[cells_[1]].nan_to_num())
+    assert bounded == {2: 2}  # the variance copy and the inf ring
+    bound.commit()
+    assert list(bound.history[var]) == list(bound.history[gamma]) == [0.01] * 3  # two finite sizes: no entry
