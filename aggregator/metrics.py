@@ -160,6 +160,7 @@ class Observer:
         self._ready: set[str] = set()
         self._history: deque[RoundRow] = deque(maxlen=MAX_ROUNDS)
         self._open: RoundRow | None = None
+        self._open_reported: set[str] = set()  # the open round's `reported`, for membership
         self._rejected: Tally[str] = Tally()
         self._since_update = [0] * submodels
         for line in history:  # a resumed server's charts start with the rounds already run
@@ -192,11 +193,12 @@ class Observer:
 
     def round_opened(self, index: int, assignments: Mapping[str, int], deadline_s: float) -> None:
         """Participants and their 0-based submodels, as the tasks were published."""
-        for k in assignments.values():
-            self.metrics.participants.labels(str(k + 1)).inc()
+        for k, n in Tally(assignments.values()).items():  # a labels() lookup per submodel, not per participant
+            self.metrics.participants.labels(str(k + 1)).inc(n)
         self.metrics.round.set(index)
         with self._lock:
             self._round = index
+            self._open_reported = set()
             self._open = RoundRow(round=index, opened=time.time(), deadline_s=deadline_s, participants=len(assignments),
                                   assigned={c: k + 1 for c, k in assignments.items()})
             for c, k in assignments.items():
@@ -206,8 +208,9 @@ class Observer:
     def update_accepted(self, client: str) -> None:
         """An update folded into the open round: the round's progress on the page (counted at close)."""
         with self._lock:
-            if self._open is not None and client not in self._open.reported:
-                self._open.reported = [*self._open.reported, client]
+            if self._open is not None and client not in self._open_reported:  # a set: O(1) an update, not O(round)
+                self._open_reported.add(client)
+                self._open.reported.append(client)
                 self._open.reports += 1
             if client in self._devices:  # a device that reports every round is seen every round
                 self._devices[client].last_seen = time.time()
@@ -275,7 +278,8 @@ class Observer:
                 rounds_history=[msgspec.structs.replace(r) if i < DETAILED_ROUNDS else
                                 msgspec.structs.replace(r, assigned={}, reported=[], declined={}, went_offline=[])
                                 for i, r in enumerate(reversed(self._history))][::-1],
-                open_round=None if self._open is None else msgspec.structs.replace(self._open), time=time.time())
+                open_round=None if self._open is None else msgspec.structs.replace(self._open, reported=list(self._open.reported)),
+                time=time.time())
 
     def snapshot_json(self) -> bytes:
         return msgspec.json.encode(self.snapshot())

@@ -297,6 +297,8 @@ class Server(Transport):
         if self.enrol.has_workers() and not self._listening_to_workers and self.conn.connected:
             self.client.subscribe([(t, QOS) for t in self.topics.coordinator_subscriptions()])
             self._listening_to_workers = True
+            if r is not None:  # the open round's plan, which nobody could use before
+                self.pool.announce(self.layout)
         if r is not None:
             self._ask_resends(r)
         if self._presence_changed or (self._status_at and time.monotonic() - self._status_at >= self.cfg.status_every):
@@ -407,9 +409,10 @@ class Server(Transport):
         if done is not None:  # the call that completed an update also validated, bounded and folded it
             self.aggregate_s += time.perf_counter() - t0
             self.observer.update_accepted(client)
-            log.info(f"round {done.header.round}: update from {client} (submodel {done.header.submodel + 1}, "
-                f"{done.nbytes} bytes, {done.header.dtype})",
-                extra={"round": done.header.round, "client": client, "submodel": done.header.submodel + 1})
+            if log.isEnabledFor(logging.INFO):  # not even formatted otherwise: one line per update
+                log.info(f"round {done.header.round}: update from {client} (submodel {done.header.submodel + 1}, "
+                         f"{done.nbytes} bytes, {done.header.dtype})",
+                         extra={"round": done.header.round, "client": client, "submodel": done.header.submodel + 1})
 
     def _reject(self, reason: str, client: str, msg: str) -> None:
         self.fed.reject(reason)
@@ -483,18 +486,20 @@ class Server(Transport):
         self._published = {}
         with self.client.batched():  # the round's opening in one go: one wake of the network thread, not hundreds
             for k in sorted(set(r.assignments.values())):
-                msgs = encode(fed.state.extract(self.layout, k), kind="model", federation=self.cfg.federation,
+                msgs = encode(fed.state.slices(self.layout, k), kind="model", federation=self.cfg.federation,
                               round=index, submodel=k, client="server", chunk_bytes=self.cfg.chunk_bytes)
                 self._published[k] = msgs
                 for i, m in enumerate(msgs):
                     self.publish(self.topics.model_chunk(k, i), m, retain=True)
-            self.pool.open(self.run_id, self.layout)  # before the tasks: a worker knows the round before its updates come
+            # before the tasks: a worker knows the round before its updates come
+            self.pool.open(self.run_id, self.layout, announce=self._listening_to_workers)
             self.resends.open_round()
             for c, k in r.assignments.items():
                 self.publish(self.topics.task(c), self._task(index, k), retain=True)
             self.observer.round_opened(index, r.assignments, self.cfg.round_timeout)
-            log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in sorted(r.assignments.items())),
-                     extra={"round": index})
+            if log.isEnabledFor(logging.INFO):
+                log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in
+                                                                               sorted(r.assignments.items())), extra={"round": index})
             self.publish_status("training")
         while not fed.complete():
             self.pump(r.deadline)

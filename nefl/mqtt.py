@@ -289,6 +289,27 @@ class Client(mqtt.Client):
             return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
         return self._send_puback(mid)
 
+    def _handle_pubackcomp(self, cmd: str) -> mqtt.MQTTErrorCode:
+        """A PUBACK (MQTT 3.1.1, no on_publish callback) without paho's decoder objects (a reason code and a
+        property set per packet), its debug log call and callback locks: the server gets one per task, task
+        clear and status it publishes, about two for each update it takes in. The message is marked published
+        and the inflight window moves on, as paho's `_do_on_publish` does."""
+        packet = self._in_packet["packet"]
+        if cmd != "PUBACK" or self._protocol == mqtt.MQTTv5 or self.on_publish is not None:
+            return super()._handle_pubackcomp(cmd)
+        if len(packet) != 2:
+            raise MalformedPacket("PUBACK of a size other than 2")
+        with self._out_message_mutex:
+            msg = self._out_messages.pop(int.from_bytes(packet, "big"), None)
+            if msg is None:
+                return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+            msg.info._set_as_published()
+            if msg.qos > 0:
+                self._inflight_messages -= 1
+                if self._max_inflight_messages > 0:
+                    return self._update_inflight()
+        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+
     def _send_puback(self, mid: int) -> mqtt.MQTTErrorCode:
         """paho's, without its debug log call and packing on the way."""
         return self._packet_queue(mqtt.PUBACK, PUBACK_HEAD + mid.to_bytes(2, "big"), mid, 1)

@@ -196,20 +196,25 @@ class UpdateGuard:
 def check_state(state: GlobalState, max_abs: float = DEFAULT_MAX_ABS) -> str | None:
     """Why a candidate global state must not be committed (first offending tensor), else None.
 
-    One aminmax pass per tensor and no copies: NaN propagates into both results, inf shows in one,
-    and max(|min|, |max|) is the largest magnitude."""
-    tensors = [(f"consistent {n}", t) for n, t in state.consistent.items()]
-    tensors += [(f"submodel {k + 1} {n}", t) for k, d in enumerate(state.inconsistent) for n, t in d.items()]
-    for name, t in tensors:
-        if t.numel() == 0:
-            continue
-        lo, hi = (float(x) for x in torch.aminmax(t))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            return f"{name}: non-finite values"
-        peak = max(-lo, hi)
-        if peak > max_abs:
-            return f"{name}: |w| reaches {peak:.3g}, above the bound {max_abs:g}"
-    return None
+    Checked first over all tensors laid end to end (a copy of the state: 0.5 ms for resnet20's 488 tensors,
+    against 3 ms one tensor at a time); only a state that fails is searched tensor by tensor for the one to name."""
+    tensors = [*state.consistent.values(), *(t for d in state.inconsistent for t in d.values())]
+    values = [t.reshape(-1) for t in tensors if t.numel()]
+    if not values or _magnitude_problem(torch.cat(values), max_abs) is None:
+        return None
+    named = [(f"consistent {n}", t) for n, t in state.consistent.items()]
+    named += [(f"submodel {k + 1} {n}", t) for k, d in enumerate(state.inconsistent) for n, t in d.items()]
+    return next((f"{name}: {why}" for name, t in named if t.numel() and (why := _magnitude_problem(t, max_abs))), None)
+
+
+def _magnitude_problem(t: torch.Tensor, max_abs: float) -> str | None:
+    """One aminmax pass, no copy: NaN propagates into both results, inf shows in one, and max(|min|, |max|)
+    is the largest magnitude."""
+    lo, hi = (float(x) for x in torch.aminmax(t))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "non-finite values"
+    peak = max(-lo, hi)
+    return f"|w| reaches {peak:.3g}, above the bound {max_abs:g}" if peak > max_abs else None
 
 
 class DPAccountant:

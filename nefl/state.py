@@ -131,13 +131,14 @@ class GlobalState:
 
     def extract(self, layout: Layout, k: int) -> dict[str, torch.Tensor]:
         """Submodel k's complete weights (copies): consistent slices plus its own tensors."""
-        out = {}
-        for n, shape in layout.sub_shapes[k].items():
-            if n in layout.inconsistent:
-                out[n] = self.inconsistent[k][n].clone()
-            else:
-                out[n] = self.consistent[n][corner(shape)].clone()
-        return out
+        return {n: t.clone() for n, t in self.slices(layout, k).items()}
+
+    def slices(self, layout: Layout, k: int) -> dict[str, torch.Tensor]:
+        """Submodel k's weights as views of this state: for what only reads them (the server encodes each
+        submodel once a round; extract's copies cost it half of that)."""
+        own = self.inconsistent[k]
+        return {n: own[n] if n in layout.inconsistent else self.consistent[n][corner(shape)]
+                for n, shape in layout.sub_shapes[k].items()}
 
     def clone(self) -> "GlobalState":
         return GlobalState(

@@ -83,6 +83,14 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes in C order as a flat uint8 array: numpy's reshape and view cost a third of torch's
+    (detach, reshape, view, numpy: about 4 us a tensor, and a resnet20 state has 488 of them), and a contiguous
+    tensor is not copied. numpy has no bfloat16, so such a tensor is read as int16: the same bytes."""
+    t = t.detach()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
+
+
 _ROW = 4096  # elements per float32 partial sum of squares: short sums stay accurate; the partials combine in float64
 
 

@@ -200,6 +200,8 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str | None = "fp32")
     after torch's thread pool ran (the checkpoint tests' crashing writer) hangs in its next parallel operation."""
     import torch
 
+    from nefl.tensors import byte_view
+
     want, st_names = None if dtype is None else _torch_dtype(dtype), _st_names()
     kind = {n: want or t.dtype for n, t in tensors.items()}
     if unnamed := sorted(n for n, k in kind.items() if k not in st_names):
@@ -219,7 +221,7 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str | None = "fp32")
     if not offset:
         return out
     if all(tensors[n].dtype == kind[n] and tensors[n].device.type == "cpu" for n in names):  # no cast: numpy lays them end to end
-        np.concatenate([tensors[n].detach().reshape(-1).view(torch.uint8).numpy() for n in names],
+        np.concatenate([byte_view(tensors[n]) for n in names],
                        out=np.frombuffer(out, dtype=np.uint8, offset=8 + len(head)))
         return out
     body = torch.frombuffer(out, dtype=torch.uint8, offset=8 + len(head))

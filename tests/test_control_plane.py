@@ -191,3 +191,23 @@ def test_a_notice_after_its_update_is_moot_and_not_even_verified(tmp_path, layou
         srv.handle(T.sent("c1"), dev.sign(notice.to_json()))
         srv.handle(T.sent("c1"), notice.to_json())  # unsigned, which is refused before its update
     assert srv.fed.rejected == {} and srv.resends.noticed == {}
+
+
+def test_the_round_plan_waits_for_an_authorised_worker(tmp_path, layout):
+    """Plain serve publishes no round plan (it names every participant's key, and no worker could use it); once
+    the operator authorises a worker mid-round, the next housekeeping listens to workers and publishes the open
+    round's plan, which the worker then checks updates against."""
+    journal = tmp_path / "enrolment.jsonl"
+    srv, _ = server(tmp_path, layout, Enrolment("t", EnrolmentPolicy(), journal))
+    plans = []
+    srv.pool.publish = lambda topic, payload, retain=False: plans.append(topic)
+    srv._subscriptions()  # as on connect
+    join(srv, "c1", key())
+    srv.fed.open_round(1)
+    srv.pool.open(srv.run_id, layout, announce=srv._listening_to_workers)
+    assert plans == [] and srv.pool._plan is None
+    append(journal, Grant(client="w1", role="worker", created=time.time(), key=key().public_text))
+    srv.conn.connected = True
+    srv._housekeeping()
+    assert srv._listening_to_workers and plans == [T.workers_round]
+    assert srv.pool._plan.round == 1 and srv.pool._plan.assignments == srv.fed.round.assignments

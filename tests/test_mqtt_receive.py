@@ -377,3 +377,48 @@ def test_a_large_packet_goes_out_in_pieces_without_copying_its_rest():
             break
         c._packet_write()
     assert bytes(sink.sent) == packet and sink.kinds == {memoryview}
+
+
+def puback(mid: int) -> bytes:
+    return bytes((mqtt.PUBACK, 2)) + mid.to_bytes(2, "big")
+
+
+def test_pubacks_complete_publishes_and_move_the_window_as_paho_does():
+    """The PUBACK fast path against paho's handler on the same traffic: five QoS 1 publishes through a window of
+    two, acknowledged out of order with an unknown id among them; the same packets go out, every message ends
+    published, and nothing stays in flight. A PUBACK of the wrong size is a protocol error, not a crash."""
+    ends = {}
+    for name, c in (("paho", stock()), ("ours", ours())):
+        c._sock = sink = Sink(piece=1 << 20)
+        c.max_inflight_messages_set(2)
+        infos = [c.publish(f"t/{i}", b"x" * i, qos=1) for i in range(5)]
+        before = bytes(sink.sent)
+        c._sock = stream = Trickle(b"".join(puback(m) for m in (2, 1, 9, 3, 4, 5)), [])
+        stream.send = sink.send
+        for _ in range(20):
+            stream.readable()
+            if c._packet_read() not in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN):
+                break
+        ends[name] = (before, bytes(sink.sent), [i.is_published() for i in infos], c._inflight_messages, len(c._out_messages))
+    assert ends["ours"] == ends["paho"]
+    assert ends["ours"][2] == [True] * 5 and ends["ours"][3:] == (0, 0)
+    c = ours()
+    c._sock = Trickle(bytes((mqtt.PUBACK, 3)) + b"\x00\x01\x00", [])
+    c._sock.readable()
+    assert c._packet_read() == mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+
+
+def test_a_batch_of_publishes_wakes_the_network_thread_once():
+    """Publishes inside `batched()` from another thread queue their packets without a wake-up each (paho writes
+    a byte to its socket pair per publish); one wake at the end sends them all."""
+    c = ours()
+    c._sock = Sink(piece=1 << 20)
+    c._sockpairW = pair = CountingPair()
+    c._thread = threading.Thread(target=lambda: None)  # the network thread is another
+    with c.batched():
+        for i in range(5):
+            c.publish(f"t/{i}", b"x", qos=1)
+        assert pair.sent == 0 and len(c._out_packet) == 5
+    assert pair.sent == 1
+    c.publish("t/5", b"x", qos=1)
+    assert pair.sent == 2
