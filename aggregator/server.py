@@ -149,6 +149,9 @@ class Server(Transport):
         self.late = 0
         self.accuracy: list[float] | None = None
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
+        # this round's signed task per submodel: a task names no client (its topic does), so every participant of
+        # a submodel gets the same one, signed once, not once per participant (200 signatures, 5 ms a round)
+        self._tasks: dict[int, bytes] = {}
         self._presence_changed = False  # who is online or able to train changed since the last status
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
         self.incarnation, self._seq = incarnation, 0
@@ -462,7 +465,7 @@ class Server(Transport):
                     self.client.publish(self.topics.model_chunk(k, i), m, qos=QOS, retain=True)
             for c, k in r.assignments.items():
                 if c not in r.received:
-                    self.client.publish(self.topics.task(c), self._task(r.index, k), qos=QOS, retain=True)
+                    self.client.publish(self.topics.task(c), self._tasks[k], qos=QOS, retain=True)
 
     def _task(self, index: int, k: int, resend: bool = False) -> bytes:
         model = _model_header(self._published[k][0])
@@ -494,8 +497,9 @@ class Server(Transport):
             # before the tasks: a worker knows the round before its updates come
             self.pool.open(self.run_id, self.layout, announce=self._listening_to_workers)
             self.resends.open_round()
+            self._tasks = {k: self._task(index, k) for k in self._published}
             for c, k in r.assignments.items():
-                self.publish(self.topics.task(c), self._task(index, k), retain=True)
+                self.publish(self.topics.task(c), self._tasks[k], retain=True)
             self.observer.round_opened(index, r.assignments, self.cfg.round_timeout)
             if log.isEnabledFor(logging.INFO):
                 log.info(f"round {index}/{self.cfg.rounds} open: " + ", ".join(f"{c}->submodel {k + 1}" for c, k in

@@ -56,12 +56,13 @@ def _finite_or_inf(total: float) -> float:
 
 def reference_norm(state: GlobalState, layout: Layout, k: int) -> float:
     """Norm of submodel k's current global weights over exactly the tensors it uploads, so the
-    relative bound compares like with like. Views, no copies; constant within a round, so compute
-    it once per submodel per round."""
-    views = {}
-    for n, shape in layout.upload_shapes(k).items():
-        views[n] = state.inconsistent[k][n] if n in layout.inconsistent else state.consistent[n][corner(shape)]
-    return update_norm(views)
+    relative bound compares like with like; constant within a round, so computed once per submodel
+    per round. One float64 dot product over the tensors laid end to end: a norm per tensor (116 in a
+    resnet20 submodel, most too small for l2_norm's rows) cost a coordinator 6 ms a round."""
+    parts = [(state.inconsistent[k][n] if n in layout.inconsistent else state.consistent[n][corner(shape)]).reshape(-1)
+             for n, shape in layout.upload_shapes(k).items()]
+    flat = torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64)
+    return _finite_or_inf(math.sqrt(float(torch.dot(flat, flat))))
 
 
 def _positive(name: str, value: float | None) -> None:
