@@ -438,11 +438,11 @@ class NeFedAvg(RoundAggregate):
         inconsistent = []
         for k, old_k in enumerate(state.inconsistent):
             w, group = float(self.weights[k]), self.groups[k]
-            moved = {n for n in old_k if n in group} if w > 0 else set()
+            moved = [n for n in old_k if n in group] if w > 0 else []
             if moved:  # one call each over a submodel's hundred-odd tensors, not three per tensor
-                sums = [group[n] for n in old_k if n in moved]
+                sums = [group[n] for n in moved]
                 torch._foreach_div_(sums, w)
-                torch._foreach_add_(sums, [old for n, old in old_k.items() if n in moved])
-            inconsistent.append({n: group[n].to(old.dtype) if n in moved else old.clone() for n, old in old_k.items()})
+                torch._foreach_add_(sums, [old_k[n] for n in moved])
+            inconsistent.append({n: group[n].to(old.dtype) if w > 0 and n in group else old.clone() for n, old in old_k.items()})
         self._finalized = True
         return GlobalState(consistent, inconsistent)

@@ -21,7 +21,7 @@ import torch
 from nefl.choices import check_choice
 from nefl.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_WARMUP, DEFAULT_WINDOW
 from nefl.state import GlobalState, Layout
-from nefl.tensors import Tiled, corner, l2_norm
+from nefl.tensors import Tiled, l2_norm
 
 REASON = "update_norm"
 # reject: refuse an oversized update; clip: scale it down to the bound (DP-FedAvg's clipping)
@@ -59,8 +59,8 @@ def reference_norm(state: GlobalState, layout: Layout, k: int) -> float:
     relative bound compares like with like; constant within a round, so computed once per submodel
     per round. One float64 dot product over the tensors laid end to end: a norm per tensor (116 in a
     resnet20 submodel, most too small for l2_norm's rows) cost a coordinator 6 ms a round."""
-    parts = [(state.inconsistent[k][n] if n in layout.inconsistent else state.consistent[n][corner(shape)]).reshape(-1)
-             for n, shape in layout.upload_shapes(k).items()]
+    views = state.slices(layout, k)
+    parts = [views[n].reshape(-1) for n in layout.upload_shapes(k)]
     flat = torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64)
     return _finite_or_inf(math.sqrt(float(torch.dot(flat, flat))))
 
