@@ -25,6 +25,7 @@ from nefl.logs import setup_logging
 from nefl.messages import DEFAULT_CHUNK_BYTES
 from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError, load_profile
+from nefl.signals import Stop, stop_children, stop_on_sigterm
 from nefl.signing import Signer
 from nefl.threads import one_per_process
 from nefl.topics import WORKER_GROUP, check_name
@@ -119,6 +120,21 @@ def relay_command(
                                       parse_broker(site_broker), signer))
 
 
+def _run_shards(argvs: list[list[str]]) -> int:
+    """Run loadtest's shards to their end, the worst exit code; stopped (SIGTERM, Ctrl-C) or failing, the parent
+    takes them down with it: a benchmark's or an operator's stop of the parent left them sending until --duration."""
+    stop_on_sigterm()
+    children: list[subprocess.Popen] = []
+    try:
+        children = [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "loadtest", *argv])
+                    for argv in argvs]
+        return max(p.wait() for p in children)
+    except (KeyboardInterrupt, Stop):
+        return 0
+    finally:
+        stop_children(children)
+
+
 def loadtest_command(
     broker: str = typer.Option(..., help="mqtt://HOST:PORT the aggregator (and its workers) use."),
     federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
@@ -168,9 +184,7 @@ def loadtest_command(
                 "--rate", str(rate / procs), "--max-submodel", str(max_submodel), "--chunk-kib", str(chunk_kib),
                 "--scale", str(scale), "--pool", str(pool), "--prefix", prefix, "--seed", str(seed),
                 "--duration", str(duration), "--log-level", log_level, "--log-format", log_format]
-        children = [subprocess.Popen([sys.executable, "-c", "from aggregator.cli import app; app()", "loadtest", *argv,
-                                      "--shard", f"{i}/{procs}"]) for i in range(procs)]
-        raise typer.Exit(max(p.wait() for p in children))
+        raise typer.Exit(_run_shards([[*argv, "--shard", f"{i}/{procs}"] for i in range(procs)]))
     cfg = FleetConfig(federation=federation, prefix=prefix, first=first, stride=stride, devices=devices,
                       max_submodel=max_submodel, rate=rate, chunk_bytes=chunk_kib * 1024, scale=scale, seed=seed,
                       pool=pool, duration_s=duration)

@@ -33,7 +33,7 @@ from nefl.mqtt import parse_broker
 from nefl.profile import ProfileError
 from nefl.settings import TrainConfig
 from nefl.heap import freeze_startup, keep_freed_memory
-from nefl.signals import Stop, stop_on_sigterm, stop_reason
+from nefl.signals import Stop, stop_children, stop_on_sigterm, stop_reason
 from nefl.signing import KeyFileError
 from nefl.threads import one_per_process
 from nefl.tokens import fingerprint
@@ -125,7 +125,7 @@ def serve_command(
         from aggregator.rollout import RolloutWatcher
         from aggregator.server import ServeConfig, Server, load_start
         from aggregator.web import TokenRequired, start_http
-        from aggregator.worker import local_worker_ids, start_local_workers, stop_local_workers
+        from aggregator.worker import local_worker_ids, start_local_workers
         from nefl.checkpoint import CheckpointError
         from nefl.data import DatasetUnavailable
         from nefl.robust import DPAccountant
@@ -215,7 +215,7 @@ def serve_command(
                     else "no round completed yet, so there is nothing to resume"))
         server.conn.stop()
     finally:
-        stop_local_workers(local)
+        stop_children(local)
         if web is not None:
             web.close()
         if watcher is not None:

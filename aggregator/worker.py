@@ -354,15 +354,3 @@ def start_local_workers(n: int, settings: BrokerSettings, federation: str, serve
                               "--key", str(keys.worker_key_path(wid)), "--shared" if n > 1 else "--no-shared",
                               "--group", group, "--log-level", log_level, *tls], env=env)
             for wid in local_worker_ids(n, federation)]
-
-
-def stop_local_workers(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()

@@ -256,7 +256,9 @@ def decode(payload: bytes, cls: type[T], max_bytes: int = MAX_CONTROL_BYTES) -> 
         raise MessageError("malformed_json", f"{kind}: payload is not bytes")
     if len(payload) > max_bytes:
         raise MessageError("oversized", f"{len(payload)}-byte {kind} message, the limit is {max_bytes}")
-    if nesting_depth(bytes(payload)) > MAX_DEPTH:
+    raw = payload if isinstance(payload, (bytes, bytearray)) else bytes(payload)
+    # no deeper than its brackets: a message with at most MAX_DEPTH of them (an update's header has two) skips the scan
+    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and nesting_depth(raw) > MAX_DEPTH:
         raise MessageError("too_deep", f"{kind} message nests deeper than {MAX_DEPTH} levels")
     try:
         head = msgspec.json.decode(payload, type=_Head)

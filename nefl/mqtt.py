@@ -25,6 +25,7 @@ from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
 
 QOS = 1
 PUBACK_HEAD = bytes((mqtt.PUBACK, 2))  # a PUBACK's fixed header: its message id follows
+PAYLOAD_ALIGN = 8  # a PUBLISH's payload starts at an address that is a multiple of this (Client's receive path)
 
 
 class Transport(Protocol):
@@ -104,7 +105,12 @@ class Client(mqtt.Client):
     decoded in place; with `on_payload` set (a Connection sets it) as (topic, payload), without paho's message
     object and callback machinery. A packet the network thread queues itself (a PUBACK) does not wake that thread through
     paho's socket pair: the loop's next select asks to write anyway. QoS 2 and MQTT 5 packets take paho's
-    decoder, sockets without recv_into (websockets) paho's reader."""
+    decoder, sockets without recv_into (websockets) paho's reader.
+
+    The payload starts at an address that is a multiple of PAYLOAD_ALIGN wherever its topic's length came in the
+    same read as the fixed header (the body is placed that far into its buffer): an update whose tensor data sits
+    at an aligned offset in its payload (nefl/wire.py) is then read by numpy's BLAS, not by torch's slower path
+    for float32 at an odd address (docs/scale.md, "Eleventh pass")."""
 
     FIRST_BUFFER = 1 << 20  # a body's first allocation; larger ones double towards the packet's length
     READ_AHEAD = 1 << 16  # bytes asked of the socket at once while a fixed header is read
@@ -245,18 +251,35 @@ class Client(mqtt.Client):
         if n <= 0:
             return
         got = pkt["remaining_length"] - pkt["to_process"]
-        if got + n > len(pkt["packet"]):
-            _grow(pkt["packet"], got + n)
-        pkt["packet"][got:got + n] = memoryview(self._ahead)[self._ahead_at:self._ahead_at + n]
+        if not got:
+            self._place(pkt, n)
+        at = pkt.get("pad", 0) + got
+        if at + n > len(pkt["packet"]):
+            _grow(pkt["packet"], at + n)
+        pkt["packet"][at:at + n] = memoryview(self._ahead)[self._ahead_at:self._ahead_at + n]
         self._ahead_at += n
         pkt["to_process"] -= n
 
+    def _place(self, pkt: dict, n: int) -> None:
+        """Where a QoS 0/1 PUBLISH (MQTT 3.1.1) body goes in its buffer, from its first `n` bytes (read ahead): that
+        many bytes in (pkt["pad"]) that its payload, after the topic and message id, starts aligned. The buffer is
+        fresh (nothing of the body in it yet) and malloc's, so at least 16-byte aligned itself."""
+        command = pkt["command"]
+        qos = (command & 0x06) >> 1
+        if command & 0xF0 != mqtt.PUBLISH or qos == 2 or self._protocol == mqtt.MQTTv5 or n < 2:
+            return
+        start = 2 + int.from_bytes(self._ahead[self._ahead_at:self._ahead_at + 2], "big") + (2 if qos else 0)
+        pad = -start % PAYLOAD_ALIGN
+        if pad:
+            pkt["pad"] = pad
+            pkt["packet"] = _unfilled(pad + len(pkt["packet"]))
+
     def _read_body(self, pkt: dict) -> bool:
         """Receive what the socket has of the body into its buffer. False: the connection closed."""
-        packet, length = pkt["packet"], pkt["remaining_length"]
-        got = length - pkt["to_process"]
+        packet, length, pad = pkt["packet"], pkt["remaining_length"], pkt.get("pad", 0)
+        got = pad + length - pkt["to_process"]
         if got == len(packet):
-            _grow(packet, min(length, 2 * len(packet)))
+            _grow(packet, pad + min(length, 2 * (len(packet) - pad)))
         n = self._recv_into(memoryview(packet)[got:])
         if n == 0:
             return False
@@ -266,16 +289,16 @@ class Client(mqtt.Client):
         return True
 
     def _handle_publish(self) -> mqtt.MQTTErrorCode:
-        command, packet = self._in_packet["command"], self._in_packet["packet"]
+        command, packet, pad = self._in_packet["command"], self._in_packet["packet"], self._in_packet.get("pad", 0)
         qos = (command & 0x06) >> 1
         if qos == 2 or self._protocol == mqtt.MQTTv5:
             return super()._handle_publish()
-        topic_end = 2 + int.from_bytes(packet[:2], "big")
+        topic_end = pad + 2 + int.from_bytes(packet[pad:pad + 2], "big")
         at = topic_end + (2 if qos else 0)
-        if len(packet) < 2 or topic_end == 2 or at > len(packet):
+        if len(packet) < pad + 2 or topic_end == pad + 2 or at > len(packet):
             raise MalformedPacket("PUBLISH shorter than its topic and message id")
         mid = int.from_bytes(packet[topic_end:at], "big") if qos else 0
-        topic = bytes(packet[2:topic_end])
+        topic = bytes(packet[pad + 2:topic_end])
         del packet[:at]  # the payload is the packet's buffer itself, not a copy
         if self.on_payload is not None:
             self._deliver(topic, packet)

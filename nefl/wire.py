@@ -59,6 +59,7 @@ MAX_PROOF = 24  # hashes in the proof of a chunk of a set of at most MAX_CHUNKS
 DTYPES = ("fp32", "fp16")  # tensor payloads; "raw" is a file's bytes (kind "file")
 KINDS = ("model", "update", "partial", "file", "module", "return")
 _PREFIX = struct.Struct(">4sBBHI")
+DATA_ALIGN = 8  # a chunk's data starts this aligned within its message (the header padded; `_aligned`)
 # refusals of a complete set whose every chunk hashed up to the signed root: the signer's own bytes
 PAYLOAD_REASONS = frozenset({"malformed_payload", "bad_dtype", "non_finite"})
 _LEAF = "nefl-edge 2026-12 wire chunk leaf"  # BLAKE3 derive-key contexts: a leaf is never taken for a node
@@ -339,7 +340,7 @@ def frame(
     head = ChunkHeader(kind=kind, federation=federation, round=round, submodel=submodel, client=client,
                        digest=levels[-1][0].hex(), dtype=dtype, samples=samples, metrics=metrics or {},
                        size=len(payload), chunk=room, count=count).to_json()
-    head = sign(head) if sign is not None else head
+    head = _aligned(head, sign)
     if len(head) > MAX_HEADER_BYTES:
         raise ValueError(f"message header is {len(head)} bytes, the limit is {MAX_HEADER_BYTES}: fewer metrics")
     out = []
@@ -347,6 +348,20 @@ def frame(
         proof = merkle_proof(levels, i)
         out.append(b"".join((_PREFIX.pack(MAGIC, WIRE_VERSION, len(proof) // HASH_BYTES, len(head), i), head, proof, part)))
     return out
+
+
+def _aligned(head: bytes, sign: Callable[[bytes], bytes] | None) -> bytes:
+    """The header as sent (signed where `sign` is given), blank space before its closing brace making the data
+    start at a multiple of DATA_ALIGN into every chunk (a proof is whole 32-byte hashes): a receiver that puts
+    the payload at an aligned address (nefl.mqtt.Client) then decodes float32 tensors that numpy's BLAS reads,
+    whatever the lengths of the header's names and numbers. Whitespace is JSON's, so any receiver parses it;
+    within 7 bytes of MAX_HEADER_BYTES the header goes unpadded."""
+    signed = sign(head) if sign is not None else head
+    pad = -(_PREFIX.size + len(signed)) % DATA_ALIGN
+    if not pad or len(signed) + pad > MAX_HEADER_BYTES:
+        return signed
+    head = head[:-1] + b" " * pad + b"}"
+    return sign(head) if sign is not None else head
 
 
 def split_chunk(message: bytes | memoryview) -> tuple[bytes, int, memoryview, memoryview]:

@@ -295,3 +295,24 @@ def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     assert_state_matches(tmp_path, [1])
     time.sleep(0.5)
     assert "site-a: round 1: update from site00000 accepted" in procs.log("relay")
+
+
+@needs_mosquitto
+@pytest.mark.timeout(120)
+def test_loadtest_stopped_takes_its_shards_down(procs):
+    """A SIGTERM to `loadtest --procs 2` (a benchmark's or a service manager's stop) ends its shard processes too:
+    they used to go on sending until --duration, into the next benchmark's measurement."""
+    port = free_port()
+    procs.mosquitto(port)
+    parent = fleet(procs, "fleet", f"mqtt://127.0.0.1:{port}", 4, "--procs", "2", "--rate", "1")
+    shards = wait_for(lambda: len(kids := psutil.Process(parent.pid).children()) == 2 and kids, 60, "two shards")
+    wait_for(lambda: "simulated devices connecting" in procs.log("fleet"), 60, "the shards to connect")
+    parent.terminate()
+    try:
+        assert parent.wait(30) == 0
+        gone, alive = psutil.wait_procs(shards, timeout=20)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        for p in shards:
+            if p.is_running():
+                p.kill()
