@@ -80,24 +80,26 @@ class Sketch:
         gen = torch.Generator().manual_seed(seed)
         self.index = distinct_sample(total, size, gen) if total > size else None
         self.size = min(total, size)
-        self._gathers: dict[tuple, torch.Tensor] = {}  # by an update's tiling: where its sketch lies in its buffer
+        self._gathers: dict[tuple, np.ndarray] = {}  # by an update's tiling: where its sketch lies in its buffer
 
-    def into(self, delta: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-        """The sketch of `delta` written into `out` (a row of the round's sketches): one gather, no temporary."""
+    def into(self, delta: dict[str, torch.Tensor], out: np.ndarray) -> None:
+        """The sketch of `delta` written into `out` (a numpy view of a row of the round's sketches): one gather, no
+        temporary, and for an update off the wire no torch call (each costs 10-20 us of cold dispatch on a core
+        that ran other processes since the last update)."""
         if isinstance(delta, Tiled) and self.core:
-            torch.index_select(delta.flat, 0, self._gather(delta), out=out)
+            np.take(delta.array(), self._gather(delta), out=out)
         else:
-            out.copy_(self(delta))
+            out[:] = self(delta).numpy()
 
     def __call__(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
         if not self.core:
             return torch.zeros(0)
         if isinstance(delta, Tiled):  # decoded off the wire: one gather from its flat buffer
-            return delta.flat[self._gather(delta)]
+            return torch.from_numpy(delta.array()[self._gather(delta)])
         flat = torch.cat([delta[n][cell].reshape(-1).to(torch.float32) for n, cell in self.core.items()])
         return flat if self.index is None else flat[self.index]
 
-    def _gather(self, delta: Tiled) -> torch.Tensor:
+    def _gather(self, delta: Tiled) -> np.ndarray:
         """Positions in `delta.flat` of the elements the slow path picks, computed once per tiling (names in
         buffer order and shapes: one per submodel from honest senders, a few kept)."""
         if delta.tiling not in self._gathers:
@@ -123,7 +125,7 @@ class Sketch:
             rest, coords[:, d] = np.divmod(rest, shape[which, d])
         return which, coords
 
-    def _positions(self, tiling: Tiling) -> torch.Tensor:
+    def _positions(self, tiling: Tiling) -> np.ndarray:
         """The picked elements placed by their tensors' offsets and strides in a buffer tiled this way: one
         gather of the cells' placements and a product with the shared coordinates (the unravelling once per
         sketch cost a coordinator 2-4 ms a round when repeated for each of five submodels' tilings)."""
@@ -131,7 +133,7 @@ class Sketch:
         offset, strides = tiling.placement(list(self.core))
         dims = coords.shape[1]
         stride = np.array([(0,) * (dims - len(st)) + st for st in strides], dtype=np.int64).reshape(len(strides), dims)
-        return torch.from_numpy(np.asarray(offset, dtype=np.int64)[which] + (coords * stride[which]).sum(1))
+        return np.asarray(offset, dtype=np.int64)[which] + (coords * stride[which]).sum(1)
 
 
 def distinct_sample(total: int, size: int, gen: torch.Generator) -> torch.Tensor:
@@ -384,7 +386,9 @@ class Screened(RoundAggregate):
         # slice, not a stack, and nothing about an earlier update is recomputed
         rows = max(1, min(len(assignments), self.compare + 1))
         self.sketches = torch.empty(rows, self.sketch.size)
+        self._sketch_rows = self.sketches.numpy()  # the same memory, for numpy's writes of each arrival's sketch
         self.norms = torch.empty(rows)
+        self._norm_rows = self.norms.numpy()
         self.ratio_of = np.empty(rows)  # float64; numpy: a vote's few small operations cost less than torch's dispatch
         self._sorted: list[float] = []  # the relative norms so far, sorted: the median as each update arrives
         self.medians: dict[int, float] = {}  # sketch i (pending) -> the median relative norm as of its arrival
@@ -407,7 +411,7 @@ class Screened(RoundAggregate):
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
         ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
         i = self._row()
-        self.sketch.into(delta, self.sketches[i])
+        self.sketch.into(delta, self._sketch_rows[i])
         self.ratio_of[i] = ratio
         bisect.insort(self._sorted, ratio)
         self.medians[i] = self.median_ratio()
@@ -437,7 +441,7 @@ class Screened(RoundAggregate):
         if first == n:
             return
         lo = max(0, first - self.compare)
-        sketches, norms = self.sketches.numpy(), self._norms()
+        sketches, norms = self._sketch_rows, self._norms()
         cos = _cosines(sketches[lo:n], norms[lo:n], sketches[first:n], norms[first:n])
         for b, i in enumerate(range(first, n)):
             a = max(0, i - self.compare)
@@ -453,7 +457,7 @@ class Screened(RoundAggregate):
         if self._normed < self.count:
             torch.linalg.vector_norm(self.sketches[self._normed:self.count], dim=1, out=self.norms[self._normed:self.count])
             self._normed = self.count
-        return self.norms.numpy()
+        return self._norm_rows
 
     def _others(self, i: int) -> torch.Tensor:
         """The indices of the sketches sketch i is compared with: the `compare` most recent, not itself."""
@@ -465,10 +469,12 @@ class Screened(RoundAggregate):
 
     def _row(self) -> int:
         """The index of a new sketch's row, the rows doubled when full."""
-        if self.count == len(self.sketches):
+        if self.count == len(self.ratio_of):  # numpy's len: torch's is a Python-level call
             grow = max(1, self.count)
             self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:grow])])
+            self._sketch_rows = self.sketches.numpy()
             self.norms = torch.cat([self.norms, torch.empty_like(self.norms[:grow])])
+            self._norm_rows = self.norms.numpy()
             self.ratio_of = np.concatenate([self.ratio_of, np.empty(grow)])
         self.count += 1
         return self.count - 1
@@ -479,7 +485,7 @@ class Screened(RoundAggregate):
         if not len(others):
             return np.empty(0, dtype=np.float32)
         lo, hi = int(others[0]), int(others[-1]) + 1
-        sketches, norms = self.sketches.numpy(), self._norms()
+        sketches, norms = self._sketch_rows, self._norms()
         return _cosines(sketches[lo:hi], norms[lo:hi], sketches[i:i + 1], norms[i:i + 1])[(others - lo).numpy(), 0]
 
     def compared(self, i: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -240,7 +240,7 @@ def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[
     lazy: the views are made on first use (nefl.tensors.Tiled)."""
     import torch
 
-    from nefl.tensors import Tiled
+    from nefl.tensors import Tiled, array_norm
 
     if len(payload) < 8:
         raise WireError("malformed_payload", "not a safetensors payload (too short)")
@@ -251,11 +251,16 @@ def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[
     start, at = 8 + hlen, tiling.numel * item
     if start + at != len(payload):
         raise WireError("malformed_payload", f"{len(payload) - start - at} bytes after the last tensor")
-    data = torch.from_numpy(payload[start:]) if start % item == 0 else torch.from_numpy(payload[start:].copy())
-    flat = data.view(_torch_dtype(dtype))
+    body = payload[start:] if start % item == 0 else payload[start:].copy()
+    flat = torch.from_numpy(body).view(_torch_dtype(dtype))
     flat = flat if dtype == "fp32" else flat.to(torch.float32)
-    tiled = Tiled(flat, tiling, lazy)
-    if not math.isfinite(tiled.norm()):  # one pass that the norm bound then reuses, not a sum of its own
+    array = body.view(np.float32) if dtype == "fp32" else None
+    tiled = Tiled(flat, tiling, lazy, array)
+    # one pass that the norm bound then reuses, not a sum of its own; numpy's, on the bytes as they lie, where it can
+    norm = array_norm(array) if array is not None else None
+    if norm is not None:
+        tiled.normed = (flat._version, norm)
+    elif not math.isfinite(tiled.norm()):
         raise WireError("non_finite", "non-finite values")
     return tiled
 
