@@ -244,22 +244,25 @@ def decode_tensors(dtype: str, payload: np.ndarray, lazy: bool = False) -> dict[
 
     if len(payload) < 8:
         raise WireError("malformed_payload", "not a safetensors payload (too short)")
-    hlen = int.from_bytes(payload[:8].tobytes(), "little")
+    raw = payload.data  # the header's bytes through a memoryview: numpy's slicing is a call each, costly cold
+    hlen = int.from_bytes(raw[:8], "little")
     if hlen > min(len(payload) - 8, 16 << 20):
         raise WireError("malformed_payload", "not a safetensors payload (header length)")
-    tiling, item = safetensors_tiling(payload[8:8 + hlen].tobytes(), dtype), _ST_DTYPES[dtype][1]
+    tiling, item = safetensors_tiling(bytes(raw[8:8 + hlen]), dtype), _ST_DTYPES[dtype][1]
     start, at = 8 + hlen, tiling.numel * item
     if start + at != len(payload):
         raise WireError("malformed_payload", f"{len(payload) - start - at} bytes after the last tensor")
     body = payload[start:] if start % item == 0 else payload[start:].copy()
-    flat = torch.from_numpy(body).view(_torch_dtype(dtype))
-    flat = flat if dtype == "fp32" else flat.to(torch.float32)
-    array = body.view(np.float32) if dtype == "fp32" else None
+    if dtype == "fp32":  # the payload's own bytes, one numpy view and one tensor of them
+        array = body.view(np.float32)
+        flat = torch.from_numpy(array)
+    else:
+        array, flat = None, torch.from_numpy(body).view(_torch_dtype(dtype)).to(torch.float32)
     tiled = Tiled(flat, tiling, lazy, array)
     # one pass that the norm bound then reuses, not a sum of its own; numpy's, on the bytes as they lie, where it can
     norm = array_norm(array) if array is not None else None
     if norm is not None:
-        tiled.normed = (flat._version, norm)
+        tiled.normed = (0, norm)  # a tensor just made from the bytes: no write has bumped its version
     elif not math.isfinite(tiled.norm()):
         raise WireError("non_finite", "non-finite values")
     return tiled
