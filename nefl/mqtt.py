@@ -232,7 +232,7 @@ class Client(mqtt.Client):
             view.release()
 
     def _fixed_header_byte(self, pkt: dict, byte: int) -> None:
-        """One byte of the command or of the remaining length (five at most); the body's buffer once it is known."""
+        """One byte of the command or of the remaining length (five at most)."""
         if pkt["command"] == 0:
             pkt["command"] = byte
             return
@@ -241,8 +241,7 @@ class Client(mqtt.Client):
         pkt["remaining_mult"] *= 128
         if not byte & 128:
             pkt["have_remaining"] = 1
-            pkt["to_process"] = pkt["remaining_length"]
-            pkt["packet"] = _unfilled(min(pkt["remaining_length"], self.FIRST_BUFFER))
+            pkt["to_process"] = pkt["remaining_length"]  # its buffer comes with its first bytes (_open_body)
 
     def _take_ahead(self, pkt: dict) -> None:
         """The start of a body that came with its header (a small packet whole): read ahead, so copied once more
@@ -252,31 +251,32 @@ class Client(mqtt.Client):
             return
         got = pkt["remaining_length"] - pkt["to_process"]
         if not got:
-            self._place(pkt, n)
-        at = pkt.get("pad", 0) + got
+            self._open_body(pkt, n)
+        at = pkt["pad"] + got
         if at + n > len(pkt["packet"]):
             _grow(pkt["packet"], at + n)
         pkt["packet"][at:at + n] = memoryview(self._ahead)[self._ahead_at:self._ahead_at + n]
         self._ahead_at += n
         pkt["to_process"] -= n
 
-    def _place(self, pkt: dict, n: int) -> None:
-        """Where a QoS 0/1 PUBLISH (MQTT 3.1.1) body goes in its buffer, from its first `n` bytes (read ahead): that
-        many bytes in (pkt["pad"]) that its payload, after the topic and message id, starts aligned. The buffer is
-        fresh (nothing of the body in it yet) and malloc's, so at least 16-byte aligned itself."""
-        command = pkt["command"]
+    def _open_body(self, pkt: dict, n: int) -> None:
+        """The body's buffer, made when its first bytes come (`n` of them read ahead): at most FIRST_BUFFER to
+        start with, and for a QoS 0/1 PUBLISH (MQTT 3.1.1) whose topic length is among those bytes, the body put
+        that far in (pkt["pad"]) that its payload, after the topic and message id, starts aligned (the buffer is
+        malloc's, at least 16-byte aligned itself)."""
+        command, pad = pkt["command"], 0
         qos = (command & 0x06) >> 1
-        if command & 0xF0 != mqtt.PUBLISH or qos == 2 or self._protocol == mqtt.MQTTv5 or n < 2:
-            return
-        start = 2 + int.from_bytes(self._ahead[self._ahead_at:self._ahead_at + 2], "big") + (2 if qos else 0)
-        pad = -start % PAYLOAD_ALIGN
-        if pad:
-            pkt["pad"] = pad
-            pkt["packet"] = _unfilled(pad + len(pkt["packet"]))
+        if command & 0xF0 == mqtt.PUBLISH and qos != 2 and self._protocol != mqtt.MQTTv5 and n >= 2:
+            start = 2 + int.from_bytes(self._ahead[self._ahead_at:self._ahead_at + 2], "big") + (2 if qos else 0)
+            pad = -start % PAYLOAD_ALIGN
+        pkt["pad"] = pad
+        pkt["packet"] = _unfilled(pad + min(pkt["remaining_length"], self.FIRST_BUFFER))
 
     def _read_body(self, pkt: dict) -> bool:
         """Receive what the socket has of the body into its buffer. False: the connection closed."""
-        packet, length, pad = pkt["packet"], pkt["remaining_length"], pkt.get("pad", 0)
+        if "pad" not in pkt:  # none of the body came read ahead: its buffer now
+            self._open_body(pkt, 0)
+        packet, length, pad = pkt["packet"], pkt["remaining_length"], pkt["pad"]
         got = pad + length - pkt["to_process"]
         if got == len(packet):
             _grow(packet, pad + min(length, 2 * (len(packet) - pad)))

@@ -110,21 +110,6 @@ def split_signed(payload: bytes) -> tuple[bytes, bytes] | None:
     return payload[:-_SIG_SUFFIX] + b"}", sig
 
 
-_RAW_KEYS: dict[int, tuple[Ed25519PublicKey, bytes]] = {}  # id -> (key, its raw bytes); the key held, so no id reuse
-_RAW_KEYS_MAX = 1 << 16
-
-
-def _raw(key: Ed25519PublicKey) -> bytes:
-    """A key's 32 raw bytes, asked of it once: an aggregator verifies each device's key once an update, and the
-    call into `cryptography` costs several microseconds on a core that ran other processes since."""
-    hit = _RAW_KEYS.get(id(key))
-    if hit is None or hit[0] is not key:
-        if len(_RAW_KEYS) >= _RAW_KEYS_MAX:
-            _RAW_KEYS.clear()
-        hit = _RAW_KEYS[id(key)] = (key, key.public_bytes_raw())
-    return hit[1]
-
-
 def verify(payload: bytes, key: Ed25519PublicKey) -> bytes:
     """The signed body of `payload`, or MessageError (unsigned / bad_signature)."""
     parts = split_signed(bytes(payload))
@@ -132,7 +117,7 @@ def verify(payload: bytes, key: Ed25519PublicKey) -> bytes:
         raise MessageError("unsigned", "message carries no server signature")
     body, sig = parts
     try:
-        crypto_sign_open(sig + body, _raw(key))
+        crypto_sign_open(sig + body, key.public_bytes_raw())
     except BadSignatureError:
         raise MessageError("bad_signature", "signature does not match the pinned server key") from None
     return body

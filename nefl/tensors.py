@@ -102,14 +102,17 @@ def l2_norm(t: torch.Tensor) -> float:
     any float32 size, NaN or inf otherwise: so it doubles as the finite check."""
     if t.dtype == torch.float32 and t.numel() >= _ROW and t.device.type == "cpu":
         flat = t.detach().reshape(-1)
-        if flat.data_ptr() % 4:
-            total = math.sqrt(_row_squares_torch(flat, flat.numel() // _ROW))
-            total = total if math.isfinite(total) and total > 1e-18 else None
-        else:
-            total = array_norm(flat.numpy())
+        total = _kept(_row_squares_torch(flat, flat.numel() // _ROW)) if flat.data_ptr() % 4 else array_norm(flat.numpy())
         if total is not None:
             return total
     return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+
+
+def _kept(squares: float) -> float | None:
+    """The norm from row-wise float32 squares, None where the exact float64 path must decide: a row that
+    overflowed or held NaN/inf, or a total small enough for squares to underflow."""
+    total = math.sqrt(squares)
+    return total if math.isfinite(total) and total > 1e-18 else None
 
 
 def array_norm(x: np.ndarray) -> float | None:
@@ -120,8 +123,7 @@ def array_norm(x: np.ndarray) -> float | None:
     overflows or holds NaN/inf, or a total small enough for squares to underflow."""
     if x.dtype != np.float32 or x.ndim != 1 or x.size < _ROW or not x.flags.aligned:
         return None
-    total = math.sqrt(_row_squares_blas(x, x.size // _ROW))
-    return total if math.isfinite(total) and total > 1e-18 else None
+    return _kept(_row_squares_blas(x, x.size // _ROW))
 
 
 def _row_squares_blas(flat: np.ndarray, rows: int) -> float:

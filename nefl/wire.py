@@ -359,16 +359,15 @@ def frame(
 
 
 def _aligned(head: bytes, sign: Callable[[bytes], bytes] | None) -> bytes:
-    """The header as sent (signed where `sign` is given), blank space before its closing brace making the data
-    start at a multiple of DATA_ALIGN into every chunk (a proof is whole 32-byte hashes): a receiver that puts
-    the payload at an aligned address (nefl.mqtt.Client) then decodes float32 tensors that numpy's BLAS reads,
-    whatever the lengths of the header's names and numbers. Whitespace is JSON's, so any receiver parses it;
-    within 7 bytes of MAX_HEADER_BYTES the header goes unpadded."""
-    signed = sign(head) if sign is not None else head
-    pad = -(_PREFIX.size + len(signed)) % DATA_ALIGN
-    if not pad or len(signed) + pad > MAX_HEADER_BYTES:
-        return signed
-    head = head[:-1] + b" " * pad + b"}"
+    """The header as sent (signed where `sign` is given, which adds signing.SIGNATURE_OVERHEAD bytes), blank
+    space before its closing brace making the data start at a multiple of DATA_ALIGN into every chunk (a proof is
+    whole 32-byte hashes): a receiver that puts the payload at an aligned address (nefl.mqtt.Client) then
+    decodes float32 tensors that numpy's BLAS reads, whatever the lengths of the header's names and numbers.
+    Whitespace is JSON's, so any receiver parses it; within 7 bytes of MAX_HEADER_BYTES the header goes unpadded."""
+    size = len(head) + (signing.SIGNATURE_OVERHEAD if sign is not None else 0)
+    pad = -(_PREFIX.size + size) % DATA_ALIGN
+    if pad and size + pad <= MAX_HEADER_BYTES:
+        head = head[:-1] + b" " * pad + b"}"
     return sign(head) if sign is not None else head
 
 
