@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from nefl.choices import check_choice
-from nefl.settings import PAPER_WINDOW
+from nefl.support.choices import check_choice
+from nefl.support.settings import PAPER_WINDOW
 
 Assignment = Literal["coverage", "largest", "paper"]  # as `--assignment` takes them
 

@@ -1,12 +1,12 @@
 """`aggregator`: the server's command line.
 
 Each command lives in the module that owns its job; this file only assembles them, importing a
-command's module only when that command runs (nefl/commands.py), so `--help` answers at once.
+command's module only when that command runs (nefl/support/commands.py), so `--help` answers at once.
 """
 
 from __future__ import annotations
 
-from nefl.commands import Lazy, lazy_app
+from nefl.support.commands import Lazy, lazy_app
 
 COMMANDS = {
     "serve": Lazy("aggregator.serve_cli", "serve_command",

@@ -2,7 +2,7 @@
 
 A release is the export's manifest (checked file by file against its sha256s first), where it came
 from (checkpoint, round, the weights' sha256) and how its files travel: cut into chunks of the wire
-format (nefl/wire.py, kind "file"), each chunk's sha256 listed, so a device checks every chunk on
+format (nefl/protocol/wire.py, kind "file"), each chunk's sha256 listed, so a device checks every chunk on
 arrival and resumes a broken download. int8 files are not rolled out (a device's parity check
 compares fp32 logits with the exporter's torch logits); the release's manifest drops them.
 
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import msgspec
 
-from nefl.fsio import atomic_write_bytes
-from nefl.manifest import MANIFEST_FILE, ManifestError, read_manifest, read_verified
-from nefl.messages import MAX_RELEASE_BYTES, Release, ReleaseFile, Rollout
-from nefl.signing import SIGNATURE_OVERHEAD
-from nefl.topics import Topics
-from nefl.wire import chunk_room, frame
+from nefl.protocol.manifest import MANIFEST_FILE, ManifestError, read_manifest, read_verified
+from nefl.protocol.messages import MAX_RELEASE_BYTES, Release, ReleaseFile, Rollout
+from nefl.protocol.signing import SIGNATURE_OVERHEAD
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import chunk_room, frame
+from nefl.support.fsio import atomic_write_bytes
 
 DEPLOY_DIR, STATE_FILE = "deploy", "rollout.json"
 SENDER = "aggregator"  # the `client` of file chunks: they come from the server

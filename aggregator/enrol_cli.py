@@ -12,10 +12,10 @@ import typer
 
 from aggregator.enrolment import EnrolmentPolicy, Grant, Revoke, append
 from aggregator.keys import KeyDir
-from nefl.cli_options import KeyDirOption
-from nefl.signing import KeyFileError, parse_public_key
-from nefl.tokens import new_token
-from nefl.topics import check_name
+from nefl.protocol.signing import KeyFileError, parse_public_key
+from nefl.protocol.tokens import new_token
+from nefl.protocol.topics import check_name
+from nefl.support.cli_options import KeyDirOption
 
 FEDERATION = typer.Option("default", "--federation", help="Federation name (its keys live in KEY_DIR/FEDERATION).")
 

@@ -10,7 +10,7 @@ newer pin, and a revocation removes the pins made before it.
 
 Enrolment is *open* (trust on first use: the first signed announce pins an id's key, as before) until
 the journal grants a device; from then on (or with --no-open-enrolment) an id takes part only once the
-operator enrolled it, with a join token its first signed announce proves (nefl/tokens.py) or with its
+operator enrolled it, with a join token its first signed announce proves (nefl/protocol/tokens.py) or with its
 key. Open pins are bounded: a rate and a cap on new ones, and those of ids that never trained expire.
 """
 
@@ -28,8 +28,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from aggregator.rejected import Rejected
-from nefl.messages import Hex64, KeyText, Name
-from nefl.tokens import check_proof
+from nefl.protocol.messages import Hex64, KeyText, Name
+from nefl.protocol.tokens import check_proof
 
 log = logging.getLogger("aggregator.server")
 Role = Literal["device", "worker"]

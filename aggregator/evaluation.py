@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from nefl.data import ArrayDataset, BatchLoader, load_dataset
-from nefl.state import GlobalState, Layout, load_module_state, module_state
-from nefl.threads import all_cores
-from nefl.train import evaluate, recompute_bn_stats
+from nefl.nested.data import ArrayDataset, BatchLoader, load_dataset
+from nefl.nested.state import GlobalState, Layout, load_module_state, module_state
+from nefl.nested.train import evaluate, recompute_bn_stats
+from nefl.support.threads import all_cores
 
 
 class Evaluator:
@@ -45,7 +45,7 @@ class Evaluator:
     def accuracy(self, state: GlobalState, max_samples: int | None = None) -> list[float]:
         """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);
         static-BN statistics are recalibrated into `state` first."""
-        with all_cores():  # a served federation's ingest runs on one thread (nefl/threads.py); this is one large job
+        with all_cores():  # a served federation's ingest runs on one thread (nefl/support/threads.py); this is one large job
             return self._accuracy(state, min(self.n if max_samples is None else max_samples, len(self.test)))
 
     def _accuracy(self, state: GlobalState, n: int) -> list[float]:

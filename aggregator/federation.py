@@ -22,15 +22,15 @@ import torch
 
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
 from aggregator.rejected import Rejected
-from nefl.aggregate import Aggregator, RoundAggregate, UpdateError
-from nefl.checkpoint import UPDATES_TOTAL_KEY
-from nefl.messages import Announce, Decline, DeviceSummary
-from nefl.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
-from nefl.robust_aggregate import AggregationConfig, AggregationRule
-from nefl.state import GlobalState, Layout
-from nefl.step_bound import StepBound
-from nefl.tensors import byte_view
-from nefl.wire import Assembled, ChunkHeader
+from nefl.aggregation.aggregate import Aggregator, RoundAggregate, UpdateError
+from nefl.aggregation.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
+from nefl.aggregation.robust_aggregate import AggregationConfig, AggregationRule
+from nefl.aggregation.step_bound import StepBound
+from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.tensors import byte_view
+from nefl.protocol.messages import Announce, Decline, DeviceSummary
+from nefl.protocol.wire import Assembled, ChunkHeader
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Federation:
         self.robustness = robustness
         self.aggregator = aggregator or AggregationRule(layout, robustness.aggregation, weighting, seed=seed)
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
-        # the centre check's per-tensor bound on per-submodel tensors (nefl/step_bound.py), applied at commit
+        # the centre check's per-tensor bound on per-submodel tensors (nefl/aggregation/step_bound.py), applied at commit
         self.steps = StepBound(layout, robustness.aggregation) if robustness.aggregation.centre_check else None
         self._bounded: dict[int, int] = {}  # submodel -> its tensors the step bound scaled down this round
         self._noise = torch.Generator()

@@ -12,7 +12,7 @@ round. So a Flower run and `aggregator simulate` with the same settings are the 
 (tests/test_flower.py, docs/flower.md).
 
 The strategy lives in aggregator/ because it is the server: nefl/ may not import the Federation.
-Nodes run edge_client/flower.py; what travels between them is nefl/flower.py.
+Nodes run edge_client/flower.py; what travels between them is nefl/protocol/flower.py.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rounds import OpenRound, RoundDriver, RoundHooks, RunPlan
 from aggregator.simulate import ServerSide, SimConfig, check_device, new_federation
-from nefl.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays
-from nefl.messages import FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError, TrainingSettings
-from nefl.robust_aggregate import AggregationConfig
-from nefl.train import TrainConfig
+from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.nested.train import TrainConfig
+from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays
+from nefl.protocol.messages import FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError, TrainingSettings
 
 log = logging.getLogger(__name__)
 

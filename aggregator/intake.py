@@ -18,8 +18,8 @@ from collections.abc import Callable
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aggregator.federation import Federation, Rejected, Update
-from nefl.signing import parse_public_key
-from nefl.wire import PAYLOAD_REASONS, Assembled, Chunk, Reassembler, WireError
+from nefl.protocol.signing import parse_public_key
+from nefl.protocol.wire import PAYLOAD_REASONS, Assembled, Chunk, Reassembler, WireError
 
 class DeviceKeys:
     """Parsed device public keys, by their text: each key is parsed once, not once per chunk."""

@@ -1,5 +1,5 @@
 """The FedJigsaw commands: `aggregator jigsaw` runs FedJigsaw, its ablations, local training or the PT baselines in one
-process, with a progress bar; `aggregator jigsaw-serve` coordinates real devices over MQTT (aggregator/jigsaw_coordinator.py)."""
+process, with a progress bar; `aggregator jigsaw-serve` coordinates real devices over MQTT (nefl/jigsaw/coordinator.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
-from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
+from nefl.support.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
                               PasswordOption, UsernameOption)
-from nefl.data import DatasetUnavailable
+from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
 from nefl.jigsaw.zoo import ArchError
-from nefl.logs import console
+from nefl.support.logs import console
 
 D = JigsawConfig  # every default below is the config's
 
@@ -164,16 +164,16 @@ def jigsaw_serve_command(
     from pathlib import Path
 
     from aggregator.broker import embedded_broker
-    from aggregator.jigsaw_coordinator import Coordinator
+    from nefl.jigsaw.coordinator import Coordinator
     from aggregator.keys import KeyDir
     from aggregator.metrics import JigsawMetrics
-    from nefl.fsio import atomic_write_text
-    from nefl.listen import parse_listen
-    from nefl.logs import setup_logging
-    from nefl.mqtt import Connection, drain, parse_broker
-    from nefl.signals import Stop, stop_on_sigterm, stop_reason
-    from nefl.signing import KeyFileError
-    from nefl.topics import Topics
+    from nefl.support.fsio import atomic_write_text
+    from nefl.support.listen import parse_listen
+    from nefl.support.logs import setup_logging
+    from nefl.protocol.mqtt import Connection, drain, parse_broker
+    from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
+    from nefl.protocol.signing import KeyFileError
+    from nefl.protocol.topics import Topics
 
     setup_logging(log_level, log_format, context={"federation": federation})
     log = logging.getLogger("aggregator.jigsaw")
@@ -244,7 +244,7 @@ def jigsaw_serve_command(
 
 def _record(row: dict, out_dir, metrics, log) -> None:
     """A closed round: a line of metrics.jsonl, the Prometheus gauges, a log line."""
-    from nefl.checkpoint import append_metrics
+    from nefl.nested.checkpoint import append_metrics
 
     if out_dir:
         append_metrics(out_dir, row)

@@ -19,8 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from nefl.fsio import atomic_write_text
-from nefl.signing import KEY_FILE, KeyFileError, Signer
+from nefl.protocol.signing import KEY_FILE, KeyFileError, Signer
+from nefl.support.fsio import atomic_write_text
 
 KEY_DIR_ENV = "NEFL_KEY_DIR"
 JOURNAL = "enrolment.jsonl"

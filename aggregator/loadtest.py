@@ -23,13 +23,13 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from aggregator.enrolment import Grant
-from nefl.messages import Announce, ClientStatus, Control, MessageError, Sent, Task
-from nefl.mqtt import QOS, BrokerSettings, make_client, next_stamp
-from nefl.signing import Signer, split_signed
-from nefl.state import Layout
-from nefl.tensors import corner
-from nefl.topics import Topics
-from nefl.wire import DEFAULT_CHUNK_BYTES, encode, parse_chunk
+from nefl.nested.state import Layout
+from nefl.nested.tensors import corner
+from nefl.protocol.messages import Announce, ClientStatus, Control, MessageError, Sent, Task
+from nefl.protocol.mqtt import QOS, BrokerSettings, make_client, next_stamp
+from nefl.protocol.signing import Signer, split_signed
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, encode, parse_chunk
 
 log = logging.getLogger("aggregator.loadtest")
 

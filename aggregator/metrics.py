@@ -27,7 +27,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 
 from aggregator.federation import ClientInfo
-from nefl.messages import DeviceSummary, ServerStatus
+from nefl.protocol.messages import DeviceSummary, ServerStatus
 
 VERSION = 1
 MAX_DEVICES = 1000  # dashboard rows; beyond this the longest-unseen device leaves the table
@@ -310,7 +310,7 @@ def _round_row(line: Mapping[str, Any], row: RoundRow) -> RoundRow:
 
 class JigsawMetrics:
     """`aggregator jigsaw-serve --http`: the FedJigsaw coordinator's Prometheus registry, fed one round row at a time
-    (aggregator/jigsaw_coordinator.py); traffic, rejections and masking are what the devices reported for the round."""
+    (nefl/jigsaw/coordinator.py); traffic, rejections and masking are what the devices reported for the round."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()

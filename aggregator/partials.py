@@ -26,16 +26,16 @@ import torch
 
 from aggregator.federation import Federation, Rejected
 from aggregator.intake import DeviceKeys
-from nefl.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
-from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BATCH_BYTES, BoundSettings, PartialSummary, Receipt, ReceiptBatch, RoundClose,
+from nefl.aggregation.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
+from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BATCH_BYTES, BoundSettings, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            ScreenSettings, StatusBook, WorkerRound, WorkerStatus)
-from nefl.profile import Profile
-from nefl.robust import NormBound, update_norm
-from nefl.robust_aggregate import AggregationConfig
-from nefl.signing import Signer, verify
-from nefl.state import Layout
-from nefl.topics import Topics
-from nefl.wire import Assembled, Reassembler, WireError
+from nefl.nested.profile import Profile
+from nefl.aggregation.robust import NormBound, update_norm
+from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.protocol.signing import Signer, verify
+from nefl.nested.state import Layout
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import Assembled, Reassembler, WireError
 
 log = logging.getLogger("aggregator.server")
 MAX_WORKERS = 1024  # workers and relays of one federation (a hostile id flood stops here)

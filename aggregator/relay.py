@@ -16,9 +16,9 @@ import logging
 
 
 from aggregator.worker import Worker, WorkerConfig
-from nefl.messages import MAX_CONTROL_BYTES
-from nefl.mqtt import QOS, BrokerSettings, Connection
-from nefl.signing import Signer
+from nefl.protocol.messages import MAX_CONTROL_BYTES
+from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
+from nefl.protocol.signing import Signer
 
 log = logging.getLogger("aggregator.worker")
 

@@ -1,7 +1,7 @@
 """The robustness options `aggregator serve` and `aggregator simulate` share: update bounds, clipping,
 DP-FedAvg and the aggregation rule (docs/security.md). Declared once, so a simulated federation runs
 exactly the server's options; defaults come from the config dataclasses, never restated here. Torch-free
-(nefl/settings.py holds the defaults), so the commands' --help answers at once.
+(nefl/support/settings.py holds the defaults), so the commands' --help answers at once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from nefl.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
+from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
 
 if TYPE_CHECKING:
     from aggregator.federation import Robustness
@@ -78,7 +78,7 @@ def robustness(max_update_norm: float | None, relative: float, adaptive_k: float
     """The options as a Robustness; raises ValueError with a one-line reason for a combination that
     cannot work."""
     from aggregator.federation import Robustness  # torch: only when a command runs
-    from nefl.robust import NormBound
+    from nefl.aggregation.robust import NormBound
 
     if centre_check is None:
         centre_check = _A.centre_check and not dp_noise_multiplier

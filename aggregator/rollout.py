@@ -10,7 +10,7 @@ than its own previous version's by more than the rule's margin rolls it back for
 no device will take it again); when every canary has answered `min_requests` requests within the
 margins, the version is promoted to stable and the other devices take it. The same decisions can be
 taken by hand with `aggregator rollout promote|rollback`. Every change is a new signed `Rollout`
-with a higher sequence number (nefl/messages.py), kept in {checkpoint-dir}/deploy/rollout.json.
+with a higher sequence number (nefl/protocol/messages.py), kept in {checkpoint-dir}/deploy/rollout.json.
 
 `RolloutWatcher` keeps the same view (who runs which version) live for the dashboard of
 `aggregator serve --http` (/api/rollout).
@@ -41,14 +41,14 @@ from rich.table import Table
 from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
                                manifest_digest, retired_topics, save_state)
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
-from nefl.logs import console, progress, setup_logging
-from nefl.messages import DeployReport, MessageError, Rollout
-from nefl.mqtt import QOS, BrokerSettings, Connection, parse_broker
-from nefl.signing import KeyFileError, Signer, parse_public_key, verify, verify_self_signed
-from nefl.topics import Topics
-from nefl.messages import DEFAULT_CHUNK_BYTES
+from nefl.support.logs import console, progress, setup_logging
+from nefl.protocol.messages import DeployReport, MessageError, Rollout
+from nefl.protocol.mqtt import QOS, BrokerSettings, Connection, parse_broker
+from nefl.protocol.signing import KeyFileError, Signer, parse_public_key, verify, verify_self_signed
+from nefl.protocol.topics import Topics
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 
 log = logging.getLogger("aggregator.rollout")
 DISCOVER_S = 2.0  # retained reports arrive right after subscribing; this long is plenty on a LAN

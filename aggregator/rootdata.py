@@ -1,5 +1,5 @@
 """FLTrust's root updates: the server's own small, clean training set, and the update it trains on it
-for one submodel (nefl/robust_aggregate.py FLTrust compares each client's update with it).
+for one submodel (nefl/aggregation/robust_aggregate.py FLTrust compares each client's update with it).
 
 The root set is the last `samples` images of a dataset's test split (`--root-data`, the evaluation
 dataset unless told otherwise): the server holds that split anyway. When it is the evaluation's own
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nefl.data import ArrayDataset, BatchLoader
-from nefl.state import GlobalState, Layout
-from nefl.settings import DEFAULT_ROOT_SAMPLES
-from nefl.threads import all_cores
-from nefl.train import TrainConfig, local_train
+from nefl.nested.data import ArrayDataset, BatchLoader
+from nefl.nested.state import GlobalState, Layout
+from nefl.support.settings import DEFAULT_ROOT_SAMPLES
+from nefl.support.threads import all_cores
+from nefl.nested.train import TrainConfig, local_train
 
 
 def split_root(test: ArrayDataset, samples: int) -> tuple[ArrayDataset, ArrayDataset]:
@@ -53,6 +53,6 @@ class RootUpdates:
         loader = BatchLoader(self.data, self.indices, self.train.batch_size, shuffle=True, augment=True,
                              seed=self.seed * 7919 + index * 31 + k)
         cfg = self.train.for_round(max(0, index - 1), self.rounds)
-        with all_cores():  # one training run, not a stream of small operations (nefl/threads.py)
+        with all_cores():  # one training run, not a stream of small operations (nefl/support/threads.py)
             return local_train(self.modules[k], state.extract(self.layout, k), loader, cfg,
                                upload=self.layout.upload_shapes(k), device=self.device).delta

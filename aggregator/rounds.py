@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, state_digest
-from nefl.checkpoint import UPDATES_TOTAL_KEY, append_metrics, save_checkpoint
-from nefl.robust import DPAccountant
-from nefl.state import GlobalState
+from nefl.aggregation.robust import DPAccountant
+from nefl.nested.checkpoint import UPDATES_TOTAL_KEY, append_metrics, save_checkpoint
+from nefl.nested.state import GlobalState
 
 log = logging.getLogger(__name__)
 

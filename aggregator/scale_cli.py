@@ -18,17 +18,17 @@ from typing import Annotated, Optional
 import typer
 
 from aggregator.keys import KeyDir
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
                               PasswordOption, UsernameOption)
-from nefl.heap import freeze_startup
-from nefl.logs import setup_logging
-from nefl.messages import DEFAULT_CHUNK_BYTES
-from nefl.mqtt import parse_broker
-from nefl.profile import ProfileError, load_profile
-from nefl.signals import Stop, stop_children, stop_on_sigterm
-from nefl.signing import Signer
-from nefl.threads import one_per_process
-from nefl.topics import WORKER_GROUP, check_name
+from nefl.support.heap import freeze_startup
+from nefl.support.logs import setup_logging
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
+from nefl.protocol.mqtt import parse_broker
+from nefl.nested.profile import ProfileError, load_profile
+from nefl.support.signals import Stop, stop_children, stop_on_sigterm
+from nefl.protocol.signing import Signer
+from nefl.support.threads import one_per_process
+from nefl.protocol.topics import WORKER_GROUP, check_name
 
 log = logging.getLogger("aggregator.worker")
 
@@ -161,7 +161,7 @@ def loadtest_command(
 ) -> None:
     """Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."""
     from aggregator.loadtest import Fleet, FleetConfig, device_grants, log
-    from nefl.state import Layout
+    from nefl.nested.state import Layout
 
     setup_logging(log_level, log_format)
     if enroll:

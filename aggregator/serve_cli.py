@@ -23,21 +23,21 @@ from aggregator import robust_options as ro
 from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
+from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
                               PasswordOption, UsernameOption, ScheduleOption, WarmupOption)
-from nefl.extras import full_install_required
-from nefl.listen import is_loopback, parse_listen
-from nefl.logs import setup_logging
-from nefl.messages import DEFAULT_CHUNK_BYTES
-from nefl.mqtt import parse_broker
-from nefl.profile import ProfileError
-from nefl.settings import TrainConfig
-from nefl.heap import freeze_startup, keep_freed_memory
-from nefl.signals import Stop, stop_children, stop_on_sigterm, stop_reason
-from nefl.signing import KeyFileError
-from nefl.threads import one_per_process
-from nefl.tokens import fingerprint
-from nefl.topics import Topics
+from nefl.support.extras import full_install_required
+from nefl.support.listen import is_loopback, parse_listen
+from nefl.support.logs import setup_logging
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
+from nefl.protocol.mqtt import parse_broker
+from nefl.nested.profile import ProfileError
+from nefl.support.settings import TrainConfig
+from nefl.support.heap import freeze_startup, keep_freed_memory
+from nefl.support.signals import Stop, stop_children, stop_on_sigterm, stop_reason
+from nefl.protocol.signing import KeyFileError
+from nefl.support.threads import one_per_process
+from nefl.protocol.tokens import fingerprint
+from nefl.protocol.topics import Topics
 
 if TYPE_CHECKING:
     from aggregator.web import DashboardServer
@@ -126,9 +126,9 @@ def serve_command(
         from aggregator.server import ServeConfig, Server, load_start
         from aggregator.web import TokenRequired, start_http
         from aggregator.worker import local_worker_ids, start_local_workers
-        from nefl.checkpoint import CheckpointError
-        from nefl.data import DatasetUnavailable
-        from nefl.robust import DPAccountant
+        from nefl.nested.checkpoint import CheckpointError
+        from nefl.nested.data import DatasetUnavailable
+        from nefl.aggregation.robust import DPAccountant
     setup_logging(log_level, log_format, context={"federation": federation})
     stop_on_sigterm()
     try:

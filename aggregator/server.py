@@ -37,20 +37,20 @@ from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
-from nefl.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, has_checkpoint,
+from nefl.nested.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, has_checkpoint,
                              load_checkpoint, read_metrics, recovery_hint, replay_metrics)
-from nefl.fsio import atomic_write_text
-from nefl.messages import (MAX_LISTED, Announce, ClientStatus, Control, Decline, MessageError, Sent, ServerStatus, Task,
+from nefl.support.fsio import atomic_write_text
+from nefl.protocol.messages import (MAX_LISTED, Announce, ClientStatus, Control, Decline, MessageError, Sent, ServerStatus, Task,
                            StatusBook, TrainingSettings)
-from nefl.mqtt import QOS, BrokerSettings, Connection
-from nefl.profile import Profile, load_profile
-from nefl.data import load_dataset
-from nefl.robust_aggregate import AggregationRule
-from nefl.state import GlobalState, Layout
-from nefl.signing import Signer, split_signed, verify, verify_self_signed
-from nefl.topics import Topics
-from nefl.train import TrainConfig
-from nefl.wire import DEFAULT_CHUNK_BYTES, ChunkHeader, Reassembler, WireError, encode, parse_chunk, parse_header, split_chunk
+from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
+from nefl.nested.profile import Profile, load_profile
+from nefl.nested.data import load_dataset
+from nefl.aggregation.robust_aggregate import AggregationRule
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.signing import Signer, split_signed, verify, verify_self_signed
+from nefl.protocol.topics import Topics
+from nefl.nested.train import TrainConfig
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, ChunkHeader, Reassembler, WireError, encode, parse_chunk, parse_header, split_chunk
 
 STATUS_FILE = "status.json"
 IDLE_S = (0.005, 0.1)  # seconds between looks at a quiet inbox: the first, and the longest (Server.pump)

@@ -5,7 +5,7 @@ evaluates and checkpoints every round; the same `Federation` picks participants,
 bounds and screens the updates and merges them with the configured rule; every client trains a
 physically smaller submodel with the same `local_train` a device runs. Only the transport differs:
 clients train here, one after the other. That keeps simulated accuracy an honest preview of a real
-federation, and lets the attack suite (`--attack`, nefl/attacks.py) run against every server option.
+federation, and lets the attack suite (`--attack`, nefl/aggregation/attacks.py) run against every server option.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
-from nefl.attacks import Attack, craft, poison_dataset, triggered_test
-from nefl.data import ArrayDataset, load_dataset
-from nefl.messages import Announce
-from nefl.methods import Method
-from nefl.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed
-from nefl.profile import load_profile
-from nefl.robust_aggregate import AggregationRule
-from nefl.state import GlobalState, Layout
-from nefl.train import TrainConfig, local_train
+from nefl.aggregation.attacks import Attack, craft, poison_dataset, triggered_test
+from nefl.aggregation.robust_aggregate import AggregationRule
+from nefl.nested.data import ArrayDataset, load_dataset
+from nefl.nested.methods import Method
+from nefl.nested.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.train import TrainConfig, local_train
+from nefl.protocol.messages import Announce
 
 FEDERATION = "simulation"
 
@@ -63,7 +63,7 @@ class SimConfig:
     out: str | None = None  # directory for metrics.jsonl and the checkpoint (out/checkpoint, every round)
     device: str = "cpu"  # torch device for training and evaluation, e.g. "cuda" for the paper's protocol
     assignment: Assignment = "paper"  # the paper's tiers; "coverage" / "largest" as the server can
-    lr_schedule: str = "step"  # nefl.train.Schedule
+    lr_schedule: str = "step"  # nefl.nested.train.Schedule
     warmup_rounds: int = 0
     robustness: Robustness = Robustness()  # the server's bounds, clipping, DP and aggregation rule
     root_samples: int = DEFAULT_ROOT_SAMPLES  # FLTrust's root set: the last test images (left out of evaluation)

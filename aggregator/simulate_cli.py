@@ -13,10 +13,10 @@ from rich.table import Table
 
 from aggregator import robust_options as ro
 from aggregator.assignment import Assignment
-from nefl.cli_options import ScheduleOption, ThreadsOption, WarmupOption
-from nefl.extras import full_install_required
-from nefl.profile import ProfileError
-from nefl.settings import Attack, TrainConfig, Weighting
+from nefl.nested.profile import ProfileError
+from nefl.support.cli_options import ScheduleOption, ThreadsOption, WarmupOption
+from nefl.support.extras import full_install_required
+from nefl.support.settings import Attack, TrainConfig, Weighting
 
 console = Console(stderr=True)
 
@@ -72,8 +72,8 @@ def simulate_command(
         import torch
 
         from aggregator.simulate import SimConfig, Simulator
-        from nefl.data import DatasetUnavailable
-        from nefl.state import GlobalState
+        from nefl.nested.data import DatasetUnavailable
+        from nefl.nested.state import GlobalState
     if per_round > clients:
         raise typer.BadParameter(f"--per-round {per_round} exceeds --clients {clients}")
     if threads:

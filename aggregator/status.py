@@ -19,12 +19,12 @@ import paho.mqtt.client as mqtt
 import typer
 from rich.table import Table
 
-from nefl.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
-from nefl.logs import console, setup_logging
-from nefl.messages import MAX_STATUS_BYTES, MessageError, ServerStatus
-from nefl.mqtt import QOS, BrokerSettings, parse_broker
-from nefl.topics import Topics
+from nefl.support.logs import console, setup_logging
+from nefl.protocol.messages import MAX_STATUS_BYTES, MessageError, ServerStatus
+from nefl.protocol.mqtt import QOS, BrokerSettings, parse_broker
+from nefl.protocol.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def status_command(
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
     from aggregator.server import STATUS_FILE  # here, not at the top: `status --help` needs no torch
-    from nefl.checkpoint import read_metrics
+    from nefl.nested.checkpoint import read_metrics
 
     setup_logging(log_level, log_format)
     run_dir = Path(checkpoint_dir or f"runs/{federation}")

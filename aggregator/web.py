@@ -35,7 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from aggregator.metrics import Observer
-from nefl.listen import is_loopback
+from nefl.support.listen import is_loopback
 
 MAX_CONNECTIONS = 32
 TIMEOUT_S = 10.0

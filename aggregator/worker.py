@@ -38,19 +38,19 @@ import typer
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
-from nefl.cli_options import ENV_PASSWORD, ENV_USERNAME
-from nefl.heap import freeze_startup, keep_freed_memory
-from nefl.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
+from nefl.support.cli_options import ENV_PASSWORD, ENV_USERNAME
+from nefl.support.heap import freeze_startup, keep_freed_memory
+from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            WorkerRound, WorkerStatus)
-from nefl.mqtt import QOS, BrokerSettings, Connection
-from nefl.profile import parse_profile
-from nefl.robust import NormBound
-from nefl.robust_aggregate import AggregationConfig
-from nefl.signing import Signer, parse_public_key, verify
-from nefl.state import GlobalState, Layout
-from nefl.threads import one_per_process
-from nefl.topics import WORKER_GROUP, Topics, check_name
-from nefl.wire import Reassembler, WireError, encode, parse_chunk
+from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
+from nefl.nested.profile import parse_profile
+from nefl.aggregation.robust import NormBound
+from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.protocol.signing import Signer, parse_public_key, verify
+from nefl.nested.state import GlobalState, Layout
+from nefl.support.threads import one_per_process
+from nefl.protocol.topics import WORKER_GROUP, Topics, check_name
+from nefl.protocol.wire import Reassembler, WireError, encode, parse_chunk
 
 log = logging.getLogger("aggregator.worker")
 EARLY_MESSAGES = 10_000  # update chunks held while their round's plan is on its way

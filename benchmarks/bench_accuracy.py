@@ -46,10 +46,10 @@ from rich.console import Console
 from aggregator.simulate import SimConfig, Simulator
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from sweep import run_sweep
-from nefl.cost import full_cost, submodel_cost
-from nefl.fsio import atomic_write_text
-from nefl.methods import Method, apply_method, get_method
-from nefl.profile import load_profile
+from nefl.nested.cost import full_cost, submodel_cost
+from nefl.support.fsio import atomic_write_text
+from nefl.nested.methods import Method, apply_method, get_method
+from nefl.nested.profile import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "Not yet run: `make bench-accuracy`"

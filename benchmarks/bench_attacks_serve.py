@@ -28,7 +28,7 @@ from pathlib import Path
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
 
-from nefl.fsio import atomic_write_text
+from nefl.support.fsio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"

@@ -114,7 +114,7 @@ class Federation:
 
     def by_key(self, name: str, cache: Path) -> None:
         """Enrol a device by its key (created in `cache`, where its join will find it)."""
-        key = subprocess.run([PY, "-c", "import sys; from nefl.signing import Signer; "
+        key = subprocess.run([PY, "-c", "import sys; from nefl.protocol.signing import Signer; "
                                         "print(Signer.load_or_create(sys.argv[1], sys.argv[2]).public_text)",
                               str(cache / "device-keys"), f"{name}.key"], env=self.run.env,
                              capture_output=True, text=True, check=True).stdout.strip()

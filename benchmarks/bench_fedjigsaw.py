@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
-from nefl.fsio import atomic_write_text
+from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
+from nefl.support.fsio import atomic_write_text
 from nefl.jigsaw.methods import METHODS, JigsawMethod
 from provenance import commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
 

@@ -23,9 +23,9 @@ from rich.table import Table
 
 from edge_client.runtime import session_options
 from export.onnx_export import export_checkpoint, submodel_module
-from nefl.checkpoint import load_checkpoint, save_checkpoint
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
+from nefl.nested.checkpoint import load_checkpoint, save_checkpoint
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
 
 
 def median_ms(fn: Callable[[], object], runs: int, warmup: int = 20) -> float:

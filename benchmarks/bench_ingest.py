@@ -4,7 +4,7 @@ profiled, plus the MQTT client's receive path and the hash and chunk-size choice
 Part 1 feeds signed update messages, as `aggregator loadtest` devices send them, through a real
 `aggregator.worker.Worker` (`route`: the trust boundary, intake with every check on, the centre check,
 NeFedAvg, receipts and logging; no broker) under cProfile, and groups the time by what it is for.
-Part 2 runs paho's receive loop (what `nefl.mqtt.Connection` uses) and the alternatives on the
+Part 2 runs paho's receive loop (what `nefl.protocol.mqtt.Connection` uses) and the alternatives on the
 package index against a real mosquitto and measures the client's CPU per MiB received.
 Part 3 measures hashes and chunk sizes. Writes the "Ingest profile" section of docs/benchmarks.md.
 
@@ -41,17 +41,17 @@ from aggregator.loadtest import device_delta  # noqa: E402
 from aggregator.partials import plan_bound, plan_screen  # noqa: E402
 from aggregator.worker import Worker, WorkerConfig  # noqa: E402
 from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
-from nefl.heap import keep_freed_memory  # noqa: E402
-from nefl.messages import DEFAULT_CHUNK_BYTES, WorkerRound  # noqa: E402
-from nefl.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
-from nefl.profile import load_profile  # noqa: E402
-from nefl.robust import reference_norm  # noqa: E402
-from nefl.robust_aggregate import Screened  # noqa: E402
-from nefl.signing import Signer  # noqa: E402
-from nefl.state import GlobalState, Layout  # noqa: E402
-from nefl.threads import one_per_process  # noqa: E402
-from nefl.topics import Topics  # noqa: E402
-from nefl.wire import encode  # noqa: E402
+from nefl.aggregation.robust import reference_norm  # noqa: E402
+from nefl.aggregation.robust_aggregate import Screened  # noqa: E402
+from nefl.nested.profile import load_profile  # noqa: E402
+from nefl.nested.state import GlobalState, Layout  # noqa: E402
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES, WorkerRound  # noqa: E402
+from nefl.protocol.mqtt import BrokerSettings, Connection, parse_broker  # noqa: E402
+from nefl.protocol.signing import Signer  # noqa: E402
+from nefl.protocol.topics import Topics  # noqa: E402
+from nefl.protocol.wire import encode  # noqa: E402
+from nefl.support.heap import keep_freed_memory  # noqa: E402
+from nefl.support.threads import one_per_process  # noqa: E402
 
 SECTION = "## Ingest profile"
 BEFORE = "58229f7"  # the last commit of wire version 1
@@ -134,7 +134,7 @@ def ingest(profile_name: str, layout: Layout, messages: list, assignments: dict,
     w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"),
                Signer(Ed25519PrivateKey.generate()))
     w.on_plan(plan_for(layout, profile_name, assignments, keys, chunk_bytes))
-    messages = [(topic, bytearray(m)) for topic, m in messages]  # as nefl.mqtt.Client hands them on: writable, decoded in place
+    messages = [(topic, bytearray(m)) for topic, m in messages]  # as nefl.protocol.mqtt.Client hands them on: writable, decoded in place
     t0 = time.thread_time()
     if prof is not None:
         prof.enable()
@@ -186,7 +186,7 @@ c.loop_stop()
 
 
 def receive_paho(port: int, n: int, ready: Callable[[], None]) -> int:
-    """nefl.mqtt.Connection as the server and workers use it: paho's network thread, the inbox, the main thread."""
+    """nefl.protocol.mqtt.Connection as the server and workers use it: paho's network thread, the inbox, the main thread."""
     conn = Connection(BrokerSettings("127.0.0.1", port), "bench-sub", None, b"", logging.getLogger("bench"))
     conn.start()
     while not conn.just_connected():
@@ -250,7 +250,7 @@ def receive_aiomqtt(port: int, n: int, ready: Callable[[], None]) -> int:
     return asyncio.run(main())
 
 
-RECEIVERS = {"paho-mqtt 2.x (nefl.mqtt.Connection)": receive_paho, "gmqtt": receive_gmqtt, "aiomqtt": receive_aiomqtt}
+RECEIVERS = {"paho-mqtt 2.x (nefl.protocol.mqtt.Connection)": receive_paho, "gmqtt": receive_gmqtt, "aiomqtt": receive_aiomqtt}
 
 
 PACED_MIB_S = 50  # about the update stream of the fleet load test on this machine (docs/benchmarks.md, fleet load test)
@@ -323,11 +323,10 @@ def hashes(mib: int = 8) -> dict[str, float]:
 
 
 def stock_paho(port: int, n: int, ready: Callable[[], None]) -> int:
-    """The same Connection with paho's own reader and PUBLISH decoder (the allocations and copies nefl.mqtt.Client saves)."""
+    """The same Connection with paho's own reader and PUBLISH decoder (the allocations and copies nefl.protocol.mqtt.Client saves)."""
     import paho.mqtt.client as mqtt
 
-    from nefl import mqtt as nefl_mqtt
-
+    from nefl.protocol import mqtt as nefl_mqtt
     fast = nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read
     nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read = mqtt.Client._handle_publish, mqtt.Client._packet_read
     try:
@@ -340,10 +339,10 @@ RECEIVERS["paho-mqtt 2.x, its own reader and PUBLISH decoder"] = stock_paho
 
 
 def old_wire():
-    """nefl/wire.py as it was before this change (wire version 1), loaded from git."""
+    """nefl/protocol/wire.py as it was before this change (wire version 1), loaded from git."""
     import types
 
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:nefl/wire.py"], capture_output=True, text=True,
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:nefl/protocol/wire.py"], capture_output=True, text=True,
                          check=True).stdout
     module = sys.modules["wire_v1"] = types.ModuleType("wire_v1")
     exec(compile(src, "wire_v1.py", "exec"), module.__dict__)
@@ -352,8 +351,7 @@ def old_wire():
 
 def device_upload(profile_name: str = "resnet18-cifar10-wd", k: int = 4) -> list[dict]:
     """A device's CPU to encode, hash, sign and frame one update (256 KiB chunks), before and after."""
-    from nefl import wire
-
+    from nefl.protocol import wire
     layout = Layout.build(load_profile(profile_name))
     delta = device_delta(layout, k, "d", 1)
     signer = Signer(Ed25519PrivateKey.generate())
@@ -375,7 +373,7 @@ def device_upload(profile_name: str = "resnet18-cifar10-wd", k: int = 4) -> list
     return out
 
 
-SPY_EXTRA = [("MQTT client thread (paho: receive, and sending partials and receipts)", r"paho/|nefl/mqtt\.py|socket\.py|selectors|ssl\.py"),
+SPY_EXTRA = [("MQTT client thread (paho: receive, and sending partials and receipts)", r"paho/|nefl/protocol/mqtt\.py|socket\.py|selectors|ssl\.py"),
              ("waiting for messages (inbox, sleep)", r"queue\.py|threading\.py:.*wait|time\.sleep|step \(aggregator/worker"),
              ("checkpoint, model publish, evaluation (per round)", r"checkpoint\.py|save_checkpoint|state\.py|encode_tensors|"
                                                                   r"extract|fsio")]

@@ -30,7 +30,7 @@ from provenance import ROOT, commit_label, cpu_name, load_average, write_section
 sys.path.insert(0, str(ROOT))
 from aggregator.federation import ClientInfo  # noqa: E402
 from aggregator.metrics import Observer  # noqa: E402
-from nefl.messages import DeviceSummary  # noqa: E402
+from nefl.protocol.messages import DeviceSummary  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
 DOC = ROOT / "docs" / "operations.md"

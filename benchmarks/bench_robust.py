@@ -34,11 +34,11 @@ from rich.console import Console
 
 from aggregator.federation import Robustness
 from aggregator.simulate import SimConfig, Simulator
-from nefl.attacks import Attack
-from nefl.fsio import atomic_write_text
-from nefl.profile import load_profile
-from nefl.robust_aggregate import AggregationConfig, AggregationRule
-from nefl.state import GlobalState, Layout
+from nefl.aggregation.attacks import Attack
+from nefl.support.fsio import atomic_write_text
+from nefl.nested.profile import load_profile
+from nefl.aggregation.robust_aggregate import AggregationConfig, AggregationRule
+from nefl.nested.state import GlobalState, Layout
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from sweep import run_sweep
 

@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
 
 from aggregator.keys import KeyDir  # noqa: E402
-from nefl.manifest import read_manifest  # noqa: E402
-from nefl.signing import Signer  # noqa: E402
-from nefl.topics import Topics  # noqa: E402
-from nefl.wire import split_chunk  # noqa: E402
+from nefl.protocol.manifest import read_manifest  # noqa: E402
+from nefl.protocol.signing import Signer  # noqa: E402
+from nefl.protocol.topics import Topics  # noqa: E402
+from nefl.protocol.wire import split_chunk  # noqa: E402
 from tests.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export  # noqa: E402
 
 DOC = ROOT / "docs" / "deploy.md"

@@ -31,7 +31,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
-from nefl.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 MOSQUITTO = "/usr/sbin/mosquitto"
 SECTION = "## Fleet load test (scale-out)"
@@ -66,7 +66,7 @@ class Run:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        # the commands as an operator runs them: no thread settings of the benchmark's own (nefl/threads.py)
+        # the commands as an operator runs them: no thread settings of the benchmark's own (nefl/support/threads.py)
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.procs: dict[str, subprocess.Popen] = {}
 

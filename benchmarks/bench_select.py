@@ -15,8 +15,8 @@ import time
 from edge_client.costmodel import calibrate
 from edge_client.probe import Prober
 from edge_client.select import DeviceBudget, select_submodel
-from nefl.profile import load_profile
-from nefl.state import Layout
+from nefl.nested.profile import load_profile
+from nefl.nested.state import Layout
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ Sections (every comparison is a ratio of two numbers taken in this run, on this 
                sum of as many full-size updates (the memory-bandwidth bound); aggregator peak RSS
                growth as clients grow, one fresh child process per client count
   client       one training step per submodel vs the full model (edge_client.costmodel.calibrate)
-  wire         bytes per update per submodel (nefl.wire, fp32/fp16) vs full-model FedAvg, and MQTT
+  wire         bytes per update per submodel (nefl.protocol.wire, fp32/fp16) vs full-model FedAvg, and MQTT
                QoS 1 throughput of a model-sized chunked payload through mosquitto and the embedded amqtt broker
   inference    benchmarks/bench_inference.py (torch eager vs onnxruntime fp32/int8), run as is
 
@@ -44,15 +44,15 @@ from rich.progress import Progress
 
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from edge_client.costmodel import RssMeter, calibrate
-from nefl.aggregate import NeFedAvg
-from nefl.mqtt import make_client, parse_broker
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
-from nefl.tensors import ring
-from nefl.topics import Topics
-from nefl.robust import NormBound, UpdateGuard, check_state, reference_norm
-from nefl.signing import Signer, parse_public_key, verify
-from nefl.wire import DEFAULT_CHUNK_BYTES, Reassembler, encode, split_chunk
+from nefl.aggregation.aggregate import NeFedAvg
+from nefl.protocol.mqtt import make_client, parse_broker
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.tensors import ring
+from nefl.protocol.topics import Topics
+from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
+from nefl.protocol.signing import Signer, parse_public_key, verify
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, Reassembler, encode, split_chunk
 
 ROOT = Path(__file__).resolve().parent.parent
 AGG_PROFILE = "resnet18-cifar10-wd"
@@ -151,10 +151,10 @@ def server_average(layout: Layout, state: GlobalState, updates: Iterable[tuple[i
 def baseline_nefedavg() -> type | None:
     """NeFedAvg as it was at BASELINE_COMMIT, loaded from git, so old and new are timed in the same run."""
     try:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_COMMIT}:nefl/aggregate.py"],
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_COMMIT}:nefl/aggregation/aggregate.py"],
                              capture_output=True, text=True, check=True).stdout
         module = types.ModuleType("nefl_aggregate_baseline")
-        exec(compile(src, f"{BASELINE_COMMIT}:nefl/aggregate.py", "exec"), module.__dict__)
+        exec(compile(src, f"{BASELINE_COMMIT}:nefl/aggregation/aggregate.py", "exec"), module.__dict__)
         return module.NeFedAvg
     except (OSError, subprocess.CalledProcessError, ImportError) as e:
         console.print(f"[yellow]baseline NeFedAvg at {BASELINE_COMMIT} unavailable ({e}); its column stays empty")
@@ -602,7 +602,7 @@ def report_wire(r: dict, mq: dict) -> list[str]:
     lines = [
         "## Wire",
         "",
-        f"Bytes of one update as sent by `nefl.wire.encode` (safetensors payload + JSON header per chunk, "
+        f"Bytes of one update as sent by `nefl.protocol.wire.encode` (safetensors payload + JSON header per chunk, "
         f"{DEFAULT_CHUNK_BYTES // 1024} KiB chunks), against full-model FedAvg (every tensor of the full "
         "model, fp32, same encoding).",
     ]
@@ -621,8 +621,8 @@ def report_wire(r: dict, mq: dict) -> list[str]:
     lines += [
         "",
         f"MQTT transfer of a model-sized payload: the full `{mq['profile']}` model, fp32, encoded by "
-        f"`nefl.wire.encode` into {mq['chunks']} chunks ({mib(mq['bytes'])} MiB), one chunk per topic as the "
-        "aggregator publishes them, QoS 1, paho publisher -> broker -> paho subscriber (`nefl.mqtt.make_client`, "
+        f"`nefl.protocol.wire.encode` into {mq['chunks']} chunks ({mib(mq['bytes'])} MiB), one chunk per topic as the "
+        "aggregator publishes them, QoS 1, paho publisher -> broker -> paho subscriber (`nefl.protocol.mqtt.make_client`, "
         "20 in flight) on 127.0.0.1, each broker in its own process; time from the first publish to the last "
         f"chunk received (contents checked), best of {mq['repeats']}.",
         "",

@@ -6,7 +6,7 @@ weights it is collecting, what it last uploaded) and talks to the world only thr
 messages and the clock; the unit tests feed it messages with fakes of both.
 
 Everything from the broker is untrusted: server messages must carry the pinned server key's
-signature (nefl/signing.py), weights must hash to what the signed task names, and any message
+signature (nefl/protocol/signing.py), weights must hash to what the signed task names, and any message
 that fails is dropped with a counted reason; nothing inbound can end the agent.
 
 Which key and which run: the server key comes from --server-key, from a join token (which names its
@@ -31,17 +31,18 @@ import torch
 
 from edge_client.device import Device
 from edge_client.select import Selection
-from nefl.fsio import atomic_write_text
-from nefl.messages import (MAX_STATUS_BYTES, Announce, ClientStatus, Control, Decline, MessageError, Sent, ServerStatus,
+from nefl.support.fsio import atomic_write_text
+from nefl.protocol.messages import (MAX_STATUS_BYTES, Announce, Control, Decline, MessageError, Sent, ServerStatus,
                            Stamped, Task, TrainingSettings)
-from nefl.mqtt import Transport
-from nefl.profile import ProfileError, parse_profile
-from nefl.signing import KeyPin, Signer, parse_public_key, public_key_arg, split_signed, verify, verify_self_signed
-from nefl.state import Layout
-from nefl.tokens import fingerprint, parse_token, proof
-from nefl.topics import Topics
-from nefl.train import OutOfTime
-from nefl.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
+from nefl.protocol.mqtt import Transport
+from nefl.nested.profile import ProfileError, parse_profile
+from nefl.protocol.signing import (KeyPin, Signer, parse_public_key, public_key_arg, split_signed, status_message, verify,
+                                   verify_self_signed)
+from nefl.nested.state import Layout
+from nefl.protocol.tokens import fingerprint, parse_token, proof
+from nefl.protocol.topics import Topics
+from nefl.nested.train import OutOfTime
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES, Reassembler, WireError, encode, parse_chunk
 
 UPLOAD_SHARE = 0.2  # of the time left before a round's deadline, kept for the upload
 REPLAN_S = 5.0  # an idle device re-probes this often and re-announces when what it can train changed
@@ -63,12 +64,6 @@ class AgentConfig:
     join_token: str | None = None  # `aggregator enroll`'s one-time token: enrols the device key, names the server key
     run_file: Path | None = None  # the newest run incarnation seen, per server key (older runs are refused)
     replan_s: float = REPLAN_S
-
-
-def status_message(key: Signer | None, state: str, seq: int) -> bytes:
-    """The device's status for the connection stamped `seq`, signed by its key (the offline one is its will)."""
-    body = ClientStatus(state=state, seq=seq).to_json()
-    return body if key is None else key.sign(body)
 
 
 def model_bytes_bound(layout: Layout, k: int) -> int:

@@ -1,14 +1,14 @@
 """`edge-client`: the device agent's command line.
 
 Each command lives in the module that owns its job; this file only assembles them. The commands
-are imported only when one of them runs (nefl/commands.py): `--help` and the inference commands
+are imported only when one of them runs (nefl/support/commands.py): `--help` and the inference commands
 never import torch, which the small inference install lacks and which costs seconds and hundreds
 of MB to import on a Pi.
 """
 
 from __future__ import annotations
 
-from nefl.commands import Lazy, lazy_app
+from nefl.support.commands import Lazy, lazy_app
 
 COMMANDS = {
     "join": Lazy("edge_client.join", "join_command",

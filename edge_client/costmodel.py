@@ -42,13 +42,13 @@ from torch import nn
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.load import slowdown
 from edge_client.probe import DeviceSnapshot
-from nefl.cost import submodel_cost, training_peak_bytes
-from nefl.fsio import atomic_write_text
-from nefl.methods import get_method
-from nefl.models import build_submodel
-from nefl.profile import parse_profile
-from nefl.state import Layout
-from nefl.train import TrainConfig
+from nefl.nested.cost import submodel_cost, training_peak_bytes
+from nefl.nested.methods import get_method
+from nefl.nested.models import build_submodel
+from nefl.nested.profile import parse_profile
+from nefl.nested.state import Layout
+from nefl.nested.train import TrainConfig
+from nefl.support.fsio import atomic_write_text
 
 TIMED_STEPS = 3
 

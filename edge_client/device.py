@@ -21,10 +21,10 @@ from edge_client.costmodel import CostTable, calibrate, estimate_costs
 from edge_client.load import RunningCalibration
 from edge_client.probe import Prober
 from edge_client.select import DeviceBudget, Selection, select_submodel
-from nefl.data import BatchLoader, load_dataset, load_image_folder, parse_partition, partition_iid
-from nefl.messages import DeviceSummary, Task, TrainingSettings, finite_or_none
-from nefl.state import Layout
-from nefl.train import TrainConfig, TrainResult, local_train
+from nefl.nested.data import BatchLoader, load_dataset, load_image_folder, parse_partition, partition_iid
+from nefl.nested.state import Layout
+from nefl.nested.train import TrainConfig, TrainResult, local_train
+from nefl.protocol.messages import DeviceSummary, Task, TrainingSettings, finite_or_none
 
 PARTITION_SEED = 0  # every client must cut the same permutation, or partitions overlap
 MIN_BATCHES = 10  # a submodel is worth a round if at least this many batches fit the time budget
@@ -53,7 +53,7 @@ class DeviceConfig:
 
 
 class TrainTask(Protocol):
-    """What training reads of a task: an MQTT `Task`, or a Flower one (nefl.messages.FlowerTask); read-only,
+    """What training reads of a task: an MQTT `Task`, or a Flower one (nefl.protocol.messages.FlowerTask); read-only,
     as both are frozen messages."""
 
     @property

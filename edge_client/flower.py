@@ -6,7 +6,7 @@ weights): it trains that physically smaller submodel with the kit's `local_train
 delta. evaluate: it scores the submodel on its own test images. Two kinds of node:
 
   SimulatedNode  client `partition-id` of `num-partitions` of `aggregator simulate`'s population
-                 (nefl/population.py): its data shard, its paper tier, its seeds, so a run on Flower's
+                 (nefl/nested/population.py): its data shard, its paper tier, its seeds, so a run on Flower's
                  simulation engine replays the simulator's run
   DeviceNode     this machine as an edge device (edge_client/device.py): the device probe and cost
                  model pick the largest submodel that fits now, as `edge-client join` does
@@ -29,13 +29,13 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from edge_client.device import DataConfig, DeviceConfig, LocalDevice
-from nefl.data import ArrayDataset, BatchLoader, load_dataset, partition_iid
-from nefl.flower import read_arrays, read_message, records, tensor_arrays
-from nefl.messages import Announce, FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError
-from nefl.population import client_batches, client_id, partitions, tier_bound, tier_of, train_seed
-from nefl.profile import load_profile
-from nefl.state import Layout, load_module_state
-from nefl.train import TrainConfig, TrainResult, evaluate, local_train, recompute_bn_stats
+from nefl.nested.data import ArrayDataset, BatchLoader, load_dataset, partition_iid
+from nefl.nested.population import client_batches, client_id, partitions, tier_bound, tier_of, train_seed
+from nefl.nested.profile import load_profile
+from nefl.nested.state import Layout, load_module_state
+from nefl.nested.train import TrainConfig, TrainResult, evaluate, local_train, recompute_bn_stats
+from nefl.protocol.flower import read_arrays, read_message, records, tensor_arrays
+from nefl.protocol.messages import Announce, FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError
 
 log = logging.getLogger(__name__)
 REFUSED = 4000  # the Flower error code of a message this node refuses (the reason says why)

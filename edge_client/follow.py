@@ -50,12 +50,12 @@ from edge_client.runtime import (MEMORY_RESERVE_BYTES, AdaptiveRuntime, ModelsEr
                                  session_options, usable_entries)
 from edge_client.serving import Active, Serving
 from edge_client.store import Staging, Store, StoreError
-from nefl.manifest import Manifest, ManifestError, read_verified
-from nefl.messages import MAX_RELEASE_BYTES, DeployReport, MessageError, Refusal, Release, Rollout
-from nefl.mqtt import QOS, Connection, Transport
-from nefl.signing import Signer, verify
-from nefl.topics import Topics
-from nefl.wire import Chunk, WireError, parse_chunk
+from nefl.protocol.manifest import Manifest, ManifestError, read_verified
+from nefl.protocol.messages import MAX_RELEASE_BYTES, DeployReport, MessageError, Refusal, Release, Rollout
+from nefl.protocol.mqtt import QOS, Connection, Transport
+from nefl.protocol.signing import Signer, verify
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import Chunk, WireError, parse_chunk
 
 log = logging.getLogger(__name__)
 MAX_REFUSALS_REPORTED = 32

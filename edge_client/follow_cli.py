@@ -20,10 +20,10 @@ from edge_client.identity import PIN_DIR, device_signer, pin_file_for
 from edge_client.runtime import ExternalLoadProbe, Probe
 from edge_client.serving import Serving
 from edge_client.store import Store, StoreError
-from nefl.mqtt import Connection, parse_broker
-from nefl.signing import KeyFileError, public_key_arg
-from nefl.topics import Topics, check_name
-from nefl.units import parse_size
+from nefl.protocol.mqtt import Connection, parse_broker
+from nefl.protocol.signing import KeyFileError, public_key_arg
+from nefl.protocol.topics import Topics, check_name
+from nefl.support.units import parse_size
 
 log = logging.getLogger("edge_client.follow")
 console = Console(stderr=True)

@@ -2,7 +2,7 @@
 
 `edge-client join` (training) and `edge-client serve --follow` (model rollout) sign with the same
 device key, so the aggregator sees one identity per client id whatever the device does. Stdlib and
-nefl/signing.py only: the small inference install imports this.
+nefl/protocol/signing.py only: the small inference install imports this.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edge_client.cache import CACHE
-from nefl.signing import Signer
+from nefl.protocol.signing import Signer
 
 PIN_DIR = CACHE / "servers"  # aggregator keys trusted on first use
 DEVICE_KEY_DIR = CACHE / "device-keys"  # this machine's device keys, one per client id

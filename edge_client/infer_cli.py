@@ -19,10 +19,10 @@ from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, R
 from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ModelsError, Probe
 from edge_client.serving import Active, Serving
 from edge_client.store import followed_current
-from nefl.cli_options import CaCertOption, CertfileOption, KeyfileOption, PasswordOption, UsernameOption
-from nefl.logs import setup_logging
-from nefl.signals import Stop, stop_on_sigterm, stop_reason
-from nefl.units import parse_size
+from nefl.support.cli_options import CaCertOption, CertfileOption, KeyfileOption, PasswordOption, UsernameOption
+from nefl.support.logs import setup_logging
+from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
+from nefl.support.units import parse_size
 
 console = Console()
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""`edge-client jigsaw`: take part in a FedJigsaw federation (edge_client/jigsaw.py) over MQTT.
+"""`edge-client jigsaw`: take part in a FedJigsaw federation (nefl/jigsaw/device.py) over MQTT.
 
 A sibling of `join` (which trains NeFL submodels an aggregator assigns): the same broker options, device key,
 pinned coordinator key, probing for the memory budget and logging; a different protocol, so its own command.
@@ -18,14 +18,14 @@ from pathlib import Path
 import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
-from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.support.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
-from nefl.extras import full_install_required
-from nefl.logs import setup_logging
-from nefl.messages import DEFAULT_CHUNK_BYTES
-from nefl.mqtt import Connection, drain, parse_broker
-from nefl.signals import Stop, stop_on_sigterm, stop_reason
-from nefl.topics import Topics, check_name
+from nefl.support.extras import full_install_required
+from nefl.support.logs import setup_logging
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
+from nefl.protocol.mqtt import Connection, drain, parse_broker
+from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
+from nefl.protocol.topics import Topics, check_name
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ def jigsaw_command(
         import torch
         from safetensors.torch import save_file
 
-        from edge_client.agent import status_message
-        from edge_client.jigsaw import Abandoned, DeviceSettings, JigsawDevice
+        from nefl.protocol.signing import status_message
+        from nefl.jigsaw.device import Abandoned, DeviceSettings, JigsawDevice
         from edge_client.probe import Prober
         from edge_client.select import DeviceBudget
-        from nefl.data import DatasetUnavailable
-        from nefl.signing import KeyPin, public_key_arg
+        from nefl.nested.data import DatasetUnavailable
+        from nefl.protocol.signing import KeyPin, public_key_arg
     cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, log_format, context={"client": cid})
     stop_on_sigterm()

@@ -22,16 +22,17 @@ import typer
 
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
+from nefl.support.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
                               UsernameOption)
-from nefl.extras import full_install_required
-from nefl.heap import freeze_startup
-from nefl.listen import parse_listen
-from nefl.logs import setup_logging
-from nefl.messages import DEFAULT_CHUNK_BYTES
-from nefl.mqtt import BrokerSettings, Connection, parse_broker
-from nefl.signals import Stop, stop_on_sigterm, stop_reason
-from nefl.topics import Topics, check_name
+from nefl.support.extras import full_install_required
+from nefl.support.heap import freeze_startup
+from nefl.support.listen import parse_listen
+from nefl.support.logs import setup_logging
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
+from nefl.protocol.mqtt import BrokerSettings, Connection, parse_broker
+from nefl.protocol.signing import status_message
+from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
+from nefl.protocol.topics import Topics, check_name
 
 if TYPE_CHECKING:
     from edge_client.agent import Agent
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 
 def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
     """Feed the agent until the federation ends or the process is asked to stop; 0 either way."""
-    from edge_client.agent import status_message  # the command imported the agent (torch) already
-
     started = time.monotonic()
     warned = False
     conn.start()
@@ -125,10 +124,10 @@ def join_command(
     with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
         import torch
 
-        from edge_client.agent import Agent, AgentConfig, status_message
+        from edge_client.agent import Agent, AgentConfig
         from edge_client.device import DataConfig, DeviceConfig, LocalDevice
         from edge_client.metrics import instrument
-        from nefl.data import DatasetUnavailable, parse_partition
+        from nefl.nested.data import DatasetUnavailable, parse_partition
     cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, log_format, context={"client": cid})
     stop_on_sigterm()

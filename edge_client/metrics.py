@@ -26,12 +26,12 @@ from edge_client.probe import Prober
 if TYPE_CHECKING:
     import torch
 
-    from nefl.mqtt import Transport
+    from nefl.protocol.mqtt import Transport
     from edge_client.device import Device
     from edge_client.select import Selection
-    from nefl.messages import DeviceSummary, Task, TrainingSettings
-    from nefl.state import Layout
-    from nefl.train import TrainResult
+    from nefl.protocol.messages import DeviceSummary, Task, TrainingSettings
+    from nefl.nested.state import Layout
+    from nefl.nested.train import TrainResult
 
 BINDINGS = ["none", "memory", "deadline", "cap"]  # edge_client/select.py: which limit set the choice
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -20,13 +20,13 @@ from edge_client.cache import CALIBRATION_DIR
 from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
-from nefl.extras import full_install_required
-from nefl.profile import ProfileError, load_profile
-from nefl.settings import TrainConfig
+from nefl.nested.profile import ProfileError, load_profile
+from nefl.support.extras import full_install_required
+from nefl.support.settings import TrainConfig
 
 if TYPE_CHECKING:
     from edge_client.costmodel import CostTable
-    from nefl.state import Layout
+    from nefl.nested.state import Layout
 
 EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 2, 3
 console = Console()
@@ -89,7 +89,7 @@ def plan_command(
         import torch
 
         from edge_client.costmodel import estimate_costs
-        from nefl.state import Layout
+        from nefl.nested.state import Layout
     try:
         layout = Layout.build(load_profile(profile), method)
         budget = DeviceBudget.parse(memory_budget, cpu_budget)

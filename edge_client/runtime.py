@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnxruntime as ort
 
-from nefl.manifest import Manifest, ManifestError, SubmodelEntry, read_manifest, read_verified, untrained_reason
+from nefl.protocol.manifest import Manifest, ManifestError, SubmodelEntry, read_manifest, read_verified, untrained_reason
 
 MIN_FREE_CORES = 0.1  # a fully loaded CPU still gives us a time slice; avoids dividing by zero
 MAX_IMAGE_PIXELS = 2048 * 2048  # decoded size cap, checked on the header: a 65 KB PNG can declare 4096x4096 RGBA

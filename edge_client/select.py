@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_client.load import RunningCalibration, predict_seconds
 from edge_client.probe import HOT_LIMIT_C, DeviceSnapshot, format_bytes
-from nefl.units import parse_size
+from nefl.support.units import parse_size
 
 if TYPE_CHECKING:
     from edge_client.costmodel import CostTable

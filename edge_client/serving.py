@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from edge_client.runtime import AdaptiveRuntime
-from nefl.messages import VersionStats
+from nefl.protocol.messages import VersionStats
 
 WINDOW = 512  # requests per version kept for the latency percentiles
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import msgspec
 
 from edge_client.probe import format_bytes
-from nefl.fsio import atomic_write_bytes, fsync_dir, fsync_file
-from nefl.manifest import MANIFEST_FILE, Manifest, sha256_file, write_manifest
-from nefl.messages import Release, ReleaseFile
+from nefl.protocol.manifest import MANIFEST_FILE, Manifest, sha256_file, write_manifest
+from nefl.protocol.messages import Release, ReleaseFile
+from nefl.support.fsio import atomic_write_bytes, fsync_dir, fsync_file
 
 CURRENT, PREVIOUS, VERSIONS, STAGING = "current", "previous", "versions", "staging"
 log = logging.getLogger(__name__)

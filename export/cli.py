@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from nefl.cli_options import LogFormatOption, LogLevelOption
-from nefl.extras import full_install_required
-from nefl.logs import progress, setup_logging
+from nefl.support.cli_options import LogFormatOption, LogLevelOption
+from nefl.support.extras import full_install_required
+from nefl.support.logs import progress, setup_logging
 
 app = typer.Typer(help="Export NeFL submodels to ONNX with a verified manifest.", no_args_is_help=True, add_completion=False)
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def onnx_command(
     with full_install_required("nefl-export onnx"):  # here, not at the top: `onnx --help` needs no torch
         from export.onnx_export import export_checkpoint
         from export.parity import ParityError
-        from nefl.checkpoint import CheckpointError
+        from nefl.nested.checkpoint import CheckpointError
     setup_logging(log_level, log_format)
     indices = _parse_submodels(submodels)
     try:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nefl.families.mobilenet import ConvBN, InvertedResidual, NestedMobileNetV2
-from nefl.families.vit import Attention, EncoderBlock, NestedViT, patch_tokens
-from nefl.models import Block, NestedResNet, Shortcut, Stem
+from nefl.nested.families.mobilenet import ConvBN, InvertedResidual, NestedMobileNetV2
+from nefl.nested.families.vit import Attention, EncoderBlock, NestedViT, patch_tokens
+from nefl.nested.models import Block, NestedResNet, Shortcut, Stem
 
 
 def fold_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d, scale: float = 1.0) -> nn.Conv2d:

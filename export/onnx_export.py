@@ -25,12 +25,12 @@ from export.parity import (
     reference_data, top1, torch_logits, write_reference,
 )
 from export.quantize import quantize_int8
-from nefl.checkpoint import STATE_FILE, UPDATES_TOTAL_KEY, Checkpoint, checkpoint_files, load_checkpoint
-from nefl.cost import submodel_cost
-from nefl.manifest import (
+from nefl.nested.checkpoint import STATE_FILE, UPDATES_TOTAL_KEY, Checkpoint, checkpoint_files, load_checkpoint
+from nefl.nested.cost import submodel_cost
+from nefl.protocol.manifest import (
     InputSpec, Int8File, Manifest, OutputSpec, ParitySpec, SubmodelEntry, sha256_file, untrained_reason, write_manifest,
 )
-from nefl.state import load_module_state
+from nefl.nested.state import load_module_state
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from nefl.data import DatasetUnavailable, get_dataset_info, load_dataset
-from nefl.fsio import atomic_write
-from nefl.manifest import parity_bound
-from nefl.profile import Profile
+from nefl.nested.data import DatasetUnavailable, get_dataset_info, load_dataset
+from nefl.nested.profile import Profile
+from nefl.protocol.manifest import parity_bound
+from nefl.support.fsio import atomic_write
 
 PARITY_ATOL = 1e-4  # logits near zero
 PARITY_RTOL = 1e-5  # float32 keeps ~7 digits: at logits ~300 a correct export already differs by ~1e-4

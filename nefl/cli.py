@@ -7,12 +7,12 @@ import logging
 import typer
 from rich.table import Table
 
-import nefl.profile
-from nefl.cli_options import LogFormatOption, LogLevelOption
-from nefl.cost import full_cost, submodel_cost
-from nefl.logs import console, setup_logging
-from nefl.methods import METHODS, apply_method, get_method
-from nefl.profile import ProfileError, list_profiles, load_profile
+import nefl.nested.profile
+from nefl.nested.cost import full_cost, submodel_cost
+from nefl.nested.methods import METHODS, apply_method, get_method
+from nefl.nested.profile import ProfileError, list_profiles, load_profile
+from nefl.support.cli_options import LogFormatOption, LogLevelOption
+from nefl.support.logs import console, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def list_command(log_level: LogLevelOption = "info", log_format: LogFormatOption
     setup_logging(log_level, log_format)
     names = list_profiles()
     if not names:  # an install that lost its package data must not look like an empty, healthy one
-        log.error(f"no profiles found in {nefl.profile.PROFILES_DIR}; reinstall nefl-edge "
+        log.error(f"no profiles found in {nefl.nested.profile.PROFILES_DIR}; reinstall nefl-edge "
                   "(its wheel ships them as nefl/profiles) or restore profiles/ in a checkout")
         raise typer.Exit(2)
     for name in names:

@@ -76,7 +76,7 @@ echo "== export every submodel to ONNX (BN and steps folded, parity-checked agai
 import json, sys
 from pathlib import Path
 from PIL import Image
-from nefl.data import load_dataset
+from nefl.nested.data import load_dataset
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 test = load_dataset("fashion-mnist", train=False)
 for i in range(6):

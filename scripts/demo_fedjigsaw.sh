@@ -30,7 +30,7 @@ PIDS+=("$COORD")
 BUDGETS=$("$PYTHON" -c "
 from nefl.jigsaw.shards import device_budgets
 from nefl.jigsaw.zoo import load_base
-from aggregator.jigsaw_sim import JigsawConfig as C
+from nefl.jigsaw.sim import JigsawConfig as C
 print(' '.join(str(int(b)) for b in device_budgets([load_base(a) for a in '$ARCHS'.split(',')], 4, C.batch_size, C.budget_headroom, C.seed)))")
 i=0
 for budget in $BUDGETS; do

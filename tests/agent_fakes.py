@@ -10,13 +10,13 @@ import torch
 
 from edge_client.agent import Agent, AgentConfig
 from edge_client.select import Selection
-from nefl.messages import Control, DeviceSummary, ServerStatus, Task, TrainingSettings
-from nefl.profile import load_profile
-from nefl.signing import Signer
-from nefl.state import Layout
-from nefl.topics import Topics
-from nefl.train import OutOfTime, TrainResult
-from nefl.wire import encode, parse_chunk
+from nefl.nested.profile import load_profile
+from nefl.nested.state import Layout
+from nefl.nested.train import OutOfTime, TrainResult
+from nefl.protocol.messages import Control, DeviceSummary, ServerStatus, Task, TrainingSettings
+from nefl.protocol.signing import Signer
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import encode, parse_chunk
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")

@@ -1,5 +1,5 @@
 """A hostile edge device for the attack tests and benchmarks: the real `edge-client join` (its own device
-key, the real agent, wire and limits) whose honest delta is replaced by an attack of nefl/attacks.py
+key, the real agent, wire and limits) whose honest delta is replaced by an attack of nefl/aggregation/attacks.py
 before it is uploaded, from a given round on.
 
     python -m tests.attack_device KIND SCALE FROM_ROUND join --broker ... (the usual join arguments)
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import edge_client.device as device
-from nefl.attacks import Attack, craft
+from nefl.aggregation.attacks import Attack, craft
 
 
 def main() -> None:

@@ -30,14 +30,14 @@ import psutil
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from nefl.aggregate import NeFedAvg
-from nefl.messages import (Announce, ClientStatus, PartialSummary, Receipt, ReceiptBatch, RoundClose, ServerStatus, Task,
+from nefl.aggregation.aggregate import NeFedAvg
+from nefl.protocol.messages import (Announce, ClientStatus, PartialSummary, Receipt, ReceiptBatch, RoundClose, ServerStatus, Task,
                            TrainingSettings, WorkerRound, WorkerStatus)
-from nefl.profile import load_profile
-from nefl.signing import Signer, split_signed
-from nefl.state import Layout
-from nefl.topics import WORKER_GROUP, Topics
-from nefl.wire import encode, parse_chunk
+from nefl.nested.profile import load_profile
+from nefl.protocol.signing import Signer, split_signed
+from nefl.nested.state import Layout
+from nefl.protocol.topics import WORKER_GROUP, Topics
+from nefl.protocol.wire import encode, parse_chunk
 
 
 class Attacker:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from nefl.arch import Arch
-from nefl.profile import Profile, SubmodelSpec
+from nefl.nested.arch import Arch
+from nefl.nested.profile import Profile, SubmodelSpec
 
 TINY_BASIC = Arch("tiny_basic", "basic", (2, 2), (4, 8), 4, "cifar")
 TINY_BOTTLENECK = Arch("tiny_bottleneck", "bottleneck", (2, 1), (2, 4), 4, "cifar")
@@ -33,9 +33,9 @@ def random_ladder(rng: random.Random, arch: Arch = TINY_BASIC, n: int = 4, metho
 
 
 def off_the_wire(delta: dict) -> dict:
-    """`delta` as the wire decoder hands an update on (nefl.tensors.Tiled: views of one flat buffer)."""
+    """`delta` as the wire decoder hands an update on (nefl.nested.tensors.Tiled: views of one flat buffer)."""
     import numpy as np
 
-    from nefl.wire import decode_tensors, encode_tensors
+    from nefl.protocol.wire import decode_tensors, encode_tensors
 
     return decode_tensors("fp32", np.frombuffer(encode_tensors(delta), dtype=np.uint8))

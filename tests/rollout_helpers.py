@@ -18,10 +18,10 @@ import numpy as np
 from PIL import Image
 
 from aggregator.deploy import build_release, file_messages
-from nefl.manifest import read_manifest, sha256_file, write_manifest
-from nefl.messages import Rollout
-from nefl.signing import Signer
-from nefl.topics import Topics
+from nefl.protocol.manifest import read_manifest, sha256_file, write_manifest
+from nefl.protocol.messages import Rollout
+from nefl.protocol.signing import Signer
+from nefl.protocol.topics import Topics
 
 CHUNK = 16 * 1024  # small messages: every file travels in several chunks
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from edge_client.agent import Agent, AgentConfig, status_message
+from edge_client.agent import Agent, AgentConfig
 from edge_client.join import _no_server
-from nefl.messages import Announce, ClientStatus, Decline, Sent
-from nefl.mqtt import BrokerSettings
-from nefl.signing import Signer, parse_public_key, split_signed, verify
-from nefl.wire import Reassembler, split_chunk
+from nefl.protocol.messages import Announce, ClientStatus, Decline, Sent
+from nefl.protocol.mqtt import BrokerSettings
+from nefl.protocol.signing import Signer, parse_public_key, split_signed, status_message, verify
+from nefl.protocol.wire import Reassembler, split_chunk
 from tests.agent_fakes import FakeDevice, FakeServer, FakeTransport, T, make_agent
 
 

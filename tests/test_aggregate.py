@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nefl.aggregate import NeFedAvg, UpdateError, coverage_mean
-from nefl.methods import get_method
-from nefl.state import GlobalState, Layout, corner
-from nefl.tensors import ring
+from nefl.aggregation.aggregate import NeFedAvg, UpdateError, coverage_mean
+from nefl.nested.methods import get_method
+from nefl.nested.state import GlobalState, Layout, corner
+from nefl.nested.tensors import ring
 from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, off_the_wire, random_ladder, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))

@@ -19,11 +19,11 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from nefl.checkpoint import load_checkpoint
-from nefl.profile import load_profile
-from nefl.state import Layout
-from nefl.topics import Topics
-from nefl.wire import encode, split_chunk
+from nefl.nested.checkpoint import load_checkpoint
+from nefl.nested.profile import load_profile
+from nefl.nested.state import Layout
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import encode, split_chunk
 from tests.test_federation import (PROFILE, Procs, client_args, finish, free_port, metrics, needs_mosquitto,
                                    serve_args, wait_for)
 

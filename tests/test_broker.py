@@ -121,9 +121,9 @@ def test_the_choice_of_broker(monkeypatch, caplog):
 @pytest.mark.parametrize("qos, topic, payload", [(0, b"a/b", b""), (1, b"nefl/f/update/c1", bytes(range(256)) * 300),
                                                  (1, b"t", b"x")])
 def test_the_fast_publish_decoder_agrees_with_paho(qos, topic, payload):
-    """nefl.mqtt.Client decodes a PUBLISH as paho does (topic, id, flags, payload), with a bytearray payload."""
+    """nefl.protocol.mqtt.Client decodes a PUBLISH as paho does (topic, id, flags, payload), with a bytearray payload."""
     from paho.mqtt import _packet
-    from nefl.mqtt import Client
+    from nefl.protocol.mqtt import Client
 
     packet = bytearray(len(topic).to_bytes(2, "big") + topic + ((4242).to_bytes(2, "big") if qos else b"") + payload)
     command = 0x30 | (qos << 1) | 0x01

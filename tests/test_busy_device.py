@@ -25,11 +25,11 @@ import torch
 from aggregator.server import ServeConfig, Server, load_start
 from edge_client.agent import UPLOAD_SHARE, Agent, AgentConfig, status_message
 from edge_client.device import MIN_BATCHES, DataConfig, DeviceConfig, LocalDevice
-from nefl.messages import Decline
-from nefl.mqtt import BrokerSettings
-from nefl.signing import Signer, split_signed
-from nefl.topics import Topics
-from nefl.wire import Reassembler
+from nefl.protocol.messages import Decline
+from nefl.protocol.mqtt import BrokerSettings
+from nefl.protocol.signing import Signer, split_signed
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import Reassembler
 from tests.agent_fakes import PROFILE, FakeDevice, FakeServer, FakeTransport
 
 T = Topics("t")

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import nefl.checkpoint as checkpoint
+import nefl.nested.checkpoint as checkpoint
 from aggregator.federation import state_digest
-from nefl.checkpoint import (CheckpointError, append_metrics, checkpoint_files, has_checkpoint, load_checkpoint,
+from nefl.nested.checkpoint import (CheckpointError, append_metrics, checkpoint_files, has_checkpoint, load_checkpoint,
                              replay_metrics, save_checkpoint)
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
 
 CRASHED = 73  # the forked writer's exit status when it died at the chosen step
 

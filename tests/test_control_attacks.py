@@ -26,9 +26,9 @@ import sys
 import pytest
 import torch
 
-from nefl.checkpoint import load_checkpoint
-from nefl.signing import Signer
-from nefl.tokens import fingerprint
+from nefl.nested.checkpoint import load_checkpoint
+from nefl.protocol.signing import Signer
+from nefl.protocol.tokens import fingerprint
 from tests.control_attacker import workers_group
 from tests.test_attacks import ACL, PASSWORD
 from tests.test_federation import Procs, finish, free_port, metrics, needs_mosquitto, wait_for

@@ -13,14 +13,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from aggregator.enrolment import Enrolment, EnrolmentPolicy, Grant, append
 from aggregator.server import ServeConfig, Server, Start
-from nefl.messages import Announce, ClientStatus, Receipt, ReceiptBatch, Sent, Task, WorkerStatus
-from nefl.mqtt import parse_broker
-from nefl.profile import load_profile
-from nefl.signing import Signer, split_signed
-from nefl.state import GlobalState, Layout
-from nefl.tokens import new_token, parse_token, proof
-from nefl.topics import Topics
-from nefl.wire import encode, parse_chunk
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.messages import Announce, ClientStatus, Receipt, ReceiptBatch, Sent, Task, WorkerStatus
+from nefl.protocol.mqtt import parse_broker
+from nefl.protocol.signing import Signer, split_signed
+from nefl.protocol.tokens import new_token, parse_token, proof
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import encode, parse_chunk
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")

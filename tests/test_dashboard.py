@@ -20,9 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aggregator.keys import KeyDir
-from nefl.messages import DeployReport, Rollout, VersionStats
-from nefl.signing import Signer
-from nefl.topics import Topics
+from nefl.protocol.messages import DeployReport, Rollout, VersionStats
+from nefl.protocol.signing import Signer
+from nefl.protocol.topics import Topics
 
 from tests.test_federation import (ROOT, Procs, client_args, free_port, metrics, port_open, serve_args, server_state,
                                    wait_for)

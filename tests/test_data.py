@@ -1,4 +1,4 @@
-"""Tests for nefl.data: loading, batching/augmentation, partitions."""
+"""Tests for nefl.nested.data: loading, batching/augmentation, partitions."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nefl import data
-from nefl.data import (
+from nefl.nested import data
+from nefl.nested.data import (
     DATASETS,
     ArrayDataset,
     BatchLoader,
@@ -360,7 +360,7 @@ def test_parse_partition_rejects_bad_specs(spec: str) -> None:
 def test_image_folder_of_a_device_is_shaped_like_the_dataset(tmp_path) -> None:
     from PIL import Image
 
-    from nefl.data import load_image_folder
+    from nefl.nested.data import load_image_folder
 
     for label in (0, 3):
         (tmp_path / str(label)).mkdir()
@@ -380,7 +380,7 @@ def test_image_folder_of_a_device_is_shaped_like_the_dataset(tmp_path) -> None:
 def test_class_folders_are_matched_to_the_dataset_class_names(tmp_path) -> None:
     from PIL import Image
 
-    from nefl.data import load_image_folder
+    from nefl.nested.data import load_image_folder
 
     for folder in ("Sneaker", "trouser", "T-shirt", "9"):
         (tmp_path / folder).mkdir()

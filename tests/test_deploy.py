@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from aggregator.cli import app as aggregator_app
 from edge_client.agent import status_message
-from nefl.data import DatasetUnavailable
+from nefl.nested.data import DatasetUnavailable
 from tests.agent_fakes import FakeDevice
 from tests.test_busy_device import T, _wire
 from tests.test_federation import Procs, free_port, needs_mosquitto, port_open, wait_for
@@ -108,7 +108,7 @@ def test_serve_without_its_eval_dataset_is_one_line_and_exit_2(tmp_path: Path, m
                                  "loadtest", "publish", "rollout")),
     ["aggregator", "rollout", "status", "--help"],
     pytest.param(["aggregator", "jigsaw", "--help"], marks=pytest.mark.xfail(
-        strict=True, reason="its --method help lists aggregator.jigsaw_sim.METHODS, which lives beside torch code")),
+        strict=True, reason="its --method help lists nefl.jigsaw.sim.METHODS, which lives beside torch code")),
     ["edge-client", "--help"], *(["edge-client", c, "--help"] for c in ("join", "jigsaw", "plan", "probe", "infer", "serve")),
     ["nefl-export", "--help"], ["nefl-export", "onnx", "--help"],
 ])

@@ -1,4 +1,4 @@
-"""Enrolment (aggregator/enrolment.py, nefl/tokens.py, `aggregator enroll` / `revoke`): who may pin a device
+"""Enrolment (aggregator/enrolment.py, nefl/protocol/tokens.py, `aggregator enroll` / `revoke`): who may pin a device
 key, for how long, and which keys may speak for workers."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from aggregator.enrolment import Enrolment, EnrolmentPolicy, Grant, Revoke, append
 from aggregator.federation import Rejected
 from aggregator.keys import KeyDir
-from nefl.signing import Signer
-from nefl.tokens import TokenError, check_proof, fingerprint, new_token, parse_token, proof, verifier_of
+from nefl.protocol.signing import Signer
+from nefl.protocol.tokens import TokenError, check_proof, fingerprint, new_token, parse_token, proof, verifier_of
 from tests.test_federation import ROOT
 
 

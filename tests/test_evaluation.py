@@ -5,11 +5,11 @@ import torch
 
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, state_digest, Update
-from nefl.checkpoint import load_checkpoint, save_checkpoint
-from nefl.data import BatchLoader
-from nefl.messages import Announce
-from nefl.state import GlobalState, Layout, load_module_state, module_state
-from nefl.train import TrainConfig, local_train, recompute_bn_stats
+from nefl.nested.checkpoint import load_checkpoint, save_checkpoint
+from nefl.nested.data import BatchLoader
+from nefl.protocol.messages import Announce
+from nefl.nested.state import GlobalState, Layout, load_module_state, module_state
+from nefl.nested.train import TrainConfig, local_train, recompute_bn_stats
 from tests.helpers import tiny_profile
 from tests.test_train import FULL, _blobs
 

@@ -17,12 +17,12 @@ from export.cli import app
 from export.fold import fold, fold_error
 from export.onnx_export import export_checkpoint, submodel_module
 from export.parity import PARITY_ATOL, PARITY_RTOL, ParityError, compare, reference_data, session
-from nefl.checkpoint import load_checkpoint, save_checkpoint
-from nefl.cost import submodel_cost
-from nefl.data import DatasetUnavailable, load_dataset
-from nefl.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest, sha256_file, write_manifest
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
+from nefl.nested.checkpoint import load_checkpoint, save_checkpoint
+from nefl.nested.cost import submodel_cost
+from nefl.nested.data import DatasetUnavailable, load_dataset
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest, sha256_file, write_manifest
 
 torch.set_num_threads(1)
 
@@ -253,8 +253,8 @@ def test_invalid_manifest_is_never_written(exported: tuple[Path, Path, dict], tm
 def test_untrained_submodels_are_skipped_unless_asked_for(tmp_path: Path) -> None:
     """NeFL's promise is that every submodel is usable: one that never trained (or is at chance) must not
     reach a device silently, where it would answer exactly when the device is loaded."""
-    from nefl.checkpoint import UPDATES_TOTAL_KEY
-    from nefl.manifest import untrained_reason
+    from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
+    from nefl.protocol.manifest import untrained_reason
 
     assert untrained_reason(0, None, 10) == "never trained (0 federated updates)"
     assert "within 0.05 of chance" in untrained_reason(4, 0.12, 10) and untrained_reason(4, 0.16, 10) is None

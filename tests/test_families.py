@@ -20,16 +20,16 @@ from torchvision.models.vision_transformer import VisionTransformer
 from export.fold import fold, fold_error
 from export.onnx_export import export_checkpoint, submodel_module
 from export.parity import session
-from nefl.aggregate import NeFedAvg
-from nefl.arch import ARCHS, MobileNetV2Arch, ViTArch
-from nefl.checkpoint import load_checkpoint, save_checkpoint
-from nefl.cost import submodel_cost
-from nefl.families.vit import Attention, NestedViT
-from nefl.methods import get_method
-from nefl.models import (build_submodel, build_supernet, full_steps, load_torchvision_state, pretrained_supernet_state,
+from nefl.aggregation.aggregate import NeFedAvg
+from nefl.nested.arch import ARCHS, MobileNetV2Arch, ViTArch
+from nefl.nested.checkpoint import load_checkpoint, save_checkpoint
+from nefl.nested.cost import submodel_cost
+from nefl.nested.families.vit import Attention, NestedViT
+from nefl.nested.methods import get_method
+from nefl.nested.models import (build_submodel, build_supernet, full_steps, load_torchvision_state, pretrained_supernet_state,
                          read_state_file)
-from nefl.profile import Profile, ProfileError, SubmodelSpec, list_profiles, load_profile, parse_profile
-from nefl.state import GlobalState, Layout, load_module_state
+from nefl.nested.profile import Profile, ProfileError, SubmodelSpec, list_profiles, load_profile, parse_profile
+from nefl.nested.state import GlobalState, Layout, load_module_state
 from tests.test_aggregate import assert_state_close, brute_force, random_updates
 from tests.test_federation import finish, free_port, metrics, port_open, wait_for
 

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from aggregator.federation import state_digest
-from nefl.checkpoint import load_checkpoint
-from nefl.messages import DEFAULT_CHUNK_BYTES
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
-from nefl.topics import Topics
-from nefl.wire import encode
+from nefl.nested.checkpoint import load_checkpoint
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
@@ -383,7 +383,7 @@ def test_resume_refuses_corrupt_mismatched_or_overwritten_checkpoints(tmp_path):
     from typer.testing import CliRunner
 
     from aggregator.cli import app
-    from nefl.checkpoint import checkpoint_files, save_checkpoint
+    from nefl.nested.checkpoint import checkpoint_files, save_checkpoint
 
     layout = Layout.build(load_profile(PROFILE))
     save_checkpoint(tmp_path / "run", GlobalState.init(layout, 0), layout, {"round": 1})

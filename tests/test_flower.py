@@ -1,4 +1,4 @@
-"""NeFL on Flower (aggregator/flower.py, edge_client/flower.py, nefl/flower.py, docs/flower.md).
+"""NeFL on Flower (aggregator/flower.py, edge_client/flower.py, nefl/protocol/flower.py, docs/flower.md).
 
 Flower pins typer<0.21, which the broker's amqtt cannot share: these tests run in .venv-flower
 (`make env-flower`); `make test` runs this file there after the main suite.
@@ -25,10 +25,10 @@ from aggregator.flower import FlowerSettings, NeFLStrategy, run_settings  # noqa
 from aggregator.simulate import SimConfig, Simulator  # noqa: E402
 from edge_client.device import DeviceConfig  # noqa: E402
 from edge_client.flower import DeviceNode, SimulatedNode, client_app  # noqa: E402
-from nefl.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays  # noqa: E402
-from nefl.messages import FlowerResult, FlowerTask, MessageError  # noqa: E402
-from nefl.profile import load_profile  # noqa: E402
-from nefl.state import GlobalState, Layout  # noqa: E402
+from nefl.nested.profile import load_profile  # noqa: E402
+from nefl.nested.state import GlobalState, Layout  # noqa: E402
+from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays  # noqa: E402
+from nefl.protocol.messages import FlowerResult, FlowerTask, MessageError  # noqa: E402
 from tests.flower_helpers import flwr_run  # noqa: E402
 
 PROFILE = "resnet8-fmnist-w"

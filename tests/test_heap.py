@@ -1,4 +1,4 @@
-"""nefl/heap.py: an aggregator's process keeps freed memory for the next message's buffer instead of handing
+"""nefl/support/heap.py: an aggregator's process keeps freed memory for the next message's buffer instead of handing
 it back to the kernel and faulting it in again page by page."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # buffers of 1..16 MiB, as updates of different submodels come in, each written (a receive) and freed
 BUFFERS = """
 import resource, sys
-from nefl.heap import keep_freed_memory
+from nefl.support.heap import keep_freed_memory
 if sys.argv[1] == "kept":
     assert keep_freed_memory()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

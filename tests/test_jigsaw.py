@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nefl.cost import training_peak_bytes
+from nefl.nested.cost import training_peak_bytes
 from nefl.jigsaw.baselines import WIDTH_LEVELS, scaled_metas, submodel_windows, width_for_budget
 from nefl.jigsaw.coretune import CoReTune, PolicyReport, ServerCritic, exploration_bonus, observation
 from nefl.jigsaw.observations import ObservationLog
@@ -22,9 +22,9 @@ from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch
 from nefl.jigsaw.zoo import (
     BASES_DIR, ArchError, ModuleMeta, Zoo, build_model, check_chain, list_bases, load_base, model_cost, parse_base, peak_bytes,
 )
-from nefl.messages import MessageError
-from nefl.rolling import aggregate_windows, extract, extract_state, rolled_window
-from nefl.state import load_module_state, module_state
+from nefl.protocol.messages import MessageError
+from nefl.aggregation.rolling import aggregate_windows, extract, extract_state, rolled_window
+from nefl.nested.state import load_module_state, module_state
 
 MIB = 2**20
 TOKENS = tokens_for(0, None, 0)  # client 0 before it has observed anything
@@ -191,9 +191,9 @@ def test_assembly_respects_a_memory_budget_and_refuses_one_nothing_fits() -> Non
 
 def test_the_peak_formula_is_the_device_cost_model() -> None:
     from edge_client.costmodel import estimate_peak
-    from nefl.cost import submodel_cost
-    from nefl.profile import load_profile
-    from nefl.state import Layout
+    from nefl.nested.cost import submodel_cost
+    from nefl.nested.profile import load_profile
+    from nefl.nested.state import Layout
 
     layout = Layout.build(load_profile("resnet20-fmnist-w"))
     for k, spec in enumerate(layout.profile.submodels):

@@ -18,17 +18,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.jigsaw_coordinator import Coordinator
-from aggregator.jigsaw_sim import JigsawConfig
-from edge_client.jigsaw import DeviceSettings, JigsawDevice
 from nefl.jigsaw.broker import BrokerExchange, Peer, PeerUnavailable, largest_module_bytes
 from nefl.jigsaw.coordination import JigsawHello
+from nefl.jigsaw.coordinator import Coordinator
+from nefl.jigsaw.device import DeviceSettings, JigsawDevice
 from nefl.jigsaw.shards import initial_modules
+from nefl.jigsaw.sim import JigsawConfig
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleFetch, ModuleReturn, source_average
 from nefl.jigsaw.zoo import load_base
-from nefl.signing import KeyPin, Signer, parse_public_key
-from nefl.topics import Topics
-from nefl.wire import encode
+from nefl.protocol.signing import KeyPin, Signer, parse_public_key
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import encode
 
 FED = "fed"
 BASE = load_base("cnn-2")

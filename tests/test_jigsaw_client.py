@@ -13,19 +13,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator, device_budgets
+from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator, device_budgets
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
-from nefl.data import DATASETS, ArrayDataset
+from nefl.nested.data import DATASETS, ArrayDataset
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport
 from nefl.jigsaw.methods import METHODS, get_method
 from nefl.jigsaw.policy import chain_log_prob, tokens_for
 from nefl.jigsaw.shards import ClientData, ClientShard, ShardSpec
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import ModuleMeta, base_for_budget, build_module, fixed_bytes, load_base, peak_bytes
-from nefl.messages import MessageError
-from nefl.profile import METHOD_NAMES
-from nefl.state import module_state
-from nefl.train import TrainConfig
+from nefl.protocol.messages import MessageError
+from nefl.nested.profile import METHOD_NAMES
+from nefl.nested.state import module_state
+from nefl.nested.train import TrainConfig
 
 torch.set_num_threads(1)
 SETTINGS = ClientSettings("fed", max_blocks=7, batch_size=8, alpha=0.9, beta=0.1, gamma=0.95, tau=1.0, policy_lr=0.05,

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aggregator.jigsaw_sim import JigsawConfig, JigsawSimulator
 from nefl.jigsaw.shards import device_budgets
+from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
 from nefl.jigsaw.zoo import load_base
 from tests.test_federation import Procs, finish, free_port, needs_mosquitto, wait_for
 

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from nefl.logs import HANDLER_NAME, PACKAGES, setup_logging
+from nefl.support.logs import HANDLER_NAME, PACKAGES, setup_logging
 
 log = logging.getLogger("aggregator.test")
 

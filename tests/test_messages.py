@@ -10,9 +10,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nefl.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, Announce, ClientStatus, Control, MessageError, ServerStatus,
+from nefl.protocol.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, Announce, ClientStatus, Control, MessageError, ServerStatus,
                            Task, nesting_depth)
-from nefl.signing import KeyPin, Signer, parse_public_key, split_signed, verify
+from nefl.protocol.signing import KeyPin, Signer, parse_public_key, split_signed, verify
 
 TASK = Task(federation="f", run="r1", round=3, submodel=1, lr=0.1, epochs=1, batch_size=32, profile_hash="abc",
             deadline_s=60.0, chunks=2, model_digest="0" * 64, model_bytes=1000)

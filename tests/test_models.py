@@ -3,16 +3,16 @@ import torch
 import torchvision
 from torch import nn
 
-from nefl.arch import ARCHS
-from nefl.cost import full_cost, submodel_cost
-from nefl.models import NestedResNet, build_submodel, full_steps, load_torchvision_state
-from nefl.profile import load_profile, scaled
-from nefl.state import GlobalState, Layout, load_module_state
+from nefl.nested.arch import ARCHS
+from nefl.nested.cost import full_cost, submodel_cost
+from nefl.nested.models import NestedResNet, build_submodel, full_steps, load_torchvision_state
+from nefl.nested.profile import load_profile, scaled
+from nefl.nested.state import GlobalState, Layout, load_module_state
 from tests.helpers import TINY_BASIC, tiny_profile
 
 
 def hooked_macs(model: nn.Module, shape: tuple[int, ...]) -> int:
-    """Count conv/linear multiply-accumulates by running the module (independent of nefl.cost)."""
+    """Count conv/linear multiply-accumulates by running the module (independent of nefl.nested.cost)."""
     total = 0
 
     def hook(m: nn.Module, _inp, out: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""nefl.mqtt.Client's receive path (recv_into one buffer per packet, the payload handed on without a copy)
+"""nefl.protocol.mqtt.Client's receive path (recv_into one buffer per packet, the payload handed on without a copy)
 against paho's own reader and decoder on the same byte streams: well-formed PUBLISH packets cut into pieces
 as a live stream delivers them (a few bytes at a time, or in bursts), and hostile tails after them."""
 
@@ -11,7 +11,7 @@ import paho.mqtt.client as mqtt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nefl.mqtt import PAYLOAD_ALIGN, Client
+from nefl.protocol.mqtt import PAYLOAD_ALIGN, Client
 
 
 class Trickle:
@@ -76,7 +76,7 @@ def publish_packet(qos: int, topic: bytes, payload: bytes, mid: int) -> bytes:
 
 def run(client: mqtt.Client, sock: Trickle, wrap=lambda s: s, payloads: bool = False) -> tuple[list[tuple], list[int], str]:
     """Read the whole stream: the messages (topic, mid, qos, retain, payload), the PUBACKs sent, and how it ended.
-    payloads: through Client.on_payload (topic and payload only), as nefl.mqtt.Connection takes them."""
+    payloads: through Client.on_payload (topic and payload only), as nefl.protocol.mqtt.Connection takes them."""
     got, acked = [], []
     client.on_message = lambda c, u, m: got.append((m.topic, m.mid, m.qos, m.retain, bytes(m.payload), type(m.payload)))
     if payloads:
@@ -327,7 +327,7 @@ def test_a_connection_takes_every_publish_a_hostile_broker_sends():
     inbox, and a topic that is not UTF-8 is dropped on either path without stopping the network loop."""
     import logging
 
-    from nefl.mqtt import BrokerSettings, Connection
+    from nefl.protocol.mqtt import BrokerSettings, Connection
 
     conn = Connection(BrokerSettings("127.0.0.1", 1), "t", None, b"", logging.getLogger("t"))
     def qos2(topic: bytes, payload: bytes, mid: int) -> bytes:  # delivered once its PUBREL comes
@@ -431,7 +431,7 @@ def test_a_batch_of_publishes_wakes_the_network_thread_once():
 def test_a_payload_starts_aligned_whatever_its_topic(topic, qos, size, burst):
     """A PUBLISH whose topic length came with its fixed header (a read of 16 bytes or more) hands on a payload at an
     address that is a multiple of PAYLOAD_ALIGN, the bytes the same as paho's: an update's tensors, aligned in
-    their payload (nefl/wire.py), are then aligned in memory too."""
+    their payload (nefl/protocol/wire.py), are then aligned in memory too."""
     stream = publish_packet(qos, b"t" * topic, bytes(range(256)) * (size // 256) + b"x" * (size % 256), 5)
     c, seen = ours(), []
     c._send_puback = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS

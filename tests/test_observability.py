@@ -30,10 +30,10 @@ from edge_client.metrics import DeviceMetrics, InferenceMetrics, MeteredDevice, 
 from edge_client.probe import BatteryReading, DeviceSnapshot, GpuReading, ThermalReading
 from edge_client.runtime import Result
 from edge_client.select import Selection
-from nefl.listen import is_loopback, parse_listen
-from nefl.logs import setup_logging
-from nefl.messages import DeviceSummary, ServerStatus
-from nefl.train import TrainResult
+from nefl.nested.train import TrainResult
+from nefl.protocol.messages import DeviceSummary, ServerStatus
+from nefl.support.listen import is_loopback, parse_listen
+from nefl.support.logs import setup_logging
 from tests.test_federation import ROOT
 
 

@@ -19,11 +19,11 @@ import typer
 from PIL import Image
 from typer.testing import CliRunner
 
-import nefl.profile
+import nefl.nested.profile
 from aggregator.cli import COMMANDS as AGGREGATOR_COMMANDS
 from edge_client.cli import COMMANDS as EDGE_COMMANDS
 from nefl.cli import app as nefl_app
-from nefl.extras import FULL_INSTALL, FULL_ONLY_MODULES
+from nefl.support.extras import FULL_INSTALL, FULL_ONLY_MODULES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,11 +83,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(export directory, a 28x28 PNG): the smallest and largest rungs of the tiny ladder keep the export short."""
     from export.onnx_export import export_checkpoint
-    from nefl.checkpoint import save_checkpoint
-    from nefl.state import GlobalState, Layout
+    from nefl.nested.checkpoint import save_checkpoint
+    from nefl.nested.state import GlobalState, Layout
 
     root = tmp_path_factory.mktemp("exported")
-    layout = Layout.build(nefl.profile.load_profile("resnet8-fmnist-w"))
+    layout = Layout.build(nefl.nested.profile.load_profile("resnet8-fmnist-w"))
     ckpt = save_checkpoint(root / "ckpt", GlobalState.init(layout, 1), layout, {"round": 0})
     export_checkpoint(ckpt, root / "onnx", submodels=[0, layout.num_submodels - 1])
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)).save(root / "img.png")
@@ -138,7 +138,7 @@ def test_a_command_that_needs_torch_names_the_full_install(code: str, tmp_path: 
 
 
 def test_profile_list_fails_when_no_profile_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nefl.profile, "PROFILES_DIR", tmp_path)
+    monkeypatch.setattr(nefl.nested.profile, "PROFILES_DIR", tmp_path)
     result = CliRunner().invoke(nefl_app, ["profile", "list"])
     assert result.exit_code == 2 and "no profiles found" in result.output
 
@@ -172,7 +172,7 @@ def test_wheel_ships_the_profiles(wheel: Path, tmp_path: Path) -> None:
     cwd.mkdir()
     out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel], tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    found = _run([sys.executable, "-c", "import nefl.profile; print(nefl.profile.PROFILES_DIR)"], cwd, PYTHONPATH=str(target))
+    found = _run([sys.executable, "-c", "import nefl.nested.profile; print(nefl.nested.profile.PROFILES_DIR)"], cwd, PYTHONPATH=str(target))
     assert found.stdout.strip() == str(target / "nefl" / "profiles")
     listed = _run([sys.executable, target / "bin" / "nefl", "profile", "list"], cwd, PYTHONPATH=str(target))
     assert listed.returncode == 0, listed.stderr

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator.partials import NORM_SLACK, Held, check_partial
-from nefl.aggregate import NeFedAvg, update_weight
-from nefl.messages import PartialSummary
-from nefl.robust import update_norm
-from nefl.state import Layout
-from nefl.wire import WireError
+from nefl.aggregation.aggregate import NeFedAvg, update_weight
+from nefl.aggregation.robust import update_norm
+from nefl.nested.state import Layout
+from nefl.protocol.messages import PartialSummary
+from nefl.protocol.wire import WireError
 from tests.helpers import random_ladder
 
 checks = settings(max_examples=25, deadline=None)

@@ -4,13 +4,13 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from nefl.aggregate import NeFedAvg
-from nefl.arch import ARCHS
+from nefl.aggregation.aggregate import NeFedAvg
 from nefl.cli import app
-from nefl.cost import full_cost, submodel_cost
-from nefl.methods import METHODS, apply_method
-from nefl.profile import ProfileError, list_profiles, load_profile
-from nefl.state import Layout
+from nefl.nested.arch import ARCHS
+from nefl.nested.cost import full_cost, submodel_cost
+from nefl.nested.methods import METHODS, apply_method
+from nefl.nested.profile import ProfileError, list_profiles, load_profile
+from nefl.nested.state import Layout
 
 PAPER = ["resnet18-cifar10-d", "resnet18-cifar10-wd", "resnet34-cifar10-d", "resnet34-cifar10-wd",
          "resnet56-cifar10-d", "resnet56-cifar10-do", "resnet56-cifar10-wd", "resnet110-cifar10-d",

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from nefl.aggregate import NeFedAvg
-from nefl.robust import (
+from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.robust import (
     REASON,
     DPAccountant,
     NormBound,
@@ -20,7 +20,7 @@ from nefl.robust import (
     reference_norm,
     update_norm,
 )
-from nefl.state import GlobalState, Layout, corner
+from nefl.nested.state import GlobalState, Layout, corner
 from tests.helpers import off_the_wire, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
@@ -391,7 +391,7 @@ def test_l2_norm_against_float64(n, scale, seed, layout, bad):
     (squares that overflow or underflow float32 take the float64 path), the layout (a view, a start one element
     in, a buffer at an address that is no multiple of 4, as an update decoded in place from an MQTT packet) and
     non-finite values (NaN or inf: the finite check)."""
-    from nefl.tensors import l2_norm
+    from nefl.nested.tensors import l2_norm
 
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(n + 1, generator=g) * scale

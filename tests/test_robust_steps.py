@@ -1,4 +1,4 @@
-"""The per-tensor step bound on per-submodel tensors (nefl/step_bound.py): against a brute-force
+"""The per-tensor step bound on per-submodel tensors (nefl/aggregation/step_bound.py): against a brute-force
 reimplementation, the lone -weights update it exists for, its warm-up, and that no update it bounds can
 ratchet it."""
 
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from aggregator.federation import Federation, Robustness, Update
-from nefl.aggregate import NeFedAvg
-from nefl.robust import NormBound
-from nefl.settings import AggregationConfig
-from nefl.state import GlobalState, Layout
-from nefl.step_bound import StepBound
-from nefl.tensors import corner
+from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.robust import NormBound
+from nefl.aggregation.step_bound import StepBound
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.tensors import corner
+from nefl.support.settings import AggregationConfig
 from tests.helpers import random_ladder, tiny_profile
 from tests.test_aggregate import FULL
 

@@ -23,13 +23,13 @@ from edge_client.runtime import AdaptiveRuntime
 from edge_client.serving import Active, Serving
 from edge_client.store import Store, followed_current
 from export.onnx_export import export_checkpoint
-from nefl.manifest import read_manifest, sha256_file, write_manifest
-from nefl.messages import DeployReport, Refusal, VersionStats
-from nefl.profile import load_profile
-from nefl.signing import Signer, parse_public_key
-from nefl.state import GlobalState, Layout
-from nefl.topics import Topics
-from nefl.wire import parse_chunk
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.manifest import read_manifest, sha256_file, write_manifest
+from nefl.protocol.messages import DeployReport, Refusal, VersionStats
+from nefl.protocol.signing import Signer, parse_public_key
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import parse_chunk
 from tests.agent_fakes import FakeTransport
 from tests.rollout_helpers import release_messages, rollout
 
@@ -41,7 +41,7 @@ SERVER = Signer(Ed25519PrivateKey.generate())
 @pytest.fixture(scope="module")
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The smallest and largest rungs of resnet8's ladder, freshly initialised (the weights do not matter here)."""
-    from nefl.checkpoint import save_checkpoint
+    from nefl.nested.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("rollout")
     layout = Layout.build(load_profile("resnet8-fmnist-w"))
@@ -189,7 +189,7 @@ def test_an_older_version_needs_a_signed_rollback(export: Path, tmp_path: Path) 
 ])
 def test_damaged_chunks_are_dropped_and_the_intact_copy_still_completes(export: Path, tmp_path: Path, damage, reason,
                                                                         words) -> None:
-    from nefl.wire import split_chunk
+    from nefl.protocol.wire import split_chunk
     f = make(tmp_path)
     deliver(f, export, 1)
     release, chunks = release_messages(SERVER, export, 2)
@@ -477,7 +477,7 @@ def test_fuzzed_reports_and_rollouts_never_raise_on_the_operators_side(client: s
 
 def test_rollout_status_table_names_every_device_and_its_versions(capsys: pytest.CaptureFixture) -> None:
     from aggregator.rollout import fleet_view, show
-    from nefl.messages import Rollout
+    from nefl.protocol.messages import Rollout
 
     reports = {"d1": _report(2, 120, 1, 4.0, event="swapped v1 -> v2"),
                "d2": msgspec.structs.replace(_report(2, 80, 0, 3.0), state="offline")}

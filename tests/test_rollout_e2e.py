@@ -20,11 +20,11 @@ from typer.testing import CliRunner, Result
 from aggregator.cli import app
 from aggregator.keys import KeyDir
 from aggregator.rollout import connect_operator
-from nefl.manifest import read_manifest, write_manifest
-from nefl.messages import Release
-from nefl.signing import Signer
-from nefl.topics import Topics
-from nefl.wire import split_chunk
+from nefl.protocol.manifest import read_manifest, write_manifest
+from nefl.protocol.messages import Release
+from nefl.protocol.signing import Signer
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import split_chunk
 from tests.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export
 from tests.test_federation import free_port, needs_mosquitto, wait_for
 
@@ -37,9 +37,9 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """v1: resnet8's smallest and largest rungs; v2: the same files re-exported later (a new manifest, so a new
     version); slow: v2 with a latency regression that passes every hash and parity check."""
     from export.onnx_export import export_checkpoint
-    from nefl.checkpoint import save_checkpoint
-    from nefl.profile import load_profile
-    from nefl.state import GlobalState, Layout
+    from nefl.nested.checkpoint import save_checkpoint
+    from nefl.nested.profile import load_profile
+    from nefl.nested.state import GlobalState, Layout
 
     root = tmp_path_factory.mktemp("exports")
     layout = Layout.build(load_profile("resnet8-fmnist-w"))

@@ -10,10 +10,10 @@ import torch
 
 from aggregator.assignment import Candidate, assign_coverage, assign_paper, coverage_order, paper_window
 from aggregator.federation import ClientLimits, Federation, Rejected, Update
-from nefl.checkpoint import UPDATES_TOTAL_KEY
-from nefl.messages import Announce, Decline
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
+from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.messages import Announce, Decline
 
 
 def _federation(assignment: str = "coverage", per_round: int = 3) -> Federation:

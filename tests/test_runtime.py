@@ -34,10 +34,10 @@ from edge_client.cli import app
 from edge_client.http_api import make_server
 from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ImageTooLarge, ModelsError, decode_image
 from export.onnx_export import export_checkpoint, submodel_module
-from nefl.checkpoint import load_checkpoint, save_checkpoint
-from nefl.manifest import sha256_file
-from nefl.profile import load_profile
-from nefl.state import GlobalState, Layout
+from nefl.nested.checkpoint import load_checkpoint, save_checkpoint
+from nefl.protocol.manifest import sha256_file
+from nefl.nested.profile import load_profile
+from nefl.nested.state import GlobalState, Layout
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent

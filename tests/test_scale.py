@@ -24,18 +24,18 @@ from aggregator.federation import state_digest
 from aggregator.loadtest import device_delta
 from aggregator.partials import Held, check_partial, plan_bound, plan_screen
 from aggregator.worker import Worker, WorkerConfig, owner_of
-from nefl.aggregate import NeFedAvg
-from nefl.checkpoint import load_checkpoint
-from nefl.messages import MessageError, PartialSummary, ReceiptBatch, RoundClose, WorkerRound
-from nefl.mqtt import BrokerSettings
-from nefl.profile import load_profile
-from nefl.robust import NormBound, update_norm
-from nefl.robust_aggregate import AggregationConfig
-from nefl.signing import Signer, parse_public_key, verify
-from nefl.state import GlobalState, Layout
-from nefl.step_bound import StepBound
-from nefl.topics import Topics
-from nefl.wire import Reassembler, encode, split_chunk
+from nefl.aggregation.aggregate import NeFedAvg
+from nefl.nested.checkpoint import load_checkpoint
+from nefl.protocol.messages import MessageError, PartialSummary, ReceiptBatch, RoundClose, WorkerRound
+from nefl.protocol.mqtt import BrokerSettings
+from nefl.nested.profile import load_profile
+from nefl.aggregation.robust import NormBound, update_norm
+from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.protocol.signing import Signer, parse_public_key, verify
+from nefl.nested.state import GlobalState, Layout
+from nefl.aggregation.step_bound import StepBound
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import Reassembler, encode, split_chunk
 from tests.helpers import random_ladder
 from tests.test_federation import ROOT, finish, free_port, metrics, needs_mosquitto, wait_for
 

@@ -22,9 +22,9 @@ from edge_client.costmodel import CostTable, CudaMeter, RssMeter, SubmodelCost, 
 from edge_client.load import MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, RunningCalibration, others_demand, slowdown
 from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
 from edge_client.select import HYSTERESIS, DeviceBudget, select_submodel
-from nefl.profile import load_profile
-from nefl.state import Layout
-from nefl.units import parse_size
+from nefl.nested.profile import load_profile
+from nefl.nested.state import Layout
+from nefl.support.units import parse_size
 
 MB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,9 +313,9 @@ def test_calibrated_memory_is_monotone_in_gamma(w_table):
 
 TRAIN_UNDER_BUDGET = r"""
 import json, sys, torch
-from nefl.profile import load_profile
-from nefl.state import Layout
-from nefl.train import TrainConfig, local_train, module_state
+from nefl.nested.profile import load_profile
+from nefl.nested.state import Layout
+from nefl.nested.train import TrainConfig, local_train, module_state
 torch.set_num_threads(1)
 profile, k, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 layout = Layout.build(load_profile(profile))

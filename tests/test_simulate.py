@@ -7,14 +7,14 @@ from typer.testing import CliRunner
 
 from aggregator.assignment import paper_window
 from aggregator.cli import app
-from nefl.checkpoint import UPDATES_TOTAL_KEY
+from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
 from aggregator.simulate import SimConfig, check_device, simulated_federation
-from nefl.population import client_ids, tier_bound, tier_of
-from nefl.checkpoint import load_checkpoint
-from nefl.data import SYSTEM_FASHION_MNIST_DIR
-from nefl.profile import load_profile
-from nefl.robust_aggregate import AggregationConfig
-from nefl.state import Layout
+from nefl.nested.population import client_ids, tier_bound, tier_of
+from nefl.nested.checkpoint import load_checkpoint
+from nefl.nested.data import SYSTEM_FASHION_MNIST_DIR
+from nefl.nested.profile import load_profile
+from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.nested.state import Layout
 
 
 def _choices(client: int, clients: int = 100) -> list[int]:

@@ -1,4 +1,4 @@
-"""nefl/threads.py: a process that takes a stream of updates runs torch's and the BLAS's operations on one
+"""nefl/support/threads.py: a process that takes a stream of updates runs torch's and the BLAS's operations on one
 thread, and gets its cores back for one large job (evaluation, FLTrust's root training)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = """
 import json, numpy, torch
 from threadpoolctl import threadpool_info
-from nefl.threads import all_cores, one_per_process
+from nefl.support.threads import all_cores, one_per_process
 
 def blas():
     return sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})

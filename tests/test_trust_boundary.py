@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
 from aggregator.enrolment import Enrolment
-from nefl.messages import VERSION, Announce, ClientStatus, Control, Decline, Receipt, ReceiptBatch
-from nefl.mqtt import parse_broker
-from nefl.profile import load_profile
-from nefl.signing import Signer, split_signed
-from nefl.tokens import new_token, parse_token, proof
-from nefl.state import GlobalState, Layout
-from nefl.topics import Topics
-from nefl.wire import encode
+from nefl.protocol.messages import VERSION, Announce, ClientStatus, Control, Decline, Receipt, ReceiptBatch
+from nefl.protocol.mqtt import parse_broker
+from nefl.nested.profile import load_profile
+from nefl.protocol.signing import Signer, split_signed
+from nefl.protocol.tokens import new_token, parse_token, proof
+from nefl.nested.state import GlobalState, Layout
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import encode
 from tests.agent_fakes import FakeServer, make_agent
 
 PROFILE = "resnet8-fmnist-w"

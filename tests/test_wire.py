@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from nefl import signing
-from nefl.messages import MessageError
-from nefl.signing import Signer, parse_public_key
-from nefl.topics import Topics, check_name
-from nefl.wire import (_NODE, DATA_ALIGN, HASH_BYTES, MAGIC, MAX_HEADER_BYTES, WIRE_VERSION, Reassembler, WireError, decode_tensors, encode,
+from nefl.protocol import signing
+from nefl.protocol.messages import MessageError
+from nefl.protocol.signing import Signer, parse_public_key
+from nefl.protocol.topics import Topics, check_name
+from nefl.protocol.wire import (_NODE, DATA_ALIGN, HASH_BYTES, MAGIC, MAX_HEADER_BYTES, WIRE_VERSION, Reassembler, WireError, decode_tensors, encode,
                        encode_tensors, leaf, merkle_levels, merkle_proof, merkle_root_of, parse_chunk, proof_length,
                        split_chunk)
 

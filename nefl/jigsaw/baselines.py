@@ -3,7 +3,7 @@
 The largest client architecture is the global model; a client trains the width-scaled copy (every hidden
 width ceil(C * gamma), input channels and classes kept) whose channels sit at an index window of the
 global tensors: the prefix for HeteroFL, a window rolling by one index per round for FedRolex. The
-window rule and the aggregation are nefl.rolling's.
+window rule and the aggregation are nefl.aggregation.rolling's.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nefl.aggregation.rolling import Window, extract_state, rolled_window
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_model, peak_bytes
-from nefl.rolling import Window, extract_state, rolled_window
-from nefl.train import Batches, TrainConfig, TrainResult, local_train
+from nefl.nested.train import Batches, TrainConfig, TrainResult, local_train
 
 WIDTH_LEVELS = (1.0, 0.5, 0.25, 0.125)  # HeteroFL's capability levels
 
@@ -69,7 +69,7 @@ def submodel_windows(base: BaseArch, gamma: float, offset: int) -> dict[str, Win
 
 @dataclass
 class WindowStep:
-    values: dict[str, torch.Tensor]  # the trained window, for nefl.rolling.aggregate_windows
+    values: dict[str, torch.Tensor]  # the trained window, for nefl.aggregation.rolling.aggregate_windows
     windows: dict[str, Window]
     result: TrainResult
     model: nn.Sequential  # the trained submodel

@@ -5,7 +5,7 @@ answers a neighbour's fetch (`jigsaw/fetch/{id}`) with the module's parameters o
 (`jigsaw/module/{borrower}`, the kit's chunked safetensors wire, kind "module"), takes trained copies back
 (`jigsaw/return/{id}`, kind "return") and, when the coordinator opens the next round, averages them (Eq. 2).
 Control messages are signed JSON; the wire headers are signed once per payload and name the chunks'
-Merkle root (nefl/wire.py). Peers' keys come from the coordinator's signed plan.
+Merkle root (nefl/protocol/wire.py). Peers' keys come from the coordinator's signed plan.
 
 Everything that arrives is hostile: `handle` checks the signature against the sender's key, the sender
 against the topology, the round against the current one, a payload's size against the module's metadata and
@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from nefl import signing
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleFetch, ModuleReturn, refusal, source_average, state_bytes
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_module
-from nefl.messages import MessageError, decode
-from nefl.mqtt import QOS, Transport
-from nefl.signing import Signer
-from nefl.state import module_state
-from nefl.topics import Topics
-from nefl.wire import Reassembler, WireError, encode, parse_header, split_chunk
+from nefl.nested.state import module_state
+from nefl.protocol import signing
+from nefl.protocol.messages import MessageError, decode
+from nefl.protocol.mqtt import QOS, Transport
+from nefl.protocol.signing import Signer
+from nefl.protocol.topics import Topics
+from nefl.protocol.wire import Reassembler, WireError, encode, parse_header, split_chunk
 
 MAX_META_BYTES = 64 * 1024
 SLACK_BYTES = 64 * 1024  # safetensors header room above a module's tensor bytes

@@ -33,8 +33,8 @@ from nefl.jigsaw.observations import ObservationLog
 from nefl.jigsaw.policy import Agent, Episode, TokenFn, assemble, chain_log_prob, terminal_reward, tokens_for
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleExchange, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, Zoo, build_model, fixed_bytes, peak_bytes
-from nefl.state import load_module_state
-from nefl.train import Batches, TrainConfig, evaluate, local_train
+from nefl.nested.state import load_module_state
+from nefl.nested.train import Batches, TrainConfig, evaluate, local_train
 
 
 @dataclass(frozen=True)

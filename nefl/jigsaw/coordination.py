@@ -5,7 +5,7 @@ plan (who takes part under which index and key, the topology, the settings every
 shard need), then opens each round (its phase, which devices are active, how many trained copies each source
 must wait for from the round before) and hears how each round went. During the policy phase it also runs
 CoRe-Tune's critic on the devices' PolicyReports (nefl.jigsaw.coretune). Its messages are signed by its key,
-the devices' by theirs; every one goes through the strict loader (nefl.messages.decode).
+the devices' by theirs; every one goes through the strict loader (nefl.protocol.messages.decode).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from nefl.jigsaw.client import ClientSettings
 from nefl.jigsaw.coretune import ModuleKey
 from nefl.jigsaw.shards import ShardSpec
 from nefl.jigsaw.symbio import Client
-from nefl.messages import Count, KeyText, Message, Name, Round, Seconds, Short
-from nefl.settings import TrainConfig
+from nefl.protocol.messages import Count, KeyText, Message, Name, Round, Seconds, Short
+from nefl.support.settings import TrainConfig
 
 MAX_PLAN_BYTES = 1 << 20
 MAX_DEVICES = 1024

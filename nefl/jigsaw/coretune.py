@@ -22,7 +22,7 @@ from torch import nn
 
 from nefl.jigsaw.policy import TOKEN_FEATURES, returns, terminal_reward
 from nefl.jigsaw.symbio import Client
-from nefl.messages import Message, Name, Round
+from nefl.protocol.messages import Message, Name, Round
 
 MAX_REPORT_BYTES = 256 * 1024
 Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]

@@ -2,7 +2,7 @@
 
 A method is a set of switches on the same machinery, so the simulator asks what a method does, never which
 method it is. Names are unique across the kit's commands: `aggregator simulate --method heterofl` is the
-NeFL paper's HeteroFL preset on a ResNet ladder (nefl.methods); the FedJigsaw paper's partial-training
+NeFL paper's HeteroFL preset on a ResNet ladder (nefl.nested.methods); the FedJigsaw paper's partial-training
 baselines on the FedJigsaw base architectures are `pt-heterofl` and `pt-fedrolex` here.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from nefl.profile import METHOD_NAMES as NEFL_METHOD_NAMES
+from nefl.nested.profile import METHOD_NAMES as NEFL_METHOD_NAMES
 
 Family = Literal["modules", "widths"]
 

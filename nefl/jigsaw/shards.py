@@ -1,12 +1,12 @@
 """Every FedJigsaw client's data and starting point, computed alike by the simulator and by a device.
 
-A device of an MQTT federation (edge_client/jigsaw.py) derives its own shard from the coordinator's
+A device of an MQTT federation (nefl/jigsaw/device.py) derives its own shard from the coordinator's
 `ShardSpec`, as the simulator derives all of them: so a device holds exactly the images its simulated twin
 holds, and the two runs can be compared round by round. Each source also initialises its modules from a seed
 of its own (`initial_modules`), so no client needs to know the others' architectures to start as in the
 simulator.
 
-A client gets a Dirichlet label-skewed task shard (nefl.data, as `aggregator simulate`) with a validation split
+A client gets a Dirichlet label-skewed task shard (nefl.nested.data, as `aggregator simulate`) with a validation split
 for the reward, a local test set drawn from the test images with its shard's label distribution, and a proxy
 shard for the policy phase: training images set aside before partitioning (so no client's task data), each
 rotated by 0/90/180/270 degrees and labelled with its rotation, a task-agnostic pretext task.
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from nefl.data import ArrayDataset, BatchLoader, partition_dirichlet
 from nefl.jigsaw.client import Loaders
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_module, fixed_bytes, peak_bytes
-from nefl.state import module_state
+from nefl.nested.data import ArrayDataset, BatchLoader, partition_dirichlet
+from nefl.nested.state import module_state
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):

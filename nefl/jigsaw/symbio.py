@@ -5,7 +5,7 @@ training every assembled module's new parameters go back to their source, which 
 received (source-based aggregation, the paper's Eq. 2) and otherwise keeps its module as it was: the
 base model is a passive repository that never trains itself.
 
-Everything that would cross a process boundary is a typed, versioned message (nefl.messages.Message)
+Everything that would cross a process boundary is a typed, versioned message (nefl.protocol.messages.Message)
 and goes through the strict loader, even in the in-process exchange the simulator uses, so a broker
 transport only has to move the same bytes (and the tensors, which ride beside the JSON headers).
 """
@@ -20,11 +20,11 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 import torch
 
-from nefl.aggregate import coverage_mean
+from nefl.aggregation.aggregate import coverage_mean
+from nefl.aggregation.robust import update_norm
 from nefl.jigsaw.zoo import ModuleMeta
-from nefl.messages import Message, MessageError, Name, Round, decode
-from nefl.robust import update_norm
-from nefl.tensors import first_non_finite
+from nefl.nested.tensors import first_non_finite
+from nefl.protocol.messages import Message, MessageError, Name, Round, decode
 
 Topology = Literal["full", "ring", "random"]
 Client = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]

@@ -24,8 +24,8 @@ import msgspec
 import torch
 from torch import nn
 
-from nefl.cost import ACTIVATION_FACTOR, BYTES, FRAMEWORK_OVERHEAD, Cost
-from nefl.profile import PROFILES_DIR
+from nefl.nested.cost import ACTIVATION_FACTOR, BYTES, FRAMEWORK_OVERHEAD, Cost
+from nefl.nested.profile import PROFILES_DIR
 
 try:
     import tomllib
@@ -165,7 +165,7 @@ def check_chain(metas: Sequence[ModuleMeta]) -> None:
 
 def module_cost(meta: ModuleMeta) -> Cost:
     """Parameters, MACs and counted activations (conv and BN outputs, FC outputs) per sample; the
-    same conventions as nefl.cost.submodel_cost, so the kit's peak-memory fit applies."""
+    same conventions as nefl.nested.cost.submodel_cost, so the kit's peak-memory fit applies."""
     (cin, h, w), cout = meta.d_in, meta.d_out[0]
     if meta.kind in ("fc", "head"):
         fan_in = math.prod(meta.d_in)
@@ -186,7 +186,7 @@ def model_cost(metas: Sequence[ModuleMeta]) -> Cost:
 
 
 def peak_bytes(metas: Sequence[ModuleMeta], input_dims: Dims, batch_size: int) -> int:
-    """Training-memory estimate of an assembled model: the kit's formula (nefl.cost.training_peak_bytes)
+    """Training-memory estimate of an assembled model: the kit's formula (nefl.nested.cost.training_peak_bytes)
     summed module by module, each rounded up, so the budget checks of partial assemblies add up exactly."""
     return fixed_bytes(input_dims, batch_size) + sum(marginal_bytes(m, batch_size) for m in metas)
 

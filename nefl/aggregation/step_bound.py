@@ -1,0 +1,267 @@
+"""A per-tensor bound on the committed step of the per-submodel tensors (batch norm, step sizes) and of
+the shared tensors' thinly covered cells.
+
+A submodel's inconsistent tensors are averaged over that submodel's updates only, so in a round of a
+few devices on several submodels each copy is moved by a single update: no vote or statistic can judge
+it, and the size clip bounds a whole update, where batch-norm statistics are most of the norm. An
+update of -weights then moves gamma, running variances and step sizes by up to -1 x themselves.
+
+So each copy's step (new - old of submodel k's tensor `name`) is measured per element, as its RMS, and
+bounded by `k` x the median of a pool: the RMS steps of the same tensor's other copies this round (the
+other submodels' batch norm of the same layer: peers of the same round, honest while most copies are)
+and the tensor's history, one entry per earlier round that moved at least `peers` copies, that round's
+median over its copies. A copy above the bound is scaled down to it. The history is never built from a
+lone copy or a pair (which one update decides), so an attacker that is the only trainer of a submodel
+cannot ratchet it; it moves only while it controls most copies of a round. Warm-up: no bound until the
+pool holds `peers` sizes (round 1 already, when `peers` submodels trained). Honest steps are clipped when
+one copy's step exceeds `k` x the median of its peers and history, e.g. a submodel trained for the first
+time after the others settled; it then moves at most `k` x the typical step per round.
+
+Running variances must stay positive: their steps are taken in log space (new / old), so the
+committed value is old x exp(bounded step), positive and finite whatever the update said.
+
+It runs where a round's candidate state is committed (aggregator/federation.py), with the centre check,
+so `serve`, the coordinator of `--workers` and `simulate` all apply it, under any rule. Cost: at commit,
+one pass over the per-submodel tensors (all copies end to end in one float64 buffer) and the bounded shared
+ones (tensor by tensor), summed per copy or cell by one `index_add_`; no update held. resnet20-fmnist-w:
+about 3 ms of the coordinator's CPU a round (9 ms when it went copy by copy and box by box).
+
+Consistent (shared, nested) tensors get the same rule per cell of the nesting: the ring of submodel k's
+slice outside the next smaller slice is covered only by the round's updates of submodels whose slice
+contains it, so in a round of three the largest submodel's outer ring is moved by one update. Each cell
+covered by fewer than `peers` updates has its committed step's RMS bounded by `k` x the median of a pool:
+the same tensor's cells this round covered by at least `WELL` updates (averages no lone update decides)
+and the tensor's cell history, one entry per round that moved a well-covered cell, that round's median
+over them. Cells covered by `peers` or more are left as the rule made them. Coverage counts the updates
+the rule was given (`RoundAggregate.updates`): a rule that drops one counts it still, so a cell it left to
+one update may count as two.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections import deque
+from typing import Any
+
+import torch
+
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.tensors import ring
+from nefl.support.settings import AggregationConfig
+
+POSITIVE = ("running_var",)  # tensors a valid model keeps > 0: bounded in log space
+_TINY = 1e-30  # a non-positive running variance counts as this before its log
+WELL = 2  # a cell covered by at least this many updates is an average no lone update decides: it joins the pool
+
+Box = tuple[slice, ...]
+
+
+def positive(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in POSITIVE
+
+
+def _step(name: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The step of one copy in float64: the difference, or the log ratio for a positive tensor."""
+    old, new = old.double(), new.double()
+    return new.clamp_min(_TINY).log() - old.log() if positive(name) else new - old
+
+
+def _apply(name: str, old: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    out = old.double() * step.exp() if positive(name) else old.double() + step
+    return out.to(old.dtype)
+
+
+def rms(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t)) / math.sqrt(max(1, t.numel()))
+
+
+def cells(layout: Layout, name: str) -> list[tuple[list[Box], list[int]]] | None:
+    """Consistent tensor `name`'s cells of the nesting, largest first: each one's boxes (`ring` of one
+    submodel slice outside the next smaller one) and the submodels whose slice contains it. None when the
+    slices are not nested (a hand-written ladder): the tensor is then not bounded."""
+    shapes = sorted({s[name] for s in layout.sub_shapes if name in s}, key=lambda s: s.numel(), reverse=True)
+    if not all(all(i <= o for i, o in zip(inner, outer)) for outer, inner in zip(shapes, shapes[1:])):
+        return None
+    return [(ring(outer, shapes[i + 1] if i + 1 < len(shapes) else None),
+             [k for k, s in enumerate(layout.sub_shapes) if name in s and all(a >= b for a, b in zip(s[name], outer))])
+            for i, outer in enumerate(shapes)]
+
+
+class _Copies:
+    """The per-submodel tensors' copies end to end, running variances first: a round's steps, moves and
+    invalid values over all of them are a few vectorised ops on one float64 buffer, summed per copy by one
+    `index_add_` each, where copy by copy they were a dozen torch calls of microseconds of dispatch apiece."""
+
+    def __init__(self, layout: Layout, names: list[str]) -> None:
+        holders = {n: [k for k, s in enumerate(layout.sub_shapes) if n in s] for n in names}
+        self._keys = sorted(((k, n) for n in names for k in holders[n]), key=lambda key: not positive(key[1]))
+        index = {key: i for i, key in enumerate(self._keys)}
+        self.of = {n: [(index[k, n], k) for k in ks] for n, ks in holders.items()}  # a name's copies: (index, submodel)
+        numels = [layout.sub_shapes[k][n].numel() for k, n in self._keys]
+        self._logs = sum(numel for (_, n), numel in zip(self._keys, numels) if positive(n))  # their elements
+        self._copy = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(numels, dtype=torch.long))
+        self._roots = torch.tensor(numels, dtype=torch.float64).clamp_min_(1).sqrt_()
+
+    def measure(self, old: list[dict[str, torch.Tensor]], new: list[dict[str, torch.Tensor]]
+                ) -> tuple[list[float], list[float], list[float]]:
+        """Per copy: its step's RMS (`rms` of `_step`), how many of its values moved (!= as torch.equal: NaN
+        has, -0.0 has not) and how many of a positive tensor's new values are not > 0 (NaN is not)."""
+        before = _cat([old[k][n] for k, n in self._keys])
+        after = _cat([new[k][n] for k, n in self._keys])
+        logs = self._logs
+        moved, invalid = self._sums(after != before), self._sums(~(after[:logs] > 0), logs)
+        step = after  # in place: `after` is done with
+        if logs:
+            step[:logs].clamp_min_(_TINY).log_().sub_(before[:logs].log())
+        step[logs:].sub_(before[logs:])
+        sizes = self._sums(step.square_()).sqrt_().div_(self._roots)
+        return sizes.tolist(), moved.tolist(), invalid.tolist()
+
+    def _sums(self, values: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        """Per copy, the sum of `values`, one per element (up to `end`)."""
+        return torch.zeros(len(self._keys), dtype=torch.float64).index_add_(0, self._copy[:end], values.double())
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors flat, end to end, in float64."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors]).double()
+
+
+class _Cells:
+    """The consistent tensors' cells' step sizes: a tensor's squared steps summed over the trailing dims no
+    slice cuts (a conv kernel: one matrix-vector product), then per cell over all tensors' rows in one
+    `index_add_`, where box by box they were a few torch calls each. Tensor by tensor, not end to end as
+    the copies: float64 buffers of all the shared weights would cost their page faults every round."""
+
+    def __init__(self, layout: Layout, cells_: dict[str, list[tuple[list[Box], list[int]]]]) -> None:
+        self.first = dict(zip(cells_, itertools.accumulate((len(c) for c in cells_.values()), initial=0)))
+        trash = sum(len(c) for c in cells_.values())  # the cell of the elements no submodel's slice holds
+        self._ones: dict[str, torch.Tensor] = {}  # per tensor, a row of ones: its rows' sums by one mv
+        cell, numels = [], torch.zeros(trash + 1, dtype=torch.float64)
+        for name, c in cells_.items():
+            row, ids = _cell_rows(layout, name, c, self.first[name], trash)
+            self._ones[name] = torch.ones(row, dtype=torch.float64)
+            cell.append(ids)
+            numels += torch.bincount(ids, minlength=trash + 1) * row
+        self._cell = torch.cat(cell) if cell else torch.zeros(0, dtype=torch.long)  # each row's
+        self._roots = numels.clamp_min_(1).sqrt_()
+
+    def measure(self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[float]:
+        """Every cell's step RMS (`rms` of `_step` over its boxes), numbered as `first`."""
+        rows = _cat([torch.mv(_step(n, old[n], new[n]).square_().reshape(-1, len(ones)), ones)
+                     for n, ones in self._ones.items()])
+        sums = torch.zeros(len(self._roots), dtype=torch.float64).index_add_(0, self._cell, rows)
+        return sums.sqrt_().div_(self._roots).tolist()
+
+
+def _cell_rows(layout: Layout, name: str, cells_: list[tuple[list[Box], list[int]]], first: int,
+               trash: int) -> tuple[int, torch.Tensor]:
+    """Consistent tensor `name`'s row length (the trailing dims no slice cuts) and each row's cell, numbered
+    from `first`; `trash` where no submodel's slice holds it."""
+    full = layout.global_shapes[name]
+    shapes = [s[name] for s in layout.sub_shapes if name in s]
+    cut = max((d + 1 for d in range(len(full)) if any(s[d] != full[d] for s in shapes)), default=0)
+    row = math.prod(full[cut:]) if full.numel() else 1
+    ids = torch.full(full, trash)
+    for c, (boxes, _) in enumerate(cells_, start=first):
+        for b in boxes:
+            ids[b] = c
+    return row, ids.reshape(-1, row)[:, 0].clone()
+
+
+class StepBound:
+    """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies)."""
+
+    def __init__(self, layout: Layout, cfg: AggregationConfig) -> None:
+        self.names = sorted(layout.inconsistent - layout.local)
+        self.k, self.peers, self.window = cfg.step_k, cfg.min_cover, cfg.step_window
+        consistent = {n: cells(layout, n) for n in sorted(set(layout.global_shapes) - layout.inconsistent)}
+        self.cells = {n: c for n, c in consistent.items() if c is not None}
+        self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in [*self.names, *self.cells]}
+        self._pending: dict[str, float] = {}  # this round's medians, for the history once the round commits
+        self._copies, self._cells = _Copies(layout, self.names), _Cells(layout, self.cells)
+
+    def limit(self, name: str, sizes: list[float]) -> float:
+        """k x the median of this round's copies' sizes and the tensor's history; inf during warm-up."""
+        pool = [*sizes, *self.history[name]]
+        return self.k * statistics.median(pool) if len(pool) >= self.peers else math.inf
+
+    def apply(self, old: GlobalState, new: GlobalState, updates: list[int]) -> dict[int, int]:
+        """Bound every moved copy of `new` in place (the round's candidate), and every thinly covered cell of
+        its consistent tensors (`updates`: the round's updates per submodel); returns how many tensors of
+        each submodel were scaled down (a cell counts for the largest submodel covering it). A positive
+        tensor's copy is also rebuilt from its log step when a value went non-positive or non-finite."""
+        bounded: dict[int, int] = {}
+        self._pending = {}
+        sizes = self._cells.measure(old.consistent, new.consistent)
+        for name, cells_ in self.cells.items():
+            first = self._cells.first[name]
+            for k in self._bound_cells(name, cells_, sizes[first:first + len(cells_)], old.consistent[name],
+                                       new.consistent[name], updates):
+                bounded[k] = bounded.get(k, 0) + 1
+        sizes, moved, invalid = self._copies.measure(old.inconsistent, new.inconsistent)
+        for name, ids in self._copies.of.items():
+            copies = [(i, k) for i, k in ids if moved[i]]
+            if not copies:
+                continue
+            finite = [sizes[i] for i, _ in copies if math.isfinite(sizes[i])]
+            limit = self.limit(name, finite)
+            for i, k in copies:
+                size = sizes[i]
+                if size > limit or not math.isfinite(size) or invalid[i]:
+                    o = old.inconsistent[k][name]
+                    step = torch.nan_to_num(_step(name, o, new.inconsistent[k][name]), nan=0.0, posinf=0.0, neginf=0.0)
+                    size = rms(step)
+                    if size > limit:
+                        step = step * (limit / size)
+                        bounded[k] = bounded.get(k, 0) + 1
+                    new.inconsistent[k][name] = _apply(name, o, step)
+            if len(finite) >= self.peers:
+                self._pending[name] = statistics.median(finite)
+        return bounded
+
+    def _bound_cells(self, name: str, cells_: list[tuple[list[Box], list[int]]], sizes: list[float],
+                     old: torch.Tensor, new: torch.Tensor, updates: list[int]) -> list[int]:
+        """Scale each thin cell's step in `new` (in place) to k x the median of the well-covered cells and
+        history (`sizes`: the cells' step sizes); returns the largest covering submodel of each cell scaled down."""
+        moved = []
+        for (boxes, ks), size in zip(cells_, sizes):
+            cover = sum(updates[k] for k in ks)
+            if cover > 0 and size > 0:
+                moved.append((boxes, ks, cover, size))
+        well = [size for _, _, cover, size in moved if cover >= WELL and math.isfinite(size)]
+        limit = self.limit(name, well)
+        out = []
+        for boxes, ks, cover, size in moved:
+            if cover < self.peers and size > limit:
+                for b in boxes:
+                    step = torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0)
+                    new[b] = _apply(name, old[b], step * (limit / size))
+                out.append(max(ks))
+        if well:
+            self._pending[name] = statistics.median(well)
+        return out
+
+    def commit(self) -> None:
+        """The round's state was committed: its medians (rounds with enough copies) join the history."""
+        for name, size in self._pending.items():
+            self.history[name].append(size)
+        self._pending = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {n: list(h) for n, h in self.history.items() if h}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed server keeps its bounds; refuses a history that is not finite sizes per known tensor."""
+        history = state.get("history") if isinstance(state, dict) else None
+        if not isinstance(history, dict) or not all(
+                n in self.history and isinstance(h, list) and all(type(x) in (int, float) and math.isfinite(x) and x >= 0
+                                                                  for x in h) for n, h in history.items()):
+            raise ValueError("the checkpoint's step-bound history is not finite step sizes per per-submodel tensor: "
+                             "resume with the profile the checkpoint was written with")
+        for n, h in history.items():
+            self.history[n] = deque((float(x) for x in h), maxlen=self.window)

@@ -1,0 +1,158 @@
+"""Settings the command lines show as defaults, in a module that imports no torch.
+
+`--help` of a command must not wait seconds for torch, yet each default lives in one place, its
+config dataclass or constant, read by the code that uses it and by the command line alike. The
+ones a command line shows live here: the training protocol, NeFedAvg's weighting choice, the
+update bounds' defaults, the aggregation rule's config, FLTrust's root set size and the simulated
+attacks' config (nefl/nested/train.py, nefl/aggregation/aggregate.py, nefl/aggregation/robust.py, nefl/aggregation/robust_aggregate.py,
+aggregator/rootdata.py and nefl/aggregation/attacks.py use them from here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from nefl.support.choices import check_choice
+
+# step: the paper's ResNet protocol (x0.1 at the milestones); cosine: its pretrained-ViT protocol
+Schedule = Literal["step", "cosine"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The paper's protocol: SGD lr 0.1, no momentum or weight decay, batch 32, E local epochs.
+
+    The one source of these defaults: the server, the simulator, the device cost model and the
+    command lines read them from here (`TrainConfig.lr` ...), so they cannot drift apart."""
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 1
+    milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr drops x0.1
+    lr_decay: float = 0.1
+    schedule: Schedule = "step"
+    warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds, before either schedule
+
+    def __post_init__(self) -> None:
+        check_choice(Schedule, self.schedule, "learning-rate schedule")
+        if self.warmup_rounds < 0:
+            raise ValueError(f"warmup rounds must be >= 0, got {self.warmup_rounds}")
+
+    def lr_at(self, round_index: int, total_rounds: int) -> float:
+        """The round's lr. Per round, not per step: a task carries one lr, so a device needs no global
+        step counter (the paper's 500 warmup steps of its ViT protocol are ~3 rounds: 156 steps a round)."""
+        if round_index < self.warmup_rounds:
+            return self.lr * (round_index + 1) / self.warmup_rounds
+        if self.schedule == "cosine":
+            done = (round_index - self.warmup_rounds) / max(1, total_rounds - self.warmup_rounds)
+            return self.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+        drops = sum(1 for m in self.milestones if round_index >= m * total_rounds)
+        return self.lr * self.lr_decay**drops
+
+    def for_round(self, round_index: int, total_rounds: int) -> TrainConfig:
+        """What a client trains round `round_index` with: the schedule's lr, everything else as is."""
+        return replace(self, lr=self.lr_at(round_index, total_rounds))
+
+
+# uniform: every update of a submodel counts the same (the paper); samples: by the client's sample count
+Weighting = Literal["uniform", "samples"]
+
+# Honest updates measured up to 0.86 x their submodel's weight norm (0.54 at E=1) and up to
+# 1.74 x the median of the submodel's last 20 accepted norms: margins >10x and >5x (docs/security.md).
+DEFAULT_RELATIVE = 10.0
+DEFAULT_ADAPTIVE_K = 10.0
+DEFAULT_WINDOW = 20
+DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes one attacker
+# The largest |w| measured in trained states was 7.7 (a BatchNorm running variance): 1e6 trips only
+# on a broken state, never on training.
+DEFAULT_MAX_ABS = 1e6
+
+# The aggregation rule (nefl/aggregation/robust_aggregate.py implements them)
+RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """Which rule merges a round's updates, and the centre check that screens them first."""
+
+    rule: RuleName = "nefedavg"
+    trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
+    krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
+    # drop updates pointing away from the round's majority, clip outsized ones, bound per-submodel tensors' steps at commit
+    centre_check: bool = True
+    min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
+    # pointing the same way: a sketch cosine above agree_z / sqrt(sketch size), agree_z spreads of the cosine of unrelated
+    # vectors (-weights in a batch-norm net is near orthogonal to honest updates: the sign of its cosine is a coin flip),
+    # or above agree_of_strongest x the round's strongest pairwise cosine where that is lower (rounds of weakly aligned
+    # honest updates: nested submodels far apart in size)
+    agree_z: float = 3.0
+    agree_of_strongest: float = 0.5
+    # the vote drops updates only while at least this share of the round's voters (updates within the size bound)
+    # reach min_agree (a bare half dropped 4 honest updates of 10 in a late round of diverse updates)
+    vote_quorum: float = 2 / 3
+    max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
+    min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
+    hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
+    sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
+    # with the centre check: a per-submodel tensor's step at most step_k x the median of its peers' and history's
+    step_k: float = 3.0
+    step_window: int = 8  # rounds of a per-submodel tensor's history the step bound remembers
+
+    def __post_init__(self) -> None:
+        check_choice(RuleName, self.rule, "aggregator")
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
+        if not 0 <= self.krum_fraction < 0.5:
+            raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
+        if not 0 <= self.min_agree <= 1:
+            raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
+        if not 0.5 <= self.vote_quorum <= 1:
+            raise ValueError(f"the vote's quorum must be in [0.5, 1], got {self.vote_quorum}")
+        if not (math.isfinite(self.agree_z) and self.agree_z >= 0 and 0 <= self.agree_of_strongest <= 1):
+            raise ValueError(f"need agree_z >= 0 (finite) and agree_of_strongest in [0, 1], got {self.agree_z}, "
+                             f"{self.agree_of_strongest}")
+        if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
+            raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
+        if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
+            raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
+        if not (math.isfinite(self.step_k) and self.step_k >= 1) or self.step_window < 1:
+            raise ValueError(f"need step_k >= 1 (finite) and step_window >= 1, got {self.step_k}, {self.step_window}")
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether partial aggregates of several processes merge exactly (workers and relays)."""
+        return self.rule == "nefedavg"
+
+
+# FLTrust's root set (aggregator/rootdata.py): the paper uses 100; a few batches more steady a cosine on small models
+DEFAULT_ROOT_SAMPLES = 256
+
+# Poisoning attacks of the simulator's attack suite (nefl/aggregation/attacks.py mounts them)
+AttackName = Literal["sign-flip", "scaled-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie"]
+DATA_ATTACKS = ("label-flip", "backdoor")
+
+
+@dataclass(frozen=True)
+class Attack:
+    kind: AttackName
+    scale: float = 9.0  # scaled-flip: -scale x the honest delta; neg-weights: norm scale x the weights'; noise: x the honest norm
+    target: int = 0  # backdoor: the class a triggered image should become
+    poison: float = 0.5  # backdoor: the share of the attacker's images that carry the trigger
+
+    def __post_init__(self) -> None:
+        check_choice(AttackName, self.kind, "attack")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"attack scale must be a positive finite number, got {self.scale}")
+        if not 0 < self.poison <= 1:
+            raise ValueError(f"poison share must be in (0, 1], got {self.poison}")
+
+    @property
+    def on_data(self) -> bool:
+        return self.kind in DATA_ATTACKS
+
+
+PAPER_WINDOW = 2  # the paper's tier t chooses among submodels t-2 .. t+2 (assignment "paper", simulated tiers)
