@@ -36,6 +36,6 @@ def off_the_wire(delta: dict) -> dict:
     """`delta` as the wire decoder hands an update on (nefl.nested.tensors.Tiled: views of one flat buffer)."""
     import numpy as np
 
-    from nefl.protocol.wire import decode_tensors, encode_tensors
+    from nefl.nested.tensorfile import decode_tensors, encode_tensors
 
     return decode_tensors("fp32", np.frombuffer(encode_tensors(delta), dtype=np.uint8))

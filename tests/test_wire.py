@@ -19,8 +19,9 @@ from nefl.protocol import signing
 from nefl.protocol.messages import MessageError
 from nefl.protocol.signing import Signer, parse_public_key
 from nefl.protocol.topics import Topics, check_name
-from nefl.protocol.wire import (_NODE, DATA_ALIGN, HASH_BYTES, MAGIC, MAX_HEADER_BYTES, WIRE_VERSION, Reassembler, WireError, decode_tensors, encode,
-                       encode_tensors, leaf, merkle_levels, merkle_proof, merkle_root_of, parse_chunk, proof_length,
+from nefl.nested.tensorfile import PayloadError, decode_tensors, encode_tensors
+from nefl.protocol.wire import (_NODE, DATA_ALIGN, HASH_BYTES, MAGIC, MAX_HEADER_BYTES, WIRE_VERSION, Reassembler, WireError, encode, leaf,
+                                merkle_levels, merkle_proof, merkle_root_of, parse_chunk, proof_length,
                        split_chunk)
 
 CHUNK = 16 * 1024
@@ -324,7 +325,7 @@ def test_a_safetensors_header_is_parsed_once_and_its_tiling_shared():
     bad = bytearray(encode_tensors(first))
     bad[8:8 + 20] = b'{"x": {"dtype": "F32"'  # a header that no longer parses
     for _ in range(2):
-        with pytest.raises(WireError, match="malformed_payload"):
+        with pytest.raises(PayloadError, match="malformed_payload"):
             decode_tensors("fp32", np.frombuffer(bad, dtype=np.uint8))
 
 

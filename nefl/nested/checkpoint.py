@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 
 from nefl.nested.profile import Profile, ProfileError, load_profile
 from nefl.nested.state import GlobalState, Layout, all_finite
-from nefl.protocol.wire import encode_tensors
+from nefl.nested.tensorfile import encode_tensors
 from nefl.support.fsio import atomic_write, fsync_dir, fsync_file
 
 STATE_FILE, META_FILE, PROFILE_FILE, ROUND_METRICS_FILE = "state.safetensors", "meta.json", "profile.toml", "metrics.json"

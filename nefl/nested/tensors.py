@@ -144,7 +144,7 @@ def _row_squares_torch(flat: torch.Tensor, rows: int) -> float:
 
 
 class Tiled(dict):
-    """Tensors that are views exactly tiling one flat float32 buffer, `flat`, as nefl/protocol/wire.py decodes an
+    """Tensors that are views exactly tiling one flat float32 buffer, `flat`, as nefl/nested/tensorfile.py decodes an
     update: a check over all of them (finite values, the norm) is one pass over `flat`, not one per tensor,
     and `tiling` says their names and shapes in one object. Only the decoder builds one; anything derived
     from it (a clipped copy) is a plain dict again. `normed` caches the norm (`norm`) with the
