@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from edge_client.cache import CALIBRATION_DIR
-from edge_client.load import slowdown
+from edge_client.slowdown import slowdown
 from edge_client.probe import DeviceSnapshot
 from nefl.nested.cost import submodel_cost, training_peak_bytes
 from nefl.nested.methods import get_method

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from edge_client.cli import app
 from edge_client.costmodel import CostTable, CudaMeter, RssMeter, SubmodelCost, cache_path, calibrate, idle_seconds
-from edge_client.load import MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, RunningCalibration, others_demand, slowdown
+from edge_client.load import RunningCalibration
+from edge_client.slowdown import MIN_ACTIVE, SATURATED, THROTTLED_SLOWDOWN, others_demand, slowdown
 from edge_client.probe import DeviceSnapshot, GpuReading, ThermalReading
 from edge_client.select import HYSTERESIS, DeviceBudget, select_submodel
 from nefl.nested.profile import load_profile
