@@ -372,7 +372,7 @@ def frame(
 def _aligned(head: bytes, sign: Callable[[bytes], bytes] | None) -> bytes:
     """The header as sent (signed where `sign` is given, which adds signing.SIGNATURE_OVERHEAD bytes), blank
     space before its closing brace making the data start at a multiple of DATA_ALIGN into every chunk (a proof is
-    whole 32-byte hashes): a receiver that puts the payload at an aligned address (nefl.protocol.mqtt.Client) then
+    whole 32-byte hashes): a receiver that puts the payload at an aligned address (nefl.protocol.paho_fast.FastClient) then
     decodes float32 tensors that numpy's BLAS reads, whatever the lengths of the header's names and numbers.
     Whitespace is JSON's, so any receiver parses it; within 7 bytes of MAX_HEADER_BYTES the header goes unpadded."""
     size = len(head) + (signing.SIGNATURE_OVERHEAD if sign is not None else 0)
@@ -465,7 +465,7 @@ class Reassembler:
     """Collects chunks into verified tensor messages under caps on size, count, pending sets and time.
 
     Each chunk is checked against the header's Merkle root before a byte of it is kept, and copied once,
-    into its place in the payload; a single-chunk payload in a writable buffer (nefl.protocol.mqtt.Client hands
+    into its place in the payload; a single-chunk payload in a writable buffer (nefl.protocol.paho_fast.FastClient hands
     bytearrays on) is decoded where it lies, and its tensors then share that buffer. A header's parse (and, with a device key, its signature check) is done
     once per set: later chunks present the same header bytes. The caps on pending sets and buffered bytes
     hold per sender (the header's client, which the server has already matched to the topic), so one
