@@ -15,8 +15,8 @@ proof ties its data to the signed root: a forged or corrupted chunk is refused o
 and never takes the place of the genuine one. Version 1 (a header with its own signature in every
 chunk, one sha256 over the whole payload) is refused with `bad_version`.
 
-BLAKE3 rather than sha256: 3.4x less CPU per MiB on the aggregator here, and NEON on a Raspberry
-Pi, whose Cortex-A72 has no SHA-256 instructions (docs/benchmarks.md, "Ingest profile").
+BLAKE3 rather than sha256: less CPU per MiB on the aggregator (docs/benchmarks.md, "Ingest profile"), and
+NEON on a Raspberry Pi, whose Cortex-A72 has no SHA-256 instructions.
 
 Framing needs no torch: a device on the small install (`edge-client serve --follow`) parses file
 chunks with `parse_chunk`; only the tensor functions import torch, when called.
@@ -207,8 +207,8 @@ def encode_tensors(tensors: dict[str, torch.Tensor], dtype: str | None = "fp32")
     keeps them), written with one copy of the tensor data: what `safetensors.torch.load` reads, built without
     its two intermediate copies. Data 8-byte aligned, wider dtypes first, then by name (so each tensor is
     aligned to its width; of one dtype, the bytes safetensors writes). Tensors that need no cast are copied by
-    one numpy concatenation into the buffer: 488 tensors (resnet20-fmnist-w's state) took 3.0 ms one torch
-    copy at a time, 2.1 ms so, and safetensors' own `save_file` 8.4 ms. numpy, not torch.cat: a process forked
+    one numpy concatenation into the buffer, cheaper than one torch copy at a time or safetensors' own
+    `save_file`. numpy, not torch.cat: a process forked
     after torch's thread pool ran (the checkpoint tests' crashing writer) hangs in its next parallel operation."""
     import torch
 
