@@ -53,8 +53,8 @@ class Tiling:
         return self._offsets[-1]
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tensors as views of `flat` (1-D, contiguous, `numel` elements): one as_strided each, about
-        half the cost of slicing then reshaping."""
+        """The tensors as views of `flat` (1-D, contiguous, `numel` elements): one as_strided each, fewer
+        calls than slicing then reshaping."""
         base = flat.storage_offset()
         return {n: flat.as_strided(s, st, base + o) for n, s, st, o in zip(self.names, self.shapes, self._strides, self._offsets)}
 

@@ -343,7 +343,7 @@ class FastClient(PlainClient):
 
     def _deliver(self, topic: bytes, payload: bytearray) -> None:
         """`on_payload(topic, payload)`, without paho's message object, topic matching and locks around its
-        callbacks (half the network thread's Python per message); a topic that is not UTF-8 is dropped (the
+        callbacks (a large share of the network thread's Python per message); a topic that is not UTF-8 is dropped (the
         broker should never forward one), and a callback's exception is logged, as paho logs its callbacks'."""
         try:
             name = topic.decode("utf-8")
