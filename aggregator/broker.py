@@ -1,7 +1,7 @@
 """The broker `aggregator serve` starts when no --broker is given: mosquitto as a child process when
 its binary is installed, else amqtt in a thread of the server.
 
-mosquitto is what production runs on and moves about ten times what amqtt does through one thread
+mosquitto is what production runs on and moves far more than amqtt does through one thread
 (docs/benchmarks.md, "Fleet load test"); amqtt (pure Python, a dependency of the full install) keeps
 a laptop demo working where nobody installed mosquitto. Either way the broker lives and dies with the
 server: the mosquitto child gets its own config in a temporary directory, listens on the given (or a

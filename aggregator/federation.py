@@ -279,8 +279,7 @@ class Federation:
     def weight_norm(self, k: int) -> float:
         """Norm of submodel k's weights at the round's start (what relative bounds compare with), once a round:
         on the first ask, that of every submodel the round assigns, one after another (asked one by one as
-        each submodel's first update arrived, each computation ran cold between updates, about three times
-        as long: 10 against 3 ms a round for resnet20-fmnist-w's five on a coordinator)."""
+        each submodel's first update arrived, each computation would run cold between updates)."""
         if k not in self._reference:
             wanted = {k, *(self.round.assignments.values() if self.round is not None else ())}
             for j in sorted(wanted - self._reference.keys()):

@@ -4,7 +4,7 @@ The Server calls one `Observer` at fixed points: a client announced or changed p
 opened, an update was folded in, a message was refused, a checkpoint was written, a round's metrics
 line was written, a status was published. Every number comes from data the server already keeps (the metrics.jsonl
 line, ServerStatus, the federation's ClientInfo); nothing is measured twice. The Observer is fed
-on the server's main thread and read by the HTTP threads (aggregator/http.py): the dashboard view
+on the server's main thread and read by the HTTP threads (aggregator/web.py): the dashboard view
 sits behind one lock, prometheus_client locks its own values.
 
 Labels stay low-cardinality: `submodel` (a ladder has a handful of rungs) and `reason` (a fixed set

@@ -267,7 +267,7 @@ class WorkerPool:
     def open(self, run: str, layout: Layout, announce: bool = True) -> None:
         """A new round: publish the plan every worker checks updates against (retained: a late worker gets it).
         announce=False where no worker or relay is authorised (plain `serve`): nobody could use the plan, which
-        names every participant's key (4.6 ms a round of 200); `announce` publishes it once one is."""
+        names every participant's key; `announce` publishes it once one is."""
         self._run, self._round = run, self.fed.round.index
         self.held, self._deliveries, self.late = {}, {}, 0
         self.reasm.discard_rounds_before(self._round)

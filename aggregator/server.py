@@ -150,7 +150,7 @@ class Server(Transport):
         self.accuracy: list[float] | None = None
         self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
         # this round's signed task per submodel: a task names no client (its topic does), so every participant of
-        # a submodel gets the same one, signed once, not once per participant (200 signatures, 5 ms a round)
+        # a submodel gets the same one, signed once, not once per participant
         self._tasks: dict[int, bytes] = {}
         self._presence_changed = False  # who is online or able to train changed since the last status
         self.run_id = secrets.token_hex(4)  # tells clients a restarted server's round 3 from the dead one's
@@ -230,8 +230,8 @@ class Server(Transport):
     def pump(self, until: float) -> None:
         """Handle inbound messages until `until` (monotonic) or until the round can close. A quiet inbox is looked
         at again after IDLE_S[0], then twice as long each time up to IDLE_S[1]: while updates stream in, each look
-        takes the few that came meanwhile, instead of a wake-up of this thread per message (on a shared 2-core VM a
-        wake-up cost 30-50 us of CPU, and the handling after it ran slower from cold caches)."""
+        takes the few that came meanwhile, instead of a wake-up of this thread per message (each costs CPU, and
+        the handling after it runs from cold caches)."""
         idle = IDLE_S[0]
         while (now := time.monotonic()) < until:
             if self.conn.just_connected():

@@ -8,10 +8,9 @@ each), for two settings (IID, Dirichlet(0.5) label skew) x eight methods x the s
   fjord, heterofl, depthfl  the baselines, each deriving its ladder from the -wd profile's target sizes
   nefl-nl                   ablation: NeFL-WD with fixed step sizes
   nefl-sharedbn             ablation: NeFL-WD with BN shared, sliced and static (HeteroFL's BN)
-The default budget (20 rounds, 300 images per client, final evaluation on 2,000 test images) was chosen
-so the 32 runs fit in about an hour on 2 cores with 2 jobs: a 5-round probe took 67-73 s per run
-with 2 jobs (about 9.5 s per round + 22 s final evaluation), so about 215 s per 20-round run, 240 s with
-static BN (HeteroFL, nefl-sharedbn: statistics recomputed before evaluating), 16 x ~220 s = ~59 min.
+The default budget (20 rounds, 300 images per client, final evaluation on 2,000 test images) is sized so
+the 32 runs fit in about an hour on 2 cores with 2 jobs (docs/benchmarks.md, "Why the benchmarks are as they
+are"); static BN (HeteroFL, nefl-sharedbn) recomputes its statistics before evaluating.
 
 --families runs the architecture-families sweep instead (its own section `families` of docs/results.md):
 ViT-tiny and MobileNetV2 x0.35 on Fashion-MNIST, each as NeFL-W / NeFL-D / NeFL-WD and against a
@@ -133,7 +132,7 @@ class Job:
 
 DEFAULT_BUDGET = Budget(rounds=20, samples_per_client=300, eval_samples=2000)
 QUICK_BUDGET = Budget(rounds=2, samples_per_client=100, eval_samples=500)
-# 44 runs at ~95-110 s each (ViT-tiny and MobileNetV2 x0.35 train at ResNet-20's step time) with 2 jobs: ~40 min.
+# sized for the 44 runs to fit in about 40 minutes with 2 jobs (ViT-tiny and MobileNetV2 x0.35 train at ResNet-20's step time)
 # Batch 16 rather than 32: twice the local steps for the same images (MobileNetV2 stayed at chance after
 # 10 rounds at batch 32 in a probe, its BN statistics barely past their initial values).
 FAMILY_BUDGET = Budget(rounds=10, samples_per_client=160, eval_samples=1000)

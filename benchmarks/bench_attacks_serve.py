@@ -60,7 +60,7 @@ def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: li
             kind, first = attack
             run.start("evil", [PY, "-m", "tests.attack_device", kind, "9", str(first), *join, "--client-id", "evil",
                                "--partition", "3/8"])
-        run.finish(agg, 120 * rounds + 300)  # a loaded 2-core machine took 90 s a round
+        run.finish(agg, 120 * rounds + 300)  # room for a loaded 2-core machine's slow rounds
     finally:
         run.stop()
     return [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -134,7 +134,7 @@ def ingest(profile_name: str, layout: Layout, messages: list, assignments: dict,
     w = Worker(WorkerConfig(FEDERATION, "w1", shared=False), parse_broker("mqtt://127.0.0.1:1"),
                Signer(Ed25519PrivateKey.generate()))
     w.on_plan(plan_for(layout, profile_name, assignments, keys, chunk_bytes))
-    messages = [(topic, bytearray(m)) for topic, m in messages]  # as nefl.protocol.mqtt.Client hands them on: writable, decoded in place
+    messages = [(topic, bytearray(m)) for topic, m in messages]  # as nefl.protocol.paho_fast.FastClient hands them on: writable, decoded in place
     t0 = time.thread_time()
     if prof is not None:
         prof.enable()
@@ -323,16 +323,16 @@ def hashes(mib: int = 8) -> dict[str, float]:
 
 
 def stock_paho(port: int, n: int, ready: Callable[[], None]) -> int:
-    """The same Connection with paho's own reader and PUBLISH decoder (the allocations and copies nefl.protocol.mqtt.Client saves)."""
+    """The same Connection with paho's own reader and PUBLISH decoder (the allocations and copies nefl.protocol.paho_fast.FastClient saves)."""
     import paho.mqtt.client as mqtt
 
-    from nefl.protocol import mqtt as nefl_mqtt
-    fast = nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read
-    nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read = mqtt.Client._handle_publish, mqtt.Client._packet_read
+    from nefl.protocol.paho_fast import FastClient
+    fast = FastClient._handle_publish, FastClient._packet_read
+    FastClient._handle_publish, FastClient._packet_read = mqtt.Client._handle_publish, mqtt.Client._packet_read
     try:
         return receive_paho(port, n, ready)
     finally:
-        nefl_mqtt.Client._handle_publish, nefl_mqtt.Client._packet_read = fast
+        FastClient._handle_publish, FastClient._packet_read = fast
 
 
 RECEIVERS["paho-mqtt 2.x, its own reader and PUBLISH decoder"] = stock_paho

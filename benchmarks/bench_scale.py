@@ -488,8 +488,8 @@ def main() -> None:
 
 
 STAGES = {"one_worker": lambda s: dict(workers=1, devices=s.devices, fleet_procs=s.fleet_procs),
-          # 3 x the rounds: half the devices make short rounds, and a window of a few seconds sampled every 0.2 s left
-          # mosquitto's figure 0.9-2.8 ms per MiB between runs (0.7-1.2 over 11 rounds)
+          # 3 x the rounds: half the devices make short rounds, and a window of a few seconds sampled every 0.2 s
+          # leaves mosquitto's figure noisy between runs
           "plain": lambda s: dict(workers=0, devices=s.devices // 2, fleet_procs=s.fleet_procs, chunk_kib=None,
                                   rounds=3 * s.rounds),
           "large": lambda s: dict(workers=1, devices=s.large_devices, fleet_procs=1, profile=s.large_profile,
@@ -532,7 +532,7 @@ def measure(s: Setting) -> dict:
             print(json.dumps(results[-1]), flush=True)
         ingest = {"one_worker": next(r for r in results if r["workers"] == 1)}
         pairs = []
-        for n in range(BROKER_PAIRS):  # alternately: a few seconds of rounds left the ratio 0.68-1.07x between runs
+        for n in range(BROKER_PAIRS):  # alternately: a few seconds of rounds leave the ratio noisy between runs
             pair = []
             for embedded in (False, True):
                 d = Path(tmp) / f"broker-{n}-{'embedded' if embedded else 'external'}"

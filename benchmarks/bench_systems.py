@@ -91,7 +91,7 @@ def delta_pool(layout: Layout, size: int, seed: int = 0) -> list[list[Delta]]:
 
 def distinct_deltas(shapes: dict[str, torch.Size], count: int, first: int = 0) -> list[Delta]:
     """`count` updates in distinct memory, as arriving off the wire (constant-filled: values do not change
-    the timing, and filling is ~100x faster than randn for the gigabytes a 100-client round needs)."""
+    the timing, and filling is far faster than randn for the gigabytes a 100-client round needs)."""
     return [{n: torch.full(s, 1e-3 * (first + i + 1)) for n, s in shapes.items()} for i in range(count)]
 
 

@@ -305,7 +305,7 @@ def idle_seconds(entry: dict[str, Any], device: str, threads: int) -> float:
     """A cached measurement's step time on the idle device. One CPU thread: its CPU time, which others'
     load does not stretch (the fastest wall time of a few steps beside busy loops is not: a small step
     may fit in one time slice at full speed, a large one is shared, so dividing both by one slowdown
-    left small submodels 1.5-2.3x too fast against large ones). Otherwise (several threads, a GPU, a
+    makes small submodels too fast against large ones: docs/device-selection.md). Otherwise (several threads, a GPU, a
     cache without CPU times): the wall time divided by the slowdown others caused meanwhile."""
     if device == "cpu" and threads == 1 and isinstance(entry.get("cpu_seconds"), (int, float)) and entry["cpu_seconds"] > 0:
         return float(entry["cpu_seconds"])

@@ -121,14 +121,14 @@ def test_the_choice_of_broker(monkeypatch, caplog):
 @pytest.mark.parametrize("qos, topic, payload", [(0, b"a/b", b""), (1, b"nefl/f/update/c1", bytes(range(256)) * 300),
                                                  (1, b"t", b"x")])
 def test_the_fast_publish_decoder_agrees_with_paho(qos, topic, payload):
-    """nefl.protocol.mqtt.Client decodes a PUBLISH as paho does (topic, id, flags, payload), with a bytearray payload."""
+    """nefl.protocol.paho_fast.FastClient decodes a PUBLISH as paho does (topic, id, flags, payload), with a bytearray payload."""
     from paho.mqtt import _packet
-    from nefl.protocol.mqtt import Client
+    from nefl.protocol.paho_fast import FastClient
 
     packet = bytearray(len(topic).to_bytes(2, "big") + topic + ((4242).to_bytes(2, "big") if qos else b"") + payload)
     command = 0x30 | (qos << 1) | 0x01
     want = _packet.decode_publish(command, bytes(packet), mqtt.MQTTv311)
-    c = Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    c = FastClient(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
     got, acked = [], []
     c.on_message = lambda client, userdata, m: got.append(m)
     c._send_puback = lambda mid: acked.append(mid) or mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS

@@ -1,4 +1,4 @@
-"""nefl.protocol.mqtt.Client's receive path (recv_into one buffer per packet, the payload handed on without a copy)
+"""nefl.protocol.paho_fast.FastClient's receive path (recv_into one buffer per packet, the payload handed on without a copy)
 against paho's own reader and decoder on the same byte streams: well-formed PUBLISH packets cut into pieces
 as a live stream delivers them (a few bytes at a time, or in bursts), and hostile tails after them."""
 
@@ -11,7 +11,7 @@ import paho.mqtt.client as mqtt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nefl.protocol.mqtt import PAYLOAD_ALIGN, Client
+from nefl.protocol.paho_fast import PAYLOAD_ALIGN, FastClient
 
 
 class Trickle:
@@ -76,7 +76,7 @@ def publish_packet(qos: int, topic: bytes, payload: bytes, mid: int) -> bytes:
 
 def run(client: mqtt.Client, sock: Trickle, wrap=lambda s: s, payloads: bool = False) -> tuple[list[tuple], list[int], str]:
     """Read the whole stream: the messages (topic, mid, qos, retain, payload), the PUBACKs sent, and how it ended.
-    payloads: through Client.on_payload (topic and payload only), as nefl.protocol.mqtt.Connection takes them."""
+    payloads: through FastClient.on_payload (topic and payload only), as nefl.protocol.mqtt.Connection takes them."""
     got, acked = [], []
     client.on_message = lambda c, u, m: got.append((m.topic, m.mid, m.qos, m.retain, bytes(m.payload), type(m.payload)))
     if payloads:
@@ -102,8 +102,8 @@ def stock() -> mqtt.Client:
     return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
 
 
-def ours(first_buffer: int = Client.FIRST_BUFFER) -> Client:
-    c = Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+def ours(first_buffer: int = FastClient.FIRST_BUFFER) -> FastClient:
+    c = FastClient(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
     c.FIRST_BUFFER = first_buffer  # small: the buffer's doubling runs on small packets too
     return c
 
@@ -442,3 +442,44 @@ def test_a_payload_starts_aligned_whatever_its_topic(topic, qos, size, burst):
         c._packet_read()
     assert seen and seen[0][0] == "t" * topic and len(seen[0][1]) == size
     assert size == 0 or seen[0][2] % PAYLOAD_ALIGN == 0
+
+
+def test_the_fast_path_only_with_the_paho_versions_it_was_written_for(monkeypatch, caplog):
+    """Another paho-mqtt release may change the private members FastClient overrides: with one, a Connection gets
+    paho's own client (one log line says so) and still takes every message, through paho's decoder."""
+    import logging
+
+    from nefl.protocol import paho_fast
+    from nefl.protocol.mqtt import BrokerSettings, Connection
+
+    assert paho_fast.fast_path_fits("2.2.0") and paho_fast.fast_path_fits("2.2.1")
+    assert not any(paho_fast.fast_path_fits(v) for v in ("2.1.0", "2.3.0", "3.0.0", "1.6.1", "dev"))
+    versions = {"paho-mqtt": "2.2.0"}
+    monkeypatch.setattr(paho_fast.importlib.metadata, "version", lambda name: versions[name])
+    paho_fast.client_class.cache_clear()
+    try:
+        assert paho_fast.client_class() is paho_fast.FastClient
+        versions["paho-mqtt"] = "2.3.0"
+        paho_fast.client_class.cache_clear()
+        with caplog.at_level(logging.WARNING, logger=paho_fast.__name__):
+            conn = Connection(BrokerSettings("127.0.0.1", 1), "t", None, b"", logging.getLogger("t"))
+            Connection(BrokerSettings("127.0.0.1", 1), "u", None, b"", logging.getLogger("t"))
+        assert type(conn.client) is paho_fast.PlainClient
+        assert [r.getMessage() for r in caplog.records if r.name == paho_fast.__name__] == [
+            "paho-mqtt 2.3.0 is not one the MQTT fast path was written for (2.2 up to 2.3): "
+            "using paho's own receive and send paths"]
+        c = conn.client
+        c._send_puback = lambda mid: mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+        c._sock = Trickle(publish_packet(0, b"a/0", b"zero", 0) + publish_packet(1, b"a/1", b"one" * 1000, 5), [7])
+        for _ in range(1000):
+            c._sock.readable()
+            if c._packet_read() not in (mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, mqtt.MQTTErrorCode.MQTT_ERR_AGAIN):
+                break
+        with c.batched():
+            pass
+        got = []
+        while not conn.inbox.empty():
+            got.append(conn.inbox.get_nowait())
+        assert got == [("a/0", b"zero"), ("a/1", b"one" * 1000)]
+    finally:
+        paho_fast.client_class.cache_clear()

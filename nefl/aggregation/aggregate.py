@@ -203,13 +203,13 @@ def _corner_view(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 class _Fold:
     """NeFedAvg's consistent tensors for one layout, worked out once, so that a round's finalize is a few
-    foreach calls instead of a score of small slicing ops per tensor (3.6 of a resnet20 round's 5.6 ms).
+    foreach calls instead of a score of small slicing ops per tensor.
 
     Corners cut a tensor's rows (dim 0) into bands; within a band every row is covered alike, by the
     submodels whose corner holds the band, along the rest of the row as far as each corner reaches. So a
     tensor is divided band by band, each by one row of divisors broadcast over the band's rows: long
     contiguous inner loops (a divisor per (out, in) position broadcast over a 3x3 kernel runs a 9-element
-    loop, three times slower on a resnet18). Tensors of one kind (same global shape, same corners in the
+    loop, which is slow). Tensors of one kind (same global shape, same corners in the
     same submodels) share those rows, kept as pattern ids: a pattern is a set of submodels, its coverage
     the sum of their weights (a handful of patterns), so a round's divisors are one gather, for any corners,
     nested or not."""
@@ -348,7 +348,7 @@ class NeFedAvg(RoundAggregate):
                 torch._foreach_mul_(list(group.values()), w)
         if self._weights_np[0] is not self.weights:
             self._weights_np = (self.weights, self.weights.numpy())
-        self._weights_np[1][k] += w  # numpy's scalar add through a kept view: a torch call per update costs 10-20 us cold
+        self._weights_np[1][k] += w  # numpy's scalar add through a kept view: a torch call per update is dear on a cold core
         self.updates[k] += 1
 
     def merge(self, other: RoundAggregate) -> None:

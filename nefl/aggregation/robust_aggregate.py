@@ -84,8 +84,8 @@ class Sketch:
 
     def into(self, delta: dict[str, torch.Tensor], out: np.ndarray) -> None:
         """The sketch of `delta` written into `out` (a numpy view of a row of the round's sketches): one gather, no
-        temporary, and for an update off the wire no torch call (each costs 10-20 us of cold dispatch on a core
-        that ran other processes since the last update)."""
+        temporary, and for an update off the wire no torch call (dear to dispatch on a core that ran other
+        processes since the last update)."""
         if isinstance(delta, Tiled) and self.core:
             np.take(delta.array(), self._gather(delta), out=out)
         else:
@@ -127,8 +127,8 @@ class Sketch:
 
     def _positions(self, tiling: Tiling) -> np.ndarray:
         """The picked elements placed by their tensors' offsets and strides in a buffer tiled this way: one
-        gather of the cells' placements and a product with the shared coordinates (the unravelling once per
-        sketch cost a coordinator 2-4 ms a round when repeated for each of five submodels' tilings)."""
+        gather of the cells' placements and a product with the shared coordinates (the unravelling is done once
+        a round, not again for each submodel's tiling)."""
         which, coords = self._picked
         offset, strides = tiling.placement(list(self.core))
         dims = coords.shape[1]
@@ -139,10 +139,9 @@ class Sketch:
 def distinct_sample(total: int, size: int, gen: torch.Generator) -> torch.Tensor:
     """`size` distinct indices below `total`, a uniformly random subset, sorted. Drawn with replacement until
     enough are distinct, then `size` of those at random: O(size log size), where `randperm(total)` is O(total)
-    (11 M elements of a resnet18 ladder's core, each round in each worker: 0.4 s). Given how many distinct
-    values the draws hold, every subset of that many is equally likely, so a random `size` of them is too.
-    Below 16 x `size` the permutation costs at most a few ms and keeps the draws earlier runs made (the small
-    ladders' simulations and tests)."""
+    (a resnet18 ladder's core, each round in each worker). Given how many distinct values the draws hold, every
+    subset of that many is equally likely, so a random `size` of them is too. Below 16 x `size` the permutation
+    is cheap and keeps the small ladders' draws (simulations and tests) as they were."""
     if total < 16 * size:
         return torch.randperm(total, generator=gen)[:size].sort().values
     picked = torch.empty(0, dtype=torch.int64)
@@ -153,8 +152,8 @@ def distinct_sample(total: int, size: int, gen: torch.Generator) -> torch.Tensor
 
 def _cosines(rows: np.ndarray, row_norms: np.ndarray, cols: np.ndarray, col_norms: np.ndarray) -> np.ndarray:
     """cos[r, c] of sketch rows with sketch cols (float32; 0 where either is zero), given their norms. numpy's BLAS
-    (OpenBLAS) rather than torch's: on AMD hosts torch's MKL product of 264 x 4096 by 4096 x 8 took 670-870 us against
-    numpy's 270-360, the largest single cost of the centre check (one thread each: nefl/support/threads.py)."""
+    (OpenBLAS) rather than torch's: torch's MKL runs this small product far slower on some hosts, and it is the
+    centre check's largest single cost (one thread each: nefl/support/threads.py)."""
     norms = np.outer(row_norms, col_norms)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         cos = (rows @ cols.T) / np.maximum(norms, np.float32(1e-30))
@@ -367,7 +366,7 @@ class Screened(RoundAggregate):
     others it had then) against the `compare` most recent (streaming: memory is `hold` updates plus one
     sketch per update). Later ones are judged in batches of up to `hold`, so that one product with the recent
     sketches scores a batch: reading 256 sketches (4 MiB) costs more than the arithmetic, and done per update
-    it was the largest single cost of a worker's resnet20 update. With fewer than `min_cover` updates
+    it would be the largest single cost of a worker's update. With fewer than `min_cover` updates
     in the round there is no majority and nothing is screened."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
@@ -452,8 +451,8 @@ class Screened(RoundAggregate):
         self.scored = n
 
     def _norms(self) -> np.ndarray:
-        """The sketches' norms, those of the sketches added since the last call in one batched call (one call per
-        arrival cost about 10 us of dispatch, as much as its norm's arithmetic)."""
+        """The sketches' norms, those of the sketches added since the last call in one batched call (a call per
+        arrival would cost as much in dispatch as its norm's arithmetic)."""
         if self._normed < self.count:
             torch.linalg.vector_norm(self.sketches[self._normed:self.count], dim=1, out=self.norms[self._normed:self.count])
             self._normed = self.count
@@ -504,8 +503,8 @@ class Screened(RoundAggregate):
     def agrees(self, i: int, limit: float | None = None) -> float:
         """The share of the voters among the others sketch i is compared with whose cosine with it exceeds the
         margin. Voters are the updates within the size bound (`voter_limit`, given when judging many at once): one
-        above it is already an outlier, and over `serve` a flip at 9 x, by a chance cosine with one of two weakly
-        aligned honest updates, outvoted the other."""
+        above it is already an outlier, and a large flip's chance cosine with one of two weakly aligned honest
+        updates must not outvote the other (docs/security.md, "Robust aggregation over nested submodels")."""
         others, cos = self.compared(i)
         return self._share(self.ratio_of[others.numpy()], cos, self.voter_limit() if limit is None else limit, self.margin)
 
@@ -533,8 +532,9 @@ class Screened(RoundAggregate):
         of the round's voters (updates within the size bound `limit`) reach it. Honest updates can point apart
         (non-IID shards, submodels of different size compared on their shared core); then nobody has a majority,
         the vote has nothing to go by, and the size bound alone applies, at the median for the outsized updates it
-        could not confirm. Outsized updates count for the quorum no more than they vote: three flips at 9 x among
-        ten updates, all in the first `hold`, left 5 of 8 agreeing, the vote abstained and the flips went in."""
+        could not confirm. Outsized updates count for the quorum no more than they vote: else a few large flips
+        among the first `hold` could keep the quorum short and the vote from acting on them (docs/security.md,
+        "Robust aggregation over nested submodels")."""
         if n < self.cfg.min_cover or not self.sketch.size:
             return set(), False
         short = set()

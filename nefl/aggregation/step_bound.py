@@ -23,8 +23,8 @@ committed value is old x exp(bounded step), positive and finite whatever the upd
 It runs where a round's candidate state is committed (aggregator/federation.py), with the centre check,
 so `serve`, the coordinator of `--workers` and `simulate` all apply it, under any rule. Cost: at commit,
 one pass over the per-submodel tensors (all copies end to end in one float64 buffer) and the bounded shared
-ones (tensor by tensor), summed per copy or cell by one `index_add_`; no update held. resnet20-fmnist-w:
-about 3 ms of the coordinator's CPU a round (9 ms when it went copy by copy and box by box).
+ones (tensor by tensor), summed per copy or cell by one `index_add_`; no update held, and a few batched
+operations a round rather than torch calls copy by copy and box by box.
 
 Consistent (shared, nested) tensors get the same rule per cell of the nesting: the ring of submodel k's
 slice outside the next smaller slice is covered only by the round's updates of submodels whose slice
@@ -92,7 +92,7 @@ def cells(layout: Layout, name: str) -> list[tuple[list[Box], list[int]]] | None
 class _Copies:
     """The per-submodel tensors' copies end to end, running variances first: a round's steps, moves and
     invalid values over all of them are a few vectorised ops on one float64 buffer, summed per copy by one
-    `index_add_` each, where copy by copy they were a dozen torch calls of microseconds of dispatch apiece."""
+    `index_add_` each, not a dozen torch calls, each with its dispatch, per copy."""
 
     def __init__(self, layout: Layout, names: list[str]) -> None:
         holders = {n: [k for k, s in enumerate(layout.sub_shapes) if n in s] for n in names}
@@ -134,7 +134,7 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 class _Cells:
     """The consistent tensors' cells' step sizes: a tensor's squared steps summed over the trailing dims no
     slice cuts (a conv kernel: one matrix-vector product), then per cell over all tensors' rows in one
-    `index_add_`, where box by box they were a few torch calls each. Tensor by tensor, not end to end as
+    `index_add_`, not a few torch calls per box. Tensor by tensor, not end to end as
     the copies: float64 buffers of all the shared weights would cost their page faults every round."""
 
     def __init__(self, layout: Layout, cells_: dict[str, list[tuple[list[Box], list[int]]]]) -> None:

@@ -6,8 +6,8 @@ records its own validation accuracy in the rounds it used a module, never leaves
 another client's state.
 
 Accuracy enters relative to the client's typical accuracy (the same moving average over all its rounds): the
-policy is trained in the policy phase on a proxy task whose accuracies (about 0.3 here) are nothing like the
-task's (0.6 to 0.95), and "this module did better than usual" means the same on both.
+policy is trained in the policy phase on a proxy task whose accuracies are nothing like the task's
+(docs/fedjigsaw.md), and "this module did better than usual" means the same on both.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class ClientShard:
     def task(self, r: int) -> Loaders:
         """The round's training batches are all full when the shard holds a batch or more: a device with 450
         images and batch 32 would otherwise end every round on a step of 2 images, whose BatchNorm statistics
-        and gradient can undo the round (measured: docs/fedjigsaw.md, Deploying). A new shuffle each round,
+        and gradient can undo the round (docs/fedjigsaw.md, Deploying). A new shuffle each round,
         so no image is left out for good."""
         idx = self.data.train
         return Loaders(BatchLoader(self.train, idx, self.spec.batch_size, shuffle=True, augment=True, seed=self._seed(r),

@@ -79,7 +79,7 @@ class JigsawConfig:
     switch_cost: float = 1.0  # nats per round held a new chain must gain under the policy before a client switches to it
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
-    norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest: < 0.4 here)
+    norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest ones stay far below)
     fetch_timeout_s: float = 30.0  # over MQTT: a peer that does not send a module in this is masked for the round
     round_timeout_s: float = 600.0  # over MQTT: the coordinator closes a round without the devices not done by then
     eval_every: int = 5  # model-training rounds between evaluations (always after the last)

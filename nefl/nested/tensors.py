@@ -53,8 +53,8 @@ class Tiling:
         return self._offsets[-1]
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tensors as views of `flat` (1-D, contiguous, `numel` elements): one as_strided each, about
-        half the cost of slicing then reshaping."""
+        """The tensors as views of `flat` (1-D, contiguous, `numel` elements): one as_strided each, fewer
+        calls than slicing then reshaping."""
         base = flat.storage_offset()
         return {n: flat.as_strided(s, st, base + o) for n, s, st, o in zip(self.names, self.shapes, self._strides, self._offsets)}
 
@@ -84,9 +84,9 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes in C order as a flat uint8 array: numpy's reshape and view cost a third of torch's
-    (detach, reshape, view, numpy: about 4 us a tensor, and a resnet20 state has 488 of them), and a contiguous
-    tensor is not copied. numpy has no bfloat16, so such a tensor is read as int16: the same bytes."""
+    """A CPU tensor's bytes in C order as a flat uint8 array: numpy's reshape and view cost a fraction of torch's
+    dispatch (detach, reshape, view, numpy; a resnet20 state has 488 tensors), and a contiguous tensor is not
+    copied. numpy has no bfloat16, so such a tensor is read as int16: the same bytes."""
     t = t.detach()
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
 
@@ -97,7 +97,7 @@ _ROW = 4096  # elements per float32 partial sum of squares: short sums stay accu
 def l2_norm(t: torch.Tensor) -> float:
     """L2 norm of one tensor at float32 speed with float64's range and accuracy: float32 sums of squares of
     4096-element rows (a float32 sum over millions of elements drifts by ~1%, and a float64 cast of the
-    whole tensor costs ~30x the time), combined in float64. A row that overflows (or holds NaN/inf), or a
+    whole tensor costs many times as much), combined in float64. A row that overflows (or holds NaN/inf), or a
     total small enough for squares to underflow, takes the exact float64 path. Finite for finite input of
     any float32 size, NaN or inf otherwise: so it doubles as the finite check."""
     if t.dtype == torch.float32 and t.numel() >= _ROW and t.device.type == "cpu":
@@ -117,9 +117,8 @@ def _kept(squares: float) -> float | None:
 
 def array_norm(x: np.ndarray) -> float | None:
     """l2_norm's row-wise float32 way for a flat, aligned float32 numpy array, without a torch call: under a
-    fleet's load the server's core runs other processes between updates, and each torch call then costs several
-    microseconds of cold dispatch (l2_norm on a tensor took 147 against 72 us here on data just hashed, 44
-    against 24 warm). None where l2_norm's exact float64 path must decide: too short, not aligned, a row that
+    fleet's load the server's core runs other processes between updates, and each torch call then pays for
+    cold dispatch. None where l2_norm's exact float64 path must decide: too short, not aligned, a row that
     overflows or holds NaN/inf, or a total small enough for squares to underflow."""
     if x.dtype != np.float32 or x.ndim != 1 or x.size < _ROW or not x.flags.aligned:
         return None
@@ -128,8 +127,8 @@ def array_norm(x: np.ndarray) -> float | None:
 
 def _row_squares_blas(flat: np.ndarray, rows: int) -> float:
     """The float32 sums of squares of `rows` 4096-element rows and of the tail, summed in float64: one batched
-    BLAS product of the rows with themselves (numpy's OpenBLAS; torch's row norms and the reductions around
-    them took 62 against 50 us for a 226k-element update)."""
+    BLAS product of the rows with themselves (numpy's OpenBLAS: fewer calls than torch's row norms and the
+    reductions around them)."""
     body, tail = flat[:rows * _ROW].reshape(rows, 1, _ROW), flat[rows * _ROW:]
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing row takes the float64 path of l2_norm
         return float(np.matmul(body, body.transpose(0, 2, 1)).sum(dtype=np.float64)) + float(np.dot(tail, tail))
@@ -138,7 +137,7 @@ def _row_squares_blas(flat: np.ndarray, rows: int) -> float:
 def _row_squares_torch(flat: torch.Tensor, rows: int) -> float:
     """The same with torch's row norms, for a buffer at an address that is no multiple of 4 (an update decoded
     in place, where the MQTT packet's topic and the chunk header left it): numpy takes such an array through a
-    buffered copy, 58 against 1.4 ms for a resnet18 update, where torch's row norms take 2.2."""
+    buffered copy, many times slower than torch's row norms."""
     rows_sq = torch.linalg.vector_norm(flat[:rows * _ROW].view(rows, _ROW), dim=1).square().sum(dtype=torch.float64)
     return float(rows_sq) + float(torch.linalg.vector_norm(flat[rows * _ROW:], dtype=torch.float64) ** 2)
 
@@ -167,7 +166,7 @@ class Tiled(dict):
             self._fill()
 
     def array(self) -> np.ndarray:
-        """`flat` as a numpy array (the same memory), made once: a torch call per use costs 10-20 us cold."""
+        """`flat` as a numpy array (the same memory), made once: a torch call per use is dear on a cold core."""
         if self._array is None:
             self._array = self.flat.numpy()
         return self._array

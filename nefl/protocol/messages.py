@@ -30,9 +30,8 @@ MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and cappe
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
 MAX_LISTED = 200  # client ids listed in a server status; counts carry the rest
 # the largest MQTT message a publisher sends: tensor payloads are cut in chunks of it (nefl/protocol/wire.py), under
-# EMQX's 1 MB default; here, not in wire.py, so that command lines show it without importing torch. 1000 KiB, not
-# the 256 KiB it was: a resnet20 update is one message, not three, and plain `serve` under the fleet load test spent
-# 5.4-6.0 ms of CPU per MiB against 6.0-7.1, the broker about the same (docs/scale.md, "Seventh pass")
+# EMQX's 1 MB default; here, not in wire.py, so that command lines show it without importing torch. 1000 KiB: a
+# resnet20 update is one message, and the coordinator's CPU per MiB is lower than with smaller chunks
 DEFAULT_CHUNK_BYTES = 1000 * 1024
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -377,8 +376,8 @@ MAX_RECEIPTS = 64  # receipts in one batch
 
 class ReceiptBatch(Message, frozen=True, kw_only=True, tag="receipts", tag_field="type"):
     """Worker -> coordinator, signed once: the receipts of the updates it judged within its linger (a few ms).
-    One signature, one publish and one acknowledgement per batch rather than per update: under a fleet's
-    stream they were a tenth of a worker's CPU (docs/scale.md). Each receipt is judged on its own."""
+    One signature, one publish and one acknowledgement per batch rather than per update: per update they
+    would be a large share of a worker's CPU under a fleet's stream. Each receipt is judged on its own."""
 
     receipts: Annotated[list[Receipt], msgspec.Meta(min_length=1, max_length=MAX_RECEIPTS)]
 

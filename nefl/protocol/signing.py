@@ -9,8 +9,8 @@ The aggregator's key lives in its key directory (`server.key`, mode 0600, aggreg
 from its checkpoints. Devices pin the
 public key: given with `--server-key`, or trusted on first use and remembered in a pin file.
 Keys are stored and parsed with `cryptography`; signing and verifying run in libsodium (PyNaCl), which
-verifies an Ed25519 signature in about half OpenSSL's time (114 against 245 us here: one per update on the
-ingest path, docs/benchmarks.md "Ingest profile") and refuses small-order keys and non-canonical signatures.
+verifies an Ed25519 signature in about half OpenSSL's time (one per update on the ingest path) and refuses
+small-order keys and non-canonical signatures.
 The same scheme runs the other way: each device has a key of its own, signs its announce and its
 update's header (once: it names the chunks' Merkle root, nefl/protocol/wire.py), and the aggregator pins the key of each client id on its first announce, so
 on a broker without ACLs nobody can announce or upload under a device's id but that device.

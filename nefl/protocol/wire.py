@@ -15,8 +15,8 @@ proof ties its data to the signed root: a forged or corrupted chunk is refused o
 and never takes the place of the genuine one. Version 1 (a header with its own signature in every
 chunk, one sha256 over the whole payload) is refused with `bad_version`.
 
-BLAKE3 rather than sha256: 3.4x less CPU per MiB on the aggregator here, and NEON on a Raspberry
-Pi, whose Cortex-A72 has no SHA-256 instructions (docs/benchmarks.md, "Ingest profile").
+BLAKE3 rather than sha256: less CPU per MiB on the aggregator (docs/benchmarks.md, "Ingest profile"), and
+NEON on a Raspberry Pi, whose Cortex-A72 has no SHA-256 instructions.
 
 Framing needs no torch: a device on the small install (`edge-client serve --follow`) parses file
 chunks with `parse_chunk`; only the tensor functions import torch, when called.
@@ -224,7 +224,7 @@ def frame(
 def _aligned(head: bytes, sign: Callable[[bytes], bytes] | None) -> bytes:
     """The header as sent (signed where `sign` is given, which adds signing.SIGNATURE_OVERHEAD bytes), blank
     space before its closing brace making the data start at a multiple of DATA_ALIGN into every chunk (a proof is
-    whole 32-byte hashes): a receiver that puts the payload at an aligned address (nefl.protocol.mqtt.Client) then
+    whole 32-byte hashes): a receiver that puts the payload at an aligned address (nefl.protocol.paho_fast.FastClient) then
     decodes float32 tensors that numpy's BLAS reads, whatever the lengths of the header's names and numbers.
     Whitespace is JSON's, so any receiver parses it; within 7 bytes of MAX_HEADER_BYTES the header goes unpadded."""
     size = len(head) + (signing.SIGNATURE_OVERHEAD if sign is not None else 0)
@@ -320,7 +320,7 @@ class Reassembler:
     """Collects chunks into verified tensor messages under caps on size, count, pending sets and time.
 
     Each chunk is checked against the header's Merkle root before a byte of it is kept, and copied once,
-    into its place in the payload; a single-chunk payload in a writable buffer (nefl.protocol.mqtt.Client hands
+    into its place in the payload; a single-chunk payload in a writable buffer (nefl.protocol.paho_fast.FastClient hands
     bytearrays on) is decoded where it lies, and its tensors then share that buffer. A header's parse (and, with a device key, its signature check) is done
     once per set: later chunks present the same header bytes. The caps on pending sets and buffered bytes
     hold per sender (the header's client, which the server has already matched to the topic), so one

@@ -2,10 +2,9 @@
 and (for the aggregator's processes) freed memory kept by malloc for the next message.
 
 A process that imported torch and the kit holds about 330,000 objects the collector tracks, and each full
-collection walks all of them (0.2 s here). An aggregator's stream of updates leaves enough survivors (each
-client's round metrics, receipts, the round's bookkeeping) to set one off every few hundred updates: under a
-fleet's load test perf put the collector at about a fifth of a worker's samples (docs/scale.md; measured alone,
-freezing moved the worker's CPU per MiB by less than the runs' spread). Frozen objects are
+collection walks all of them. An aggregator's stream of updates leaves enough survivors (each client's round
+metrics, receipts, the round's bookkeeping) to set one off every few hundred updates, so a worker would spend a
+fair share of its CPU in the collector. Frozen objects are
 never collected, so only what start-up built and keeps for good belongs there: call `freeze_startup` once a
 command is set up, just before its loop.
 """
@@ -29,9 +28,9 @@ LARGEST_FROM_HEAP = 32 << 20  # allocations up to this come from malloc's heaps,
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for reuse instead of handing it back to the kernel, for a process
-    that receives a stream of updates: each message's buffer (hundreds of KiB to tens of MiB) was a fresh mmap, or
-    heap memory trimmed after the previous one was freed, so the kernel's copy into it took a page fault per page
-    (an aggregator worker under the fleet load test: 37,859 faults in 8 s, 5,245 with this). The process keeps its peak
+    that receives a stream of updates: each message's buffer (hundreds of KiB to tens of MiB) would be a fresh mmap, or
+    heap memory trimmed after the previous one was freed, so the kernel's copy into it would take a page fault per
+    page. The process keeps its peak
     heap. False where the C library is not glibc (nothing changed)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt

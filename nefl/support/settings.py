@@ -61,14 +61,14 @@ class TrainConfig:
 # uniform: every update of a submodel counts the same (the paper); samples: by the client's sample count
 Weighting = Literal["uniform", "samples"]
 
-# Honest updates measured up to 0.86 x their submodel's weight norm (0.54 at E=1) and up to
-# 1.74 x the median of the submodel's last 20 accepted norms: margins >10x and >5x (docs/security.md).
+# Margins over honest updates' norms of more than 10x (relative to the submodel's weight norm) and 5x (to the
+# median of its last 20 accepted norms): docs/security.md, "Bounded updates and differential privacy".
 DEFAULT_RELATIVE = 10.0
 DEFAULT_ADAPTIVE_K = 10.0
 DEFAULT_WINDOW = 20
 DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes one attacker
-# The largest |w| measured in trained states was 7.7 (a BatchNorm running variance): 1e6 trips only
-# on a broken state, never on training.
+# Far above any |w| of a trained state (the largest are BatchNorm running variances): 1e6 trips only on a
+# broken state, never on training (docs/security.md).
 DEFAULT_MAX_ABS = 1e6
 
 # The aggregation rule (nefl/aggregation/robust_aggregate.py implements them)

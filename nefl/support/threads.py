@@ -1,11 +1,9 @@
 """Intra-op thread pools (torch's OpenMP, numpy's OpenBLAS) in processes that take a stream of updates.
 
 An aggregator's work on one update is a few dozen operations of 10^5-10^7 elements each: torch splits every
-one over all cores, and the pools' threads spin between operations. Measured under the fleet load test
-(docs/scale.md, "Seventh pass"): an `aggregator worker` with the default pools spent 10.9 ms of CPU per MiB
-of resnet20 updates, 6.0 of it in those threads, against 3.5 ms with one thread, and took 114 updates/s
-against about 180; plain `serve` 17.9 against 7.3 ms. OpenBLAS alone spent 3.4 ms of CPU on a product that
-takes 0.3 ms on one thread. Parallelism across updates comes from processes (`--workers N`), one a core;
+one over all cores, and the pools' threads spin between operations: with the default pools a worker spends
+several times the CPU per MiB and takes fewer updates a second than with one thread (docs/scale.md, "Why the
+code is as it is"). Parallelism across updates comes from processes (`--workers N`), one a core;
 work that is one large computation (evaluation, FLTrust's root training) gets every core back for its
 duration (`all_cores`).
 """

@@ -131,7 +131,7 @@ def mobilenet_cost(profile: Profile, sub: SubmodelSpec) -> Cost:
         h, w = (_out3(h, stride), _out3(w, stride)) if k == 3 else (h, w)
         params += a // groups * b * k * k + 2 * b  # conv weight + BN affine
         macs += a // groups * b * k * k * h * w
-        # conv and BN outputs, and ReLU6's (not in place: measured peaks were 10% over the estimate without it)
+        # conv and BN outputs, and ReLU6's (not in place: its output is a tensor of its own in the peak)
         acts += (3 if act else 2) * b * h * w
 
     c = arch.scaled(arch.stem_channels, gw)
