@@ -75,7 +75,18 @@ class Revoke(msgspec.Struct, kw_only=True, frozen=True, tag="revoke", tag_field=
     time: Annotated[float, msgspec.Meta(ge=0)]
 
 
-Entry = Grant | Revoke
+class Spend(msgspec.Struct, kw_only=True, frozen=True, tag="spend", tag_field="op"):
+    """`serve` redeemed a join token: the token is spent and the id pinned to the key that proved it, for any
+    later `serve` on this key directory, resumed or fresh (a checkpoint alone would re-arm the token)."""
+
+    v: int = 1
+    client: Name
+    verifier: Hex64
+    key: KeyText
+    time: Annotated[float, msgspec.Meta(ge=0)]
+
+
+Entry = Grant | Revoke | Spend
 _decode = msgspec.json.Decoder(Entry)
 
 
@@ -149,7 +160,9 @@ class Enrolment:
     def apply(self, entries: list[Entry]) -> None:
         workers: dict[str, tuple[str, float]] = {}
         for e in entries:
-            if isinstance(e, Revoke):
+            if isinstance(e, Spend):
+                self._spent(e)
+            elif isinstance(e, Revoke):
                 if e.role == "worker":
                     if e.client in workers and workers[e.client][1] <= e.time:
                         del workers[e.client]
@@ -171,6 +184,13 @@ class Enrolment:
                 if pin is None or pin.since < e.created:
                     self.pins[e.client] = Pin(e.key, e.created, "key", trained=pin is not None and pin.key == e.key and pin.trained)
         self.workers = {w: k for w, (k, _) in workers.items()}
+
+    def _spent(self, e: Spend) -> None:
+        """A token redeemed by this or an earlier `serve`: spent for good; its pin stands unless revoked since."""
+        self.used.add(e.verifier)
+        pin = self.pins.get(e.client)
+        if self.revoked.get(e.client, -1.0) < e.time and (pin is None or pin.since <= e.time):
+            self.pins[e.client] = Pin(e.key, e.time, "token", trained=pin is not None and pin.key == e.key and pin.trained)
 
     # -- devices ------------------------------------------------------------------------------------------
     def expects(self, client: str) -> bool:
@@ -222,16 +242,24 @@ class Enrolment:
         if grant is None:
             raise Rejected("bad_token", f"{client}: the enrolment proof matches no token issued for this id")
         now = self.clock()
+        if self.revoked.get(client, -1.0) >= grant.created:
+            raise Rejected("revoked", f"{client} was revoked after this token was issued; `aggregator enroll {client}` "
+                                      "issues a new one")
         if grant.verifier in self.used:
             raise Rejected("token_used", f"{client}: that join token was spent already; issue a new one")
         if grant.expires is not None and now > grant.expires:
             raise Rejected("token_expired", f"{client}: the join token expired; issue a new one")
-        if self.revoked.get(client, -1.0) >= grant.created:
-            raise Rejected("revoked", f"{client}: the token predates the id's revocation")
         if pin is None and len(self.pins) >= self.policy.max_pins:
             raise Rejected("too_many_pins", f"{len(self.pins)} device keys pinned")
-        self.used.add(grant.verifier)
-        self.pins[client] = Pin(key, now, "token")
+        spend = Spend(client=client, verifier=grant.verifier, key=key, time=now)
+        if self.journal is not None:  # on disk before it takes effect: a crash never re-arms the token
+            try:
+                append(self.journal, spend)
+            except OSError as e:
+                log.error(f"{client}: its join token could not be recorded as spent in {self.journal} ({e}); "
+                          "enrolment refused until the key directory is writable")
+                raise Rejected("journal_unwritable", f"{client}: the server could not record the spent token") from None
+        self._spent(spend)
         log.info(f"{client} enrolled with its join token: device key {key[:12]}..."
                  + (f" (rotated from {pin.key[:12]}...)" if pin is not None else ""), extra={"client": client})
 

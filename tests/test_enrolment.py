@@ -175,3 +175,44 @@ def test_enroll_and_revoke_commands(tmp_path):
     e = Enrolment("t", journal=tmp_path / "keys" / "t" / "enrolment.jsonl")
     e.reload()
     assert e.has_workers() and not e.open and "edge-1" in e.revoked
+
+
+def test_a_spent_token_stays_spent_for_any_later_serve_on_the_key_directory(tmp_path):
+    """The spend is journalled: a fresh registry (a `serve` without --resume, no checkpoint) refuses the token
+    and keeps the pin; a revocation after the spend removes the pin and names itself to the device."""
+    clock = Clock()
+    server, dev, thief = keys(3)
+    token, verifier = new_token(server)
+    _, secret = parse_token(token)
+    j = journal_with(tmp_path, Grant(client="c1", created=clock.now, verifier=verifier, expires=clock.now + 3600))
+    first = Enrolment("t", EnrolmentPolicy(), j, clock)
+    first.reload()
+    clock.now += 5
+    first.admit("c1", dev, proof(secret, "t", "c1", dev))
+    fresh = Enrolment("t", EnrolmentPolicy(), j, clock)
+    fresh.reload()
+    assert fresh.key("c1") == dev and verifier in fresh.used
+    assert reasons(lambda: fresh.admit("c1", thief, proof(secret, "t", "c1", thief))) == "token_used"
+    fresh.admit("c1", dev, proof(secret, "t", "c1", dev))  # the device itself keeps presenting its proof: fine
+    assert first.reload() == [] and first.key("c1") == dev  # its own spend read back: nothing changes
+    append(j, Revoke(client="c1", time=clock.now + 1))
+    again = Enrolment("t", EnrolmentPolicy(), j, clock)
+    again.reload()
+    assert again.key("c1") is None
+    assert reasons(lambda: again.admit("c1", dev, proof(secret, "t", "c1", dev))) == "revoked"
+
+
+def test_a_spend_that_cannot_be_recorded_enrols_no_one(tmp_path):
+    clock = Clock()
+    server, dev = keys(2)
+    token, verifier = new_token(server)
+    j = journal_with(tmp_path, Grant(client="c1", created=clock.now, verifier=verifier, expires=clock.now + 3600))
+    e = Enrolment("t", EnrolmentPolicy(), j, clock)
+    e.reload()
+    j.chmod(0o400)
+    if os.access(j, os.W_OK):  # root writes anyway: take the file's place with a directory instead
+        j.chmod(0o600)
+        j.rename(tmp_path / "moved")
+        j.mkdir()
+    assert reasons(lambda: e.admit("c1", dev, proof(parse_token(token)[1], "t", "c1", dev))) == "journal_unwritable"
+    assert e.key("c1") is None and verifier not in e.used
