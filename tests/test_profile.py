@@ -9,7 +9,7 @@ from nefl.cli import app
 from nefl.nested.arch import ARCHS
 from nefl.nested.cost import full_cost, submodel_cost
 from nefl.nested.methods import METHODS, apply_method
-from nefl.nested.profile import ProfileError, list_profiles, load_profile
+from nefl.nested.profile import ProfileError, list_profiles, load_profile, resolve_profile_path
 from nefl.nested.state import Layout
 
 PAPER = ["resnet18-cifar10-d", "resnet18-cifar10-wd", "resnet34-cifar10-d", "resnet34-cifar10-wd",
@@ -115,3 +115,11 @@ def test_profile_show_prints_the_table() -> None:
     assert "0.203" in result.output  # submodel 1's actual parameter ratio
     bad = CliRunner().invoke(app, ["profile", "show", "nope"])
     assert bad.exit_code == 2
+
+
+def test_a_profile_typo_names_the_nearest_shipped_profiles():
+    with pytest.raises(ProfileError, match=r"did you mean resnet20-fmnist-w\b"):
+        resolve_profile_path("resnet20-fmnsit-w")
+    with pytest.raises(ProfileError) as e:
+        resolve_profile_path("zzzz")
+    assert "did you mean" not in str(e.value) and "resnet20-fmnist-w" in str(e.value)

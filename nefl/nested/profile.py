@@ -6,6 +6,7 @@ validation error names the file, the submodel and the field so a user can fix th
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import json
@@ -217,7 +218,9 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
     if not shipped_names:
         raise ProfileError(f"{name_or_path}: no such profile file, and no shipped profiles in {PROFILES_DIR}; "
                            "pass a TOML path or reinstall nefl-edge")
-    raise ProfileError(f"{name_or_path}: no such profile file; pass a path or one of: {', '.join(shipped_names)}")
+    near = difflib.get_close_matches(p.stem, shipped_names, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    raise ProfileError(f"{name_or_path}: no such profile file; {hint}pass a path or one of: {', '.join(shipped_names)}")
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
