@@ -90,6 +90,7 @@ class Agent:
         self.profile_hash: str | None = None
         self.training = TrainingSettings()  # the server's batch size, local epochs and round timeout
         self.selection: Selection | None = None
+        self.promised = 0  # the bound (1-based) of the latest announce: tasks at or below it are kept
         self.run_id: str | None = None  # the server run whose signed status we follow
         self.server_seen = False  # a trusted server status has arrived (for "no server" diagnostics)
         self.foreign_key: str | None = None  # a status signed by another key than the pinned one arrived
@@ -352,10 +353,13 @@ class Agent:
                                            f"following profile {self.profile_hash}")
         if task.model_bytes > model_bytes_bound(self.layout, k):
             raise MessageError("bad_task", f"round {r}: {task.model_bytes}-byte weights exceed submodel {k + 1}'s size")
-        # a task is kept unless the device truly cannot train it now: no hysteresis margin for k
+        # a task is kept unless the device truly cannot train it now: no hysteresis margin for k. One at or
+        # below the announced bound is a promise: training fits itself to the time left, so only memory that
+        # is no longer there, or nothing fitting at all, breaks it
+        promised = k < self.promised
         current = self.selection.index if self.selection is not None and self.selection.index is not None else -1
         self.plan(task.deadline_s, hold=max(current, k))
-        if not self._allows(k):
+        if self._cannot_keep(k) if promised else not self._allows(k):
             why = f"--max-submodel {self.cfg.max_submodel}" if self.selection is None else self.selection.reason
             self._decline(task, f"submodel {k + 1} does not fit now ({why})")
             return
@@ -394,8 +398,28 @@ class Agent:
 
     # -- planning and training ------------------------------------------------------------------------
     def can_train(self) -> int:
-        """Largest submodel (1-based) this device takes now; 0 when nothing fits."""
-        return self.cfg.max_submodel if self.selection is None else (self.selection.submodel or 0)
+        """The bound (1-based) this device promises now: every submodel at or below it fits; 0 when
+        nothing does. Per-submodel fits need not be a prefix (a predicted time off for one submodel), and
+        the server assigns anything under the bound."""
+        sel = self.selection
+        if sel is None:
+            return self.cfg.max_submodel
+        if not sel.fits:
+            return sel.submodel or 0
+        return next((i for i, f in enumerate(sel.fits) if not f.fits), len(sel.fits))
+
+    def _cannot_keep(self, k: int) -> bool:
+        """Whether a promised task (0-based submodel k) cannot be trained now: nothing fits at all (the
+        re-announce of 0 went out first), or k no longer fits the memory there is. Time alone never
+        breaks a promise: training stops when the round's time is up."""
+        sel = self.selection
+        if sel is None:
+            return False
+        if sel.index is None:
+            return True
+        if sel.fits:
+            return sel.fits[k].memory_ok is False
+        return sel.binding == "memory" and k > sel.index
 
     def _allows(self, k: int) -> bool:
         """Whether 0-based submodel k fits now (by its own row of the selection: fits are per submodel)."""
@@ -407,7 +431,7 @@ class Agent:
 
     def plan(self, deadline_s: float | None = None, hold: int | None = None) -> bool:
         """Re-select from a fresh probe (the paper's dynamic setting) for the training time a round of
-        `deadline_s` leaves; re-announce when the choice changed. A larger submodel than the one held
+        `deadline_s` leaves; re-announce when the bound it promises changed. A larger submodel than the one held
         must fit with a margin (no flip-flop between rounds). Returns whether it announced."""
         if self.layout is None:
             return False
@@ -416,8 +440,9 @@ class Agent:
         budget = (deadline_s or self.training.round_timeout) * (1 - UPLOAD_SHARE)
         sel = self.device.plan(self.layout, self.training, budget, self.cfg.max_submodel, hold)
         self.planned_at = self.clock()
-        changed = self.selection is None or sel.index != self.selection.index
+        first = self.selection is None
         self.selection = sel
+        changed = first or self.can_train() != self.promised
         if changed:
             self._announce()
         return changed
@@ -427,6 +452,7 @@ class Agent:
         sel, can = self.selection, self.can_train()
         key = self.cfg.device_key
         self.seq += 1
+        self.promised = can
         msg = Announce(client=self.cfg.client_id, samples=max(1, self.device.samples), max_submodel=can,
                        selection="" if sel is None else sel.reason[:300], device=self.device.summary(),
                        key="" if key is None else key.public_text, session=self.session, seq=self.seq,

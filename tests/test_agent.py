@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from edge_client.agent import Agent, AgentConfig
 from edge_client.join import _no_server
+from edge_client.select import Fit, Selection
 from nefl.protocol.messages import Announce, ClientStatus, Decline, Sent
 from nefl.protocol.mqtt import BrokerSettings
 from nefl.protocol.signing import Signer, parse_public_key, split_signed, status_message, verify
@@ -245,3 +246,49 @@ def test_statuses_are_signed_and_stamped_by_the_connection(tmp_path):
     assert (status.state, status.seq) == ("online", 1234)
     will = status_message(key, "offline", 1235)
     assert ClientStatus.from_json(verify(will, parse_public_key(key.public_text))).seq == 1235
+
+
+class RowsDevice(FakeDevice):
+    """A device whose selection has per-submodel rows: `slow` submodels miss the deadline, `tight` miss memory."""
+
+    def __init__(self, slow: set[int] = frozenset(), tight: set[int] = frozenset()) -> None:
+        super().__init__(can=5)
+        self.slow, self.tight = set(slow), set(tight)
+
+    def plan(self, layout, training, budget_s, cap, hold=None):
+        rows = tuple(Fit(k, 1 << 20, True, k not in self.tight, 9.0 if k in self.slow else 1.0, k not in self.slow, False,
+                         budget_s) for k in range(layout.num_submodels))
+        ok = [f.index for f in rows if f.fits]
+        return Selection(max(ok) if ok else None, "rows", "none", None, rows)
+
+
+def test_the_announced_bound_is_one_every_submodel_under_it_fits(tmp_path):
+    """Per-submodel fits need not be a prefix (submodel 5 predicted to fit, 2 not): the device promises only
+    what it can keep, so the server never assigns a submodel it would decline (the two-busy-joins livelock)."""
+    server = FakeServer(tmp_path / "s")
+    agent, transport, _ = make_agent(tmp_path, server, RowsDevice(slow={1}))
+    assert agent.selection.submodel == 5 and announces(transport)[-1].max_submodel == 1
+
+
+def test_a_task_at_or_below_the_announced_bound_is_trained_even_when_time_looks_short(tmp_path):
+    server = FakeServer(tmp_path / "s")
+    device = RowsDevice()
+    agent, transport, _ = make_agent(tmp_path, server, device)
+    assert announces(transport)[-1].max_submodel == 5
+    device.slow = {0, 1, 2, 3}  # the load rose after the announce: the prediction now misses the deadline
+    agent.dispatch(T.task("c1"), server.task(k=1))
+    for m in server.weights(k=1):
+        agent.dispatch(T.model_chunk(1, 0), m)
+    agent.tick()
+    assert [(r, k) for r, k, _ in device.trained] == [(1, 1)] and declines(transport) == []
+    assert announces(transport)[-1].max_submodel == 0  # and it says so for the rounds to come
+
+
+def test_a_promised_task_that_no_longer_fits_memory_is_declined_after_a_re_announce(tmp_path):
+    server = FakeServer(tmp_path / "s")
+    device = RowsDevice()
+    agent, transport, _ = make_agent(tmp_path, server, device)
+    device.tight = {2, 3, 4}
+    agent.dispatch(T.task("c1"), server.task(k=3))
+    assert announces(transport)[-1].max_submodel == 2
+    assert [(d.round, d.submodel) for d in declines(transport)] == [(1, 3)] and device.trained == []
