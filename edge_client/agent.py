@@ -262,7 +262,7 @@ class Agent:
             if fingerprint(key) != self.token[0]:
                 raise MessageError("wrong_server_key", f"status signed by server key {fingerprint(key)}, the join "
                                                        f"token names {self.token[0]}")
-            self._pin(key, "the join token names it")
+            self._pin(key, "the join token names it", first_use=False)
             self._on_status(payload)
             return
         if status.state not in LIVE:
@@ -284,11 +284,15 @@ class Agent:
         for topic, message in held.items():
             self.dispatch(topic, message)
 
-    def _pin(self, key: str, why: str) -> None:
+    def _pin(self, key: str, why: str, first_use: bool = True) -> None:
+        """Remember the server key; trust on first use warns, a key the join token names is simply noted."""
         self.pin.learn(key)
         self.candidates.clear()
         self.incarnation = self._remembered_incarnation()
         self.stamp = (self.incarnation, -1)
+        if not first_use:
+            log.info(f"server key {fingerprint(key)}: {why}; remembered in {self.pin.pin_file}")
+            return
         log.warning(f"trusting server key {key} (fingerprint {fingerprint(key)}) on first use: {why}; remembered in "
                     f"{self.pin.pin_file}. Check the fingerprint with `aggregator key`, or pass --server-key")
 

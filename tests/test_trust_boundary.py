@@ -9,6 +9,7 @@ an `internal_error` rejection (the boundary's last resort), so the tests also as
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -272,13 +273,15 @@ def test_first_use_trusts_the_run_that_sends_a_task_not_the_first_status(tmp_pat
     assert a.dropped["bad_signature"] == 1 and a.run_id == "run1" and not a.ended
 
 
-def test_a_join_token_names_the_server_key(tmp_path, server_side):
+def test_a_join_token_names_the_server_key(tmp_path, server_side, caplog):
     token, _ = new_token(server_side.signer.public_text)
     a, transport, _ = make_agent(tmp_path, join_token=token)
     a.dispatch(T.server_status, FakeServer(tmp_path / "evil").status())
     assert a.pin.key is None and a.dropped["wrong_server_key"] == 1
-    a.dispatch(T.server_status, server_side.status())
+    with caplog.at_level(logging.INFO, logger="edge_client.agent"):
+        a.dispatch(T.server_status, server_side.status())
     assert a.pin.text == server_side.signer.public_text and a.run_id == "run1"
+    assert "the join token names it" in caplog.text and "on first use" not in caplog.text  # no trust-on-first-use warning
     announce = Announce.from_json(split_signed(transport.on(T.announce("c1"))[-1])[0])
     _, secret = parse_token(token)
     assert announce.token == proof(secret, "t", "c1", announce.key)  # the proof, never the token itself
