@@ -15,20 +15,20 @@ from aggregator.keys import KeyDir
 from nefl.protocol.signing import KeyFileError, parse_public_key
 from nefl.protocol.tokens import new_token
 from nefl.protocol.topics import check_name
-from nefl.support.cli_options import KeyDirOption
+from nefl.support.cli_options import KeyOptions
+from nefl.support.option_groups import grouped
 
-FEDERATION = typer.Option("default", "--federation", help="Federation name (its keys live in KEY_DIR/FEDERATION).")
 
-
-def _key_dir(federation: str, key_dir: str | None, client: str) -> KeyDir:
+def _key_dir(keys: KeyOptions, client: str) -> KeyDir:
     try:
         check_name("id", client)
-        return KeyDir(check_name("federation name", federation), key_dir)
+        return KeyDir(check_name("federation name", keys.federation), keys.key_dir)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
 
 
+@grouped
 def enroll_command(
     client_id: str = typer.Argument(..., help="The device's --client-id (or, with --worker, the worker's or relay's id)."),
     key: str = typer.Option(None, "--key", help="Enrol this public key now instead of printing a join token (a device "
@@ -36,12 +36,12 @@ def enroll_command(
     worker: bool = typer.Option(False, "--worker", help="Authorise an aggregator worker or site relay, not a device."),
     valid_hours: float = typer.Option(EnrolmentPolicy.token_ttl_s / 3600, "--valid-hours", min=0.01,
                                       help="How long the join token may be used."),
-    federation: str = FEDERATION,
-    key_dir: KeyDirOption = None,
+    *,
+    where: KeyOptions,
 ) -> None:
     """Enrol a device (prints a one-time join token for `edge-client join --join-token`) or authorise a worker's key.
     Enrolling an id that is already pinned rotates its key once the device presents the new token."""
-    keys = _key_dir(federation, key_dir, client_id)
+    keys = _key_dir(where, client_id)
     now = time.time()
     try:
         if key is not None:
@@ -61,15 +61,16 @@ def enroll_command(
           f"--join-token TOKEN (or $NEFL_JOIN_TOKEN); it also tells the device the server key", file=sys.stderr)
 
 
+@grouped
 def revoke_command(
     client_id: str = typer.Argument(..., help="The device's (or, with --worker, the worker's) id."),
     worker: bool = typer.Option(False, "--worker", help="Revoke a worker's or relay's key, not a device's."),
-    federation: str = FEDERATION,
-    key_dir: KeyDirOption = None,
+    *,
+    where: KeyOptions,
 ) -> None:
     """Revoke an id's key: its messages are refused from now on, also in a running federation (a device comes back
     only with a new `aggregator enroll`)."""
-    keys = _key_dir(federation, key_dir, client_id)
+    keys = _key_dir(where, client_id)
     try:
         append(keys.journal, Revoke(client=client_id, role="worker" if worker else "device", time=time.time()))
     except OSError as e:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from dataclasses import asdict
+from typing import Annotated, Optional
 
 import torch
 import typer
@@ -13,8 +14,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
-from nefl.support.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
-                              PasswordOption, UsernameOption)
+from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedPortOption
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, KeyDirOption, LogOptions, RunOutOption, ThreadsOption,
+                                      TorchvisionRootOption)
+from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
 from nefl.jigsaw.zoo import ArchError
@@ -23,6 +26,51 @@ from nefl.support.logs import console
 D = JigsawConfig  # every default below is the config's
 
 
+def _archs(names: str) -> tuple[str, ...]:
+    """--archs: comma-separated names or paths."""
+    return tuple(a.strip() for a in names.split(",") if a.strip())
+
+
+@option_group("Local training")
+class LocalTraining:
+    local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs.")] = D.local_epochs
+    batch_size: BatchSizeOption = D.batch_size
+
+
+@option_group("Data")
+class SimData:
+    non_iid: Annotated[float, typer.Option(min=1e-6, help="Dirichlet alpha of the label skew (0.1 high, 1.0 low).")] = D.non_iid
+    proxy_samples: Annotated[int, typer.Option(min=10, help="Proxy images per client (rotation task, set aside from the "
+                                                             "training images before partitioning).")] = D.proxy_samples
+    max_samples_per_client: Annotated[Optional[int], typer.Option(
+        min=10, help="Cap each client's task data (faster runs).")] = D.max_samples_per_client
+    test_per_client: Annotated[int, typer.Option(
+        min=10, help="Local test images per client (its own label distribution).")] = D.test_per_client
+    data_root: TorchvisionRootOption = D.data_root
+
+
+@option_group("Policy")
+class SimPolicy:
+    policy_rounds: Annotated[int, typer.Option(min=0, help="Policy phase before them, on the proxy task (methods with a "
+                                                           "policy: fedjigsaw, no-coretune, no-symbio).")] = D.policy_rounds
+    critic_warmup: Annotated[int, typer.Option(min=0, help="Policy-phase rounds the server's critic trains before its "
+                                                           "values drive the clients' advantages.")] = D.critic_warmup
+    switch_cost: Annotated[float, typer.Option(
+        min=0.0, help="Nats per round the current chain was trained that the policy must prefer a new chain by before "
+                      "a client switches to it in the model-training phase.")] = D.switch_cost
+    switch_patience: Annotated[int, typer.Option(
+        min=1, help="Consecutive rounds the policy must prefer the same new chain that much.")] = D.switch_patience
+    execution_temperature: Annotated[float, typer.Option(
+        min=0.0, help="Sampling temperature of the model-training phase (0: greedy).")] = D.execution_temperature
+
+
+@option_group("Topology")
+class SimTopology:
+    topology: Annotated[str, typer.Option(help="Neighbour topology: full (the paper's), ring or random.")] = D.topology
+    neighbours_k: Annotated[int, typer.Option(min=1, help="Peers per client for --topology random.")] = D.neighbours_k
+
+
+@grouped
 def jigsaw_command(
     method: str = typer.Option(D.method, help=" | ".join(f"{m.name} ({m.summary})" for m in METHODS.values()) + "."),
     dataset: str = typer.Option(D.dataset, help="Dataset (cnn-* architectures: 28x28; vgg-*: 32x32, e.g. cifar10)."),
@@ -30,35 +78,18 @@ def jigsaw_command(
                               "TOML paths); each client gets the largest its memory budget fits."),
     clients: int = typer.Option(D.clients, min=2, help="Clients (all active every round, as the paper)."),
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds (every method)."),
-    policy_rounds: int = typer.Option(D.policy_rounds, min=0, help="Policy phase before them, on the proxy task "
-                                      "(methods with a policy: fedjigsaw, no-coretune, no-symbio)."),
-    critic_warmup: int = typer.Option(D.critic_warmup, min=0, help="Policy-phase rounds the server's critic trains "
-                                      "before its values drive the clients' advantages."),
-    switch_cost: float = typer.Option(D.switch_cost, min=0.0, help="Nats per round the current chain was trained that "
-                                      "the policy must prefer a new chain by before a client switches to it in the "
-                                      "model-training phase."),
-    switch_patience: int = typer.Option(D.switch_patience, min=1, help="Consecutive rounds the policy must prefer the "
-                                        "same new chain that much."),
-    execution_temperature: float = typer.Option(D.execution_temperature, min=0.0, help="Sampling temperature of the "
-                                                "model-training phase (0: greedy)."),
-    proxy_samples: int = typer.Option(D.proxy_samples, min=10, help="Proxy images per client (rotation task, set "
-                                      "aside from the training images before partitioning)."),
-    non_iid: float = typer.Option(D.non_iid, min=1e-6, help="Dirichlet alpha of the label skew (0.1 high, 1.0 low)."),
-    local_epochs: int = typer.Option(D.local_epochs, min=1, help="Local epochs."),
-    batch_size: int = typer.Option(D.batch_size, min=1, help="Local batch size."),
     lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate of the local models (constant, as the FedJigsaw paper)."),
-    topology: str = typer.Option(D.topology, help="Neighbour topology: full (the paper's), ring or random."),
-    neighbours_k: int = typer.Option(D.neighbours_k, min=1, help="Peers per client for --topology random."),
     budget_headroom: float = typer.Option(D.budget_headroom, min=1.0, help="Device memory budgets reach this x the "
                                           "largest base model's share of the training-peak estimate."),
-    max_samples_per_client: Optional[int] = typer.Option(D.max_samples_per_client, min=10, help="Cap each client's "
-                                                         "task data (faster runs)."),
-    test_per_client: int = typer.Option(D.test_per_client, min=10, help="Local test images per client (its own label distribution)."),
     eval_every: int = typer.Option(D.eval_every, min=0, help="Evaluate every N model-training rounds (always after the last)."),
     seed: int = typer.Option(D.seed, help="Seed for init, budgets, partitions, policies and augmentation."),
-    data_root: Optional[str] = typer.Option(D.data_root, help="Dataset root (torchvision layout)."),
-    out: Optional[str] = typer.Option(D.out, help="Directory for metrics.jsonl, config.json and the final checkpoint."),
+    out: RunOutOption = D.out,
     threads: ThreadsOption = None,
+    *,
+    data: SimData,
+    local: LocalTraining,
+    policy: SimPolicy,
+    neighbours: SimTopology,
 ) -> None:
     """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client."""
     err = console(stderr=True)
@@ -66,18 +97,14 @@ def jigsaw_command(
         chosen = get_method(method)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--method") from None
-    if topology not in ("full", "ring", "random"):
-        raise typer.BadParameter(f"--topology {topology!r}: use full, ring or random")
+    if neighbours.topology not in ("full", "ring", "random"):
+        raise typer.BadParameter(f"--topology {neighbours.topology!r}: use full, ring or random")
     if threads:
         torch.set_num_threads(threads)
-    cfg = JigsawConfig(method=method, dataset=dataset, archs=tuple(a.strip() for a in archs.split(",") if a.strip()),
-                       clients=clients, rounds=rounds, policy_rounds=policy_rounds, critic_warmup=critic_warmup,
-                       switch_cost=switch_cost, switch_patience=switch_patience,
-                       execution_temperature=execution_temperature, proxy_samples=proxy_samples,
-                       local_epochs=local_epochs, batch_size=batch_size, lr=lr, non_iid=non_iid, seed=seed,
-                       max_samples_per_client=max_samples_per_client, test_per_client=test_per_client, topology=topology,
-                       neighbours_k=neighbours_k, budget_headroom=budget_headroom, eval_every=eval_every,
-                       data_root=data_root, out=out)
+    # the groups' fields are JigsawConfig's, by name
+    cfg = JigsawConfig(method=method, dataset=dataset, archs=_archs(archs), clients=clients, rounds=rounds, lr=lr,
+                       budget_headroom=budget_headroom, eval_every=eval_every, seed=seed, out=out, **asdict(data),
+                       **asdict(local), **asdict(policy), **asdict(neighbours))
     try:
         sim = JigsawSimulator(cfg)
     except (ArchError, DatasetUnavailable, ValueError) as e:
@@ -85,7 +112,7 @@ def jigsaw_command(
         raise typer.Exit(2) from None
     total = sim.policy_rounds + rounds
     err.print(f"{chosen.title} · {clients} clients ({', '.join(b.name for b in sim.bases)} from their budgets) · "
-              f"Dirichlet({non_iid}) · {sim.policy_rounds} policy + {rounds} model-training rounds")
+              f"Dirichlet({data.non_iid}) · {sim.policy_rounds} policy + {rounds} model-training rounds")
     columns = (TextColumn("round {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err) as progress:
@@ -116,47 +143,72 @@ def jigsaw_command(
     console().print(table)
 
 
+@option_group("Data")
+class DeviceData:
+    dataset: Annotated[str, typer.Option(help="Dataset the devices shard (each holds its own copy).")] = D.dataset
+    non_iid: Annotated[float, typer.Option(min=1e-6, help="Dirichlet alpha of the devices' label skew.")] = D.non_iid
+    max_samples_per_client: Annotated[Optional[int], typer.Option(
+        min=10, help="Cap each device's task data.")] = D.max_samples_per_client
+    test_per_client: Annotated[int, typer.Option(min=10, help="Local test images per device.")] = D.test_per_client
+    proxy_samples: Annotated[int, typer.Option(min=10, help="Proxy images per device (policy phase).")] = D.proxy_samples
+
+
+@option_group("Policy")
+class DevicePolicy:
+    policy_rounds: Annotated[int, typer.Option(
+        min=0, help="Policy phase before them (CoRe-Tune's critic runs here during it).")] = D.policy_rounds
+    critic_warmup: Annotated[int, typer.Option(
+        min=0, help="Policy-phase rounds the critic trains before its values count.")] = D.critic_warmup
+
+
+@option_group("Topology")
+class DeviceTopology:
+    topology: Annotated[str, typer.Option(help="Neighbour topology: full, ring or random.")] = D.topology
+    neighbours_k: Annotated[int, typer.Option(min=1, help="Peers per device for --topology random.")] = D.neighbours_k
+
+
+@option_group("Checks and timeouts")
+class Timeouts:
+    norm_bound: Annotated[float, typer.Option(
+        min=1e-6, help="A returned module may differ from its source's copy by at most this x the copy's norm (else "
+                       "refused and counted).")] = D.norm_bound
+    fetch_timeout: Annotated[float, typer.Option(
+        min=0.1, help="Seconds a device waits for a peer's module before masking that peer for the round.")] = D.fetch_timeout_s
+    round_timeout: Annotated[float, typer.Option(
+        min=1.0, help="Seconds before a round closes without the devices that have not reported.")] = D.round_timeout_s
+    join_wait: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for --devices devices to say hello.")] = 600.0
+
+
+@option_group("Embedded broker (without --broker)")
+class Embedded:
+    embedded_port: EmbeddedPortOption = 1883
+    embedded_host: Annotated[str, typer.Option(help="Address the embedded broker listens on (0.0.0.0: every interface, "
+                                                    "for devices on other machines; then secure it: "
+                                                    "docs/security.md).")] = "127.0.0.1"
+
+
+@grouped
 def jigsaw_serve_command(
     devices: int = typer.Option(..., min=2, help="Devices to wait for (`edge-client jigsaw`); numbered by client id."),
-    broker: Optional[str] = typer.Option(None, help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker."),
-    embedded_port: int = typer.Option(1883, min=0, help="Port of the embedded broker (0: a free one)."),
-    embedded_host: str = typer.Option("127.0.0.1", help="Address the embedded broker listens on (0.0.0.0: every "
-                                      "interface, for devices on other machines; then secure it: docs/security.md)."),
+    broker: BrokerOrEmbeddedOption = None,
     federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME)."),
     method: str = typer.Option(D.method, help="fedjigsaw, no-coretune, no-symbio or local-only."),
-    dataset: str = typer.Option(D.dataset, help="Dataset the devices shard (each holds its own copy)."),
     archs: str = typer.Option(",".join(D.archs), help="Base architectures; each device takes the largest its memory fits."),
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds."),
-    policy_rounds: int = typer.Option(D.policy_rounds, min=0, help="Policy phase before them (CoRe-Tune's critic runs "
-                                      "here during it)."),
-    critic_warmup: int = typer.Option(D.critic_warmup, min=0, help="Policy-phase rounds the critic trains before its values count."),
-    non_iid: float = typer.Option(D.non_iid, min=1e-6, help="Dirichlet alpha of the devices' label skew."),
-    max_samples_per_client: Optional[int] = typer.Option(D.max_samples_per_client, min=10, help="Cap each device's task data."),
-    test_per_client: int = typer.Option(D.test_per_client, min=10, help="Local test images per device."),
-    proxy_samples: int = typer.Option(D.proxy_samples, min=10, help="Proxy images per device (policy phase)."),
-    local_epochs: int = typer.Option(D.local_epochs, min=1, help="Local epochs."),
-    batch_size: int = typer.Option(D.batch_size, min=1, help="Local batch size."),
     lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate."),
-    topology: str = typer.Option(D.topology, help="Neighbour topology: full, ring or random."),
-    neighbours_k: int = typer.Option(D.neighbours_k, min=1, help="Peers per device for --topology random."),
-    norm_bound: float = typer.Option(D.norm_bound, min=1e-6, help="A returned module may differ from its source's copy by "
-                                     "at most this x the copy's norm (else refused and counted)."),
-    fetch_timeout: float = typer.Option(D.fetch_timeout_s, min=0.1, help="Seconds a device waits for a peer's module "
-                                        "before masking that peer for the round."),
-    round_timeout: float = typer.Option(D.round_timeout_s, min=1.0, help="Seconds before a round closes without the "
-                                        "devices that have not reported."),
-    join_wait: float = typer.Option(600.0, min=1.0, help="Seconds to wait for --devices devices to say hello."),
     seed: int = typer.Option(D.seed, help="Seed of shards, module init, policies and topology."),
     out: Optional[str] = typer.Option(None, help="Directory for metrics.jsonl (one row per round) and final.json."),
     http: Optional[str] = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT)."),
     key_dir: KeyDirOption = None,
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    data: DeviceData,
+    local: LocalTraining,
+    policy: DevicePolicy,
+    neighbours: DeviceTopology,
+    limits: Timeouts,
+    local_broker: Embedded,
+    mqtt: BrokerOptions,
+    logs: LogOptions,
 ) -> None:
     """Coordinate FedJigsaw devices over MQTT: rounds, topology, phase and the CoRe-Tune critic; no central model."""
     import logging
@@ -175,25 +227,24 @@ def jigsaw_serve_command(
     from nefl.protocol.signing import KeyFileError
     from nefl.protocol.topics import Topics
 
-    setup_logging(log_level, log_format, context={"federation": federation})
+    setup_logging(logs.log_level, logs.log_format, context={"federation": federation})
     log = logging.getLogger("aggregator.jigsaw")
     stop_on_sigterm()
     try:
         topics = Topics(federation)
-        if topology not in ("full", "ring", "random"):
-            raise ValueError(f"--topology {topology!r}: use full, ring or random")
-        cfg = JigsawConfig(method=method, dataset=dataset, archs=tuple(a.strip() for a in archs.split(",") if a.strip()),
-                           rounds=rounds, policy_rounds=policy_rounds, critic_warmup=critic_warmup, non_iid=non_iid,
-                           max_samples_per_client=max_samples_per_client, test_per_client=test_per_client,
-                           proxy_samples=proxy_samples, local_epochs=local_epochs, batch_size=batch_size, lr=lr,
-                           topology=topology, neighbours_k=neighbours_k, norm_bound=norm_bound,
-                           fetch_timeout_s=fetch_timeout, round_timeout_s=round_timeout, seed=seed, out=out)
+        if neighbours.topology not in ("full", "ring", "random"):
+            raise ValueError(f"--topology {neighbours.topology!r}: use full, ring or random")
+        # the groups' fields are JigsawConfig's, by name (the timeouts in seconds apart)
+        cfg = JigsawConfig(method=method, archs=_archs(archs), rounds=rounds, lr=lr, seed=seed, out=out,
+                           **asdict(data), **asdict(local), **asdict(policy), **asdict(neighbours),
+                           norm_bound=limits.norm_bound, fetch_timeout_s=limits.fetch_timeout,
+                           round_timeout_s=limits.round_timeout)
         listen = parse_listen(http) if http else None
         out_dir = Path(out) if out else None
         metrics = JigsawMetrics() if listen else None
         signer = KeyDir(federation, key_dir).server_signer()
-        embedded = embedded_broker("auto", embedded_host, embedded_port) if broker is None else None
-        settings = parse_broker(broker or embedded.url, username, password, ca_cert, certfile, keyfile)
+        embedded = embedded_broker("auto", local_broker.embedded_host, local_broker.embedded_port) if broker is None else None
+        settings = parse_broker(broker or embedded.url, *mqtt.credentials)
         conn = Connection(settings, f"jigsaw-coordinator-{federation}", None, b"", log)
         coordinator = Coordinator(cfg, federation, devices, signer, conn.client,
                                   on_row=lambda row: _record(row, out_dir, metrics, log))
@@ -215,7 +266,7 @@ def jigsaw_serve_command(
                      daemon=True).start()
     code = 0
     try:
-        final = coordinator.run(join_wait)
+        final = coordinator.run(limits.join_wait)
         table = Table(title=f"FedJigsaw over MQTT · {len(final)} devices")
         for col in ("device", "client id", "local top-1"):
             table.add_column(col)

@@ -1,16 +1,17 @@
 """The robustness options `aggregator serve` and `aggregator simulate` share: update bounds, clipping,
-DP-FedAvg and the aggregation rule (docs/security.md). Declared once, so a simulated federation runs
-exactly the server's options; defaults come from the config dataclasses, never restated here. Torch-free
-(nefl/support/settings.py holds the defaults), so the commands' --help answers at once.
+DP-FedAvg and the aggregation rule (docs/security.md). Declared once, as the option group RobustnessOptions,
+so a simulated federation runs exactly the server's options; defaults come from the config dataclasses,
+never restated here. Torch-free (nefl/support/settings.py holds the defaults), so the commands' --help
+answers at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from nefl.support.option_groups import option_group
 from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
 
 if TYPE_CHECKING:
@@ -55,35 +56,32 @@ RootData = Annotated[Optional[str], typer.Option(
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
 
 
-@dataclass(frozen=True)
-class RobustDefaults:
-    """The defaults the options show, read from the config dataclasses."""
+@option_group("Robustness (docs/security.md)")
+class RobustnessOptions:
+    max_update_norm: MaxUpdateNorm = None
+    update_norm_relative: UpdateNormRelative = DEFAULT_RELATIVE
+    update_norm_k: UpdateNormK = DEFAULT_ADAPTIVE_K
+    clip: Clip = False
+    max_weight_abs: MaxWeightAbs = DEFAULT_MAX_ABS
+    dp_noise_multiplier: DPNoise = 0.0
+    aggregator: Rule = _A.rule
+    trim: Trim = _A.trim
+    centre_check: CentreCheck = None
+    min_agree: MinAgree = _A.min_agree
+    max_norm_ratio: MaxNormRatio = _A.max_norm_ratio
+    root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
-    relative: float = DEFAULT_RELATIVE
-    adaptive_k: float = DEFAULT_ADAPTIVE_K
-    max_weight_abs: float = DEFAULT_MAX_ABS
-    rule: str = _A.rule
-    trim: float = _A.trim
-    min_agree: float = _A.min_agree
-    max_norm_ratio: float = _A.max_norm_ratio
-    root_samples: int = DEFAULT_ROOT_SAMPLES
+    def robustness(self) -> Robustness:
+        """The options as a Robustness; raises ValueError with a one-line reason for a combination that
+        cannot work."""
+        from aggregator.federation import Robustness  # torch: only when a command runs
+        from nefl.aggregation.robust import NormBound
 
-
-D = RobustDefaults()
-
-
-def robustness(max_update_norm: float | None, relative: float, adaptive_k: float, clip: bool, max_weight_abs: float,
-               dp_noise_multiplier: float, rule: str, trim: float, centre_check: bool | None, min_agree: float,
-               max_norm_ratio: float) -> Robustness:
-    """The options as a Robustness; raises ValueError with a one-line reason for a combination that
-    cannot work."""
-    from aggregator.federation import Robustness  # torch: only when a command runs
-    from nefl.aggregation.robust import NormBound
-
-    if centre_check is None:
-        centre_check = _A.centre_check and not dp_noise_multiplier
-    bound = NormBound(max_norm=max_update_norm or None, relative=relative or None, adaptive_k=adaptive_k or None,
-                      mode="clip" if clip else "reject")
-    agg = AggregationConfig(rule=rule, trim=trim, centre_check=centre_check, min_agree=min_agree,
-                            max_norm_ratio=max_norm_ratio)
-    return Robustness(bound, max_weight_abs, dp_noise_multiplier, aggregation=agg)
+        centre_check = self.centre_check
+        if centre_check is None:
+            centre_check = _A.centre_check and not self.dp_noise_multiplier
+        bound = NormBound(max_norm=self.max_update_norm or None, relative=self.update_norm_relative or None,
+                          adaptive_k=self.update_norm_k or None, mode="clip" if self.clip else "reject")
+        agg = AggregationConfig(rule=self.aggregator, trim=self.trim, centre_check=centre_check,
+                                min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio)
+        return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

@@ -29,9 +29,9 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
 import msgspec
 import typer
@@ -41,8 +41,9 @@ from rich.table import Table
 from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
                                manifest_digest, retired_topics, save_state)
-from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, FederationOption, KeyDirOption, LogFormatOption,
+                                      LogLevelOption, LogOptions)
+from nefl.support.option_groups import grouped, option_group
 from nefl.support.logs import console, progress, setup_logging
 from nefl.protocol.messages import DeployReport, MessageError, Rollout
 from nefl.protocol.mqtt import QOS, BrokerSettings, Connection, parse_broker
@@ -336,11 +337,24 @@ def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, c
     return Operator(Path(checkpoint_dir), federation, signer, state, fleet)
 
 
+@option_group("Federation")
+class FederationOptions:
+    """Where an operator command finds the federation: its broker, run directory and keys."""
+
+    broker: BrokerUrlOption
+    federation: FederationOption = "default"
+    checkpoint_dir: Annotated[Optional[str], typer.Option(
+        help="The federation's run directory; the rollout's state is kept in its deploy/ (default: "
+             "runs/FEDERATION).")] = None
+    key_dir: KeyDirOption = None
+    mqtt: BrokerOptions = field(default_factory=BrokerOptions)
+
+
 @contextmanager
-def operating(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
-              create_key: bool = True, key_dir: str | None = None) -> Iterator[Operator]:
+def operating(where: FederationOptions, create_key: bool = True) -> Iterator[Operator]:
     """One operator command: connected, a DeployError turned into its one line and exit 2, disconnected after."""
-    op = connect_operator(checkpoint_dir, federation, broker, credentials, create_key, key_dir)
+    op = connect_operator(where.checkpoint_dir, where.federation, where.broker, where.mqtt.credentials, create_key,
+                          where.key_dir)
     try:
         yield op
     except DeployError as e:
@@ -350,17 +364,13 @@ def operating(checkpoint_dir: str | None, federation: str, broker: str, credenti
         op.fleet.close()
 
 
-BROKER = typer.Option(..., "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")
-FEDERATION = typer.Option("default", "--federation", help="Federation name: the MQTT topic prefix nefl/NAME/.")
-CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", help="The federation's run directory; the rollout's "
-                              "state is kept in its deploy/ (default: runs/FEDERATION).")
 CHUNK_KIB = typer.Option(DEFAULT_CHUNK_BYTES // 1024, "--chunk-kib", min=8, help="Largest MQTT message, KiB.")
 RULE = CanaryRule()
 
 
+@grouped
 def publish_command(
     export: Path = typer.Option(..., "--export", help="Export directory (`nefl-export onnx --out DIR`)."),
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     canary: float = typer.Option(None, "--canary", min=0.0, max=1.0, help="Give the new version first to this fraction "
                                  "of the devices that follow (rounded down, at least one), then judge it."),
     canary_devices: str = typer.Option(None, "--canary-devices", help="Or these devices (comma-separated client ids)."),
@@ -375,15 +385,15 @@ def publish_command(
                                              help="Roll back when a canary's error rate exceeds its previous "
                                                   "version's by more than this (0.02: two points)."),
     chunk_kib: int = CHUNK_KIB,
-    username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None, keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain",
+    *,
+    where: FederationOptions,
+    logs: LogOptions,
 ) -> None:
     """Roll an export out to the devices following the federation (`edge-client serve --follow`): signed, retained."""
-    setup_logging(log_level, log_format, context={"federation": federation})
+    setup_logging(logs.log_level, logs.log_format, context={"federation": where.federation})
     named = [d.strip() for d in (canary_devices or "").split(",") if d.strip()]
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), key_dir=key_dir) as op:
-        code = _publish(op, export, canary, named, wait, chunk_kib * 1024, log_format,
+    with operating(where) as op:
+        code = _publish(op, export, canary, named, wait, chunk_kib * 1024, logs.log_format,
                         CanaryRule(min_requests, max_p95_ratio, max_error_increase, watch_s))
     raise typer.Exit(code)
 
@@ -427,17 +437,18 @@ rollout_app = typer.Typer(help="See and steer a model rollout: who runs which ve
 
 
 @rollout_app.command("status")
+@grouped
 def status_command(
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print the rollout and the device reports as JSON."),
-    username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None, keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "warning", log_format: LogFormatOption = "plain",
+    log_level: LogLevelOption = "warning",
+    log_format: LogFormatOption = "plain",
+    *,
+    where: FederationOptions,
 ) -> None:
     """Which device runs which version, its health and latency against the version before."""
     setup_logging(log_level, log_format)
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), False, key_dir) as op:
-        view = fleet_view(op.fleet.book.rollout or op.state.rollout(federation), op.fleet.book.reports)
+    with operating(where, create_key=False) as op:
+        view = fleet_view(op.fleet.book.rollout or op.state.rollout(where.federation), op.fleet.book.reports)
     if as_json:
         print(msgspec.json.format(msgspec.json.encode(view), indent=1).decode())
         return
@@ -477,37 +488,33 @@ def _ms(value: float | None) -> str:
 
 
 @rollout_app.command("promote")
-def promote_command(
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
-    username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None, keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain",
-) -> None:
+@grouped
+def promote_command(*, where: FederationOptions, logs: LogOptions) -> None:
     """Make the canary version stable: every device takes it."""
-    setup_logging(log_level, log_format)
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), key_dir=key_dir) as op:
+    setup_logging(logs.log_level, logs.log_format)
+    with operating(where) as op:
         if op.state.canary is None:
             raise DeployError("no canary to promote (`aggregator rollout status` shows the rollout)")
         op.promote(op.state.canary, "by the operator")
 
 
 @rollout_app.command("rollback")
+@grouped
 def rollback_command(
     to: int = typer.Option(None, "--to", min=1, help="The version to go back to (default: the stable one before)."),
     reason: str = typer.Option("by the operator", "--reason", help="Why, for the devices' logs and the status."),
-    broker: str = BROKER, federation: str = FEDERATION, checkpoint_dir: str = CHECKPOINT_DIR, key_dir: KeyDirOption = None,
     chunk_kib: int = CHUNK_KIB,
-    username: UsernameOption = None, password: PasswordOption = None, ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None, keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain",
+    *,
+    where: FederationOptions,
+    logs: LogOptions,
 ) -> None:
     """Revoke the canary, or the stable version in favour of an earlier one: a signed rollback devices obey."""
-    setup_logging(log_level, log_format)
-    with operating(checkpoint_dir, federation, broker, (username, password, ca_cert, certfile, keyfile), key_dir=key_dir) as op:
+    setup_logging(logs.log_level, logs.log_format)
+    with operating(where) as op:
         if op.state.canary is not None and to is None:
             op.revoke_canary(op.state.canary, reason)
         else:
-            op.rollback(to, reason, chunk_kib * 1024, log_format)
+            op.rollback(to, reason, chunk_kib * 1024, logs.log_format)
 
 
 class RolloutWatcher:

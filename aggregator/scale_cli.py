@@ -18,8 +18,8 @@ from typing import Annotated, Optional
 import typer
 
 from aggregator.keys import KeyDir
-from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
-                              PasswordOption, UsernameOption)
+from nefl.support.cli_options import BrokerOptions, FederationOption, KeyDirOption, LogOptions
+from nefl.support.option_groups import grouped, option_group
 from nefl.support.heap import freeze_startup
 from nefl.support.logs import setup_logging
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
@@ -32,25 +32,30 @@ from nefl.protocol.topics import WORKER_GROUP, check_name
 
 log = logging.getLogger("aggregator.worker")
 
-CoordinatorKeyOption = Annotated[Optional[str], typer.Option(
-    "--server-key", envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not "
-                                                   "signed by it are refused.")]
-OwnKeyOption = Annotated[Optional[Path], typer.Option(
-    "--key", help="This worker's or relay's signing key (created 0600 if missing) [default: "
-                  "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")]
-PrintKeyOption = Annotated[bool, typer.Option(
-    "--print-key", help="Print this worker's or relay's public key (for `aggregator enroll ID --worker --key KEY` on "
-                        "the coordinator) and exit.")]
+@option_group("Keys")
+class WorkerKeys:
+    """The coordinator's key a worker or relay checks, and its own."""
+
+    server_key: Annotated[Optional[str], typer.Option(
+        envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not signed by it "
+                                       "are refused.")] = None
+    key: Annotated[Optional[Path], typer.Option(
+        help="This worker's or relay's signing key (created 0600 if missing) [default: "
+             "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")] = None
+    key_dir: KeyDirOption = None
+    print_key: Annotated[bool, typer.Option(
+        "--print-key", help="Print this worker's or relay's public key (for `aggregator enroll ID --worker --key KEY` on "
+                            "the coordinator) and exit.")] = False
 
 
-def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, print_key: bool) -> Signer:
+def own_key(federation: str, me: str, keys: WorkerKeys) -> Signer:
     """A worker's or relay's key (exit 2 with the fix when unusable); --print-key prints it and exits 0."""
     try:
-        signer = KeyDir(check_name("federation name", federation), key_dir).worker_signer(check_name("id", me), key)
+        signer = KeyDir(check_name("federation name", federation), keys.key_dir).worker_signer(check_name("id", me), keys.key)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    if print_key:
+    if keys.print_key:
         print(signer.public_text)
         raise typer.Exit(0)
     log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --key "
@@ -58,65 +63,53 @@ def own_key(federation: str, me: str, key: Path | None, key_dir: str | None, pri
     return signer
 
 
+@grouped
 def worker_command(
     broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
                                          "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    federation: FederationOption = "default",
     worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
     group: str = typer.Option(WORKER_GROUP, help="Shared-subscription group: the broker spreads updates over its members. On "
                               "a broker that devices reach, make it a secret (a device in the group takes away its "
                               "share of the updates, even under an ACL)."),
     shared: bool = typer.Option(True, "--shared/--no-shared", help="--no-shared: take every update (a lone worker, or a "
                                 "broker without shared subscriptions)."),
-    server_key: CoordinatorKeyOption = None,
-    key: OwnKeyOption = None,
-    key_dir: KeyDirOption = None,
-    print_key: PrintKeyOption = False,
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    keys: WorkerKeys,
+    mqtt: BrokerOptions,
+    logs: LogOptions,
 ) -> None:
     """Check and sum a share of a federation's updates for `aggregator serve` (docs/scale.md)."""
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     wid = worker_id or f"worker-{socket.gethostname()}-{os.getpid()}"[:64]
-    signer = own_key(federation, wid, key, key_dir, print_key)
+    signer = own_key(federation, wid, keys)
     from aggregator.worker import Worker, WorkerConfig, run_until_signalled  # torch: not for --help or --print-key
 
-    run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, server_key),
-                                       parse_broker(broker, username, password, ca_cert, certfile, keyfile), signer))
+    run_until_signalled(lambda: Worker(WorkerConfig(federation, wid, group, shared, keys.server_key),
+                                       parse_broker(broker, *mqtt.credentials), signer))
 
 
+@grouped
 def relay_command(
     site_broker: str = typer.Option(..., help="mqtt://HOST:PORT of the site's broker, where its devices connect."),
     upstream: str = typer.Option(..., help="mqtt(s)://HOST:PORT of the coordinator's broker (`aggregator serve`); the "
                                  "credential and TLS options below are for this one."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    federation: FederationOption = "default",
     relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
-    server_key: CoordinatorKeyOption = None,
-    key: OwnKeyOption = None,
-    key_dir: KeyDirOption = None,
-    print_key: PrintKeyOption = False,
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    keys: WorkerKeys,
+    mqtt: BrokerOptions,
+    logs: LogOptions,
 ) -> None:
     """Serve a site's devices on its own broker; send the coordinator one partial per round (docs/scale.md)."""
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     rid = relay_id or f"relay-{socket.gethostname()}"[:64]
-    signer = own_key(federation, rid, key, key_dir, print_key)
+    signer = own_key(federation, rid, keys)
     from aggregator.relay import Relay  # torch: not for --help or --print-key
     from aggregator.worker import WorkerConfig, run_until_signalled
 
-    run_until_signalled(lambda: Relay(WorkerConfig(federation, rid, shared=False, server_key=server_key),
-                                      parse_broker(upstream, username, password, ca_cert, certfile, keyfile),
+    run_until_signalled(lambda: Relay(WorkerConfig(federation, rid, shared=False, server_key=keys.server_key),
+                                      parse_broker(upstream, *mqtt.credentials),
                                       parse_broker(site_broker), signer))
 
 
@@ -135,9 +128,10 @@ def _run_shards(argvs: list[list[str]]) -> int:
         stop_children(children)
 
 
+@grouped
 def loadtest_command(
     broker: str = typer.Option(..., help="mqtt://HOST:PORT the aggregator (and its workers) use."),
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
+    federation: FederationOption = "default",
     profile: str = typer.Option("resnet20-fmnist-w", help="The coordinator's profile (deltas must fit its submodels)."),
     devices: int = typer.Option(100, min=1, help="Simulated devices, one MQTT connection each."),
     procs: int = typer.Option(1, min=1, help="Processes to spread the devices over."),
@@ -156,14 +150,14 @@ def loadtest_command(
                                 "anyone can derive them: a load test's federation only) in the federation's journal in "
                                 "KEY_DIR, for a closed federation's load test, and exit."),
     key_dir: KeyDirOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    logs: LogOptions,
 ) -> None:
     """Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."""
     from aggregator.loadtest import Fleet, FleetConfig, device_grants, log
     from nefl.nested.state import Layout
 
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     if enroll:
         from aggregator.enrolment import append
 
@@ -183,7 +177,7 @@ def loadtest_command(
         argv = ["--broker", broker, "--federation", federation, "--profile", profile, "--devices", str(devices),
                 "--rate", str(rate / procs), "--max-submodel", str(max_submodel), "--chunk-kib", str(chunk_kib),
                 "--scale", str(scale), "--pool", str(pool), "--prefix", prefix, "--seed", str(seed),
-                "--duration", str(duration), "--log-level", log_level, "--log-format", log_format]
+                "--duration", str(duration), "--log-level", logs.log_level, "--log-format", logs.log_format]
         raise typer.Exit(_run_shards([[*argv, "--shard", f"{i}/{procs}"] for i in range(procs)]))
     cfg = FleetConfig(federation=federation, prefix=prefix, first=first, stride=stride, devices=devices,
                       max_submodel=max_submodel, rate=rate, chunk_bytes=chunk_kib * 1024, scale=scale, seed=seed,

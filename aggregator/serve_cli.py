@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -23,8 +24,10 @@ from aggregator import robust_options as ro
 from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
-from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyDirOption, KeyfileOption, LogFormatOption, LogLevelOption,
-                              PasswordOption, UsernameOption, ScheduleOption, WarmupOption)
+from aggregator.run_options import RunSpec
+from nefl.support.cli_options import (BrokerOptions, DataRootOption, FederationOption, KeyDirOption, KeyOptions,
+                                      LogOptions)
+from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
 from nefl.support.listen import is_loopback, parse_listen
 from nefl.support.logs import setup_logging
@@ -45,79 +48,113 @@ if TYPE_CHECKING:
 log = logging.getLogger("aggregator.server")  # one logger for the server's story, CLI or not
 
 
+EmbeddedPortOption = Annotated[int, typer.Option(min=0, help="Port of the embedded broker (0: a free one).")]
+BrokerOrEmbeddedOption = Annotated[Optional[str], typer.Option(
+    "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker.")]
+
+
+@option_group("Rounds")
+class RoundOptions:
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds to run (in total, counting resumed ones).")] = 10
+    clients_per_round: Annotated[int, typer.Option(min=1, help="Participants per round, among connected clients.")] = 10
+    min_clients: Annotated[int, typer.Option(min=1, help="Quorum: updates needed for a round to change the model.")] = 1
+    round_timeout: Annotated[float, typer.Option(min=1, help="Seconds before a round closes without stragglers.")] = 120.0
+    join_wait: Annotated[float, typer.Option(min=0, help="Once a first client is ready, seconds to wait for "
+                                                         "--clients-per-round before starting with --min-clients.")] = 10.0
+
+
+@option_group("Local training")
+class ServeTraining:
+    local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs per task.")] = TrainConfig.local_epochs
+    lr: Annotated[float, typer.Option(help="Base learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
+    batch_size: Annotated[int, typer.Option(min=1, help="Local batch size clients train with.")] = TrainConfig.batch_size
+
+
+@option_group("Evaluation")
+class ServeEval:
+    eval_dataset: Annotated[Optional[str], typer.Option(
+        help="Evaluate every submodel on this dataset's test split after each round.")] = None
+    eval_samples: Annotated[Optional[int], typer.Option(min=1, help="Evaluate on the first N test images only (faster).")] = None
+    data_root: DataRootOption = None
+    root_data: ro.RootData = None
+
+
+@option_group("Embedded broker (without --broker)")
+class EmbeddedOptions:
+    embedded_port: EmbeddedPortOption = 1883
+    embedded_host: Annotated[str, typer.Option(help="Address the embedded broker listens on (0.0.0.0: every interface, "
+                                                    "so devices on the network can join).")] = "127.0.0.1"
+    embedded_broker_kind: Annotated[BrokerKind, typer.Option(
+        "--embedded-broker", help="auto: mosquitto as a child process when installed, else amqtt (about a tenth of "
+                                  "the throughput).")] = "auto"
+
+
+@option_group("Devices and enrolment")
+class EnrolmentOptions:
+    require_device_keys: Annotated[bool, typer.Option(
+        help="Under open enrolment: refuse devices that do not sign their announces and updates (every edge-client "
+             "signs; keys are pinned per client id).")] = False
+    open_enrolment: Annotated[Optional[bool], typer.Option(
+        "--open-enrolment/--no-open-enrolment", help="Pin a device's key on its first signed announce (trust on first "
+                                                     "use). Default: on until `aggregator enroll` grants a device, then "
+                                                     "only enrolled devices take part.")] = None
+    key_dir: KeyDirOption = None
+    resend_after: Annotated[float, typer.Option(
+        min=0.1, help="Seconds after a device's notice that its update is out before a missing update counts as lost "
+                      "and the device is asked to resend.")] = Resends.after_s
+
+
+@option_group("Dashboard and metrics")
+class HttpOptions:
+    http: Annotated[Optional[str], typer.Option(
+        help="Serve the dashboard (/), /api/state and Prometheus /metrics on HOST:PORT (a bare PORT is "
+             "127.0.0.1:PORT); off by default. docs/operations.md")] = None
+    http_token: Annotated[Optional[str], typer.Option(
+        envvar="NEFL_HTTP_TOKEN", help="Token the --http data needs (Bearer header or ?token=); required when --http is "
+                                       "not a loopback address.")] = None
+    http_linger: Annotated[float, typer.Option(
+        min=0, help="Seconds --http stays up after the last round, so a scraper sees the final values (e.g. your "
+                    "scrape interval).")] = 0.0
+
+
+@option_group("Workers (docs/scale.md)")
+class WorkerOptions:
+    workers: Annotated[int, typer.Option(
+        min=0, help="Aggregator worker processes on this host that share the update stream (MQTT shared "
+                    "subscriptions, --broker of mosquitto 2.x / EMQX / HiveMQ); docs/scale.md.")] = 0
+    remote_workers: Annotated[bool, typer.Option(
+        help="Updates are taken by `aggregator worker` processes started elsewhere; this process only merges their "
+             "partials.")] = False
+    worker_timeout: Annotated[float, typer.Option(min=1, help="Seconds a round close waits for the workers' partials.")] = 30.0
+
+
+@grouped
 def serve_command(
     profile: str = typer.Option("resnet20-fmnist-w", help="Profile name or TOML path (the submodel ladder)."),
-    broker: str = typer.Option(None, help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
-    federation: str = typer.Option("default", help="Federation name: the MQTT topic prefix nefl/NAME/."),
-    rounds: int = typer.Option(10, min=1, help="Rounds to run (in total, counting resumed ones)."),
-    clients_per_round: int = typer.Option(10, min=1, help="Participants per round, among connected clients."),
-    min_clients: int = typer.Option(1, min=1, help="Quorum: updates needed for a round to change the model."),
-    round_timeout: float = typer.Option(120.0, min=1, help="Seconds before a round closes without stragglers."),
-    join_wait: float = typer.Option(10.0, min=0, help="Once a first client is ready, seconds to wait for "
-                                    "--clients-per-round before starting with --min-clients."),
+    broker: BrokerOrEmbeddedOption = None,
+    federation: FederationOption = "default",
     checkpoint_dir: str = typer.Option(None, help="Checkpoint + metrics.jsonl directory (default: runs/FEDERATION)."),
     resume: bool = typer.Option(False, help="Continue from the checkpoint in --checkpoint-dir."),
-    eval_dataset: str = typer.Option(None, help="Evaluate every submodel on this dataset's test split after each round."),
-    eval_samples: int = typer.Option(None, min=1, help="Evaluate on the first N test images only (faster)."),
-    data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
-    local_epochs: int = typer.Option(TrainConfig.local_epochs, min=1, help="Local epochs per task."),
-    lr: float = typer.Option(TrainConfig.lr, help="Base learning rate (its schedule: --lr-schedule)."),
-    lr_schedule: ScheduleOption = TrainConfig.schedule,
-    warmup_rounds: WarmupOption = TrainConfig.warmup_rounds,
-    batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size clients train with."),
     chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
-    embedded_port: int = typer.Option(1883, min=0, help="Port of the embedded broker (0: a free one)."),
-    embedded_host: str = typer.Option("127.0.0.1", help="Address the embedded broker listens on (0.0.0.0: every "
-                                      "interface, so devices on the network can join)."),
-    embedded_broker_kind: BrokerKind = typer.Option("auto", "--embedded-broker", help="auto: mosquitto as a child "
-                                                    "process when installed, else amqtt (about a tenth of the throughput)."),
     seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
-    max_update_norm: ro.MaxUpdateNorm = None,
-    update_norm_relative: ro.UpdateNormRelative = ro.D.relative,
-    update_norm_k: ro.UpdateNormK = ro.D.adaptive_k,
-    clip: ro.Clip = False,
-    max_weight_abs: ro.MaxWeightAbs = ro.D.max_weight_abs,
-    dp_noise_multiplier: ro.DPNoise = 0.0,
-    aggregator: ro.Rule = ro.D.rule,
-    trim: ro.Trim = ro.D.trim,
-    centre_check: ro.CentreCheck = None,
-    min_agree: ro.MinAgree = ro.D.min_agree,
-    max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
-    root_data: ro.RootData = None,
-    root_samples: ro.RootSamples = ro.D.root_samples,
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
-    require_device_keys: bool = typer.Option(False, help="Under open enrolment: refuse devices that do not sign their "
-                                             "announces and updates (every edge-client signs; keys are pinned per client id)."),
-    open_enrolment: bool = typer.Option(None, "--open-enrolment/--no-open-enrolment", help="Pin a device's key on its "
-                                        "first signed announce (trust on first use). Default: on until `aggregator "
-                                        "enroll` grants a device, then only enrolled devices take part."),
-    key_dir: KeyDirOption = None,
-    resend_after: float = typer.Option(Resends.after_s, min=0.1, help="Seconds after a device's notice that its update "
-                                       "is out before a missing update counts as lost and the device is asked to resend."),
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
                                           "announced: coverage (every submodel each round when the pool allows), "
                                           "largest (the bound), or paper (tier t picks among t-2..t+2)."),
     init_from: str = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, loaded "
                                   "with weights_only=True, or .safetensors) of the profile's architecture "
                                   "(docs/architectures.md). Ignored with --resume."),
-    http: str = typer.Option(None, help="Serve the dashboard (/), /api/state and Prometheus /metrics on HOST:PORT "
-                             "(a bare PORT is 127.0.0.1:PORT); off by default. docs/operations.md"),
-    http_token: str = typer.Option(None, envvar="NEFL_HTTP_TOKEN", help="Token the --http data needs (Bearer header "
-                                   "or ?token=); required when --http is not a loopback address."),
-    http_linger: float = typer.Option(0.0, min=0, help="Seconds --http stays up after the last round, so a scraper "
-                                      "sees the final values (e.g. your scrape interval)."),
-    log_level: LogLevelOption = "info",
-    workers: int = typer.Option(0, min=0, help="Aggregator worker processes on this host that share the update stream "
-                                "(MQTT shared subscriptions, --broker of mosquitto 2.x / EMQX / HiveMQ); docs/scale.md."),
-    remote_workers: bool = typer.Option(False, help="Updates are taken by `aggregator worker` processes started "
-                                        "elsewhere; this process only merges their partials."),
-    worker_timeout: float = typer.Option(30.0, min=1, help="Seconds a round close waits for the workers' partials."),
-    log_format: LogFormatOption = "plain",
+    *,
+    plan: RoundOptions,
+    training: ServeTraining,
+    run: RunSpec,
+    evaluation: ServeEval,
+    trust: EnrolmentOptions,
+    mqtt: BrokerOptions,
+    local_broker: EmbeddedOptions,
+    dashboard: HttpOptions,
+    scale: WorkerOptions,
+    logs: LogOptions,
 ) -> None:
     """Run a federation: rounds over MQTT, NeFedAvg, checkpoints after every round."""
     with full_install_required("aggregator serve"):  # here, not at the top: `serve --help` needs none of them
@@ -129,53 +166,50 @@ def serve_command(
         from nefl.nested.checkpoint import CheckpointError
         from nefl.nested.data import DatasetUnavailable
         from nefl.aggregation.robust import DPAccountant
-    setup_logging(log_level, log_format, context={"federation": federation})
+    setup_logging(logs.log_level, logs.log_format, context={"federation": federation})
     stop_on_sigterm()
+    http, rule, dp_noise = dashboard.http, run.robust.aggregator, run.robust.dp_noise_multiplier
     try:
-        robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
-                               dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
-        if (workers or remote_workers) and not robust.aggregation.mergeable:
-            raise ValueError(f"--aggregator {aggregator} needs every update of a round in this process, and workers "
+        robust = run.robust.robustness()
+        if (scale.workers or scale.remote_workers) and not robust.aggregation.mergeable:
+            raise ValueError(f"--aggregator {rule} needs every update of a round in this process, and workers "
                              "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")
-        if aggregator == "fltrust" and not (root_data or eval_dataset):
+        if rule == "fltrust" and not (evaluation.root_data or evaluation.eval_dataset):
             raise ValueError("--aggregator fltrust needs the server's root set: give --root-data DATASET or --eval-dataset")
-        TrainConfig(schedule=lr_schedule, warmup_rounds=warmup_rounds)  # a bad schedule fails here, in one line
-        if dp_noise_multiplier > 0:
-            DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
+        run.check()  # a bad schedule fails here, in one line
+        if dp_noise > 0:
+            DPAccountant(dp_noise, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
         listen = parse_listen(http) if http else None
-        embedded = embedded_broker(embedded_broker_kind, embedded_host, embedded_port) if broker is None else None
-        if workers > 1 and embedded is not None and embedded.name == "amqtt":
+        embedded = embedded_broker(local_broker.embedded_broker_kind, local_broker.embedded_host,
+                                   local_broker.embedded_port) if broker is None else None
+        if scale.workers > 1 and embedded is not None and embedded.name == "amqtt":
             raise ValueError("--workers > 1 needs MQTT shared subscriptions, which the embedded broker (amqtt) lacks: "
                              "install mosquitto, or give --broker mqtt://HOST:PORT of mosquitto 2.x, EMQX, HiveMQ or VerneMQ")
-        if listen and not is_loopback(listen[0]) and not http_token:
+        if listen and not is_loopback(listen[0]) and not dashboard.http_token:
             raise TokenRequired(f"--http {http} would show the fleet to anyone who can reach it: give --http-token "
                                 "(or $NEFL_HTTP_TOKEN), or bind 127.0.0.1")
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    cfg = ServeConfig(profile=profile, federation=federation, rounds=rounds, clients_per_round=clients_per_round,
-                      min_clients=min_clients, round_timeout=round_timeout, join_wait=join_wait,
-                      checkpoint_dir=checkpoint_dir or f"runs/{federation}", resume=resume, eval_dataset=eval_dataset,
-                      eval_samples=eval_samples, data_root=data_root, local_epochs=local_epochs, lr=lr,
-                      lr_schedule=lr_schedule, warmup_rounds=warmup_rounds,
-                      batch_size=batch_size, chunk_bytes=chunk_kib * 1024, seed=seed, robustness=robust,
-                      dp_delta=dp_delta, assignment=assignment, init_from=init_from,
-                      enrolment=EnrolmentPolicy(open=open_enrolment, require_device_keys=require_device_keys),
-                      resend_after=resend_after, workers=workers,
-                      remote_workers=remote_workers, worker_timeout=worker_timeout, root_data=root_data,
-                      root_samples=root_samples)
+    # the groups' fields are ServeConfig's, by name
+    cfg = ServeConfig(profile=profile, federation=federation, checkpoint_dir=checkpoint_dir or f"runs/{federation}",
+                      resume=resume, chunk_bytes=chunk_kib * 1024, seed=seed, dp_delta=dp_delta, assignment=assignment,
+                      init_from=init_from, **asdict(plan), **asdict(training), **asdict(evaluation), **asdict(scale),
+                      lr_schedule=run.lr_schedule, warmup_rounds=run.warmup_rounds, robustness=robust,
+                      root_samples=run.robust.root_samples, resend_after=trust.resend_after,
+                      enrolment=EnrolmentPolicy(open=trust.open_enrolment, require_device_keys=trust.require_device_keys))
     try:
         Topics(federation)
         start = load_start(cfg)
-        keys = KeyDir(federation, key_dir)
+        keys = KeyDir(federation, trust.key_dir)
         signer = keys.server_signer(cfg.checkpoint_dir)
-        if start.next_round > rounds:
-            log.info(f"checkpoint is already at round {start.next_round - 1} of {rounds}: nothing to do (raise --rounds)")
+        if start.next_round > cfg.rounds:
+            log.info(f"checkpoint is already at round {start.next_round - 1} of {cfg.rounds}: nothing to do (raise --rounds)")
             return
         enrolment = Enrolment(federation, cfg.enrolment, keys.journal)
-        enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(workers, federation)}
+        enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(cfg.workers, federation)}
         incarnation = keys.next_incarnation()
-        settings = parse_broker(broker or embedded.url, username, password, ca_cert, certfile, keyfile)
+        settings = parse_broker(broker or embedded.url, *mqtt.credentials)
         server = Server(cfg, settings, start, signer, enrolment, incarnation)  # a missing --eval-dataset fails here, first
         if embedded is not None:
             embedded.start()
@@ -192,7 +226,7 @@ def serve_command(
                              "closed: only devices enrolled with `aggregator enroll` take part"))
     watcher = RolloutWatcher(settings, federation, signer.public_text).start() if listen else None
     try:
-        web = start_http(server.observer, *listen, http_token, watcher.snapshot) if watcher is not None else None
+        web = start_http(server.observer, *listen, dashboard.http_token, watcher.snapshot) if watcher is not None else None
     except OSError as e:
         watcher.close()  # only --http fails to bind, and then there is a watcher
         if embedded is not None:
@@ -201,13 +235,14 @@ def serve_command(
         raise typer.Exit(2) from None
     if web is not None:
         log.info(f"dashboard on {web.url}, Prometheus metrics on {web.url}metrics")
-    local = start_local_workers(workers, settings, federation, signer.public_text, keys, log_level) if workers else []
+    local = (start_local_workers(cfg.workers, settings, federation, signer.public_text, keys, logs.log_level)
+             if cfg.workers else [])
     one_per_process()
     keep_freed_memory()
     freeze_startup()
     try:
         server.run()
-        _linger(web, http_linger)
+        _linger(web, dashboard.http_linger)
     except (KeyboardInterrupt, Stop) as e:
         done = server.next_round - 1
         log.info(f"stopping ({stop_reason(e)}); "
@@ -235,15 +270,16 @@ def _linger(web: DashboardServer | None, seconds: float) -> None:
         log.info("stopping the HTTP server")
 
 
+@grouped
 def key_command(
-    federation: str = typer.Option("default", help="Federation name (its keys live in KEY_DIR/FEDERATION)."),
-    key_dir: KeyDirOption = None,
     checkpoint_dir: str = typer.Option(None, help="A run directory where an older version kept server.key: the key is "
                                        "moved into the key directory first."),
+    *,
+    keys: KeyOptions,
 ) -> None:
     """Print the aggregator's public key (created if missing), for devices' --server-key and workers."""
     try:
-        signer = KeyDir(Topics(federation).federation, key_dir).server_signer(checkpoint_dir)
+        signer = KeyDir(Topics(keys.federation).federation, keys.key_dir).server_signer(checkpoint_dir)
     except (KeyFileError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

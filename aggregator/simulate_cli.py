@@ -4,44 +4,69 @@ modules, which need torch, are imported when the command runs, not for its --hel
 from __future__ import annotations
 
 import json
-from typing import Optional
+from dataclasses import asdict
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from aggregator import robust_options as ro
 from aggregator.assignment import Assignment
+from aggregator.run_options import RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import ScheduleOption, ThreadsOption, WarmupOption
+from nefl.support.cli_options import BatchSizeOption, RunOutOption, ThreadsOption, TorchvisionRootOption
 from nefl.support.extras import full_install_required
+from nefl.support.option_groups import grouped, option_group
 from nefl.support.settings import Attack, TrainConfig, Weighting
 
 console = Console(stderr=True)
 
 
+@option_group("Data")
+class SimData:
+    dataset: Annotated[Optional[str], typer.Option(help="Dataset (default: the profile's), e.g. fashion-mnist.")] = None
+    non_iid: Annotated[Optional[float], typer.Option(help="Dirichlet alpha for label skew (omit for IID).")] = None
+    max_samples_per_client: Annotated[Optional[int], typer.Option(min=1, help="Cap each client's data (faster runs).")] = None
+    data_root: TorchvisionRootOption = None
+
+
+@option_group("Local training")
+class SimTraining:
+    local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs E.")] = TrainConfig.local_epochs
+    batch_size: BatchSizeOption = TrainConfig.batch_size
+    lr: Annotated[float, typer.Option(help="SGD learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
+    weighting: Annotated[Weighting, typer.Option(help="uniform (as the paper) or samples.")] = "uniform"
+
+
+@option_group("Evaluation")
+class SimEval:
+    eval_every: Annotated[int, typer.Option(min=0, help="Evaluate every N rounds (always after the last).")] = 5
+    eval_samples: Annotated[int, typer.Option(min=1, help="Test images for intermediate evaluations.")] = 2000
+    final_eval_samples: Annotated[Optional[int], typer.Option(
+        min=1, help="Test images for the last evaluation (default: all).")] = None
+
+
+@option_group("Attack (docs/security.md)")
+class AttackOptions:
+    attack: Annotated[Optional[str], typer.Option(
+        help="What the hostile clients do: sign-flip, scaled-flip, neg-weights, noise, label-flip, backdoor or alie "
+             "(docs/security.md).")] = None
+    attackers: Annotated[float, typer.Option(min=0, max=1, help="With --attack: the share of clients that are hostile.")] = 0.2
+    attack_scale: Annotated[float, typer.Option(
+        min=0, help="scaled-flip: -SCALE x the honest delta; neg-weights: -SCALE x the weights; noise: SCALE x the "
+                    "honest norm.")] = Attack.scale
+
+
+@grouped
 def simulate_command(
     profile: str = typer.Option(..., help="Profile name (see `nefl profile list`) or path to a TOML ladder."),
-    dataset: Optional[str] = typer.Option(None, help="Dataset (default: the profile's), e.g. fashion-mnist."),
     method: Optional[str] = typer.Option(None, help="nefl | nefl-nl | fjord | heterofl | depthfl (default: the profile's)."),
     clients: int = typer.Option(20, min=1, help="Clients in the federation (split into equal tiers)."),
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
     rounds: int = typer.Option(30, min=1, help="Communication rounds."),
-    local_epochs: int = typer.Option(TrainConfig.local_epochs, min=1, help="Local epochs E."),
-    non_iid: Optional[float] = typer.Option(None, help="Dirichlet alpha for label skew (omit for IID)."),
     seed: int = typer.Option(0, help="Seed for init, partitions, sampling and augmentation."),
-    batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size."),
-    lr: float = typer.Option(TrainConfig.lr, help="SGD learning rate (its schedule: --lr-schedule)."),
-    lr_schedule: ScheduleOption = TrainConfig.schedule,
-    warmup_rounds: WarmupOption = TrainConfig.warmup_rounds,
-    weighting: Weighting = typer.Option("uniform", help="uniform (as the paper) or samples."),
-    eval_every: int = typer.Option(5, min=0, help="Evaluate every N rounds (always after the last)."),
-    eval_samples: int = typer.Option(2000, min=1, help="Test images for intermediate evaluations."),
-    final_eval_samples: Optional[int] = typer.Option(None, min=1, help="Test images for the last evaluation (default: all)."),
-    max_samples_per_client: Optional[int] = typer.Option(None, min=1, help="Cap each client's data (faster runs)."),
-    data_root: Optional[str] = typer.Option(None, help="Dataset root (torchvision layout)."),
-    out: Optional[str] = typer.Option(None, help="Directory for metrics.jsonl, config.json and the final checkpoint."),
+    out: RunOutOption = None,
     threads: ThreadsOption = None,
     device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
     assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
@@ -49,23 +74,12 @@ def simulate_command(
     init_from: Optional[str] = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, "
                                             "loaded with weights_only=True, or .safetensors) of the profile's "
                                             "architecture (docs/architectures.md)."),
-    max_update_norm: ro.MaxUpdateNorm = None,
-    update_norm_relative: ro.UpdateNormRelative = ro.D.relative,
-    update_norm_k: ro.UpdateNormK = ro.D.adaptive_k,
-    clip: ro.Clip = False,
-    max_weight_abs: ro.MaxWeightAbs = ro.D.max_weight_abs,
-    dp_noise_multiplier: ro.DPNoise = 0.0,
-    aggregator: ro.Rule = ro.D.rule,
-    trim: ro.Trim = ro.D.trim,
-    centre_check: ro.CentreCheck = None,
-    min_agree: ro.MinAgree = ro.D.min_agree,
-    max_norm_ratio: ro.MaxNormRatio = ro.D.max_norm_ratio,
-    root_samples: ro.RootSamples = ro.D.root_samples,
-    attack: Optional[str] = typer.Option(None, help="What the hostile clients do: sign-flip, scaled-flip, neg-weights, "
-                                         "noise, label-flip, backdoor or alie (docs/security.md)."),
-    attackers: float = typer.Option(0.2, min=0, max=1, help="With --attack: the share of clients that are hostile."),
-    attack_scale: float = typer.Option(Attack.scale, min=0, help="scaled-flip: -SCALE x the honest delta; neg-weights: "
-                                       "-SCALE x the weights; noise: SCALE x the honest norm."),
+    *,
+    data: SimData,
+    training: SimTraining,
+    run: RunSpec,
+    evaluation: SimEval,
+    hostile: AttackOptions,
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
     with full_install_required("aggregator simulate"):  # here, not at the top: `simulate --help` needs no torch
@@ -79,14 +93,12 @@ def simulate_command(
     if threads:
         torch.set_num_threads(threads)
     try:
-        robust = ro.robustness(max_update_norm, update_norm_relative, update_norm_k, clip, max_weight_abs,
-                               dp_noise_multiplier, aggregator, trim, centre_check, min_agree, max_norm_ratio)
-        hostile = Attack(attack, attack_scale) if attack else None
-        cfg = SimConfig(profile, method, dataset, clients, per_round, rounds, local_epochs, non_iid, seed, batch_size,
-                        lr, weighting, eval_every, eval_samples, final_eval_samples,
-                        max_samples_per_client=max_samples_per_client, data_root=data_root, out=out, device=device,
-                        assignment=assignment, lr_schedule=lr_schedule, warmup_rounds=warmup_rounds, robustness=robust,
-                        root_samples=root_samples, attack=hostile, attackers=attackers if hostile else 0.0)
+        attack = Attack(hostile.attack, hostile.attack_scale) if hostile.attack else None
+        # the groups' fields are SimConfig's, by name
+        cfg = SimConfig(profile, method, clients=clients, per_round=per_round, rounds=rounds, seed=seed, out=out,
+                        device=device, assignment=assignment, **asdict(data), **asdict(training), **asdict(evaluation),
+                        lr_schedule=run.lr_schedule, warmup_rounds=run.warmup_rounds, robustness=run.robust.robustness(),
+                        root_samples=run.robust.root_samples, attack=attack, attackers=hostile.attackers if attack else 0.0)
         sim = Simulator(cfg)
         if init_from:  # before the first round, so round 1 trains from the pretrained weights
             sim.fed.state = GlobalState.pretrained(sim.layout, init_from, seed)
@@ -95,7 +107,7 @@ def simulate_command(
         raise typer.Exit(2) from None
     ladder = sim.layout.profile
     console.print(f"{ladder.name} · method {sim.layout.method.name} · {len(sim.train)} training images over "
-                  f"{clients} clients ({'IID' if non_iid is None else f'Dirichlet({non_iid})'})")
+                  f"{clients} clients ({'IID' if data.non_iid is None else f'Dirichlet({data.non_iid})'})")
     columns = (TextColumn("round {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:

@@ -19,8 +19,8 @@ import paho.mqtt.client as mqtt
 import typer
 from rich.table import Table
 
-from nefl.support.cli_options import (CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+from nefl.support.cli_options import BrokerOptions, LogOptions
+from nefl.support.option_groups import grouped
 from nefl.support.logs import console, setup_logging
 from nefl.protocol.messages import MAX_STATUS_BYTES, MessageError, ServerStatus
 from nefl.protocol.mqtt import QOS, BrokerSettings, parse_broker
@@ -75,29 +75,26 @@ def show(status: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
         out.print(table)
 
 
+@grouped
 def status_command(
     broker: str = typer.Option(None, help="Read the retained status from this broker (mqtt://HOST:PORT)."),
     federation: str = typer.Option("default", help="Federation name."),
     checkpoint_dir: str = typer.Option(None, help="Read status.json and metrics.jsonl here (default runs/FEDERATION)."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
     timeout: float = typer.Option(5.0, help="Seconds to wait for the retained status."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw status JSON."),
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    access: BrokerOptions,
+    logs: LogOptions,
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
     from aggregator.server import STATUS_FILE  # here, not at the top: `status --help` needs no torch
     from nefl.nested.checkpoint import read_metrics
 
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     run_dir = Path(checkpoint_dir or f"runs/{federation}")
     try:
         if broker:
-            status = read_retained(parse_broker(broker, username, password, ca_cert, certfile, keyfile), federation, timeout)
+            status = read_retained(parse_broker(broker, *access.credentials), federation, timeout)
         else:
             status = json.loads((run_dir / STATUS_FILE).read_text()) if (run_dir / STATUS_FILE).exists() else None
     except (OSError, ValueError) as e:

@@ -10,6 +10,7 @@ import logging
 import socket
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -25,30 +26,33 @@ from nefl.protocol.signing import KeyFileError, public_key_arg
 from nefl.protocol.topics import Topics, check_name
 from nefl.support.units import parse_size
 
+if TYPE_CHECKING:
+    from edge_client.follow_options import FollowOptions
+
 log = logging.getLogger("edge_client.follow")
 console = Console(stderr=True)
 
 
 def start_following(
-    stop: threading.Event, broker: str, federation: str, models: Path | None, server_key: str | None,
-    client_id: str | None, device_key: Path | None, keep_free: str, include_untrained: bool, probe: Probe | None,
-    build: RuntimeFactory, credentials: tuple[str | None, ...], precision: str,
+    stop: threading.Event, following: FollowOptions, models: Path | None, include_untrained: bool, probe: Probe | None,
+    build: RuntimeFactory, precision: str,
 ) -> tuple[Serving, threading.Thread, str]:
     """Load what the directory holds, connect, and follow in a daemon thread until `stop` is set.
     Returns the Serving the HTTP server answers from, the thread, and a line saying what serves."""
-    cid = client_id or f"edge-{socket.gethostname()}"
+    federation, server_key = following.federation, following.server_key
+    cid = following.client_id or f"edge-{socket.gethostname()}"
     try:
         if precision != "fp32":
             raise ValueError("--follow rolls out fp32 submodels only: drop --precision int8")
         check_name("client id", cid)
         topics = Topics(federation)
-        settings = parse_broker(broker, *credentials)
+        settings = parse_broker(following.follow, *following.mqtt.credentials)
         pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
         if server_key is None and not pin.is_file():
             raise ValueError("--follow needs the aggregator's public key to check what it rolls out: pass --server-key "
                              "KEY (`aggregator key --checkpoint-dir DIR` prints it)")
-        cfg = FollowConfig(cid, federation, public_key_arg(server_key or str(pin)), device_signer(cid, device_key),
-                           include_untrained=include_untrained, keep_free_bytes=parse_size(keep_free))
+        cfg = FollowConfig(cid, federation, public_key_arg(server_key or str(pin)), device_signer(cid, following.device_key),
+                           include_untrained=include_untrained, keep_free_bytes=parse_size(following.keep_free))
         store = Store(models or CACHE / "deploy" / federation)
     except (ValueError, KeyFileError, StoreError, OSError) as e:
         console.print(f"[red]error:[/red] {e}")

@@ -8,54 +8,62 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import numpy as np
 import typer
 from rich.console import Console
 
+from edge_client.follow_options import FollowOptions
 from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, REQUEST_TIMEOUT_S, WORKERS, make_server
 from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ModelsError, Probe
 from edge_client.serving import Active, Serving
 from edge_client.store import followed_current
-from nefl.support.cli_options import CaCertOption, CertfileOption, KeyfileOption, PasswordOption, UsernameOption
 from nefl.support.logs import setup_logging
+from nefl.support.option_groups import grouped, option_group
 from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.support.units import parse_size
 
 console = Console()
 log = logging.getLogger(__name__)
 
-MODELS = typer.Option(..., "--models", help="Export directory with manifest.json (from `nefl-export onnx`), or a "
-                      "directory `serve --follow` keeps (its current version is used).")
-BUDGET = typer.Option(20.0, "--latency-budget-ms", min=0.0, help="Per-request latency budget; the runtime picks "
-                      "the largest submodel predicted to meet it under the current load.")
-THREADS = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default: half the cores).")
-PRECISION = typer.Option("fp32", "--precision", help="fp32, or int8 when exported with --quantize int8.")
-UNTRAINED = typer.Option(False, "--include-untrained", help="Also use submodels the export records as never trained "
-                         "or no better than chance (skipped by default, with a warning).")
+@option_group("Runtime")
+class RuntimeOptions:
+    """How the adaptive runtime picks and runs submodels (AdaptiveRuntime's arguments, by name)."""
+
+    latency_budget_ms: Annotated[float, typer.Option(
+        min=0.0, help="Per-request latency budget; the runtime picks the largest submodel predicted to meet it under "
+                      "the current load.")] = 20.0
+    threads: Annotated[Optional[int], typer.Option(
+        min=1, help="onnxruntime intra-op threads (default: half the cores).")] = None
+    precision: Annotated[str, typer.Option(help="fp32, or int8 when exported with --quantize int8.")] = "fp32"
+    include_untrained: Annotated[bool, typer.Option(
+        "--include-untrained", help="Also use submodels the export records as never trained or no better than chance "
+                                    "(skipped by default, with a warning).")] = False
 
 
-def _runtime(models: Path, budget: float, threads: int | None, precision: str, include_untrained: bool,
-             probe: Probe | None = None) -> AdaptiveRuntime:
+def _runtime(models: Path, options: RuntimeOptions, probe: Probe | None = None) -> AdaptiveRuntime:
     setup_logging("info")
     try:
         with console.status("loading and calibrating submodels..."):
-            return AdaptiveRuntime(followed_current(models), probe=probe, latency_budget_ms=budget, threads=threads,
-                                   precision=precision, include_untrained=include_untrained)
+            return AdaptiveRuntime(followed_current(models), probe=probe, **asdict(options))
     except (ModelsError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
 
 
+@grouped
 def infer_command(
     images: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="PNG/JPEG files to classify."),
-    models: Path = MODELS, latency_budget_ms: float = BUDGET, threads: int | None = THREADS,
-    precision: str = PRECISION, include_untrained: bool = UNTRAINED,
+    models: Path = typer.Option(..., help="Export directory with manifest.json (from `nefl-export onnx`), or a "
+                                "directory `serve --follow` keeps (its current version is used)."),
+    *,
+    runtime_options: RuntimeOptions,
 ) -> None:
     """Classify image files, one request each, and show which submodel answered and why."""
-    runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained)
+    runtime = _runtime(models, runtime_options)
     failed = 0
     for path in images:
         try:
@@ -72,14 +80,13 @@ def infer_command(
     raise typer.Exit(1 if failed else 0)
 
 
+@grouped
 def serve_command(
-    models: Optional[Path] = typer.Option(None, "--models", help="Export directory with manifest.json (from `nefl-export "
+    models: Optional[Path] = typer.Option(None, help="Export directory with manifest.json (from `nefl-export "
                                           "onnx`); with --follow, the directory the followed versions are kept in "
                                           "(default: $NEFL_CACHE_DIR/deploy/FEDERATION)."),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port (0: any free)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes it to the network."),
-    latency_budget_ms: float = BUDGET, threads: int | None = THREADS, precision: str = PRECISION,
-    include_untrained: bool = UNTRAINED,
     max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", min=1, help="Largest accepted upload."),
     max_pixels: int = typer.Option(MAX_IMAGE_PIXELS, "--max-pixels", min=1, help="Largest image (width x height) "
                                    "decoded; checked on the header before decoding (413 above it)."),
@@ -91,23 +98,9 @@ def serve_command(
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Emulate a device with this much free "
                                                 "memory (e.g. 300MB): the submodel choice per request, and which "
                                                 "submodels --follow fetches, see at most this much."),
-    follow: Optional[str] = typer.Option(None, "--follow", help="mqtt://HOST:PORT of a federation's broker: take the "
-                                         "models its aggregator rolls out (`aggregator publish`), swapping them in "
-                                         "while serving. docs/deploy.md"),
-    federation: str = typer.Option("default", "--federation", help="With --follow: the federation (topics nefl/NAME/)."),
-    server_key: Optional[str] = typer.Option(None, "--server-key", envvar="NEFL_SERVER_KEY", help="With --follow: the "
-                                             "aggregator's public key (`aggregator key` prints it) or a file holding "
-                                             "it; default: the key `edge-client join` pinned for this broker."),
-    client_id: Optional[str] = typer.Option(None, "--client-id", help="With --follow: this device's id in rollout "
-                                            "reports and canary lists (default: edge-HOSTNAME)."),
-    device_key: Optional[Path] = typer.Option(None, "--device-key", help="With --follow: the key reports are signed "
-                                              "with (default: the one `edge-client join` uses for --client-id)."),
-    keep_free: str = typer.Option("64MiB", "--keep-free", help="With --follow: disk space a download must leave free."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
+    *,
+    runtime_options: RuntimeOptions,
+    following: FollowOptions,
 ) -> None:
     """Serve POST /predict (image bytes -> JSON), GET /health and GET /models over HTTP."""
     setup_logging("info")
@@ -119,20 +112,21 @@ def serve_command(
         raise typer.Exit(2) from None
     stop, follower_thread, server = threading.Event(), None, None
     try:
-        if follow is None:
+        if following.follow is None:
             if models is None:
                 console.print("[red]error:[/red] give --models DIR (an export directory), or --follow mqtt://HOST:PORT")
                 raise typer.Exit(2)
-            runtime = _runtime(models, latency_budget_ms, threads, precision, include_untrained, probe)
+            runtime = _runtime(models, runtime_options, probe)
             serving, what = Serving(Active(runtime, None)), f"{runtime.manifest.profile} ({len(runtime.submodels)} submodels)"
         else:
             from edge_client.follow_cli import start_following  # paho only when following
 
             serving, follower_thread, what = start_following(
-                stop, follow, federation, models, server_key, client_id, device_key, keep_free, include_untrained, probe,
-                lambda d: AdaptiveRuntime(d, probe=probe, latency_budget_ms=latency_budget_ms, threads=threads,
-                                          include_untrained=include_untrained),
-                (username, password, ca_cert, certfile, keyfile), precision)
+                stop, following, models, runtime_options.include_untrained, probe,
+                lambda d: AdaptiveRuntime(d, probe=probe, latency_budget_ms=runtime_options.latency_budget_ms,
+                                          threads=runtime_options.threads,
+                                          include_untrained=runtime_options.include_untrained),
+                runtime_options.precision)
         try:
             server = make_server(serving, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
                                  queue_size=queue_size, timeout_s=request_timeout)

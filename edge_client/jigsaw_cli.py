@@ -9,8 +9,6 @@ answers its neighbours' fetches during its own training.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -18,11 +16,11 @@ from pathlib import Path
 import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
-from nefl.support.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+from edge_client.join import Membership
+from nefl.support.cli_options import LogOptions, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import setup_logging
-from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
+from nefl.support.option_groups import grouped
 from nefl.protocol.mqtt import Connection, drain, parse_broker
 from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.protocol.topics import Topics, check_name
@@ -30,29 +28,22 @@ from nefl.protocol.topics import Topics, check_name
 log = logging.getLogger(__name__)
 
 
+@grouped
 def jigsaw_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker."),
-    client_id: str = typer.Option(None, help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID)."),
-    federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/)."),
     memory_budget: str = typer.Option(None, help="Memory this device may train in, e.g. 40MB (default: what the probe "
                                       "reads as available); the largest base architecture that fits is its model."),
     data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data); the "
                                   "coordinator's plan names the dataset and this device's shard of it."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message this client sends, KiB."),
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
                                    help="The coordinator's public key (`aggregator key` prints it) or a file holding it; "
                                         "without it the first plan that lists this device is trusted, with a warning."),
     device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
                                     "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; peers check it."),
     out: Path = typer.Option(None, help="Write the final chain's parameters here (final.safetensors)."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
     threads: ThreadsOption = None,
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    member: Membership,
+    logs: LogOptions,
 ) -> None:
     """Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them."""
     with full_install_required("edge-client jigsaw"):
@@ -65,12 +56,12 @@ def jigsaw_command(
         from edge_client.select import DeviceBudget
         from nefl.nested.data import DatasetUnavailable
         from nefl.protocol.signing import KeyPin, public_key_arg
-    cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
-    setup_logging(log_level, log_format, context={"client": cid})
+    cid, federation = member.cid, member.federation
+    setup_logging(logs.log_level, logs.log_format, context={"client": cid})
     stop_on_sigterm()
     try:
         check_name("client id", cid)
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
+        settings = parse_broker(member.broker, *member.mqtt.credentials)
         if threads:
             torch.set_num_threads(threads)
         budget = DeviceBudget.parse(memory_budget).apply(Prober().snapshot()).memory_available
@@ -81,7 +72,8 @@ def jigsaw_command(
                      pin_file_for(PIN_DIR, federation, settings.host, settings.port))
         topics = Topics(federation)
         conn = Connection(settings, cid, topics.status(cid), lambda seq: status_message(signer, "offline", seq), log)
-        device = JigsawDevice(DeviceSettings(cid, federation, int(budget), chunk_kib * 1024, data_root), signer, pin, conn.client)
+        device = JigsawDevice(DeviceSettings(cid, federation, int(budget), member.chunk_kib * 1024, data_root), signer, pin,
+                              conn.client)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

@@ -15,19 +15,21 @@ import queue
 import socket
 import sys
 import time
+from dataclasses import asdict, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from edge_client.cache import CALIBRATION_DIR
+from edge_client.plan_cli import CacheDirOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.support.cli_options import (ThreadsOption, CaCertOption, CertfileOption, KeyfileOption, LogFormatOption, LogLevelOption, PasswordOption,
-                              UsernameOption)
+from nefl.support.cli_options import BrokerOptions, BrokerUrlOption, DataRootOption, LogOptions, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
 from nefl.support.listen import parse_listen
 from nefl.support.logs import setup_logging
+from nefl.support.option_groups import grouped, option_group
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import BrokerSettings, Connection, parse_broker
 from nefl.protocol.signing import status_message
@@ -77,35 +79,59 @@ def _no_server(agent: Agent, conn: Connection, settings: BrokerSettings) -> str:
             f"{fed}` running on {settings.url}? (still waiting)")
 
 
+@option_group("Federation")
+class Membership:
+    """Which federation a device takes part in, as whom, over which broker (`join` and `jigsaw`)."""
+
+    broker: BrokerUrlOption
+    client_id: Annotated[Optional[str], typer.Option(
+        help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID).")] = None
+    federation: Annotated[str, typer.Option(help="Federation name (topic prefix nefl/NAME/).")] = "default"
+    chunk_kib: Annotated[int, typer.Option(
+        min=8, help="Largest MQTT message this client sends, KiB.")] = DEFAULT_CHUNK_BYTES // 1024
+    mqtt: BrokerOptions = field(default_factory=BrokerOptions)
+
+    @property
+    def cid(self) -> str:
+        """--client-id, or one made of this host and process."""
+        return self.client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
+
+
+@option_group("Training data")
+class DataOptions:
+    dataset: Annotated[str, typer.Option(help="Training dataset (its class names are the labels).")] = "fashion-mnist"
+    partition: Annotated[str, typer.Option(help="This client's IID shard I/N of the training data.")] = "1/1"
+    data_root: DataRootOption = None
+    data_dir: Annotated[Optional[str], typer.Option(
+        help="Train on this folder of images instead (DIR/CLASS/IMAGE.png, CLASS one of --dataset's class names, "
+             "converted to its shape); --partition still shards it.")] = None
+    max_samples: Annotated[Optional[int], typer.Option(
+        min=1, help="Use at most N samples of the shard (quick tests, demos).")] = None
+
+
+@option_group("What this device trains")
+class DeviceOptions:
+    max_submodel: Annotated[int, typer.Option(
+        min=1, help="Cap on the submodel (1-based) this device trains; below it, each round picks the largest that "
+                    "fits memory and deadline.")] = 1000
+    memory_budget: Annotated[Optional[str], typer.Option(
+        help="Select submodels as if only this much memory were free, e.g. 300MB (emulation for selection only: the "
+             "process is not limited, and its resident memory includes torch, the data and the model, often 800 MB "
+             "or more).")] = None
+    cpu_budget: Annotated[Optional[float], typer.Option(
+        help="Emulate a device this fraction as fast, e.g. 0.5 (training sleeps after each round to really take that "
+             "long).")] = None
+    calibrate_costs: Annotated[bool, typer.Option(
+        "--calibrate/--no-calibrate", help="Measure one training step per submodel (cached) or use the analytic "
+                                           "estimate.")] = True
+    recalibrate: Annotated[bool, typer.Option(help="Ignore the cached calibration and measure again.")] = False
+    cache_dir: CacheDirOption = CALIBRATION_DIR
+    device: Annotated[str, typer.Option(help="torch device to train on: cpu, or cuda on a Jetson / GPU machine.")] = "cpu"
+
+
+@grouped
 def join_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker."),
-    client_id: str = typer.Option(None, help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID)."),
-    federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/)."),
-    dataset: str = typer.Option("fashion-mnist", help="Training dataset (its class names are the labels)."),
-    partition: str = typer.Option("1/1", help="This client's IID shard I/N of the training data."),
-    data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data)."),
-    data_dir: str = typer.Option(None, help="Train on this folder of images instead (DIR/CLASS/IMAGE.png, CLASS one of "
-                                 "--dataset's class names, converted to its shape); --partition still shards it."),
-    max_samples: int = typer.Option(None, min=1, help="Use at most N samples of the shard (quick tests, demos)."),
-    max_submodel: int = typer.Option(1000, min=1, help="Cap on the submodel (1-based) this device trains; "
-                                     "below it, each round picks the largest that fits memory and deadline."),
-    memory_budget: str = typer.Option(None, help="Select submodels as if only this much memory were free, e.g. 300MB "
-                                      "(emulation for selection only: the process is not limited, and its resident "
-                                      "memory includes torch, the data and the model, often 800 MB or more)."),
-    cpu_budget: float = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5 (training sleeps "
-                                     "after each round to really take that long)."),
-    calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate",
-                                         help="Measure one training step per submodel (cached) or use the analytic estimate."),
-    recalibrate: bool = typer.Option(False, help="Ignore the cached calibration and measure again."),
-    cache_dir: Path = typer.Option(CALIBRATION_DIR, help="Where calibrations are cached."),
-    device: str = typer.Option("cpu", help="torch device to train on: cpu, or cuda on a Jetson / GPU machine."),
     fp16: bool = typer.Option(False, help="Upload deltas as fp16 (half the bytes)."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message this client sends, KiB."),
-    username: UsernameOption = None,
-    password: PasswordOption = None,
-    ca_cert: CaCertOption = None,
-    certfile: CertfileOption = None,
-    keyfile: KeyfileOption = None,
     threads: ThreadsOption = None,
     seed: int = typer.Option(0, help="Seed of local shuffling and augmentation."),
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
@@ -117,8 +143,11 @@ def join_command(
                                    "CLIENT_ID` printed: enrols this device's key and tells it the server key."),
     http: str = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe "
                              "readings, the selection and its binding limit, step time, upload bytes."),
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    member: Membership,
+    data: DataOptions,
+    limits: DeviceOptions,
+    logs: LogOptions,
 ) -> None:
     """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
     with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
@@ -128,27 +157,27 @@ def join_command(
         from edge_client.device import DataConfig, DeviceConfig, LocalDevice
         from edge_client.metrics import instrument
         from nefl.nested.data import DatasetUnavailable, parse_partition
-    cid = client_id or f"edge-{socket.gethostname()}-{os.getpid()}"
-    setup_logging(log_level, log_format, context={"client": cid})
+    cid, federation = member.cid, member.federation
+    setup_logging(logs.log_level, logs.log_format, context={"client": cid})
     stop_on_sigterm()
     try:
         check_name("client id", cid)
-        settings = parse_broker(broker, username, password, ca_cert, certfile, keyfile)
-        parse_partition(partition)
+        settings = parse_broker(member.broker, *member.mqtt.credentials)
+        parse_partition(data.partition)
         listen = parse_listen(http) if http else None
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: torch sees no CUDA device here (on a Jetson, install NVIDIA's torch "
+        if limits.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {limits.device}: torch sees no CUDA device here (on a Jetson, install NVIDIA's torch "
                              "wheel; see docs/deploy.md)")
         if threads:
             torch.set_num_threads(threads)
-        log.info(f"loading {data_dir or dataset} (shard {partition})")
-        local = LocalDevice(DataConfig(dataset, partition, data_root, data_dir, max_samples),
-                            DeviceConfig(max_submodel, memory_budget, cpu_budget, calibrate_costs, seed, device, recalibrate,
-                                         cache_dir))
+        log.info(f"loading {data.data_dir or data.dataset} (shard {data.partition})")
+        local = LocalDevice(DataConfig(**asdict(data)),  # its fields are DataConfig's, by name
+                            DeviceConfig(limits.max_submodel, limits.memory_budget, limits.cpu_budget, limits.calibrate_costs,
+                                         seed, limits.device, limits.recalibrate, limits.cache_dir))
         signer = device_signer(cid, device_key)
         pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
-        cfg = AgentConfig(cid, federation, max_submodel, fp16, chunk_kib * 1024, server_key, pin, signer, join_token,
-                          run_file_for(pin))
+        cfg = AgentConfig(cid, federation, limits.max_submodel, fp16, member.chunk_kib * 1024, server_key, pin, signer,
+                          join_token, run_file_for(pin))
         conn = Connection(settings, cid, Topics(federation).status(cid), lambda seq: status_message(signer, "offline", seq),
                           log)
         transport, dev = (conn.client, local) if listen is None else \

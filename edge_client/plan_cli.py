@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -21,6 +21,7 @@ from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
 from nefl.nested.profile import ProfileError, load_profile
+from nefl.support.cli_options import BatchSizeOption
 from nefl.support.extras import full_install_required
 from nefl.support.settings import TrainConfig
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from nefl.nested.state import Layout
 
 EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 2, 3
+CacheDirOption = Annotated[Path, typer.Option("--cache-dir", help="Where calibrations are cached.")]
 console = Console()
 
 
@@ -68,7 +70,7 @@ def _plan_table(table: CostTable, sel: Selection) -> Table:
 def plan_command(
     profile: str = typer.Option(..., "--profile", "-p", help="Profile name (see `nefl profile list`) or TOML path."),
     method: Optional[str] = typer.Option(None, help="Method preset; default: the profile's."),
-    batch_size: int = typer.Option(TrainConfig.batch_size, min=1, help="Local batch size."),
+    batch_size: BatchSizeOption = TrainConfig.batch_size,
     samples: int = typer.Option(600, min=1, help="Local training samples per round."),
     epochs: int = typer.Option(5, min=1, help="Local epochs per round."),
     deadline: Optional[float] = typer.Option(None, min=0.0, help="Round deadline for local training, seconds."),
@@ -80,7 +82,7 @@ def plan_command(
     threads: Optional[int] = typer.Option(None, min=1, help="Torch threads for training; default: torch's (one per core)."),
     calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate", help="Measure one real step per submodel (cached)."),
     recalibrate: bool = typer.Option(False, help="Ignore the cache and measure again."),
-    cache_dir: Path = typer.Option(CALIBRATION_DIR, help="Where calibrations are cached."),
+    cache_dir: CacheDirOption = CALIBRATION_DIR,
     device: str = typer.Option("cpu", help="torch device the costs are measured on: cpu, or cuda (Jetson / GPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print costs and the selection as JSON."),
 ) -> None:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import typer
 
-from nefl.support.cli_options import LogFormatOption, LogLevelOption
+from nefl.support.cli_options import LogOptions
 from nefl.support.extras import full_install_required
 from nefl.support.logs import progress, setup_logging
+from nefl.support.option_groups import grouped
 
 app = typer.Typer(help="Export NeFL submodels to ONNX with a verified manifest.", no_args_is_help=True, add_completion=False)
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ def _parse_submodels(spec: str | None) -> list[int] | None:
 
 
 @app.command("onnx")
+@grouped
 def onnx_command(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint directory (as written by serve or simulate)."),
     out: Path = typer.Option(..., "--out", help="Directory for the .onnx files and manifest.json."),
@@ -40,18 +42,18 @@ def onnx_command(
     submodels: str | None = typer.Option(None, "--submodels", help="Only these submodels, 1-based, e.g. '1,3,5'."),
     include_untrained: bool = typer.Option(False, "--include-untrained", help="Also export submodels the checkpoint "
                                            "records as never trained or no better than chance (skipped by default)."),
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    logs: LogOptions,
 ) -> None:
     """One verified .onnx per submodel (BN and step sizes folded), then manifest.json."""
     with full_install_required("nefl-export onnx"):  # here, not at the top: `onnx --help` needs no torch
         from export.onnx_export import export_checkpoint
         from export.parity import ParityError
         from nefl.nested.checkpoint import CheckpointError
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     indices = _parse_submodels(submodels)
     try:
-        with progress(log_format, log) as step:
+        with progress(logs.log_format, log) as step:
             step("loading checkpoint and reference images")
             manifest = export_checkpoint(checkpoint, out, quantize, data_root, indices, on_step=step,
                                          include_untrained=include_untrained)

@@ -11,8 +11,9 @@ import nefl.nested.profile
 from nefl.nested.cost import full_cost, submodel_cost
 from nefl.nested.methods import METHODS, apply_method, get_method
 from nefl.nested.profile import ProfileError, list_profiles, load_profile
-from nefl.support.cli_options import LogFormatOption, LogLevelOption
+from nefl.support.cli_options import LogOptions
 from nefl.support.logs import console, setup_logging
+from nefl.support.option_groups import grouped
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,10 @@ def _human(n: int) -> str:
 
 
 @profile_app.command("list")
-def list_command(log_level: LogLevelOption = "info", log_format: LogFormatOption = "plain") -> None:
+@grouped
+def list_command(*, logs: LogOptions) -> None:
     """List the shipped profiles."""
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     names = list_profiles()
     if not names:  # an install that lost its package data must not look like an empty, healthy one
         log.error(f"no profiles found in {nefl.nested.profile.PROFILES_DIR}; reinstall nefl-edge "
@@ -43,14 +45,15 @@ def list_command(log_level: LogLevelOption = "info", log_format: LogFormatOption
 
 
 @profile_app.command("show")
+@grouped
 def show_command(
     profile: str = typer.Argument(..., help="Profile name or path to a TOML file."),
     method: str = typer.Option(None, help=f"Show the ladder a method derives: {', '.join(METHODS)}."),
-    log_level: LogLevelOption = "info",
-    log_format: LogFormatOption = "plain",
+    *,
+    logs: LogOptions,
 ) -> None:
     """Print a ladder: target gamma, actual parameter ratio, parameters and FLOPs per submodel."""
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     try:
         p = load_profile(profile)
         if method:

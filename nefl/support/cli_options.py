@@ -1,8 +1,9 @@
 """Options several commands share, declared once so their flags, environment variables and help agree.
 
-Each is an Annotated type: a command declares `password: PasswordOption = None` and gets the same
-`--password` (env NEFL_MQTT_PASSWORD) as every other command that talks to a broker. This module
-imports neither torch nor paho, so the small inference install's commands can use it too.
+Each is an Annotated type (a command declares `key_dir: KeyDirOption = None`) or an option group
+(nefl/support/option_groups.py: a command declares `mqtt: BrokerOptions` and gets the same `--password`,
+env NEFL_MQTT_PASSWORD, as every other command that talks to a broker). This module imports neither
+torch nor paho, so the small inference install's commands can use it too.
 """
 
 from __future__ import annotations
@@ -12,21 +13,53 @@ from typing import Annotated, Optional
 import typer
 
 from nefl.support.logs import LogFormat, LogLevel
+from nefl.support.option_groups import option_group
 
 ENV_USERNAME, ENV_PASSWORD, ENV_CA_CERT = "NEFL_MQTT_USERNAME", "NEFL_MQTT_PASSWORD", "NEFL_CA_CERT"
 
-# the broker's credentials and TLS files, in nefl.protocol.mqtt.parse_broker's argument order
-UsernameOption = Annotated[Optional[str], typer.Option("--username", envvar=ENV_USERNAME, help="Broker user.")]
-PasswordOption = Annotated[Optional[str], typer.Option("--password", envvar=ENV_PASSWORD, help="Broker password.")]
-CaCertOption = Annotated[Optional[str], typer.Option("--ca-cert", envvar=ENV_CA_CERT,
-                                                      help="CA certificate (PEM) to verify an mqtts:// broker.")]
-CertfileOption = Annotated[Optional[str], typer.Option("--certfile", help="Client certificate (PEM) for mutual TLS.")]
-KeyfileOption = Annotated[Optional[str], typer.Option("--keyfile", help="Key of --certfile.")]
+
+@option_group("Broker credentials and TLS")
+class BrokerOptions:
+    """The broker's credentials and TLS files; its URL is each command's own option (required, or not where
+    the command can start an embedded broker)."""
+
+    username: Annotated[Optional[str], typer.Option(envvar=ENV_USERNAME, help="Broker user.")] = None
+    password: Annotated[Optional[str], typer.Option(envvar=ENV_PASSWORD, help="Broker password.")] = None
+    ca_cert: Annotated[Optional[str], typer.Option(envvar=ENV_CA_CERT,
+                                                   help="CA certificate (PEM) to verify an mqtts:// broker.")] = None
+    certfile: Annotated[Optional[str], typer.Option(help="Client certificate (PEM) for mutual TLS.")] = None
+    keyfile: Annotated[Optional[str], typer.Option(help="Key of --certfile.")] = None
+
+    @property
+    def credentials(self) -> tuple[Optional[str], ...]:
+        """In nefl.protocol.mqtt.parse_broker's argument order, after the URL."""
+        return self.username, self.password, self.ca_cert, self.certfile, self.keyfile
+
+
+# options of the same meaning in several commands (each command gives its own default)
+FederationOption = Annotated[str, typer.Option("--federation", help="Federation name: the MQTT topic prefix nefl/NAME/.")]
+BrokerUrlOption = Annotated[str, typer.Option(
+    "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")]
+DataRootOption = Annotated[Optional[str], typer.Option(
+    "--data-root", help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data).")]
+TorchvisionRootOption = Annotated[Optional[str], typer.Option("--data-root", help="Dataset root (torchvision layout).")]
+RunOutOption = Annotated[Optional[str], typer.Option(
+    "--out", help="Directory for metrics.jsonl, config.json and the final checkpoint.")]
+BatchSizeOption = Annotated[int, typer.Option("--batch-size", min=1, help="Local batch size.")]
 
 # the aggregator side's private keys (aggregator/keys.py): one directory per federation, outside the run directories
 KeyDirOption = Annotated[Optional[str], typer.Option(
     "--key-dir", envvar="NEFL_KEY_DIR", help="Where private keys, enrolment and the run incarnation are kept, one "
                                               "subdirectory per federation [default: ~/.config/nefl/keys].")]
+
+
+@option_group("Keys")
+class KeyOptions:
+    """Where a federation's keys and enrolment journal are: KEY_DIR/FEDERATION."""
+
+    federation: Annotated[str, typer.Option(help="Federation name (its keys live in KEY_DIR/FEDERATION).")] = "default"
+    key_dir: KeyDirOption = None
+
 
 # the learning-rate schedule of a federation (nefl.nested.train.TrainConfig.lr_at); plain strings, so this module needs no torch
 ScheduleOption = Annotated[str, typer.Option(
@@ -39,3 +72,9 @@ LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", case_sensitive=
 LogFormatOption = Annotated[LogFormat, typer.Option(
     "--log-format", help="plain: a readable line per event; json: one object per line (time, level, logger, msg, "
                          "and the event's fields such as round, client, submodel, reason).")]
+
+
+@option_group("Logging")
+class LogOptions:
+    log_level: LogLevelOption = "info"
+    log_format: LogFormatOption = "plain"
