@@ -24,7 +24,8 @@ from aggregator.assignment import Assignment, Candidate, coverage_order, get_pol
 from aggregator.rejected import Rejected
 from nefl.aggregation.aggregate import Aggregator, RoundAggregate, UpdateError
 from nefl.aggregation.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
-from nefl.aggregation.robust_aggregate import AggregationConfig, AggregationRule
+from nefl.aggregation.pipeline import AggregationRule
+from nefl.support.settings import AggregationConfig
 from nefl.aggregation.step_bound import StepBound
 from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
 from nefl.nested.state import GlobalState, Layout

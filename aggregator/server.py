@@ -45,7 +45,7 @@ from nefl.protocol.messages import (MAX_LISTED, Announce, ClientStatus, Control,
 from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
 from nefl.nested.profile import Profile, load_profile
 from nefl.nested.data import load_dataset
-from nefl.aggregation.robust_aggregate import AggregationRule
+from nefl.aggregation.pipeline import AggregationRule
 from nefl.nested.state import GlobalState, Layout
 from nefl.protocol.signing import Signer, split_signed, verify, verify_self_signed
 from nefl.protocol.topics import Topics

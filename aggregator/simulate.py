@@ -28,7 +28,7 @@ from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
 from nefl.aggregation.attacks import Attack, craft, poison_dataset, triggered_test
-from nefl.aggregation.robust_aggregate import AggregationRule
+from nefl.aggregation.pipeline import AggregationRule
 from nefl.nested.data import ArrayDataset, load_dataset
 from nefl.nested.methods import Method
 from nefl.nested.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed

@@ -45,7 +45,7 @@ from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, 
 from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
 from nefl.nested.profile import parse_profile
 from nefl.aggregation.robust import NormBound
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.support.settings import AggregationConfig
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.threads import one_per_process

@@ -1,4 +1,4 @@
-"""Robust rules over nested submodels (nefl/aggregation/robust_aggregate.py) against element-by-element brute force,
+"""Robust rules over nested submodels (nefl/aggregation/: median, trimmed_mean, krum, fltrust) against element-by-element brute force,
 the centre check, and the aggregation seam: every rule is begun, fed and finalized the same way."""
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nefl.aggregation.aggregate import NeFedAvg
-from nefl.aggregation.robust_aggregate import (AggregationConfig, AggregationRule, Screened, Sketch, coordinate_median, coverage_cells,
-                                   distinct_sample, shared_core, trimmed_mean)
+from nefl.aggregation.nefedavg import NeFedAvg
+from nefl.aggregation.centre_check import Screened
+from nefl.aggregation.coverage import Sketch, coverage_cells, distinct_sample, shared_core
+from nefl.aggregation.median import coordinate_median
+from nefl.aggregation.pipeline import AggregationRule
+from nefl.aggregation.trimmed_mean import trimmed_mean
+from nefl.support.settings import AggregationConfig
 from nefl.nested.state import GlobalState, Layout
 from tests.helpers import off_the_wire, random_ladder, tiny_profile
 from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates

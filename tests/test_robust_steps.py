@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from aggregator.federation import Federation, Robustness, Update
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.aggregation.robust import NormBound
 from nefl.aggregation.step_bound import StepBound
 from nefl.nested.state import GlobalState, Layout

@@ -24,13 +24,13 @@ from aggregator.federation import state_digest
 from aggregator.loadtest import device_delta
 from aggregator.partials import Held, check_partial, plan_bound, plan_screen
 from aggregator.worker import Worker, WorkerConfig, owner_of
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.checkpoint import load_checkpoint
 from nefl.protocol.messages import MessageError, PartialSummary, ReceiptBatch, RoundClose, WorkerRound
 from nefl.protocol.mqtt import BrokerSettings
 from nefl.nested.profile import load_profile
 from nefl.aggregation.robust import NormBound, update_norm
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.support.settings import AggregationConfig
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.nested.state import GlobalState, Layout
 from nefl.aggregation.step_bound import StepBound

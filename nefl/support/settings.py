@@ -4,7 +4,7 @@
 config dataclass or constant, read by the code that uses it and by the command line alike. The
 ones a command line shows live here: the training protocol, NeFedAvg's weighting choice, the
 update bounds' defaults, the aggregation rule's config, FLTrust's root set size and the simulated
-attacks' config (nefl/nested/train.py, nefl/aggregation/aggregate.py, nefl/aggregation/robust.py, nefl/aggregation/robust_aggregate.py,
+attacks' config (nefl/nested/train.py, nefl/aggregation/aggregate.py, nefl/aggregation/robust.py, the rules in nefl/aggregation/,
 aggregator/rootdata.py and nefl/aggregation/attacks.py use them from here).
 """
 
@@ -71,7 +71,7 @@ DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes o
 # on a broken state, never on training.
 DEFAULT_MAX_ABS = 1e6
 
-# The aggregation rule (nefl/aggregation/robust_aggregate.py implements them)
+# The aggregation rule (nefl/aggregation/ implements them)
 RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
 
 
