@@ -22,7 +22,7 @@ import torch
 
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
 from aggregator.rejected import Rejected
-from nefl.aggregation.aggregate import Aggregator, RoundAggregate, UpdateError
+from nefl.aggregation.aggregate import Aggregator, RoundAggregate, UpdateError, as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
 from nefl.aggregation.pipeline import AggregationRule
 from nefl.support.settings import AggregationConfig
@@ -72,7 +72,7 @@ class Robustness:
     def __post_init__(self) -> None:
         if self.dp_noise_multiplier > 0 and (self.bound.mode != "clip" or self.bound.max_norm is None):
             raise ValueError("DP noise needs every update clipped: give --max-update-norm and --clip")
-        if self.dp_noise_multiplier > 0 and (self.aggregation.rule != "nefedavg" or self.aggregation.centre_check):
+        if self.dp_noise_multiplier > 0 and (not self.aggregation.mergeable or self.aggregation.centre_check):
             raise ValueError("DP noise is calibrated to plain NeFedAvg: a robust rule or the centre check drops or "
                              "rescales updates by what other clients sent; use --aggregator nefedavg --no-centre-check")
 
@@ -452,7 +452,7 @@ class Federation:
         """Make the aggregate the new state unless it is not finite and bounded; returns why not."""
         rb = self.robustness
         if rb.dp_noise_multiplier > 0:
-            agg.add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self._noise)
+            as_mergeable(agg).add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self._noise)
         candidate = agg.finalize(self.state)
         self._bounded = self.steps.apply(self.state, candidate, agg.updates) if self.steps is not None else {}
         problem = check_state(candidate, rb.max_weight_abs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from nefl.aggregation.registry import help_text as rule_help
 from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
 
 if TYPE_CHECKING:
@@ -31,10 +32,7 @@ MaxWeightAbs = Annotated[float, typer.Option(
 DPNoise = Annotated[float, typer.Option(
     "--dp-noise-multiplier", min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm (needs --clip, "
                                          "--aggregator nefedavg; turns the centre check off); epsilon is logged per round.")]
-Rule = Annotated[str, typer.Option(
-    "--aggregator", help="How a round's updates merge: nefedavg (streaming, exact; the only one with --workers), median, "
-                         "trimmed-mean, krum (multi-Krum on the parts all updates share) or fltrust (root data on the "
-                         "server); each over exactly the updates that cover an element (docs/security.md).")]
+Rule = Annotated[str, typer.Option("--aggregator", help=rule_help())]
 Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-mean: the fraction cut at each end.")]
 CentreCheck = Annotated[Optional[bool], typer.Option(
     "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a cosine "

@@ -137,8 +137,8 @@ def serve_command(
         if (workers or remote_workers) and not robust.aggregation.mergeable:
             raise ValueError(f"--aggregator {aggregator} needs every update of a round in this process, and workers "
                              "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")
-        if aggregator == "fltrust" and not (root_data or eval_dataset):
-            raise ValueError("--aggregator fltrust needs the server's root set: give --root-data DATASET or --eval-dataset")
+        if robust.aggregation.spec.root_data and not (root_data or eval_dataset):
+            raise ValueError(f"--aggregator {aggregator} needs the server's root set: give --root-data DATASET or --eval-dataset")
         TrainConfig(schedule=lr_schedule, warmup_rounds=warmup_rounds)  # a bad schedule fails here, in one line
         if dp_noise_multiplier > 0:
             DPAccountant(dp_noise_multiplier, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting

@@ -179,7 +179,7 @@ class Server(Transport):
     def _evaluation(self, cfg: ServeConfig, layout: Layout) -> tuple[Evaluator | None, RootUpdates | None]:
         """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset);
         when both use one test split, the root images are left out of what evaluation scores."""
-        root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.rule == "fltrust" else None
+        root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.spec.root_data else None
         test = load_dataset(cfg.eval_dataset, cfg.data_root, train=False) if cfg.eval_dataset else None
         root = None
         if root_name:

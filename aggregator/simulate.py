@@ -156,7 +156,7 @@ class ServerSide:
                                 schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         agg = cfg.robustness.aggregation
         root = None
-        if agg.rule == "fltrust":  # the root set is held out of the evaluation, as on the server
+        if agg.spec.root_data:  # the root set is held out of the evaluation, as on the server
             test, root_set = split_root(test, cfg.root_samples)
             root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, device)
         return cls(layout, train_cfg, train, test, AggregationRule(layout, agg, cfg.weighting, root, cfg.seed), cfg)

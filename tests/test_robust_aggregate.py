@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nefl.aggregation.nefedavg import NeFedAvg
+from nefl.aggregation.aggregate import Mergeable, as_mergeable
 from nefl.aggregation.centre_check import Screened
 from nefl.aggregation.coverage import Sketch, coverage_cells, distinct_sample, shared_core
 from nefl.aggregation.median import coordinate_median
@@ -127,7 +128,7 @@ def test_nefedavg_through_the_seam_is_exact(seed: int) -> None:
     state = GlobalState.init(layout, seed=seed)
     ups = random_updates(layout, [rng.randint(0, 3) for _ in range(4)], torch.Generator().manual_seed(seed))
     agg = begin(layout, state, NO_CHECK)
-    assert isinstance(agg, NeFedAvg) and agg.mergeable
+    assert isinstance(agg, NeFedAvg) and isinstance(agg, Mergeable)
     for k, d, ns in ups:
         agg.add(k, d, ns)
     assert_state_close(agg.finalize(state), brute_force(layout, state, ups, "uniform"))
@@ -229,10 +230,10 @@ def test_non_mergeable_rules_refuse_partials_and_dp() -> None:
     layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
     state = GlobalState.init(layout, seed=0)
     agg = begin(layout, state, AggregationConfig(rule="median", centre_check=False))
-    with pytest.raises(ValueError, match="cannot merge partial aggregates"):
-        agg.merge(NeFedAvg(layout))
-    with pytest.raises(ValueError, match="DP noise"):
-        agg.add_noise(0.1, torch.Generator())
+    assert not isinstance(agg, Mergeable)
+    with pytest.raises(ValueError, match="cannot ship or merge partial aggregates .* nor take DP noise"):
+        as_mergeable(agg)
+    assert not isinstance(AggregationRule(layout, AggregationConfig(rule="median")).begin_round(state, {"a": 0}, 1), Mergeable)
     with pytest.raises(ValueError, match="--root-data"):
         AggregationRule(layout, AggregationConfig(rule="fltrust"))
 

@@ -1,9 +1,11 @@
 """The aggregation seam: the one place where submodel updates become the new global state.
 
-A round's aggregate is a `RoundAggregate` (begin: an `Aggregator`'s begin_round; then add, merge,
-finalize); the round engine, the workers and the simulator hold one without knowing which rule it is.
-NeFedAvg (nefl/aggregation/nefedavg.py) is the default and the only one that merges partials exactly;
-the robust rules (nefl/aggregation/buffered.py and the rules built on it) hold the round's updates.
+A round's aggregate is a `RoundAggregate` (begin: an `Aggregator`'s begin_round; then add, finalize);
+the round engine, the workers and the simulator hold one without knowing which rule it is. The rules
+are named in nefl/aggregation/registry.py, one module each. NeFedAvg (nefl/aggregation/nefedavg.py) is
+the default and `Mergeable`: its partial aggregates merge exactly (workers, relays) and DP noise is
+calibrated to its sums; the robust rules (nefl/aggregation/buffered.py and the rules built on it) hold
+the round's updates.
 
 Consistent tensors: each element is averaged over exactly the updates whose submodel contains it
 (width prefix and block present); an element nobody covered keeps its value. Inconsistent tensors:
@@ -18,18 +20,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from nefl.nested.state import GlobalState, Layout, tensor_mismatch
 from nefl.nested.tensors import Tiled, first_non_finite
 from nefl.support.choices import check_choice
-from nefl.support.settings import Weighting
+from nefl.support.settings import AggregationConfig, Weighting
 
 if TYPE_CHECKING:
+    from typing import Self
+
     from nefl.aggregation.nefedavg import NeFedAvg
 
+# the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
+ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
 # per dimension of a global tensor: the indices a part covers (a slice, an index tensor, or None = all)
 Window = tuple[slice | torch.Tensor | None, ...]
 
@@ -75,12 +82,23 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class RoundContext:
+    """What a rule's aggregate of one round is begun from (`RoundAggregate.begin`)."""
+
+    layout: Layout
+    cfg: AggregationConfig
+    weighting: Weighting = "uniform"
+    index: int = 0  # the round
+    seed: int = 0  # the round's seed: the federation's, mixed with the round index
+    reference: ReferenceUpdate | None = None  # the server's root updates, for a rule whose registry entry needs them
+
+
 class RoundAggregate(ABC):
     """One round's aggregate under some rule. Updates reach it validated (names, shapes, finite values)
     and bounded; finalize makes the new global state once."""
 
     name: ClassVar[str]
-    mergeable: ClassVar[bool] = False  # partial aggregates of several processes merge into one exactly
 
     def __init__(self, layout: Layout, weighting: Weighting = "uniform") -> None:
         check_choice(Weighting, weighting, "aggregation weighting")
@@ -90,6 +108,11 @@ class RoundAggregate(ABC):
         # client -> why the rule left its update out of the new state (filtered, zero trust); finalize fills it
         self.dropped: dict[str, str] = {}
         self._finalized = False
+
+    @classmethod
+    def begin(cls, ctx: RoundContext) -> Self:
+        """The rule's aggregate of a round (what nefl/aggregation/registry.py's factory names is asked for)."""
+        return cls(ctx.layout, ctx.weighting)
 
     def validate(self, k: int, delta: dict[str, torch.Tensor]) -> None:
         """Reject anything that is not exactly submodel k's upload, before touching the sums."""
@@ -127,18 +150,6 @@ class RoundAggregate(ABC):
         """`add` for a caller that ran `validate` itself. owned=True hands the tensors over (an update
         just decoded off the wire, dropped after this call): the aggregate may keep or sum into them."""
 
-    def merge(self, other: RoundAggregate) -> None:
-        raise ValueError(f"the {self.name} aggregator holds every update of a round in one process and cannot "
-                         "merge partial aggregates: run it without --workers and relays, or use nefedavg")
-
-    def partial(self) -> NeFedAvg:
-        """The exact sums a worker ships to its coordinator (mergeable rules only)."""
-        raise ValueError(f"the {self.name} aggregator has no partial sums to ship: only nefedavg runs in workers")
-
-    def add_noise(self, std: float, generator: torch.Generator) -> None:
-        raise ValueError(f"DP noise is calibrated to NeFedAvg's sums; the {self.name} aggregator does not take it: "
-                         "use --aggregator nefedavg with --dp-noise-multiplier")
-
     @abstractmethod
     def finalize(self, state: GlobalState) -> GlobalState:
         """New global state; `state` (the one the deltas were computed from) is not modified. Once."""
@@ -161,12 +172,41 @@ class RoundAggregate(ABC):
             raise RuntimeError(f"this {self.name} aggregate was finalized (its sums became the new state): start a new one")
 
 
+@runtime_checkable
+class Mergeable(Protocol):
+    """A round aggregate that is a sum per element and a weight: partial aggregates of several processes
+    merge into one exactly (workers and relays ship `partial`), and DP noise on the sums is calibrated to
+    one client's clipped update. NeFedAvg, and the centre check in front of it."""
+
+    def merge(self, other: Mergeable) -> None:
+        """Fold another partial aggregate (same layout and weighting) into this one."""
+        ...
+
+    def partial(self) -> NeFedAvg:
+        """The exact sums a worker ships to its coordinator."""
+        ...
+
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        """DP-FedAvg's N(0, std^2) on the sums; once, after the last add or merge, before finalize."""
+        ...
+
+
+def as_mergeable(agg: RoundAggregate) -> Mergeable:
+    """`agg` where partials or DP noise need a Mergeable; a ValueError that says why for any other rule."""
+    if not isinstance(agg, Mergeable):
+        raise ValueError(f"the {agg.name} aggregator holds every update of a round in one process: it cannot ship or "
+                         "merge partial aggregates (run it without --workers and relays) nor take DP noise, which is "
+                         "calibrated to NeFedAvg's sums (use --aggregator nefedavg)")
+    return agg
+
+
 class Aggregator(Protocol):
     """An aggregation rule, chosen once per federation: it begins each round's aggregate. What the
     round engine, the workers and the simulator are given instead of building NeFedAvg themselves."""
 
     name: str
-    mergeable: bool
+    mergeable: bool  # its aggregates are Mergeable (the registry's flag of the rule)
+    weighting: Weighting
 
     def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
                     weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:

@@ -19,16 +19,19 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from nefl.aggregation.aggregate import RoundAggregate, Weighting, tensor_bytes, update_weight
+from nefl.aggregation.aggregate import RoundAggregate, RoundContext, Weighting, tensor_bytes, update_weight
 from nefl.aggregation.coverage import Cell, coverage_cells
 from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import corner
 from nefl.support.settings import AggregationConfig
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class Held(NamedTuple):
@@ -45,6 +48,10 @@ class Buffered(RoundAggregate):
         super().__init__(layout, weighting)
         self.cfg = cfg
         self.held: list[Held] = []
+
+    @classmethod
+    def begin(cls, ctx: RoundContext) -> Self:
+        return cls(ctx.layout, ctx.weighting, ctx.cfg)
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nefl.aggregation.aggregate import RoundAggregate, tensor_bytes, update_weight
+from nefl.aggregation.aggregate import Mergeable, RoundAggregate, as_mergeable, tensor_bytes, update_weight
 from nefl.aggregation.buffered import Held
 from nefl.aggregation.coverage import Sketch, pairwise_cosines, shared_core
 from nefl.aggregation.nefedavg import NeFedAvg
@@ -52,7 +52,6 @@ class Screened(RoundAggregate):
         super().__init__(inner.layout, inner.weighting)
         self.inner, self.cfg, self.weight_norm = inner, cfg, weight_norm
         self.name = inner.name
-        self.mergeable = inner.mergeable
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
@@ -259,20 +258,6 @@ class Screened(RoundAggregate):
                 delta = {name: t.mul_(factor) for name, t in delta.items()}
             self.inner.add_validated(h.k, delta, h.samples, client=h.client, owned=True)
 
-    def merge(self, other: RoundAggregate) -> None:
-        self._judge_pending()
-        self.inner.merge(other.inner if isinstance(other, Screened) else other)
-        self.updates = [a + b for a, b in zip(self.updates, other.updates)]
-
-    def add_noise(self, std: float, generator: torch.Generator) -> None:
-        self._judge_pending()
-        self.inner.add_noise(std, generator)
-
-    def partial(self) -> NeFedAvg:
-        """Judge what is still held, then the inner rule's sums (a worker ships them)."""
-        self._judge_pending()
-        return self.inner.partial()
-
     @property
     def held_bytes(self) -> int:
         return (self.inner.held_bytes + tensor_bytes(t for h, _, _ in self.pending for t in h.delta.values())
@@ -290,3 +275,29 @@ class Screened(RoundAggregate):
         clipped = {c: round(f, 4) for c, f in sorted(self.clipped.items())}
         return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
                 **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {})}
+
+
+class ScreenedSums(Screened):
+    """The centre check in front of a Mergeable rule: what it keeps becomes the inner rule's sums, so it merges,
+    ships its partial and takes DP noise as they do, once it has judged what it still holds."""
+
+    def merge(self, other: Mergeable) -> None:
+        self._judge_pending()
+        as_mergeable(self.inner).merge(other.inner if isinstance(other, Screened) else other)
+        self.updates = [a + b for a, b in zip(self.updates, other.updates)]
+
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        self._judge_pending()
+        as_mergeable(self.inner).add_noise(std, generator)
+
+    def partial(self) -> NeFedAvg:
+        """Judge what is still held, then the inner rule's sums (a worker ships them)."""
+        self._judge_pending()
+        return as_mergeable(self.inner).partial()
+
+
+def screened(inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
+             assignments: Mapping[str, int], seed: int) -> Screened:
+    """The centre check in front of `inner`, Mergeable when `inner` is."""
+    cls = ScreenedSums if isinstance(inner, Mergeable) else Screened
+    return cls(inner, cfg, weight_norm, assignments, seed)

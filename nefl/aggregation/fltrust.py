@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nefl.aggregation.aggregate import Weighting
+from nefl.aggregation.aggregate import ReferenceUpdate, RoundContext, Weighting
 from nefl.aggregation.buffered import Buffered, Held
 from nefl.aggregation.robust import update_norm
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import AggregationConfig
 
-# the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
-ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
+if TYPE_CHECKING:
+    from typing import Self
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
     return float(torch.dot(a, b)) / (na * nb) if na > 0 and nb > 0 else 0.0
-
 
 
 class FLTrust(Buffered):
@@ -36,6 +34,12 @@ class FLTrust(Buffered):
         super().__init__(layout, weighting, cfg)
         self.reference, self.index = reference, index
         self.trust: dict[str, float] = {}
+
+    @classmethod
+    def begin(cls, ctx: RoundContext) -> Self:
+        if ctx.reference is None:  # the registry's root_data: the Aggregator refuses to start without it
+            raise ValueError("fltrust needs the server's root updates")
+        return cls(ctx.layout, ctx.weighting, ctx.cfg, ctx.reference, ctx.index)
 
     def _aggregate(self, state: GlobalState) -> GlobalState:
         kept = []

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from nefl.aggregation.aggregate import Weighting
+from nefl.aggregation.aggregate import RoundContext, Weighting
 from nefl.aggregation.buffered import Buffered
 from nefl.aggregation.coverage import Sketch, shared_core
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import AggregationConfig
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class MultiKrum(Buffered):
@@ -21,6 +26,10 @@ class MultiKrum(Buffered):
     def __init__(self, layout: Layout, weighting: Weighting, cfg: AggregationConfig, seed: int) -> None:
         super().__init__(layout, weighting, cfg)
         self.seed = seed
+
+    @classmethod
+    def begin(cls, ctx: RoundContext) -> Self:
+        return cls(ctx.layout, ctx.weighting, ctx.cfg, ctx.seed)
 
     def _aggregate(self, state: GlobalState) -> GlobalState:
         n = len(self.held)

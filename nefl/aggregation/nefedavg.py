@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nefl.aggregation.aggregate import RoundAggregate, UpdateError, Weighting, tensor_bytes, update_weight
+from nefl.aggregation.aggregate import Mergeable, RoundAggregate, UpdateError, Weighting, tensor_bytes, update_weight
 from nefl.nested.state import GlobalState, Layout, corner
 from nefl.nested.tensors import Tiled, Tiling, first_non_finite
 
@@ -149,7 +149,6 @@ class NeFedAvg(RoundAggregate):
     """The paper's NeFedAvg, streaming: per submodel, the weighted sum of its updates and their weight."""
 
     name = "nefedavg"
-    mergeable = True
 
     def __init__(self, layout: Layout, weighting: Weighting = "uniform") -> None:
         super().__init__(layout, weighting)
@@ -192,7 +191,7 @@ class NeFedAvg(RoundAggregate):
         self._weights_np[1][k] += w  # numpy's scalar add through a kept view: a torch call per update costs 10-20 us cold
         self.updates[k] += 1
 
-    def merge(self, other: RoundAggregate) -> None:
+    def merge(self, other: Mergeable) -> None:
         """Fold another partial aggregate (same layout) into this one."""
         self._check_open()
         other._check_open()

@@ -1,4 +1,4 @@
-"""A config's Aggregator: the rule it names, screened by the centre check when asked."""
+"""A config's Aggregator: the rule it names in nefl/aggregation/registry.py, screened by the centre check when asked."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from nefl.aggregation.aggregate import RoundAggregate, Weighting
-from nefl.aggregation.centre_check import Screened
-from nefl.aggregation.fltrust import FLTrust, ReferenceUpdate
-from nefl.aggregation.krum import MultiKrum
-from nefl.aggregation.median import Median
-from nefl.aggregation.nefedavg import NeFedAvg
+from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
+from nefl.aggregation.centre_check import screened
 from nefl.aggregation.robust import reference_norm
-from nefl.aggregation.trimmed_mean import TrimmedMean
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import AggregationConfig
 
@@ -25,12 +20,12 @@ class AggregationRule:
     layout: Layout
     cfg: AggregationConfig
     weighting: Weighting = "uniform"
-    reference: ReferenceUpdate | None = None  # FLTrust's root updates
+    reference: ReferenceUpdate | None = None  # the server's root updates (rules with root_data: FLTrust)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.cfg.rule == "fltrust" and self.reference is None:
-            raise ValueError("--aggregator fltrust needs root data on the server: give --root-data DATASET "
+        if self.cfg.spec.root_data and self.reference is None:
+            raise ValueError(f"--aggregator {self.name} needs root data on the server: give --root-data DATASET "
                              "(or --eval-dataset, whose test split it uses by default)")
 
     @property
@@ -44,20 +39,8 @@ class AggregationRule:
     def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
                     weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
         seed = self.seed * 1_000_003 + index
-        inner = self._rule(seed, index)
+        inner = self.cfg.spec.load().begin(RoundContext(self.layout, self.cfg, self.weighting, index, seed, self.reference))
         if not self.cfg.centre_check:
             return inner
         weight_norm = weight_norm or functools.cache(lambda k: reference_norm(state, self.layout, k))  # once a round
-        return Screened(inner, self.cfg, weight_norm, assignments, seed)
-
-    def _rule(self, seed: int, index: int) -> RoundAggregate:
-        c, layout, w = self.cfg, self.layout, self.weighting
-        if c.rule == "nefedavg":
-            return NeFedAvg(layout, w)
-        if c.rule == "median":
-            return Median(layout, w, c)
-        if c.rule == "trimmed-mean":
-            return TrimmedMean(layout, w, c)
-        if c.rule == "krum":
-            return MultiKrum(layout, w, c, seed)
-        return FLTrust(layout, w, c, self.reference, index)
+        return screened(inner, self.cfg, weight_norm, assignments, seed)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from nefl.support.choices import check_choice
+
+if TYPE_CHECKING:
+    from nefl.aggregation.registry import Rule
 
 # step: the paper's ResNet protocol (x0.1 at the milestones); cosine: its pretrained-ViT protocol
 Schedule = Literal["step", "cosine"]
@@ -71,15 +74,19 @@ DEFAULT_WARMUP = 3  # clients with a recent norm: a median of 3 votes outvotes o
 # on a broken state, never on training.
 DEFAULT_MAX_ABS = 1e6
 
-# The aggregation rule (nefl/aggregation/ implements them)
-RuleName = Literal["nefedavg", "median", "trimmed-mean", "krum", "fltrust"]
+def registered(name: str) -> Rule:
+    """The aggregation rule `name` in nefl/aggregation/registry.py (torch-free, a floor above: imported when a
+    config is made, not with this module); a ValueError that lists the names for any other."""
+    from nefl.aggregation.registry import rule
+
+    return rule(name)
 
 
 @dataclass(frozen=True)
 class AggregationConfig:
     """Which rule merges a round's updates, and the centre check that screens them first."""
 
-    rule: RuleName = "nefedavg"
+    rule: str = "nefedavg"  # a name in nefl/aggregation/registry.py
     trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
     krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
     # drop updates pointing away from the round's majority, clip outsized ones, bound per-submodel tensors' steps at commit
@@ -103,7 +110,7 @@ class AggregationConfig:
     step_window: int = 8  # rounds of a per-submodel tensor's history the step bound remembers
 
     def __post_init__(self) -> None:
-        check_choice(RuleName, self.rule, "aggregator")
+        registered(self.rule)  # refuses a name the registry does not hold
         if not 0 <= self.trim < 0.5:
             raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
         if not 0 <= self.krum_fraction < 0.5:
@@ -123,9 +130,14 @@ class AggregationConfig:
             raise ValueError(f"need step_k >= 1 (finite) and step_window >= 1, got {self.step_k}, {self.step_window}")
 
     @property
+    def spec(self) -> Rule:
+        """The rule's registry entry: its description, whether it merges partials, whether it needs root data."""
+        return registered(self.rule)
+
+    @property
     def mergeable(self) -> bool:
         """Whether partial aggregates of several processes merge exactly (workers and relays)."""
-        return self.rule == "nefedavg"
+        return self.spec.mergeable
 
 
 # FLTrust's root set (aggregator/rootdata.py): the paper uses 100; a few batches more steady a cosine on small models
