@@ -16,7 +16,7 @@ from nefl.aggregation import registry
 from nefl.aggregation.aggregate import Mergeable, RoundAggregate, RoundContext
 from nefl.aggregation.centre_check import Screened
 from nefl.aggregation.nefedavg import NeFedAvg
-from nefl.aggregation.pipeline import AggregationRule
+from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import AggregationConfig
 from tests.helpers import tiny_profile
@@ -49,7 +49,7 @@ def test_every_registered_rule_begins_adds_and_finalizes(name: str, centre_check
     layout, state = layout_and_state()
     cfg = AggregationConfig(rule=name, centre_check=centre_check)
     assert cfg.spec is spec and cfg.mergeable == spec.mergeable
-    rule = AggregationRule(layout, cfg, reference=root_update(layout) if spec.root_data else None)
+    rule = Pipeline(layout, Robustness(aggregation=cfg), reference=root_update(layout) if spec.root_data else None)
     ups = random_updates(layout, [1, 2], torch.Generator().manual_seed(0))
     agg = rule.begin_round(state, {f"c{i}": k for i, (k, _, _) in enumerate(ups)}, 1)
     assert type(agg.inner if centre_check else agg) is cls and agg.name == name
@@ -66,16 +66,16 @@ def test_a_rule_that_needs_root_data_refuses_to_start_without_it() -> None:
     for spec in registry.RULES.values():
         if spec.root_data:
             with pytest.raises(ValueError, match="--root-data"):
-                AggregationRule(layout, AggregationConfig(rule=spec.name))
+                Pipeline(layout, Robustness(aggregation=AggregationConfig(rule=spec.name)))
 
 
 def test_a_registered_rule_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registering a rule is all the config, the Aggregator and the help need."""
+    """Registering a rule is all the config, the Pipeline and the help need."""
     with pytest.raises(ValueError, match="aggregator must be one of 'nefedavg'"):
         AggregationConfig(rule="toy")
     monkeypatch.setitem(registry.RULES, "toy", registry.Rule("toy", "a test's", f"{__name__}:Toy", mergeable=True))
     layout, state = layout_and_state()
-    agg = AggregationRule(layout, AggregationConfig(rule="toy", centre_check=False)).begin_round(state, {"a": 0}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig(rule="toy", centre_check=False))).begin_round(state, {"a": 0}, 1)
     assert type(agg) is Toy and agg.name == "toy"
     assert "toy (a test's)" in registry.help_text()
     assert type(Toy.begin(RoundContext(layout, AggregationConfig(rule="toy")))) is Toy

@@ -196,7 +196,7 @@ def fleet(procs, name: str, broker: str, devices: int, *extra: str):
 def expected_state(tmp, rounds: list[int]) -> GlobalState:
     """The global state one process would reach from the same deltas: the seeded init, then per round
     a NeFedAvg of exactly the updates the coordinator reports as merged, committed through the default
-    step bound as `serve` commits it (aggregator/federation.py `_commit`)."""
+    step bound as `serve` commits it (nefl/aggregation/pipeline.py `Pipeline.commit`)."""
     layout = Layout.build(load_profile(PROFILE))
     state = GlobalState.init(layout, 0)
     steps = StepBound(layout, AggregationConfig())

@@ -1,11 +1,11 @@
 """The aggregation seam: the one place where submodel updates become the new global state.
 
-A round's aggregate is a `RoundAggregate` (begin: an `Aggregator`'s begin_round; then add, finalize);
-the round engine, the workers and the simulator hold one without knowing which rule it is. The rules
-are named in nefl/aggregation/registry.py, one module each. NeFedAvg (nefl/aggregation/nefedavg.py) is
-the default and `Mergeable`: its partial aggregates merge exactly (workers, relays) and DP noise is
-calibrated to its sums; the robust rules (nefl/aggregation/buffered.py and the rules built on it) hold
-the round's updates.
+A round's aggregate is a `RoundAggregate` (begun by the federation's aggregation Pipeline,
+nefl/aggregation/pipeline.py; then add, finalize); the round engine, the workers and the simulator hold
+one without knowing which rule it is. The rules are named in nefl/aggregation/registry.py, one module
+each. NeFedAvg (nefl/aggregation/nefedavg.py) is the default and `Mergeable`: its partial aggregates
+merge exactly (workers, relays) and DP noise is calibrated to its sums; the robust rules
+(nefl/aggregation/buffered.py and the rules built on it) hold the round's updates.
 
 Consistent tensors: each element is averaged over exactly the updates whose submodel contains it
 (width prefix and block present); an element nobody covered keeps its value. Inconsistent tensors:
@@ -19,7 +19,7 @@ FedRolex's rolling windows (nefl/aggregation/rolling.py) and FedJigsaw's source 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -199,18 +199,4 @@ def as_mergeable(agg: RoundAggregate) -> Mergeable:
                          "calibrated to NeFedAvg's sums (use --aggregator nefedavg)")
     return agg
 
-
-class Aggregator(Protocol):
-    """An aggregation rule, chosen once per federation: it begins each round's aggregate. What the
-    round engine, the workers and the simulator are given instead of building NeFedAvg themselves."""
-
-    name: str
-    mergeable: bool  # its aggregates are Mergeable (the registry's flag of the rule)
-    weighting: Weighting
-
-    def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
-                    weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
-        """A fresh aggregate for round `index`, which starts from `state` with these (client -> submodel) tasks;
-        `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them)."""
-        ...
 

@@ -37,7 +37,7 @@ class FLTrust(Buffered):
 
     @classmethod
     def begin(cls, ctx: RoundContext) -> Self:
-        if ctx.reference is None:  # the registry's root_data: the Aggregator refuses to start without it
+        if ctx.reference is None:  # the registry's root_data: the Pipeline refuses to start without it
             raise ValueError("fltrust needs the server's root updates")
         return cls(ctx.layout, ctx.weighting, ctx.cfg, ctx.reference, ctx.index)
 
