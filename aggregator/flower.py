@@ -38,7 +38,7 @@ from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rounds import OpenRound, RoundDriver, RoundHooks, RunPlan
 from aggregator.simulate import ServerSide, SimConfig, check_device, new_federation
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.nested.train import TrainConfig
 from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays
 from nefl.protocol.messages import FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError, TrainingSettings

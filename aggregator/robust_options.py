@@ -1,7 +1,7 @@
 """The robustness options `aggregator serve` and `aggregator simulate` share: update bounds, clipping,
 DP-FedAvg and the aggregation rule (docs/security.md). Declared once, so a simulated federation runs
 exactly the server's options; defaults come from the config dataclasses, never restated here. Torch-free
-(nefl/support/settings.py holds the defaults), so the commands' --help answers at once.
+(nefl/support/settings.py and nefl/aggregation/config.py hold the defaults), so the commands' --help answers at once.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.registry import help_text as rule_help
-from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
+from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES
 
 if TYPE_CHECKING:
     from aggregator.federation import Robustness

@@ -38,7 +38,7 @@ import typer
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
-from nefl.aggregation.aggregate import as_mergeable
+from nefl.aggregation.nefedavg import as_mergeable
 from nefl.support.cli_options import ENV_PASSWORD, ENV_USERNAME
 from nefl.support.heap import freeze_startup, keep_freed_memory
 from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
@@ -46,7 +46,7 @@ from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, 
 from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
 from nefl.nested.profile import parse_profile
 from nefl.aggregation.robust import NormBound
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.threads import one_per_process

@@ -37,7 +37,7 @@ from nefl.aggregation.attacks import Attack
 from nefl.support.fsio import atomic_write_text
 from nefl.nested.profile import load_profile
 from nefl.aggregation.pipeline import Pipeline, Robustness
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.nested.state import GlobalState, Layout
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from sweep import run_sweep

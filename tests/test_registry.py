@@ -13,12 +13,12 @@ import torch
 
 import aggregator.robust_options as ro
 from nefl.aggregation import registry
-from nefl.aggregation.aggregate import Mergeable, RoundAggregate, RoundContext
+from nefl.aggregation.aggregate import RoundAggregate, RoundContext
 from nefl.aggregation.centre_check import Screened
-from nefl.aggregation.nefedavg import NeFedAvg
+from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.nefedavg import Mergeable, NeFedAvg
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.nested.state import GlobalState, Layout
-from nefl.support.settings import AggregationConfig
 from tests.helpers import tiny_profile
 from tests.test_aggregate import FULL, random_updates
 
@@ -91,7 +91,7 @@ def test_the_aggregator_option_and_the_config_take_their_names_from_the_registry
 
 def test_the_registry_and_the_options_load_no_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None; import aggregator.robust_options; "
-            "from nefl.aggregation.registry import RULES; from nefl.support.settings import AggregationConfig; "
+            "from nefl.aggregation.registry import RULES; from nefl.aggregation.config import AggregationConfig; "
             "[AggregationConfig(rule=r).mergeable for r in RULES]")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -12,14 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nefl.aggregation.nefedavg import NeFedAvg
-from nefl.aggregation.aggregate import Mergeable, as_mergeable
 from nefl.aggregation.centre_check import Screened
+from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.coverage import Sketch, coverage_cells, distinct_sample, shared_core
 from nefl.aggregation.median import coordinate_median
+from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.aggregation.trimmed_mean import trimmed_mean
-from nefl.support.settings import AggregationConfig
 from nefl.nested.state import GlobalState, Layout
 from tests.helpers import off_the_wire, random_ladder, tiny_profile
 from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates

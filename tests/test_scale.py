@@ -30,7 +30,7 @@ from nefl.protocol.messages import MessageError, PartialSummary, ReceiptBatch, R
 from nefl.protocol.mqtt import BrokerSettings
 from nefl.nested.profile import load_profile
 from nefl.aggregation.robust import NormBound, update_norm
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.nested.state import GlobalState, Layout
 from nefl.aggregation.step_bound import StepBound

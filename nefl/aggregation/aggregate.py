@@ -3,8 +3,8 @@
 A round's aggregate is a `RoundAggregate` (begun by the federation's aggregation Pipeline,
 nefl/aggregation/pipeline.py; then add, finalize); the round engine, the workers and the simulator hold
 one without knowing which rule it is. The rules are named in nefl/aggregation/registry.py, one module
-each. NeFedAvg (nefl/aggregation/nefedavg.py) is the default and `Mergeable`: its partial aggregates
-merge exactly (workers, relays) and DP noise is calibrated to its sums; the robust rules
+each. NeFedAvg (nefl/aggregation/nefedavg.py) is the default and `Mergeable` (there): its partial
+aggregates merge exactly (workers, relays) and DP noise is calibrated to its sums; the robust rules
 (nefl/aggregation/buffered.py and the rules built on it) hold the round's updates.
 
 Consistent tensors: each element is averaged over exactly the updates whose submodel contains it
@@ -21,19 +21,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from nefl.aggregation.config import AggregationConfig
 from nefl.nested.state import GlobalState, Layout, tensor_mismatch
 from nefl.nested.tensors import Tiled, first_non_finite
 from nefl.support.choices import check_choice
-from nefl.support.settings import AggregationConfig, Weighting
+from nefl.support.settings import Weighting
 
 if TYPE_CHECKING:
     from typing import Self
-
-    from nefl.aggregation.nefedavg import NeFedAvg
 
 # the server's own delta of submodel k of round `index` from `state` on its root data (FLTrust's root update)
 ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
@@ -170,33 +169,5 @@ class RoundAggregate(ABC):
     def _check_open(self) -> None:
         if self._finalized:
             raise RuntimeError(f"this {self.name} aggregate was finalized (its sums became the new state): start a new one")
-
-
-@runtime_checkable
-class Mergeable(Protocol):
-    """A round aggregate that is a sum per element and a weight: partial aggregates of several processes
-    merge into one exactly (workers and relays ship `partial`), and DP noise on the sums is calibrated to
-    one client's clipped update. NeFedAvg, and the centre check in front of it."""
-
-    def merge(self, other: Mergeable) -> None:
-        """Fold another partial aggregate (same layout and weighting) into this one."""
-        ...
-
-    def partial(self) -> NeFedAvg:
-        """The exact sums a worker ships to its coordinator."""
-        ...
-
-    def add_noise(self, std: float, generator: torch.Generator) -> None:
-        """DP-FedAvg's N(0, std^2) on the sums; once, after the last add or merge, before finalize."""
-        ...
-
-
-def as_mergeable(agg: RoundAggregate) -> Mergeable:
-    """`agg` where partials or DP noise need a Mergeable; a ValueError that says why for any other rule."""
-    if not isinstance(agg, Mergeable):
-        raise ValueError(f"the {agg.name} aggregator holds every update of a round in one process: it cannot ship or "
-                         "merge partial aggregates (run it without --workers and relays) nor take DP noise, which is "
-                         "calibrated to NeFedAvg's sums (use --aggregator nefedavg)")
-    return agg
 
 

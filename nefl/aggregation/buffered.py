@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from nefl.aggregation.aggregate import RoundAggregate, RoundContext, Weighting, tensor_bytes, update_weight
+from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.coverage import Cell, coverage_cells
 from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import corner
-from nefl.support.settings import AggregationConfig
 
 if TYPE_CHECKING:
     from typing import Self

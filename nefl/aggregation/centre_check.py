@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from nefl.aggregation.aggregate import Mergeable, RoundAggregate, as_mergeable, tensor_bytes, update_weight
+from nefl.aggregation.aggregate import RoundAggregate, tensor_bytes, update_weight
 from nefl.aggregation.buffered import Held
+from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.coverage import Sketch, pairwise_cosines, shared_core
-from nefl.aggregation.nefedavg import NeFedAvg
+from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
 from nefl.aggregation.robust import update_norm
 from nefl.nested.state import GlobalState
-from nefl.support.settings import AggregationConfig
 
 
 class Screened(RoundAggregate):

@@ -8,9 +8,9 @@ import torch
 
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundContext, Weighting
 from nefl.aggregation.buffered import Buffered, Held
+from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.robust import update_norm
 from nefl.nested.state import GlobalState, Layout
-from nefl.support.settings import AggregationConfig
 
 if TYPE_CHECKING:
     from typing import Self

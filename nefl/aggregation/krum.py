@@ -8,9 +8,9 @@ import torch
 
 from nefl.aggregation.aggregate import RoundContext, Weighting
 from nefl.aggregation.buffered import Buffered
+from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.coverage import Sketch, shared_core
 from nefl.nested.state import GlobalState, Layout
-from nefl.support.settings import AggregationConfig
 
 if TYPE_CHECKING:
     from typing import Self

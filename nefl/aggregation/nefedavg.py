@@ -13,10 +13,11 @@ import itertools
 import math
 import weakref
 from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from nefl.aggregation.aggregate import Mergeable, RoundAggregate, UpdateError, Weighting, tensor_bytes, update_weight
+from nefl.aggregation.aggregate import RoundAggregate, UpdateError, Weighting, tensor_bytes, update_weight
 from nefl.nested.state import GlobalState, Layout, corner
 from nefl.nested.tensors import Tiled, Tiling, first_non_finite
 
@@ -143,6 +144,34 @@ def _fold_of(layout: Layout) -> _Fold:
     fold = _Fold(layout)
     _FOLDS[key] = (weakref.ref(layout, lambda _, key=key: _FOLDS.pop(key, None)), fold)
     return fold
+
+
+@runtime_checkable
+class Mergeable(Protocol):
+    """A round aggregate that is a sum per element and a weight: partial aggregates of several processes
+    merge into one exactly (workers and relays ship `partial`), and DP noise on the sums is calibrated to
+    one client's clipped update. NeFedAvg, and the centre check in front of it."""
+
+    def merge(self, other: Mergeable) -> None:
+        """Fold another partial aggregate (same layout and weighting) into this one."""
+        ...
+
+    def partial(self) -> NeFedAvg:
+        """The exact sums a worker ships to its coordinator."""
+        ...
+
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        """DP-FedAvg's N(0, std^2) on the sums; once, after the last add or merge, before finalize."""
+        ...
+
+
+def as_mergeable(agg: RoundAggregate) -> Mergeable:
+    """`agg` where partials or DP noise need a Mergeable; a ValueError that says why for any other rule."""
+    if not isinstance(agg, Mergeable):
+        raise ValueError(f"the {agg.name} aggregator holds every update of a round in one process: it cannot ship or "
+                         "merge partial aggregates (run it without --workers and relays) nor take DP noise, which is "
+                         "calibrated to NeFedAvg's sums (use --aggregator nefedavg)")
+    return agg
 
 
 class NeFedAvg(RoundAggregate):

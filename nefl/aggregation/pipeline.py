@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting, as_mergeable
+from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
 from nefl.aggregation.centre_check import screened
+from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
 from nefl.nested.state import GlobalState, Layout
-from nefl.support.settings import DEFAULT_MAX_ABS, AggregationConfig
+from nefl.support.settings import DEFAULT_MAX_ABS
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The aggregation rules by name: what `--aggregator` accepts and says, and where each rule lives.
 
-Torch-free: the config (nefl/support/settings.py AggregationConfig) checks a rule's name against it and the
+Torch-free: the config (nefl/aggregation/config.py AggregationConfig) checks a rule's name against it and the
 command lines build their help from it without loading torch; a rule's module is imported on its first round.
 A new rule is one module (a RoundAggregate subclass, begun from a RoundContext by its `begin`) and one line here.
 """
@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from nefl.aggregation.aggregate import RoundAggregate
 
 
 @dataclass(frozen=True)
@@ -23,7 +19,8 @@ class Rule:
     mergeable: bool = False  # its aggregates are Mergeable: partials of workers and relays merge exactly, DP noise
     root_data: bool = False  # it compares updates with the server's own root updates (--root-data)
 
-    def load(self) -> type[RoundAggregate]:
+    def load(self) -> type:
+        """The rule's RoundAggregate subclass (nefl/aggregation/aggregate.py, which this torch-free module does not import)."""
         module, _, attr = self.factory.partition(":")
         return getattr(importlib.import_module(module), attr)
 

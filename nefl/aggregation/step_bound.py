@@ -49,7 +49,7 @@ import torch
 
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import ring
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 
 POSITIVE = ("running_var",)  # tensors a valid model keeps > 0: bounded in log space
 _TINY = 1e-30  # a non-positive running variance counts as this before its log
