@@ -22,9 +22,9 @@ import torch
 
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
 from aggregator.rejected import Rejected
-from nefl.aggregation.aggregate import Aggregator, RoundAggregate, UpdateError
-from nefl.aggregation.robust import NormBound, UpdateGuard, UpdateRejected, check_state, reference_norm
-from nefl.aggregation.robust_aggregate import AggregationConfig, AggregationRule
+from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, UpdateError, Weighting
+from nefl.aggregation.pipeline import Pipeline, Robustness
+from nefl.aggregation.robust import UpdateGuard, UpdateRejected, reference_norm
 from nefl.aggregation.step_bound import StepBound
 from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
 from nefl.nested.state import GlobalState, Layout
@@ -55,25 +55,6 @@ class ClientLimits:
     max_clients: int = 10_000  # client table size; offline clients are evicted first
     forget_after_s: float = 3600.0  # an offline client is forgotten after this long
     announces_per_minute: int = 30  # honest devices announce on changes, a few times per round
-
-
-@dataclass(frozen=True)
-class Robustness:
-    """What an update and a new global state must satisfy to count, and the rule that merges the
-    round's updates (docs/security.md)."""
-
-    bound: NormBound = NormBound()
-    max_weight_abs: float = 1e6  # a committed state never holds |w| above this
-    dp_noise_multiplier: float = 0.0  # DP-FedAvg: noise std = multiplier x the clip norm (bound.max_norm)
-    dp_seed: int | None = None  # None: fresh OS randomness (what DP needs); a seed only for tests
-    aggregation: AggregationConfig = AggregationConfig()
-
-    def __post_init__(self) -> None:
-        if self.dp_noise_multiplier > 0 and (self.bound.mode != "clip" or self.bound.max_norm is None):
-            raise ValueError("DP noise needs every update clipped: give --max-update-norm and --clip")
-        if self.dp_noise_multiplier > 0 and (self.aggregation.rule != "nefedavg" or self.aggregation.centre_check):
-            raise ValueError("DP noise is calibrated to plain NeFedAvg: a robust rule or the centre check drops or "
-                             "rescales updates by what other clients sent; use --aggregator nefedavg --no-centre-check")
 
 
 @dataclass(frozen=True)
@@ -127,13 +108,13 @@ def _digest_prefix(name: str, dtype: torch.dtype, shape: torch.Size) -> bytes:
 
 class Federation:
     def __init__(self, layout: Layout, state: GlobalState, federation: str, clients_per_round: int,
-                 min_clients: int, round_timeout: float, weighting: str = "uniform", seed: int = 0,
+                 min_clients: int, round_timeout: float, weighting: Weighting = "uniform", seed: int = 0,
                  limits: ClientLimits = ClientLimits(), robustness: Robustness = Robustness(), offline_grace_s: float = 10.0,
                  assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
                  trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3,
-                 aggregator: Aggregator | None = None) -> None:
-        """`aggregator`: the rule that merges each round's updates (the seam); by default the one
-        `robustness.aggregation` configures."""
+                 reference: ReferenceUpdate | None = None, rule_seed: int | None = None) -> None:
+        """`robustness`, `weighting`, `reference` (the server's root updates) and `rule_seed` (the rule's draws,
+        stable across restarts; default `seed`) make the aggregation pipeline (nefl/aggregation/pipeline.py)."""
         if min_clients < 1 or clients_per_round < min_clients:
             raise ValueError("need 1 <= --min-clients <= --clients-per-round")
         if trained_updates is not None and len(trained_updates) != layout.num_submodels:
@@ -141,20 +122,10 @@ class Federation:
                              "the checkpoint belongs to another profile")
         self.layout, self.state, self.name = layout, state, federation
         self.clients_per_round, self.min_clients, self.round_timeout = clients_per_round, min_clients, round_timeout
-        self.weighting = weighting
         self.limits = limits
         self.offline_grace_s = offline_grace_s
-        self.robustness = robustness
-        self.aggregator = aggregator or AggregationRule(layout, robustness.aggregation, weighting, seed=seed)
-        self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
-        # the centre check's per-tensor bound on per-submodel tensors (nefl/aggregation/step_bound.py), applied at commit
-        self.steps = StepBound(layout, robustness.aggregation) if robustness.aggregation.centre_check else None
+        self.aggregator = Pipeline(layout, robustness, weighting, reference, seed if rule_seed is None else rule_seed)
         self._bounded: dict[int, int] = {}  # submodel -> its tensors the step bound scaled down this round
-        self._noise = torch.Generator()
-        if robustness.dp_seed is None:
-            self._noise.seed()
-        else:
-            self._noise.manual_seed(robustness.dp_seed)
         self._reference: dict[int, float] = {}  # submodel -> norm of its current weights, once per round
         self.clients: dict[str, ClientInfo] = {}
         # last status per client id, announced or not (retained statuses and announces arrive in any
@@ -172,6 +143,25 @@ class Federation:
         self.trained_updates = list(trained_updates or [0] * layout.num_submodels)  # committed, all rounds
         self.untrained_rounds = [0] * layout.num_submodels  # consecutive rounds without a committed update
         self.warn_untrained_after = warn_untrained_after
+
+    @property
+    def robustness(self) -> Robustness:
+        return self.aggregator.robustness
+
+    @property
+    def weighting(self) -> Weighting:
+        """What an update counts for in its group: the aggregation's, the one source (workers' receipts weigh by it)."""
+        return self.aggregator.weighting
+
+    @property
+    def guard(self) -> UpdateGuard:
+        """The update bound, checked on every update at intake."""
+        return self.aggregator.guard
+
+    @property
+    def steps(self) -> StepBound | None:
+        """The step bound at commit (with the centre check); its history is checkpointed."""
+        return self.aggregator.steps
 
     # -- membership ---------------------------------------------------------------------------
     def announce(self, client_id: str, msg: Announce, now: float | None = None) -> ClientInfo:
@@ -448,14 +438,8 @@ class Federation:
 
     def _commit(self, agg: RoundAggregate) -> str | None:
         """Make the aggregate the new state unless it is not finite and bounded; returns why not."""
-        rb = self.robustness
-        if rb.dp_noise_multiplier > 0:
-            agg.add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self._noise)
-        candidate = agg.finalize(self.state)
-        self._bounded = self.steps.apply(self.state, candidate, agg.updates) if self.steps is not None else {}
-        problem = check_state(candidate, rb.max_weight_abs)
-        if problem is None:
-            self.state = candidate
-            if self.steps is not None:
-                self.steps.commit()
-        return problem
+        done = self.aggregator.commit(agg, self.state)
+        self._bounded = done.bounded
+        if done.state is not None:
+            self.state = done.state
+        return done.problem

@@ -38,7 +38,7 @@ from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rounds import OpenRound, RoundDriver, RoundHooks, RunPlan
 from aggregator.simulate import ServerSide, SimConfig, check_device, new_federation
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.nested.train import TrainConfig
 from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays
 from nefl.protocol.messages import FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError, TrainingSettings
@@ -88,7 +88,7 @@ class NeFLStrategy(Strategy, RoundHooks):
         device = str(check_device(cfg.device))
         server = ServerSide.build(cfg, device)
         layout = server.layout
-        fed = new_federation(layout, cfg, server.rule, tiers={})
+        fed = new_federation(layout, cfg, server.reference, tiers={})
         join = FlowerJoin(profile=layout.profile.name, method=layout.method.name, profile_hash=layout.profile.hash,
                           dataset=cfg.dataset or layout.profile.dataset, seed=cfg.seed, non_iid=cfg.non_iid,
                           max_samples=cfg.max_samples_per_client,

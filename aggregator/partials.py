@@ -26,12 +26,13 @@ import torch
 
 from aggregator.federation import Federation, Rejected
 from aggregator.intake import DeviceKeys
-from nefl.aggregation.aggregate import NeFedAvg, UpdateError, Weighting, update_weight
+from nefl.aggregation.aggregate import UpdateError, Weighting, update_weight
+from nefl.aggregation.nefedavg import NeFedAvg, as_mergeable
 from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPT_BATCH_BYTES, BoundSettings, PartialSummary, Receipt, ReceiptBatch, RoundClose,
                            ScreenSettings, StatusBook, WorkerRound, WorkerStatus)
 from nefl.nested.profile import Profile
 from nefl.aggregation.robust import NormBound, update_norm
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.protocol.signing import Signer, verify
 from nefl.nested.state import Layout
 from nefl.protocol.topics import Topics
@@ -314,7 +315,7 @@ class WorkerPool:
         merged, clients = [], set()
         for w, d in sorted(self._deliveries.items()):
             if d.agg is not None:
-                self.fed.agg.merge(d.agg)
+                as_mergeable(self.fed.agg).merge(d.agg)
                 self.fed.agg.dropped.update(d.summary.dropped)
                 clients.update(d.summary.clients)
                 r.norms.update(d.norms)

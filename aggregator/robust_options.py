@@ -1,8 +1,8 @@
 """The robustness options `aggregator serve` and `aggregator simulate` share: update bounds, clipping,
 DP-FedAvg and the aggregation rule (docs/security.md). Declared once, as the option group RobustnessOptions,
 so a simulated federation runs exactly the server's options; defaults come from the config dataclasses,
-never restated here. Torch-free (nefl/support/settings.py holds the defaults), so the commands' --help
-answers at once.
+never restated here. Torch-free (nefl/support/settings.py and nefl/aggregation/config.py hold the defaults),
+so the commands' --help answers at once.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.registry import help_text as rule_help
 from nefl.support.option_groups import option_group
-from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES, AggregationConfig
+from nefl.support.settings import DEFAULT_ADAPTIVE_K, DEFAULT_MAX_ABS, DEFAULT_RELATIVE, DEFAULT_ROOT_SAMPLES
 
 if TYPE_CHECKING:
-    from aggregator.federation import Robustness
+    from nefl.aggregation.pipeline import Robustness
 
 _A = AggregationConfig()
 
@@ -32,10 +34,7 @@ MaxWeightAbs = Annotated[float, typer.Option(
 DPNoise = Annotated[float, typer.Option(
     "--dp-noise-multiplier", min=0, help="DP-FedAvg: Gaussian noise std = this x --max-update-norm (needs --clip, "
                                          "--aggregator nefedavg; turns the centre check off); epsilon is logged per round.")]
-Rule = Annotated[str, typer.Option(
-    "--aggregator", help="How a round's updates merge: nefedavg (streaming, exact; the only one with --workers), median, "
-                         "trimmed-mean, krum (multi-Krum on the parts all updates share) or fltrust (root data on the "
-                         "server); each over exactly the updates that cover an element (docs/security.md).")]
+Rule = Annotated[str, typer.Option("--aggregator", help=rule_help())]
 Trim = Annotated[float, typer.Option("--trim", min=0, max=0.49, help="trimmed-mean: the fraction cut at each end.")]
 CentreCheck = Annotated[Optional[bool], typer.Option(
     "--centre-check/--no-centre-check", help="Drop updates that point away from the round's majority (a cosine "
@@ -74,7 +73,7 @@ class RobustnessOptions:
     def robustness(self) -> Robustness:
         """The options as a Robustness; raises ValueError with a one-line reason for a combination that
         cannot work."""
-        from aggregator.federation import Robustness  # torch: only when a command runs
+        from nefl.aggregation.pipeline import Robustness  # torch: only when a command runs
         from nefl.aggregation.robust import NormBound
 
         centre_check = self.centre_check

@@ -1,5 +1,5 @@
 """FLTrust's root updates: the server's own small, clean training set, and the update it trains on it
-for one submodel (nefl/aggregation/robust_aggregate.py FLTrust compares each client's update with it).
+for one submodel (nefl/aggregation/fltrust.py FLTrust compares each client's update with it).
 
 The root set is the last `samples` images of a dataset's test split (`--root-data`, the evaluation
 dataset unless told otherwise): the server holds that split anyway. When it is the evaluation's own

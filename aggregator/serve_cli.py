@@ -174,8 +174,8 @@ def serve_command(
         if (scale.workers or scale.remote_workers) and not robust.aggregation.mergeable:
             raise ValueError(f"--aggregator {rule} needs every update of a round in this process, and workers "
                              "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")
-        if rule == "fltrust" and not (evaluation.root_data or evaluation.eval_dataset):
-            raise ValueError("--aggregator fltrust needs the server's root set: give --root-data DATASET or --eval-dataset")
+        if robust.aggregation.spec.root_data and not (evaluation.root_data or evaluation.eval_dataset):
+            raise ValueError(f"--aggregator {rule} needs the server's root set: give --root-data DATASET or --eval-dataset")
         run.check()  # a bad schedule fails here, in one line
         if dp_noise > 0:
             DPAccountant(dp_noise, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting

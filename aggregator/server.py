@@ -45,7 +45,6 @@ from nefl.protocol.messages import (MAX_LISTED, Announce, ClientStatus, Control,
 from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
 from nefl.nested.profile import Profile, load_profile
 from nefl.nested.data import load_dataset
-from nefl.aggregation.robust_aggregate import AggregationRule
 from nefl.nested.state import GlobalState, Layout
 from nefl.protocol.signing import Signer, split_signed, verify, verify_self_signed
 from nefl.protocol.topics import Topics
@@ -132,7 +131,7 @@ class Server(Transport):
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
                               assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY),
-                              aggregator=AggregationRule(layout, cfg.robustness.aggregation, reference=root, seed=cfg.seed))
+                              reference=root, rule_seed=cfg.seed)
         if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
             self.fed.guard.load_state_dict(start.meta["update_guard"])
         if "step_bound" in start.meta and self.fed.steps is not None:  # and the per-tensor step bound's
@@ -179,7 +178,7 @@ class Server(Transport):
     def _evaluation(self, cfg: ServeConfig, layout: Layout) -> tuple[Evaluator | None, RootUpdates | None]:
         """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset);
         when both use one test split, the root images are left out of what evaluation scores."""
-        root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.rule == "fltrust" else None
+        root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.spec.root_data else None
         test = load_dataset(cfg.eval_dataset, cfg.data_root, train=False) if cfg.eval_dataset else None
         root = None
         if root_name:

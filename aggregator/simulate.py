@@ -28,7 +28,6 @@ from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
 from nefl.aggregation.attacks import Attack, craft, poison_dataset, triggered_test
-from nefl.aggregation.robust_aggregate import AggregationRule
 from nefl.nested.data import ArrayDataset, load_dataset
 from nefl.nested.methods import Method
 from nefl.nested.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed
@@ -89,22 +88,22 @@ def attacker_ids(cfg: SimConfig) -> set[str]:
     return {ids[int(c)] for c in order[:n]}
 
 
-def new_federation(layout: Layout, cfg: SimConfig, aggregator: AggregationRule | None = None,
+def new_federation(layout: Layout, cfg: SimConfig, reference: RootUpdates | None = None,
                    tiers: dict[str, int] | None = None) -> Federation:
     """The server's round state of a simulated run, from the seeded initial weights, no client known yet."""
     return Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
                       cfg.weighting, cfg.seed, robustness=cfg.robustness, assignment=cfg.assignment, tiers=tiers,
-                      aggregator=aggregator)
+                      reference=reference)
 
 
 def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int],
-                         aggregator: AggregationRule | None = None) -> Federation:
+                         reference: RootUpdates | None = None) -> Federation:
     """The server's round state with every client online and announcing its tier's bound once, as
     a device does over MQTT; `samples` is each client's partition size."""
     k = layout.num_submodels
     ids = client_ids(cfg.clients)
     tiers = {cid: tier_of(c, cfg.clients, k) for c, cid in enumerate(ids)}
-    fed = new_federation(layout, cfg, aggregator, tiers)
+    fed = new_federation(layout, cfg, reference, tiers)
     for cid, n in zip(ids, samples):
         fed.set_online(cid, True, now=0.0)
         fed.announce(cid, Announce(client=cid, samples=max(1, n), max_submodel=tier_bound(tiers[cid], k) + 1), now=0.0)
@@ -130,14 +129,14 @@ def check_device(name: str) -> torch.device:
 class ServerSide:
     """What the server of a simulated run holds, from its SimConfig alone: the ladder, the training
     settings, the data (the test images it evaluates on, FLTrust's root set held out of them) and the
-    aggregation rule. The simulator trains the clients beside it; the Flower strategy
+    root updates of a rule that needs them. The simulator trains the clients beside it; the Flower strategy
     (aggregator/flower.py) has nodes train them."""
 
     layout: Layout
     train_cfg: TrainConfig
     train: ArrayDataset
     test: ArrayDataset
-    rule: AggregationRule
+    reference: RootUpdates | None  # the root updates of a rule that needs root data
     cfg: SimConfig
 
     @classmethod
@@ -156,10 +155,10 @@ class ServerSide:
                                 schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
         agg = cfg.robustness.aggregation
         root = None
-        if agg.rule == "fltrust":  # the root set is held out of the evaluation, as on the server
+        if agg.spec.root_data:  # the root set is held out of the evaluation, as on the server
             test, root_set = split_root(test, cfg.root_samples)
             root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, device)
-        return cls(layout, train_cfg, train, test, AggregationRule(layout, agg, cfg.weighting, root, cfg.seed), cfg)
+        return cls(layout, train_cfg, train, test, root, cfg)
 
     def evaluator(self, test: ArrayDataset, device: str) -> Evaluator:
         """Every submodel scored on `test` (the test images, or a triggered copy of them)."""
@@ -178,7 +177,7 @@ class Simulator(Transport):
         self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
         self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
         self.attackers = attacker_ids(cfg)
-        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.rule)
+        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.reference)
         self.evaluator = server.evaluator(self.test, self.device)
         self.backdoor = None
         if cfg.attack is not None and cfg.attack.kind == "backdoor":

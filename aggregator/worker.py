@@ -38,6 +38,7 @@ import typer
 from aggregator.federation import Federation, Rejected, Robustness
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.keys import KeyDir
+from nefl.aggregation.nefedavg import as_mergeable
 from nefl.support.cli_options import ENV_PASSWORD, ENV_USERNAME
 from nefl.support.heap import freeze_startup, keep_freed_memory
 from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, PartialSummary, Receipt, ReceiptBatch, RoundClose,
@@ -45,7 +46,7 @@ from nefl.protocol.messages import (MAX_PLAN_BYTES, MAX_RECEIPTS, MessageError, 
 from nefl.protocol.mqtt import QOS, BrokerSettings, Connection
 from nefl.nested.profile import parse_profile
 from nefl.aggregation.robust import NormBound
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.threads import one_per_process
@@ -236,7 +237,7 @@ class Worker:
         num = self.layout.num_submodels if self.layout else 0
         summary = PartialSummary(run=run, round=index, weights=[0.0] * num, updates=[0] * num)
         if fed is not None and fed.agg.total_updates:
-            agg, r = fed.agg.partial(), fed.round
+            agg, r = as_mergeable(fed.agg).partial(), fed.round
             msgs = encode(agg.partial_tensors(), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
                           client=self.me, chunk_bytes=self.plan.chunk_bytes, sign=self.key.sign)
             for m in msgs:

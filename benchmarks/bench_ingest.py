@@ -42,7 +42,7 @@ from aggregator.partials import plan_bound, plan_screen  # noqa: E402
 from aggregator.worker import Worker, WorkerConfig  # noqa: E402
 from benchmarks.provenance import ROOT, commit_label, cpu_name, load_average, replace_section  # noqa: E402
 from nefl.aggregation.robust import reference_norm  # noqa: E402
-from nefl.aggregation.robust_aggregate import Screened  # noqa: E402
+from nefl.aggregation.centre_check import Screened  # noqa: E402
 from nefl.nested.profile import load_profile  # noqa: E402
 from nefl.nested.state import GlobalState, Layout  # noqa: E402
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES, WorkerRound  # noqa: E402
@@ -65,7 +65,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("safetensors decode + finite", r"safetensors|tensors\.py:(all_finite|first_non_finite)|wire\.py:(decode_payload|_tensors)|"
                                     r"frombuffer|isfinite"),
     ("norm bound", r"robust\.py|tensors\.py:(l2_norm|norm)$"),
-    ("centre check (sketch, direction vote)", r"robust_aggregate\.py"),
+    ("centre check (sketch, direction vote)", r"(centre_check|coverage)\.py"),
     ("shapes + NeFedAvg sum", r"aggregate\.py|_foreach"),
     ("reassembly + copies", r"wire\.py|bytes.join|method 'join'|bytearray|memoryview"),
     ("receipts (encode + publish)", r"worker\.py:(\w+\.)?(receipt|send_receipts|publish_up)|signing\.py:sign|"

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from aggregator.federation import Robustness
 from aggregator.simulate import SimConfig, Simulator
 from nefl.aggregation.attacks import Attack
 from nefl.support.fsio import atomic_write_text
 from nefl.nested.profile import load_profile
-from nefl.aggregation.robust_aggregate import AggregationConfig, AggregationRule
+from nefl.aggregation.pipeline import Pipeline, Robustness
+from nefl.aggregation.config import AggregationConfig
 from nefl.nested.state import GlobalState, Layout
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from sweep import run_sweep
@@ -169,7 +169,7 @@ def cost_table(profile: str = "resnet20-fmnist-w", counts: tuple[int, ...] = (10
                     for name, sh in layout.upload_shapes(k).items()} for k in ks]
         assignments = {f"c{i}": k for i, k in enumerate(ks)}
         for name, cfg in RULES.items():
-            rule = AggregationRule(layout, cfg, reference=root if cfg.rule == "fltrust" else None)
+            rule = Pipeline(layout, Robustness(aggregation=cfg), reference=root if cfg.spec.root_data else None)
             agg = rule.begin_round(state, assignments, 1)
             t0 = time.thread_time()
             peak = 0

@@ -44,7 +44,7 @@ from rich.progress import Progress
 
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
 from edge_client.costmodel import RssMeter, calibrate
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.protocol.mqtt import make_client, parse_broker
 from nefl.nested.profile import load_profile
 from nefl.nested.state import GlobalState, Layout

@@ -30,7 +30,7 @@ import psutil
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.protocol.messages import (Announce, ClientStatus, PartialSummary, Receipt, ReceiptBatch, RoundClose, ServerStatus, Task,
                            TrainingSettings, WorkerRound, WorkerStatus)
 from nefl.nested.profile import load_profile

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nefl.aggregation.aggregate import NeFedAvg, UpdateError, coverage_mean
+from nefl.aggregation.aggregate import UpdateError, coverage_mean
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.methods import get_method
 from nefl.nested.state import GlobalState, Layout, corner
 from nefl.nested.tensors import ring

@@ -20,7 +20,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 from export.fold import fold, fold_error
 from export.onnx_export import export_checkpoint, submodel_module
 from export.parity import session
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.arch import ARCHS, MobileNetV2Arch, ViTArch
 from nefl.nested.checkpoint import load_checkpoint, save_checkpoint
 from nefl.nested.cost import submodel_cost

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregator.partials import NORM_SLACK, Held, check_partial
-from nefl.aggregation.aggregate import NeFedAvg, update_weight
+from nefl.aggregation.aggregate import update_weight
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.aggregation.robust import update_norm
 from nefl.nested.state import Layout
 from nefl.protocol.messages import PartialSummary

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.cli import app
 from nefl.nested.arch import ARCHS
 from nefl.nested.cost import full_cost, submodel_cost

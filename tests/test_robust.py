@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.aggregation.robust import (
     REASON,
     DPAccountant,

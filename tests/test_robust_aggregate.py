@@ -1,4 +1,4 @@
-"""Robust rules over nested submodels (nefl/aggregation/robust_aggregate.py) against element-by-element brute force,
+"""Robust rules over nested submodels (nefl/aggregation/: median, trimmed_mean, krum, fltrust) against element-by-element brute force,
 the centre check, and the aggregation seam: every rule is begun, fed and finalized the same way."""
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nefl.aggregation.aggregate import NeFedAvg
-from nefl.aggregation.robust_aggregate import (AggregationConfig, AggregationRule, Screened, Sketch, coordinate_median, coverage_cells,
-                                   distinct_sample, shared_core, trimmed_mean)
+from nefl.aggregation.centre_check import Screened
+from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.coverage import Sketch, coverage_cells, distinct_sample, shared_core
+from nefl.aggregation.median import coordinate_median
+from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
+from nefl.aggregation.pipeline import Pipeline, Robustness
+from nefl.aggregation.trimmed_mean import trimmed_mean
 from nefl.nested.state import GlobalState, Layout
 from tests.helpers import off_the_wire, random_ladder, tiny_profile
 from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates
@@ -23,7 +27,7 @@ NO_CHECK = AggregationConfig(centre_check=False)
 
 
 def begin(layout: Layout, state: GlobalState, cfg: AggregationConfig, assignments=None, reference=None):
-    rule = AggregationRule(layout, cfg, reference=reference)
+    rule = Pipeline(layout, Robustness(aggregation=cfg), reference=reference)
     return rule.begin_round(state, assignments or {"x": 0}, 1)
 
 
@@ -123,7 +127,7 @@ def test_nefedavg_through_the_seam_is_exact(seed: int) -> None:
     state = GlobalState.init(layout, seed=seed)
     ups = random_updates(layout, [rng.randint(0, 3) for _ in range(4)], torch.Generator().manual_seed(seed))
     agg = begin(layout, state, NO_CHECK)
-    assert isinstance(agg, NeFedAvg) and agg.mergeable
+    assert isinstance(agg, NeFedAvg) and isinstance(agg, Mergeable)
     for k, d, ns in ups:
         agg.add(k, d, ns)
     assert_state_close(agg.finalize(state), brute_force(layout, state, ups, "uniform"))
@@ -181,7 +185,7 @@ def test_centre_check_drops_a_flipped_update_and_clips_an_outsized_one(arrival: 
     honest, base = honest_and_hostile(layout, 1, 8, seed=3)
     cfg = AggregationConfig(hold=4)  # four judged together, the rest one by one
     assignments = {f"h{i}": 1 for i in range(8)} | {"flip": 1, "big": 1}
-    agg = AggregationRule(layout, cfg).begin_round(state, assignments, 1)
+    agg = Pipeline(layout, Robustness(aggregation=cfg)).begin_round(state, assignments, 1)
     assert isinstance(agg, Screened)
     hostile = [("flip", {n: -9 * t for n, t in base.items()}), ("big", {n: 30 * t for n, t in base.items()})]
     sends = [(f"h{i}", d) for i, d in enumerate(honest)]
@@ -198,7 +202,7 @@ def test_centre_check_passes_everything_when_too_few_updates_for_a_centre() -> N
     layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
     state = GlobalState.init(layout, seed=0)
     honest, base = honest_and_hostile(layout, 0, 1, seed=4)
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {"a": 0, "b": 0}, 1)
     agg.add(0, honest[0], client="a")
     agg.add(0, {n: -t for n, t in base.items()}, client="b")
     agg.finalize(state)
@@ -209,7 +213,7 @@ def test_a_screened_worker_ships_the_sums_of_what_it_kept() -> None:
     layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
     state = GlobalState.init(layout, seed=0)
     honest, base = honest_and_hostile(layout, 0, 4, seed=5)
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {f"c{i}": 0 for i in range(5)}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {f"c{i}": 0 for i in range(5)}, 1)
     for i, d in enumerate(honest):
         agg.add(0, d, client=f"c{i}")
     agg.add(0, {n: -9 * t for n, t in base.items()}, client="c4")
@@ -225,12 +229,13 @@ def test_non_mergeable_rules_refuse_partials_and_dp() -> None:
     layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
     state = GlobalState.init(layout, seed=0)
     agg = begin(layout, state, AggregationConfig(rule="median", centre_check=False))
-    with pytest.raises(ValueError, match="cannot merge partial aggregates"):
-        agg.merge(NeFedAvg(layout))
-    with pytest.raises(ValueError, match="DP noise"):
-        agg.add_noise(0.1, torch.Generator())
+    assert not isinstance(agg, Mergeable)
+    with pytest.raises(ValueError, match="cannot ship or merge partial aggregates .* nor take DP noise"):
+        as_mergeable(agg)
+    screened = Pipeline(layout, Robustness(aggregation=AggregationConfig(rule="median"))).begin_round(state, {"a": 0}, 1)
+    assert not isinstance(screened, Mergeable)
     with pytest.raises(ValueError, match="--root-data"):
-        AggregationRule(layout, AggregationConfig(rule="fltrust"))
+        Pipeline(layout, Robustness(aggregation=AggregationConfig(rule="fltrust")))
 
 
 @settings(max_examples=20, deadline=None)
@@ -260,7 +265,7 @@ def test_a_big_flipped_update_among_three_is_outvoted_not_followed() -> None:
     dropped = 0
     for seed in range(20):
         honest, _ = honest_and_hostile(layout, 0, 3, seed=100 + seed, noise=2.0)  # pairwise cosine about 0.2
-        agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+        agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
         agg.add(0, honest[0], client="a")
         agg.add(0, honest[1], client="b")
         agg.add(0, {n: -9 * t for n, t in honest[2].items()}, client="evil")
@@ -282,7 +287,7 @@ def test_when_no_update_has_a_majority_none_is_dropped_for_its_direction() -> No
     a = e1
     b = {n: e2[n] - 0.1 * e1[n] for n in e1}
     shared = {n: a[n] + b[n] for n in e1}
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
     agg.add(0, a, client="a")
     agg.add(0, b, client="b")
     agg.add(0, {n: -9 * t for n, t in shared.items()}, client="evil")
@@ -313,7 +318,7 @@ def test_an_update_unrelated_to_the_others_is_not_carried_by_a_chance_positive_c
     evil, at = {}, 0
     for n in names:
         evil[n], at = 9 * v[at:at + a[n].numel()].reshape(a[n].shape), at + a[n].numel()
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
     agg.add(0, a, client="a")
     agg.add(0, b, client="b")
     agg.add(0, {**{n: torch.zeros_like(t) for n, t in a.items()}, **evil}, client="evil")
@@ -331,7 +336,7 @@ def test_weakly_aligned_honest_updates_still_outvote_a_flip() -> None:
     gen = torch.Generator().manual_seed(8)
     a, e = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(2))
     b = {n: e[n] + 0.03 * a[n] for n in a}  # cosine about 0.03: under the spread 3 / sqrt(2,777) = 0.057
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
     for c, d in (("a", a), ("b", b), ("evil", {n: -9 * t for n, t in b.items()})):
         agg.add(0, d, client=c)
     agg.finalize(state)
@@ -349,7 +354,7 @@ def test_an_outsized_update_does_not_vote() -> None:
     state = GlobalState.init(layout, seed=0)
     gen = torch.Generator().manual_seed(9)
     a, b, r = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(3))
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, {"a": 0, "b": 0, "evil": 0}, 1)
     for c, d in (("a", a), ("b", b), ("evil", {n: 9 * (r[n] + 0.3 * b[n]) for n in a})):  # evil: cosine 0.3 with b
         agg.add(0, d, client=c)
     agg.finalize(state)
@@ -367,7 +372,7 @@ def test_a_bare_majority_drops_nobody() -> None:
     unrelated, _ = honest_and_hostile(layout, 0, 2, seed=11, noise=30.0)  # about 0 with everyone, the same size
     unrelated = [{n: t / 30 for n, t in d.items()} for d in unrelated]
     clients = {f"c{i}": 0 for i in range(5)}
-    agg = AggregationRule(layout, AggregationConfig()).begin_round(state, clients, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig())).begin_round(state, clients, 1)
     for c, d in zip(clients, agreeing + unrelated):
         agg.add(0, d, client=c)
     agg.finalize(state)
@@ -384,7 +389,7 @@ def test_outsized_updates_do_not_count_against_the_quorum() -> None:
     honest, _ = honest_and_hostile(layout, 0, 7, seed=12, noise=1.0)  # pairwise cosine about 0.5
     order = ["h0", "evil0", "evil1", "h1", "h2", "evil2", "h3", "h4", "h5", "h6"]
     clients = {c: 0 for c in order}
-    agg = AggregationRule(layout, AggregationConfig(hold=8)).begin_round(state, clients, 1)
+    agg = Pipeline(layout, Robustness(aggregation=AggregationConfig(hold=8))).begin_round(state, clients, 1)
     for c in order:
         d = honest[int(c[1:])] if c.startswith("h") else {n: -9 * t for n, t in honest[int(c[4:])].items()}
         agg.add(0, d, client=c)

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from aggregator.federation import Federation, Robustness, Update
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.aggregation.robust import NormBound
 from nefl.aggregation.step_bound import StepBound
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import corner
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from tests.helpers import random_ladder, tiny_profile
 from tests.test_aggregate import FULL
 

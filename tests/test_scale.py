@@ -24,13 +24,13 @@ from aggregator.federation import state_digest
 from aggregator.loadtest import device_delta
 from aggregator.partials import Held, check_partial, plan_bound, plan_screen
 from aggregator.worker import Worker, WorkerConfig, owner_of
-from nefl.aggregation.aggregate import NeFedAvg
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.checkpoint import load_checkpoint
 from nefl.protocol.messages import MessageError, PartialSummary, ReceiptBatch, RoundClose, WorkerRound
 from nefl.protocol.mqtt import BrokerSettings
 from nefl.nested.profile import load_profile
 from nefl.aggregation.robust import NormBound, update_norm
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.nested.state import GlobalState, Layout
 from nefl.aggregation.step_bound import StepBound
@@ -196,7 +196,7 @@ def fleet(procs, name: str, broker: str, devices: int, *extra: str):
 def expected_state(tmp, rounds: list[int]) -> GlobalState:
     """The global state one process would reach from the same deltas: the seeded init, then per round
     a NeFedAvg of exactly the updates the coordinator reports as merged, committed through the default
-    step bound as `serve` commits it (aggregator/federation.py `_commit`)."""
+    step bound as `serve` commits it (nefl/aggregation/pipeline.py `Pipeline.commit`)."""
     layout = Layout.build(load_profile(PROFILE))
     state = GlobalState.init(layout, 0)
     steps = StepBound(layout, AggregationConfig())

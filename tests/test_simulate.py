@@ -13,7 +13,7 @@ from nefl.nested.population import client_ids, tier_bound, tier_of
 from nefl.nested.checkpoint import load_checkpoint
 from nefl.nested.data import SYSTEM_FASHION_MNIST_DIR
 from nefl.nested.profile import load_profile
-from nefl.aggregation.robust_aggregate import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 from nefl.nested.state import Layout
 
 

@@ -20,7 +20,7 @@ time after the others settled; it then moves at most `k` x the typical step per 
 Running variances must stay positive: their steps are taken in log space (new / old), so the
 committed value is old x exp(bounded step), positive and finite whatever the update said.
 
-It runs where a round's candidate state is committed (aggregator/federation.py), with the centre check,
+It runs where a round's candidate state is committed (nefl/aggregation/pipeline.py), with the centre check,
 so `serve`, the coordinator of `--workers` and `simulate` all apply it, under any rule. Cost: at commit,
 one pass over the per-submodel tensors (all copies end to end in one float64 buffer) and the bounded shared
 ones (tensor by tensor), summed per copy or cell by one `index_add_`; no update held, and a few batched
@@ -49,7 +49,7 @@ import torch
 
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import ring
-from nefl.support.settings import AggregationConfig
+from nefl.aggregation.config import AggregationConfig
 
 POSITIVE = ("running_var",)  # tensors a valid model keeps > 0: bounded in log space
 _TINY = 1e-30  # a non-positive running variance counts as this before its log

@@ -302,7 +302,7 @@ class BoundSettings(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class ScreenSettings(msgspec.Struct, kw_only=True, frozen=True):
-    """The coordinator's centre check (nefl/aggregation/robust_aggregate.py AggregationConfig), so every worker screens
+    """The coordinator's centre check (nefl/aggregation/config.py AggregationConfig), so every worker screens
     its share of the updates the same way."""
 
     centre_check: bool

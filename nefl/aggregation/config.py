@@ -1,0 +1,69 @@
+"""The aggregation rule's config: which registered rule merges a round's updates (nefl/aggregation/registry.py),
+its settings, and the centre check's. Torch-free, like the registry, so the command lines show its defaults
+and check a rule's name without loading torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nefl.aggregation import registry
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """Which rule merges a round's updates, and the centre check that screens them first."""
+
+    rule: str = "nefedavg"  # a name in nefl/aggregation/registry.py
+    trim: float = 0.2  # trimmed mean: the fraction cut at each end of every covering set
+    krum_fraction: float = 0.3  # multi-Krum: the share of a round's updates assumed hostile
+    # drop updates pointing away from the round's majority, clip outsized ones, bound per-submodel tensors' steps at commit
+    centre_check: bool = True
+    min_agree: float = 0.5  # the least share of the round's other updates an update must point the same way as
+    # pointing the same way: a sketch cosine above agree_z / sqrt(sketch size), agree_z spreads of the cosine of unrelated
+    # vectors (-weights in a batch-norm net is near orthogonal to honest updates: the sign of its cosine is a coin flip),
+    # or above agree_of_strongest x the round's strongest pairwise cosine where that is lower (rounds of weakly aligned
+    # honest updates: nested submodels far apart in size)
+    agree_z: float = 3.0
+    agree_of_strongest: float = 0.5
+    # the vote drops updates only while at least this share of the round's voters (updates within the size bound)
+    # reach min_agree (a bare half dropped 4 honest updates of 10 in a late round of diverse updates)
+    vote_quorum: float = 2 / 3
+    max_norm_ratio: float = 3.0  # an update larger than this x the round's median relative norm is clipped to it
+    min_cover: int = 3  # fewer covering updates than this: too thin for a robust statistic
+    hold: int = 8  # updates the centre check judges together before it judges each arrival on its own
+    sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
+    # with the centre check: a per-submodel tensor's step at most step_k x the median of its peers' and history's
+    step_k: float = 3.0
+    step_window: int = 8  # rounds of a per-submodel tensor's history the step bound remembers
+
+    def __post_init__(self) -> None:
+        registry.rule(self.rule)  # refuses a name the registry does not hold
+        if not 0 <= self.trim < 0.5:
+            raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
+        if not 0 <= self.krum_fraction < 0.5:
+            raise ValueError(f"the Krum attacker fraction must be in [0, 0.5), got {self.krum_fraction}")
+        if not 0 <= self.min_agree <= 1:
+            raise ValueError(f"--min-agreement must be in [0, 1], got {self.min_agree}")
+        if not 0.5 <= self.vote_quorum <= 1:
+            raise ValueError(f"the vote's quorum must be in [0.5, 1], got {self.vote_quorum}")
+        if not (math.isfinite(self.agree_z) and self.agree_z >= 0 and 0 <= self.agree_of_strongest <= 1):
+            raise ValueError(f"need agree_z >= 0 (finite) and agree_of_strongest in [0, 1], got {self.agree_z}, "
+                             f"{self.agree_of_strongest}")
+        if not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio >= 1):
+            raise ValueError(f"--max-norm-ratio must be a finite number >= 1, got {self.max_norm_ratio}")
+        if self.min_cover < 3 or self.hold < 1 or self.sketch < 16:
+            raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
+        if not (math.isfinite(self.step_k) and self.step_k >= 1) or self.step_window < 1:
+            raise ValueError(f"need step_k >= 1 (finite) and step_window >= 1, got {self.step_k}, {self.step_window}")
+
+    @property
+    def spec(self) -> registry.Rule:
+        """The rule's registry entry: its description, whether it merges partials, whether it needs root data."""
+        return registry.rule(self.rule)
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether partial aggregates of several processes merge exactly (workers and relays)."""
+        return self.spec.mergeable
