@@ -359,7 +359,7 @@ class Agent:
             raise MessageError("bad_task", f"round {r}: {task.model_bytes}-byte weights exceed submodel {k + 1}'s size")
         # a task is kept unless the device truly cannot train it now: no hysteresis margin for k. One at or
         # below the announced bound is a promise: training fits itself to the time left, so only memory that
-        # is no longer there, or nothing fitting at all, breaks it
+        # is no longer there breaks it
         promised = k < self.promised
         current = self.selection.index if self.selection is not None and self.selection.index is not None else -1
         self.plan(task.deadline_s, hold=max(current, k))
@@ -413,17 +413,15 @@ class Agent:
         return next((i for i, f in enumerate(sel.fits) if not f.fits), len(sel.fits))
 
     def _cannot_keep(self, k: int) -> bool:
-        """Whether a promised task (0-based submodel k) cannot be trained now: nothing fits at all (the
-        re-announce of 0 went out first), or k no longer fits the memory there is. Time alone never
-        breaks a promise: training stops when the round's time is up."""
+        """Whether a promised task (0-based submodel k) cannot be trained now: k no longer fits the memory
+        there is (the re-announce went out first). Time alone never breaks a promise: training takes as
+        many batches as the round's time allows, and declines only if not even one step fits."""
         sel = self.selection
         if sel is None:
             return False
-        if sel.index is None:
-            return True
         if sel.fits:
-            return sel.fits[k].memory_ok is False
-        return sel.binding == "memory" and k > sel.index
+            return sel.fits[k].memory_ok is False or sel.fits[k].capped
+        return sel.binding != "deadline" and (sel.index is None or k > sel.index)
 
     def _allows(self, k: int) -> bool:
         """Whether 0-based submodel k fits now (by its own row of the selection: fits are per submodel)."""

@@ -292,3 +292,17 @@ def test_a_promised_task_that_no_longer_fits_memory_is_declined_after_a_re_annou
     agent.dispatch(T.task("c1"), server.task(k=3))
     assert announces(transport)[-1].max_submodel == 2
     assert [(d.round, d.submodel) for d in declines(transport)] == [(1, 3)] and device.trained == []
+
+
+def test_a_promised_task_is_trained_even_when_the_deadline_binds_for_every_submodel(tmp_path):
+    """Beside busy loops the prediction may say even submodel 1 misses the deadline; the device trains what the
+    time allows (and declines only if not even one step fits), it does not decline what it promised."""
+    server = FakeServer(tmp_path / "s")
+    device = RowsDevice()
+    agent, transport, _ = make_agent(tmp_path, server, device)
+    device.slow = {0, 1, 2, 3, 4}
+    agent.dispatch(T.task("c1"), server.task(k=0))
+    for m in server.weights(k=0):
+        agent.dispatch(T.model_chunk(0, 0), m)
+    agent.tick()
+    assert [(r, k) for r, k, _ in device.trained] == [(1, 0)] and declines(transport) == []
