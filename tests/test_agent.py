@@ -10,7 +10,7 @@ from nefl.protocol.messages import Announce, ClientStatus, Decline, Sent
 from nefl.protocol.mqtt import BrokerSettings
 from nefl.protocol.signing import Signer, parse_public_key, split_signed, status_message, verify
 from nefl.protocol.wire import Reassembler, split_chunk
-from tests.agent_fakes import FakeDevice, FakeServer, FakeTransport, T, make_agent
+from tests.harness.agent_fakes import FakeDevice, FakeServer, FakeTransport, T, make_agent
 
 
 class Clock:

@@ -11,7 +11,7 @@ from nefl.aggregation.aggregate import NeFedAvg, UpdateError, coverage_mean
 from nefl.nested.methods import get_method
 from nefl.nested.state import GlobalState, Layout, corner
 from nefl.nested.tensors import ring
-from tests.helpers import TINY_BASIC, TINY_BOTTLENECK, off_the_wire, random_ladder, tiny_profile
+from tests.harness.helpers import TINY_BASIC, TINY_BOTTLENECK, off_the_wire, random_ladder, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
 

@@ -30,7 +30,7 @@ from nefl.protocol.mqtt import BrokerSettings
 from nefl.protocol.signing import Signer, split_signed
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import Reassembler
-from tests.agent_fakes import PROFILE, FakeDevice, FakeServer, FakeTransport
+from tests.harness.agent_fakes import PROFILE, FakeDevice, FakeServer, FakeTransport
 
 T = Topics("t")
 

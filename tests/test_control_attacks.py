@@ -29,7 +29,7 @@ import torch
 from nefl.nested.checkpoint import load_checkpoint
 from nefl.protocol.signing import Signer
 from nefl.protocol.tokens import fingerprint
-from tests.control_attacker import workers_group
+from tests.harness.control_attacker import workers_group
 from tests.test_attacks import ACL, PASSWORD
 from tests.test_federation import Procs, finish, free_port, metrics, needs_mosquitto, wait_for
 
@@ -65,13 +65,13 @@ def serve(procs: Procs, name: str, url: str, creds: list[str], rounds: int, *ext
 def device(procs: Procs, name: str, url: str, creds: list[str], *extra: str, attack: tuple[str, ...] = ()):
     join = ["join", "--broker", url, "--client-id", name, "--threads", "1", "--federation", "t", "--max-samples", "64",
             "--max-submodel", "2", "--no-calibrate", "--partition", f"{1 + sum(map(ord, name)) % 8}/8", *creds, *extra]
-    head = [sys.executable, "-m", "tests.attack_device", *attack] if attack else \
+    head = [sys.executable, "-m", "tests.harness.attack_device", *attack] if attack else \
         [sys.executable, "-c", "from edge_client.cli import app; app()"]
     return procs.start(name, [*head, *join])
 
 
 def attacker(procs: Procs, name: str, url: str, creds: list[str], *args: str):
-    return procs.start(name, [sys.executable, "-m", "tests.control_attacker", *args, "--broker", url, "--profile", PROFILE,
+    return procs.start(name, [sys.executable, "-m", "tests.harness.control_attacker", *args, "--broker", url, "--profile", PROFILE,
                               "--client-id", name, *creds, "--report", str(procs.tmp / f"{name}.json")])
 
 

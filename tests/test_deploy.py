@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from aggregator.cli import app as aggregator_app
 from edge_client.agent import status_message
 from nefl.nested.data import DatasetUnavailable
-from tests.agent_fakes import FakeDevice
+from tests.harness.agent_fakes import FakeDevice
 from tests.test_busy_device import T, _wire
 from tests.test_federation import Procs, free_port, needs_mosquitto, port_open, wait_for
 

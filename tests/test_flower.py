@@ -29,7 +29,7 @@ from nefl.nested.profile import load_profile  # noqa: E402
 from nefl.nested.state import GlobalState, Layout  # noqa: E402
 from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays  # noqa: E402
 from nefl.protocol.messages import FlowerResult, FlowerTask, MessageError  # noqa: E402
-from tests.flower_helpers import flwr_run  # noqa: E402
+from tests.harness.flower_helpers import flwr_run  # noqa: E402
 
 PROFILE = "resnet8-fmnist-w"
 # a few rounds over 6 clients, 4 a round: seconds of training; every submodel scored after the last round

@@ -48,7 +48,7 @@ def start_federation(procs: Procs, tmp: Path, cfg: JigsawConfig, fetch_timeout: 
                                 "--seed", str(cfg.seed), "--fetch-timeout", str(fetch_timeout),
                                 "--round-timeout", str(round_timeout), "--join-wait", "120", "--out", str(tmp / "run")])
     for i, b in enumerate(budgets(cfg)):
-        entry = [str(ROOT / "tests" / "jigsaw_poisoner.py")] if i == poisoner else ["-c", "from edge_client.cli import app; app()"]
+        entry = [str(ROOT / "tests" / "harness" / "jigsaw_poisoner.py")] if i == poisoner else ["-c", "from edge_client.cli import app; app()"]
         procs.start(f"d{i}", [sys.executable, *entry, "jigsaw", "--broker", broker, "--federation", FEDERATION,
                               "--client-id", f"d{i}", "--memory-budget", str(b), "--threads", "1", "--out", str(tmp / f"d{i}")])
     return broker

@@ -8,7 +8,7 @@ from nefl.nested.cost import full_cost, submodel_cost
 from nefl.nested.models import NestedResNet, build_submodel, full_steps, load_torchvision_state
 from nefl.nested.profile import load_profile, scaled
 from nefl.nested.state import GlobalState, Layout, load_module_state
-from tests.helpers import TINY_BASIC, tiny_profile
+from tests.harness.helpers import TINY_BASIC, tiny_profile
 
 
 def hooked_macs(model: nn.Module, shape: tuple[int, ...]) -> int:

@@ -18,7 +18,7 @@ from nefl.aggregation.robust import update_norm
 from nefl.nested.state import Layout
 from nefl.protocol.messages import PartialSummary
 from nefl.protocol.wire import WireError
-from tests.helpers import random_ladder
+from tests.harness.helpers import random_ladder
 
 checks = settings(max_examples=25, deadline=None)
 

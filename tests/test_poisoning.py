@@ -1,6 +1,6 @@
 """An authenticated device that poisons its updates, against the default aggregation, with real
 processes on mosquitto: two honest `edge-client join`s and one real join whose delta is replaced by an
-attack (tests/attack_device.py). benchmarks/bench_attacks_serve.py runs the long versions and the
+attack (tests/harness/attack_device.py). benchmarks/bench_attacks_serve.py runs the long versions and the
 control federation for docs/security.md; this keeps the short one in the suite."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROUNDS = 4
 
 
 def attacker(procs: Procs, broker: str, kind: str, scale: float = 9.0, first: int = 1, *extra: str):
-    return procs.start("evil", [sys.executable, "-m", "tests.attack_device", kind, str(scale), str(first), "join",
+    return procs.start("evil", [sys.executable, "-m", "tests.harness.attack_device", kind, str(scale), str(first), "join",
                                 "--broker", broker, "--client-id", "evil", "--threads", "1", *client_args(3, 160, 5), *extra])
 
 

@@ -21,7 +21,7 @@ from nefl.aggregation.robust import (
     update_norm,
 )
 from nefl.nested.state import GlobalState, Layout, corner
-from tests.helpers import off_the_wire, tiny_profile
+from tests.harness.helpers import off_the_wire, tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
 FP32_MAX = float(np.finfo(np.float32).max)

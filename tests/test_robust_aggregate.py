@@ -16,7 +16,7 @@ from nefl.aggregation.aggregate import NeFedAvg
 from nefl.aggregation.robust_aggregate import (AggregationConfig, AggregationRule, Screened, Sketch, coordinate_median, coverage_cells,
                                    distinct_sample, shared_core, trimmed_mean)
 from nefl.nested.state import GlobalState, Layout
-from tests.helpers import off_the_wire, random_ladder, tiny_profile
+from tests.harness.helpers import off_the_wire, random_ladder, tiny_profile
 from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates
 
 NO_CHECK = AggregationConfig(centre_check=False)

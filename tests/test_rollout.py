@@ -30,8 +30,8 @@ from nefl.protocol.messages import DeployReport, Refusal, VersionStats
 from nefl.protocol.signing import Signer, parse_public_key
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import parse_chunk
-from tests.agent_fakes import FakeTransport
-from tests.rollout_helpers import release_messages, rollout
+from tests.harness.agent_fakes import FakeTransport
+from tests.harness.rollout_helpers import release_messages, rollout
 
 T = Topics("t")
 GIB = 1 << 30
@@ -445,7 +445,7 @@ def test_infer_on_a_followed_directory_uses_its_current_version(export: Path, tm
     from typer.testing import CliRunner
 
     from edge_client.cli import app
-    from tests.rollout_helpers import png
+    from tests.harness.rollout_helpers import png
 
     f = make(tmp_path)
     deliver(f, export, 1)

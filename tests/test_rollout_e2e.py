@@ -25,7 +25,7 @@ from nefl.protocol.messages import Release
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import split_chunk
-from tests.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export
+from tests.harness.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export
 from tests.test_federation import free_port, needs_mosquitto, wait_for
 
 pytestmark = [pytest.mark.slow, needs_mosquitto]

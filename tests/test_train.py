@@ -7,7 +7,7 @@ import torch
 from nefl.nested.data import ArrayDataset, BatchLoader, get_dataset_info
 from nefl.nested.state import GlobalState, Layout, module_state
 from nefl.nested.train import TrainConfig, evaluate, local_train, recompute_bn_stats
-from tests.helpers import tiny_profile
+from tests.harness.helpers import tiny_profile
 
 FULL = ((1.0, 1.0), (1.0, 1.0))
 

@@ -27,7 +27,7 @@ from nefl.protocol.tokens import new_token, parse_token, proof
 from nefl.nested.state import GlobalState, Layout
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import encode
-from tests.agent_fakes import FakeServer, make_agent
+from tests.harness.agent_fakes import FakeServer, make_agent
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from edge_client.cli import app  # noqa: E402
 from nefl.jigsaw.broker import BrokerExchange  # noqa: E402

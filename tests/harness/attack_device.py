@@ -2,7 +2,7 @@
 key, the real agent, wire and limits) whose honest delta is replaced by an attack of nefl/aggregation/attacks.py
 before it is uploaded, from a given round on.
 
-    python -m tests.attack_device KIND SCALE FROM_ROUND join --broker ... (the usual join arguments)
+    python -m tests.harness.attack_device KIND SCALE FROM_ROUND join --broker ... (the usual join arguments)
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import psutil
 
 from tests.test_federation import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "flower-nefl"
 
 

@@ -1,7 +1,7 @@
 """The control-plane attacks of issue 21 as a real process on the broker, for the end-to-end tests
 (tests/test_control_attacks.py) and the benchmark (benchmarks/bench_control_plane.py).
 
-    python -m tests.control_attacker ATTACK --broker mqtt://HOST:PORT [--federation t] [--username U --password P] ...
+    python -m tests.harness.control_attacker ATTACK --broker mqtt://HOST:PORT [--federation t] [--username U --password P] ...
 
   silent          join the workers' shared subscription and swallow every update handed to it
   forge-workers   forged receipts for every task seen, and at each round close a forged partial (sums x1000,
