@@ -25,7 +25,7 @@ from pathlib import Path
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
 from tests.harness.control_attacker import workers_group
-from tests.test_federation import wait_for
+from tests.harness.procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"

@@ -24,26 +24,13 @@ from nefl.nested.profile import load_profile
 from nefl.nested.state import Layout
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import encode, split_chunk
-from tests.test_federation import (PROFILE, Procs, client_args, finish, free_port, metrics, needs_mosquitto,
+from tests.harness.broker_acl import ACL, PASSWORD
+from tests.harness.procs import (PROFILE, Procs, client_args, finish, free_port, metrics, needs_mosquitto,
                                    serve_args, wait_for)
 
 pytestmark = pytest.mark.slow  # every test here runs a real broker, aggregator and devices
 
 T = Topics("t")
-PASSWORD = "pw"
-ACL = """user aggregator
-topic readwrite nefl/t/#
-pattern write nefl/t/announce/%u
-pattern write nefl/t/decline/%u
-pattern write nefl/t/status/%u
-pattern write nefl/t/update/%u
-pattern write nefl/t/sent/%u
-pattern write nefl/t/resend/%u
-pattern read  nefl/t/task/%u
-pattern read  nefl/t/model/#
-pattern read  nefl/t/control
-pattern read  nefl/t/server/status
-"""
 KILLERS = [  # each one ended the aggregator (or, retained, every restart of it) before the strict loader
     b'{"v":2,"samples":1,"max_submodel":Infinity}',
     b'{"v":2,"type":"announce","client":"raw","samples":1,"max_submodel":' + b"9" * 5000 + b"}",

@@ -17,7 +17,7 @@ from paho.mqtt.exception import MalformedPacket
 import pytest
 
 from aggregator import broker as b
-from tests.test_federation import ROOT, needs_mosquitto, wait_for
+from tests.harness.procs import ROOT, needs_mosquitto, wait_for
 
 
 def round_trip(url_port: int, payload: bytes) -> bytes:

@@ -29,9 +29,9 @@ import torch
 from nefl.nested.checkpoint import load_checkpoint
 from nefl.protocol.signing import Signer
 from nefl.protocol.tokens import fingerprint
+from tests.harness.broker_acl import ACL, PASSWORD
 from tests.harness.control_attacker import workers_group
-from tests.test_attacks import ACL, PASSWORD
-from tests.test_federation import Procs, finish, free_port, metrics, needs_mosquitto, wait_for
+from tests.harness.procs import Procs, finish, free_port, metrics, needs_mosquitto, wait_for
 
 pytestmark = pytest.mark.slow
 PROFILE = "resnet8-fmnist-w"

@@ -24,7 +24,7 @@ from nefl.protocol.messages import DeployReport, Rollout, VersionStats
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
 
-from tests.test_federation import (ROOT, Procs, client_args, free_port, metrics, port_open, serve_args, server_state,
+from tests.harness.procs import (ROOT, Procs, client_args, free_port, metrics, port_open, serve_args, server_state,
                                    wait_for)
 
 ROUNDS = 2

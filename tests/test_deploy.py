@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from aggregator.cli import app as aggregator_app
 from edge_client.agent import status_message
 from nefl.nested.data import DatasetUnavailable
-from tests.harness.agent_fakes import FakeDevice
-from tests.test_busy_device import T, _wire
-from tests.test_federation import Procs, free_port, needs_mosquitto, port_open, wait_for
+from tests.harness.agent_fakes import T, FakeDevice
+from tests.harness.server_and_agent import wire_up as _wire
+from tests.harness.procs import Procs, free_port, needs_mosquitto, port_open, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = ROOT / "edge_client" / "service"

@@ -15,7 +15,7 @@ from aggregator.federation import Rejected
 from aggregator.keys import KeyDir
 from nefl.protocol.signing import Signer
 from nefl.protocol.tokens import TokenError, check_proof, fingerprint, new_token, parse_token, proof, verifier_of
-from tests.test_federation import ROOT
+from tests.harness.procs import ROOT
 
 
 class Clock:

@@ -10,8 +10,8 @@ from nefl.nested.data import BatchLoader
 from nefl.protocol.messages import Announce
 from nefl.nested.state import GlobalState, Layout, load_module_state, module_state
 from nefl.nested.train import TrainConfig, local_train, recompute_bn_stats
-from tests.harness.helpers import tiny_profile
-from tests.test_train import FULL, _blobs
+from tests.harness.helpers import FULL, tiny_profile
+from tests.harness.tiny_data import blobs as _blobs
 
 PROFILE = tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)], in_ch=1)
 

@@ -30,8 +30,8 @@ from nefl.nested.models import (build_submodel, build_supernet, full_steps, load
                          read_state_file)
 from nefl.nested.profile import Profile, ProfileError, SubmodelSpec, list_profiles, load_profile, parse_profile
 from nefl.nested.state import GlobalState, Layout, load_module_state
-from tests.test_aggregate import assert_state_close, brute_force, random_updates
-from tests.test_federation import finish, free_port, metrics, port_open, wait_for
+from tests.harness.brute_force import assert_state_close, brute_force, random_updates
+from tests.harness.procs import finish, free_port, metrics, port_open, wait_for
 
 TINY_VIT = ViTArch("tiny_vit", 4, 3, 2, 8, 16)  # head dim 4, 8x8 inputs: 4 patches + the class token
 TINY_MBV2 = MobileNetV2Arch("tiny_mbv2", stem_width=4, last_width=12, divisor=2,

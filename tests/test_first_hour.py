@@ -16,7 +16,7 @@ import pytest
 
 from edge_client.agent import UPLOAD_SHARE
 
-from tests.test_federation import finish, free_port, metrics, port_open, step_seconds_now, wait_for
+from tests.harness.procs import finish, free_port, metrics, port_open, step_seconds_now, wait_for
 
 pytestmark = pytest.mark.slow
 CHANCE = 0.1

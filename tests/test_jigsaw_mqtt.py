@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from nefl.jigsaw.shards import device_budgets
 from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
 from nefl.jigsaw.zoo import load_base
-from tests.test_federation import Procs, finish, free_port, needs_mosquitto, wait_for
+from tests.harness.procs import Procs, finish, free_port, needs_mosquitto, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = JigsawConfig(archs=("cnn-2", "cnn-3"), clients=4, rounds=2, policy_rounds=1, critic_warmup=0,

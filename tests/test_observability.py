@@ -34,7 +34,7 @@ from nefl.nested.train import TrainResult
 from nefl.protocol.messages import DeviceSummary, ServerStatus
 from nefl.support.listen import is_loopback, parse_listen
 from nefl.support.logs import setup_logging
-from tests.test_federation import ROOT
+from tests.harness.procs import ROOT
 
 
 def value(registry, name: str, **labels: str) -> float | None:

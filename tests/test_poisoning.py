@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_federation import Procs, client_args, finish, free_port, metrics, needs_mosquitto, serve_args
+from tests.harness.procs import Procs, client_args, finish, free_port, metrics, needs_mosquitto, serve_args
 
 pytestmark = pytest.mark.slow
 

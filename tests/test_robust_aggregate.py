@@ -16,8 +16,8 @@ from nefl.aggregation.aggregate import NeFedAvg
 from nefl.aggregation.robust_aggregate import (AggregationConfig, AggregationRule, Screened, Sketch, coordinate_median, coverage_cells,
                                    distinct_sample, shared_core, trimmed_mean)
 from nefl.nested.state import GlobalState, Layout
-from tests.harness.helpers import off_the_wire, random_ladder, tiny_profile
-from tests.test_aggregate import FULL, assert_state_close, brute_force, random_updates
+from tests.harness.brute_force import assert_state_close, brute_force, random_updates
+from tests.harness.helpers import FULL, off_the_wire, random_ladder, tiny_profile
 
 NO_CHECK = AggregationConfig(centre_check=False)
 

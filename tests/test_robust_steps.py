@@ -19,8 +19,7 @@ from nefl.aggregation.step_bound import StepBound
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import corner
 from nefl.support.settings import AggregationConfig
-from tests.harness.helpers import random_ladder, tiny_profile
-from tests.test_aggregate import FULL
+from tests.harness.helpers import FULL, random_ladder, tiny_profile
 
 CFG = AggregationConfig()
 

@@ -26,7 +26,7 @@ from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import split_chunk
 from tests.harness.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export
-from tests.test_federation import free_port, needs_mosquitto, wait_for
+from tests.harness.procs import free_port, needs_mosquitto, wait_for
 
 pytestmark = [pytest.mark.slow, needs_mosquitto]
 T = Topics("t")

@@ -37,7 +37,7 @@ from nefl.aggregation.step_bound import StepBound
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import Reassembler, encode, split_chunk
 from tests.harness.helpers import random_ladder
-from tests.test_federation import ROOT, finish, free_port, metrics, needs_mosquitto, wait_for
+from tests.harness.procs import ROOT, finish, free_port, metrics, needs_mosquitto, wait_for
 
 PROFILE = "resnet8-fmnist-w"
 

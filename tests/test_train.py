@@ -4,12 +4,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nefl.nested.data import ArrayDataset, BatchLoader, get_dataset_info
+from nefl.nested.data import BatchLoader
 from nefl.nested.state import GlobalState, Layout, module_state
 from nefl.nested.train import TrainConfig, evaluate, local_train, recompute_bn_stats
-from tests.harness.helpers import tiny_profile
-
-FULL = ((1.0, 1.0), (1.0, 1.0))
+from tests.harness.helpers import FULL, tiny_profile
+from tests.harness.tiny_data import blobs as _blobs
 
 
 def test_paper_lr_schedule() -> None:
@@ -18,14 +17,6 @@ def test_paper_lr_schedule() -> None:
     lrs = [cfg.lr_at(r, 100) for r in (0, 49, 50, 74, 75, 99)]
     assert lrs == [0.1, 0.1, 0.1 * 0.1, 0.1 * 0.1, 0.1 * 0.1 * 0.1, 0.1 * 0.1 * 0.1]
     assert cfg.for_round(50, 100) == replace(cfg, lr=0.1 * 0.1)
-
-
-def _blobs(n: int = 256) -> ArrayDataset:
-    """Two classes that differ in brightness: learnable in a few steps."""
-    g = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 2, (n,), generator=g)
-    images = (torch.rand(n, 1, 8, 8, generator=g) * 100 + labels.view(-1, 1, 1, 1) * 150).to(torch.uint8)
-    return ArrayDataset(images, labels, replace(get_dataset_info("mnist"), shape=(1, 8, 8)))
 
 
 def test_local_training_learns_and_returns_only_upload_delta() -> None:

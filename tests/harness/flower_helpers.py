@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.test_federation import free_port
+from tests.harness.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "flower-nefl"

@@ -9,6 +9,7 @@ from nefl.nested.profile import Profile, SubmodelSpec
 
 TINY_BASIC = Arch("tiny_basic", "basic", (2, 2), (4, 8), 4, "cifar")
 TINY_BOTTLENECK = Arch("tiny_bottleneck", "bottleneck", (2, 1), (2, 4), 4, "cifar")
+FULL = ((1.0, 1.0), (1.0, 1.0))  # every block of both stages: a submodel spec's full depth
 
 
 def tiny_profile(subs: list[tuple[float, float, tuple[tuple[float, ...], ...]]], arch: Arch = TINY_BASIC,
