@@ -1,5 +1,5 @@
 """The control-plane attacks of issue 21 as a real process on the broker, for the end-to-end tests
-(tests/test_control_attacks.py) and the benchmark (benchmarks/bench_control_plane.py).
+(tests/e2e/test_control_attacks.py) and the benchmark (benchmarks/bench_control_plane.py).
 
     python -m tests.harness.control_attacker ATTACK --broker mqtt://HOST:PORT [--federation t] [--username U --password P] ...
 

@@ -1,4 +1,4 @@
-"""`edge-client jigsaw`, but every module it borrowed goes back to its source scaled x1000 (tests/test_jigsaw_mqtt.py).
+"""`edge-client jigsaw`, but every module it borrowed goes back to its source scaled x1000 (tests/e2e/test_jigsaw_mqtt.py).
 
 An honest device's protocol in every other respect: signed, on time, the right shapes; only the norm bound
 against the source's own copy can tell.

@@ -1,6 +1,6 @@
 """Metrics and the dashboard's data: the aggregator's Observer after a scripted round, its HTTP face
 (routes, token), the device-side metrics, the edge HTTP API's /metrics, and json log context.
-The end-to-end run against a real federation is in tests/test_dashboard.py."""
+The end-to-end run against a real federation is in tests/e2e/test_dashboard.py."""
 
 from __future__ import annotations
 

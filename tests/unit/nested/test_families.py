@@ -297,7 +297,7 @@ def test_profile_show_needs_no_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None; from nefl.cli import app; "
             "app(['profile', 'show', 'vit-tiny-fmnist-wd', '--method', 'depthfl'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0 and "305.05K" in out.stdout, out.stderr
 
 

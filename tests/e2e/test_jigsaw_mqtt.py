@@ -22,7 +22,7 @@ from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
 from nefl.jigsaw.zoo import load_base
 from tests.harness.procs import Procs, finish, free_port, needs_mosquitto, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CFG = JigsawConfig(archs=("cnn-2", "cnn-3"), clients=4, rounds=2, policy_rounds=1, critic_warmup=0,
                    max_samples_per_client=160, test_per_client=40, proxy_samples=40, eval_every=0, seed=3)
 FEDERATION = "jig"

@@ -30,7 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PIP_NET = ["--timeout", "20", "--retries", "1"]  # the machine's pip waits 180 s per try: bound it
 # runs an edge-client command in this process, then reports which full-install modules it imported
 IMPORT_CHECK = """

@@ -23,7 +23,7 @@ from tests.harness.agent_fakes import T, FakeDevice
 from tests.harness.server_and_agent import wire_up as _wire
 from tests.harness.procs import Procs, free_port, needs_mosquitto, port_open, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE = ROOT / "edge_client" / "service"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")

@@ -1,4 +1,4 @@
-"""Round bookkeeping of the aggregator, in-process (the MQTT side is in test_federation.py)."""
+"""Round bookkeeping of the aggregator, in-process (the MQTT side is in tests/e2e/test_serve_join.py)."""
 
 import logging
 import random

@@ -27,7 +27,7 @@ from nefl.nested.state import Layout
 from nefl.support.units import parse_size
 
 MB = 2**20
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def table(peaks_mb=(100, 200, 300, 400, 500), steps_s=(0.01, 0.02, 0.03, 0.04, 0.05), device="cpu") -> CostTable:

@@ -1,6 +1,6 @@
 """Model rollout, device side and rule: the follower's logic fed signed messages as the aggregator sends them,
 with a real export, real onnxruntime parity checks and a real staging directory (the MQTT loop is
-tests/test_rollout_e2e.py's)."""
+tests/e2e/test_rollout.py's)."""
 
 from __future__ import annotations
 

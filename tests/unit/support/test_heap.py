@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 # buffers of 1..16 MiB, as updates of different submodels come in, each written (a receive) and freed
 BUFFERS = """

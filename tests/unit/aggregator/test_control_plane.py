@@ -1,6 +1,6 @@
 """The server's control plane in process (no broker): who may speak for a worker, a device's status and
 its upload notices, enrolment, and rounds that neither wait for refused updates nor lose one to a silent
-subscriber. The same attacks run over real mosquitto in tests/test_control_attacks.py."""
+subscriber. The same attacks run over real mosquitto in tests/e2e/test_control_attacks.py."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from nefl.nested.profile import load_profile
 from nefl.nested.state import GlobalState, Layout
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 GIB = 1 << 30
 IDLE = lambda: (0.0, 8 * GIB)  # noqa: E731
 
