@@ -1,5 +1,6 @@
 """Architecture families (ViT, MobileNetV2 beside the ResNets): torchvision parity, slicing, NeFedAvg,
-costs, pretrained weights from a file, ONNX export, and a federation over the embedded broker."""
+costs, pretrained weights from a file, ONNX export (a federation over the embedded broker is
+tests/e2e/test_mobilenet_federation.py's)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from nefl.nested.models import (build_submodel, build_supernet, full_steps, load
 from nefl.nested.profile import Profile, ProfileError, SubmodelSpec, list_profiles, load_profile, parse_profile
 from nefl.nested.state import GlobalState, Layout, load_module_state
 from tests.harness.brute_force import assert_state_close, brute_force, random_updates
-from tests.harness.procs import finish, free_port, metrics, port_open, wait_for
 
 TINY_VIT = ViTArch("tiny_vit", 4, 3, 2, 8, 16)  # head dim 4, 8x8 inputs: 4 patches + the class token
 TINY_MBV2 = MobileNetV2Arch("tiny_mbv2", stem_width=4, last_width=12, divisor=2,
@@ -378,30 +378,3 @@ def test_every_submodel_exports_to_onnx_with_parity(tmp_path: Path, monkeypatch:
         out = session(tmp_path / "onnx" / entry["file"]).run(None, {"input": x.numpy()})[0]
         assert np.abs(ref).max() > 1e-2 and np.abs(out - ref).max() < 1e-4
         assert entry["flops"] == submodel_cost(layout.profile, layout.profile.submodels[entry["index"]]).macs
-
-
-# -- a federation ----------------------------------------------------------------------------------------
-
-@pytest.mark.extended
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_mobilenet_federation_over_the_embedded_broker(procs, tmp_path: Path) -> None:
-    import sys
-
-    port = free_port()
-    procs.start("agg", [sys.executable, "-c", "from aggregator.cli import app; app()", "serve",
-                        "--profile", "mobilenetv2-fmnist-wd", "--checkpoint-dir", str(tmp_path / "run"),
-                        "--embedded-port", str(port), "--federation", "t", "--rounds", "2", "--clients-per-round", "2",
-                        "--min-clients", "1", "--round-timeout", "60", "--join-wait", "3", "--batch-size", "16",
-                        "--eval-dataset", "fashion-mnist", "--eval-samples", "100"])
-    wait_for(lambda: port_open(port), 60, "the embedded broker")
-    for i, sub in enumerate((2, 5), start=1):
-        procs.client(f"c{i}", f"mqtt://127.0.0.1:{port}",
-                     ["--federation", "t", "--partition", f"{i}/8", "--max-samples", "64", "--max-submodel", str(sub),
-                      "--no-calibrate"])
-    finish(procs, "agg", 200)
-    m = metrics(tmp_path)
-    assert sorted(m) == [0, 1, 2]
-    assert sum(sum(m[r]["updates_per_submodel"]) for r in (1, 2)) >= 2
-    ckpt = load_checkpoint(tmp_path / "run")
-    assert ckpt.layout.profile.arch.family == "mobilenetv2" and ckpt.meta["round"] == 2
