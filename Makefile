@@ -32,8 +32,8 @@ system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) 
 
 test: env env-flower system-deps  ## unit tests and a few end-to-end runs (about 12 minutes on 2 cores), then the Flower tests in .venv-flower (about 100 s)
 	$(PY) -m pytest -q --durations=15 -m "not extended" $(PYTEST_ARGS)  # the slowest tests listed: the suite must stay fast
-	$(FLOWER_PY) -c 'import flwr'  # tests/test_flower.py skips without Flower; here it must run
-	$(FLOWER_PY) -m pytest -q -rs tests/test_flower.py $(PYTEST_ARGS)
+	$(FLOWER_PY) -c 'import flwr'  # tests/integration/test_flower.py skips without Flower; here it must run
+	$(FLOWER_PY) -m pytest -q -rs tests/integration/test_flower.py $(PYTEST_ARGS)
 
 test-extended: env system-deps  ## the longer end-to-end runs `make test` leaves out (about 13 minutes on 2 cores)
 	$(PY) -m pytest -q --durations=15 -m extended $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """The robustness issue's three attacks, rerun over `aggregator serve` with real processes on mosquitto,
 under the default configuration: two honest `edge-client join`s plus one real join that attacks with its
-own device key (tests/attack_device.py), against the same two honest devices alone. Writes the
+own device key (tests/harness/attack_device.py), against the same two honest devices alone. Writes the
 `bench-attacks-serve` section of docs/security.md.
 
     PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 10] [--late-rounds 24] [--aggregator RULE ...]
@@ -58,7 +58,7 @@ def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: li
                                 "--partition", f"{i}/8"])
         if attack is not None:
             kind, first = attack
-            run.start("evil", [PY, "-m", "tests.attack_device", kind, "9", str(first), *join, "--client-id", "evil",
+            run.start("evil", [PY, "-m", "tests.harness.attack_device", kind, "9", str(first), *join, "--client-id", "evil",
                                "--partition", "3/8"])
         run.finish(agg, 120 * rounds + 300)  # room for a loaded 2-core machine's slow rounds
     finally:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
-from tests.control_attacker import workers_group
-from tests.test_federation import wait_for
+from tests.harness.control_attacker import workers_group
+from tests.harness.procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"
@@ -100,7 +100,7 @@ class Federation:
         join = ["join", "--broker", self.url, "--federation", FED, "--client-id", name, "--threads", "1",
                 "--max-samples", "300", "--no-calibrate", "--partition", f"{1 + HONEST.index(name) if name in HONEST else 3}/8",
                 *extra]
-        head = [PY, "-m", "tests.attack_device", *attack] if attack else [PY, "-c", "from edge_client.cli import app; app()"]
+        head = [PY, "-m", "tests.harness.attack_device", *attack] if attack else [PY, "-c", "from edge_client.cli import app; app()"]
         env = self.run.env
         if cache is not None:
             self.run.env = {**env, "NEFL_CACHE_DIR": str(cache)}
@@ -108,7 +108,7 @@ class Federation:
         self.run.env = env
 
     def attacker(self, name: str, *args: str) -> subprocess.Popen:
-        return self.run.start(name, [PY, "-m", "tests.control_attacker", *args, "--broker", self.url, "--federation", FED,
+        return self.run.start(name, [PY, "-m", "tests.harness.control_attacker", *args, "--broker", self.url, "--federation", FED,
                                      "--profile", PROFILE, "--workers", f"{FED}-w1", f"{FED}-w2", "--client-id", name,
                                      "--report", str(self.work / f"{name}.report.json")])
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from provenance import ROOT, measured_by, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 
 sys.path.insert(0, str(ROOT))
-from tests.flower_helpers import flwr_run  # noqa: E402
+from tests.harness.flower_helpers import flwr_run  # noqa: E402
 
 DOC = ROOT / "docs" / "flower.md"
 RESULTS = ROOT / "benchmarks" / "results" / "flower.json"

@@ -8,7 +8,7 @@ section of docs/deploy.md.
 
 --v1 and --v2 are exports of two checkpoints of one federation (docs/deploy.md, "Measured", says which);
 the bad version is --v2 with a latency regression that passes every hash and parity check
-(tests/rollout_helpers.py `slow_export`). Everything runs on 127.0.0.1: mosquitto at a free port,
+(tests/harness/rollout_helpers.py `slow_export`). Everything runs on 127.0.0.1: mosquitto at a free port,
 devices as separate processes, the operator's commands as real `aggregator` processes.
 """
 
@@ -36,7 +36,7 @@ from nefl.protocol.manifest import read_manifest  # noqa: E402
 from nefl.protocol.signing import Signer  # noqa: E402
 from nefl.protocol.topics import Topics  # noqa: E402
 from nefl.protocol.wire import split_chunk  # noqa: E402
-from tests.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export  # noqa: E402
+from tests.harness.rollout_helpers import LoadLoop, get_json, release_messages, rollout, slow_export  # noqa: E402
 
 DOC = ROOT / "docs" / "deploy.md"
 RESULTS = ROOT / "benchmarks" / "results" / "rollout.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_federation import Procs
+from tests.harness.procs import Procs
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,0 +1,141 @@
+"""FedJigsaw over MQTT end to end: `aggregator jigsaw-serve` and four `edge-client jigsaw` processes on real mosquitto.
+
+The runs are tiny (Fashion-MNIST shards of 160 images, the two smallest base architectures, one policy round and
+two model-training rounds) so that each takes tens of seconds on two loaded cores; most of it is five processes
+importing torch and loading the dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nefl.jigsaw.shards import device_budgets
+from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
+from nefl.jigsaw.zoo import load_base
+from tests.harness.procs import Procs, finish, free_port, needs_mosquitto, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = JigsawConfig(archs=("cnn-2", "cnn-3"), clients=4, rounds=2, policy_rounds=1, critic_warmup=0,
+                   max_samples_per_client=160, test_per_client=40, proxy_samples=40, eval_every=0, seed=3)
+FEDERATION = "jig"
+
+
+def budgets(cfg: JigsawConfig) -> list[int]:
+    """The simulator's device budgets: given to the devices, they pick the bases their twins get."""
+    return [int(b) for b in device_budgets([load_base(a) for a in cfg.archs], cfg.clients, cfg.batch_size,
+                                           cfg.budget_headroom, cfg.seed)]
+
+
+def start_federation(procs: Procs, tmp: Path, cfg: JigsawConfig, fetch_timeout: float = 20, round_timeout: float = 120,
+                     poisoner: int | None = None) -> str:
+    port = free_port()
+    procs.mosquitto(port)
+    broker = f"mqtt://127.0.0.1:{port}"
+    procs.start("coordinator", [sys.executable, "-c", "from aggregator.cli import app; app()", "jigsaw-serve",
+                                "--devices", str(cfg.clients), "--broker", broker, "--federation", FEDERATION,
+                                "--archs", ",".join(cfg.archs), "--rounds", str(cfg.rounds),
+                                "--policy-rounds", str(cfg.policy_rounds), "--critic-warmup", str(cfg.critic_warmup),
+                                "--max-samples-per-client", str(cfg.max_samples_per_client),
+                                "--test-per-client", str(cfg.test_per_client), "--proxy-samples", str(cfg.proxy_samples),
+                                "--seed", str(cfg.seed), "--fetch-timeout", str(fetch_timeout),
+                                "--round-timeout", str(round_timeout), "--join-wait", "120", "--out", str(tmp / "run")])
+    for i, b in enumerate(budgets(cfg)):
+        entry = [str(ROOT / "tests" / "harness" / "jigsaw_poisoner.py")] if i == poisoner else ["-c", "from edge_client.cli import app; app()"]
+        procs.start(f"d{i}", [sys.executable, *entry, "jigsaw", "--broker", broker, "--federation", FEDERATION,
+                              "--client-id", f"d{i}", "--memory-budget", str(b), "--threads", "1", "--out", str(tmp / f"d{i}")])
+    return broker
+
+
+def rows(tmp: Path) -> list[dict]:
+    path = tmp / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@needs_mosquitto
+def test_four_devices_over_mqtt_reproduce_the_simulator(tmp_path: Path) -> None:
+    procs = Procs(tmp_path)
+    try:
+        start_federation(procs, tmp_path, CFG)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the devices: the same kernels, the same float order
+        try:
+            sim = JigsawSimulator(CFG)
+            result = sim.run()
+        finally:
+            torch.set_num_threads(threads)
+        finish(procs, "coordinator", 240)
+        got = rows(tmp_path)
+        assert [(r["round"], r["phase"], r["trained"]) for r in got] == [(0, "policy", 4), (1, "train", 4), (2, "train", 4),
+                                                                          (3, "end", 4)]
+        for mine, twin in zip(got, result.rounds):
+            assert [mine["val_accuracy"][str(c)] for c in range(4)] == twin["val_accuracy"]  # bit-identical
+            assert [[tuple(k) for k in mine["chains"][str(c)]] for c in range(4)] == \
+                [[tuple(int(x[1:]) for x in key.split(".")) for key in chain] for chain in twin["chains"]]
+            assert mine["rejected"] == {}
+        final = json.loads((tmp_path / "run" / "final.json").read_text())["accuracy"]
+        assert [final[f"d{c}"] for c in range(4)] == result.accuracy
+        for c in range(4):  # the final chain's parameters, as the sources averaged them
+            twin = {k: v for k, v in sim.fed.model(c).state_dict().items() if not k.endswith("num_batches_tracked")}
+            mine = load_file(str(tmp_path / f"d{c}" / "final.safetensors"))
+            assert set(mine) == set(twin)
+            assert all(torch.equal(mine[k], twin[k]) for k in twin), c  # one torch thread on both sides: same float order
+        moved = {k: sum(r["bytes"].get(k, 0) for r in got) for k in ("module_out", "module_in", "return_out", "return_in")}
+        # each side counts what it sent or received into its next report: a source that reported its last round before
+        # a borrower's final fetch reached it (a fast host) never reports those module bytes, nor a return that came
+        # after its last report; the receiving side of a module and the sending side of a return always report first
+        assert 0 < moved["module_out"] <= moved["module_in"] and 0 < moved["return_in"] <= moved["return_out"], moved
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory: pytest.TempPathFactory):
+    """d3 returns every borrowed module scaled x1000; d2 is killed in the first model-training round."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    procs = Procs(tmp)
+    try:
+        start_federation(procs, tmp, CFG, fetch_timeout=5, round_timeout=60, poisoner=3)
+        wait_for(lambda: len(rows(tmp)) >= 1, 180, "the policy round to close")
+        procs.procs["d2"].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        finish(procs, "coordinator", 240)
+        yield tmp, procs, time.monotonic() - killed_at
+    finally:
+        procs.stop_all()
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@needs_mosquitto
+def test_a_device_that_goes_offline_mid_round_is_not_waited_for(hostile_run) -> None:
+    tmp, procs, _ = hostile_run
+    got = rows(tmp)
+    assert [r["round"] for r in got] == [0, 1, 2, 3]
+    assert got[1]["trained"] >= 3 and "2" not in got[2]["val_accuracy"] and got[2]["trained"] == 3
+    final = json.loads((tmp / "run" / "final.json").read_text())["accuracy"]
+    assert set(final) == {"d0", "d1", "d3"} and all(a > 0.1 for a in final.values()), final
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@needs_mosquitto
+def test_a_poisoned_module_is_rejected_counted_and_its_source_unhurt(hostile_run) -> None:
+    tmp, procs, _ = hostile_run
+    got = rows(tmp)
+    assert sum(r["rejected"].get("norm_bound", 0) for r in got) >= 1, [r["rejected"] for r in got]
+    assert "poisoned" in procs.log("d3")
+    for c in (0, 1):  # honest sources: their final chains are finite and score well above chance
+        state = load_file(str(tmp / f"d{c}" / "final.safetensors"))
+        assert all(torch.isfinite(v).all() and v.abs().max() < 1e3 for v in state.values())
+    final = json.loads((tmp / "run" / "final.json").read_text())["accuracy"]
+    assert final["d0"] > 0.2 and final["d1"] > 0.2, final

@@ -1,0 +1,1 @@
+"""Shared test helpers: fakes, process harness, attackers, reference implementations. No tests here."""

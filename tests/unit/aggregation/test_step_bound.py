@@ -1,0 +1,410 @@
+"""The per-tensor step bound on per-submodel tensors (nefl/aggregation/step_bound.py): against a brute-force
+reimplementation, the lone -weights update it exists for, its warm-up, and that no update it bounds can
+ratchet it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from aggregator.federation import Federation, Robustness, Update
+from nefl.aggregation.nefedavg import NeFedAvg
+from nefl.aggregation.robust import NormBound
+from nefl.aggregation.step_bound import StepBound
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.tensors import corner
+from nefl.aggregation.config import AggregationConfig
+from tests.harness.helpers import FULL, random_ladder, tiny_profile
+
+CFG = AggregationConfig()
+
+
+def moved(layout: Layout, state: GlobalState, ks: list[int], gen: torch.Generator, scale: list[float]) -> GlobalState:
+    """`state` with the per-submodel tensors of submodels `ks` moved by random steps of RMS about scale[i]."""
+    new = state.clone()
+    for k, s in zip(ks, scale):
+        for n, t in new.inconsistent[k].items():
+            step = torch.randn(t.shape, generator=gen) * s
+            new.inconsistent[k][n] = t * step.exp() if n.endswith("running_var") else t + step
+    return new
+
+
+def brute(old: GlobalState, new: GlobalState, history: dict[str, list[float]], k_: float, peers: int) -> GlobalState:
+    """The rule written element by element: per tensor name, every copy that moved; its step (log ratio for a
+    running variance); the median of the copies' RMS and the history; each copy above k x that scaled to it."""
+    out = new.clone()
+    names = sorted({n for d in old.inconsistent for n in d})
+    for name in names:
+        copies = []
+        for k in range(len(old.inconsistent)):
+            if name not in old.inconsistent[k]:
+                continue
+            o, n = old.inconsistent[k][name].double().reshape(-1), new.inconsistent[k][name].double().reshape(-1)
+            if torch.equal(o, n):
+                continue
+            log = name.endswith("running_var")
+            step = [math.log(max(float(b), 1e-30)) - math.log(float(a)) if log else float(b) - float(a) for a, b in zip(o, n)]
+            copies.append((k, o, step, math.sqrt(sum(x * x for x in step) / max(1, len(step))), log))
+        pool = [c[3] for c in copies] + history.get(name, [])
+        limit = k_ * statistics.median(pool) if len(pool) >= peers else math.inf
+        for k, o, step, size, log in copies:
+            if size > limit:
+                step = [x * limit / size for x in step]
+                vals = [float(a) * math.exp(x) if log else float(a) + x for a, x in zip(o, step)]
+                out.inconsistent[k][name] = torch.tensor(vals, dtype=torch.float64).reshape(
+                    old.inconsistent[k][name].shape).to(old.inconsistent[k][name].dtype)
+    return out
+
+
+def gamma_and_var(layout: Layout) -> tuple[str, str]:
+    names = sorted(layout.inconsistent)
+    return next(n for n in names if n.endswith("bn1.weight")), next(n for n in names if n.endswith("bn1.running_var"))
+
+
+def test_a_lone_minus_weights_copy_is_bounded_by_its_peers_and_variances_stay_positive() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    new = moved(layout, state, [0, 1], gen, [0.02, 0.03])  # two honest copies
+    for n, t in state.inconsistent[2].items():  # the attacker's: -1.0 x (and -1.5 x) the weights, alone on submodel 3
+        new.inconsistent[2][n] = t - 1.5 * t if n.endswith("running_var") else t - t
+    gamma, var = gamma_and_var(layout)
+    bounded = StepBound(layout, CFG).apply(state, new, [1] * layout.num_submodels)
+    assert bounded.get(2, 0) > 0 and 0 not in bounded and 1 not in bounded
+    assert bool((new.inconsistent[2][var] > 0).all()) and bool(new.inconsistent[2][var].isfinite().all())
+    peers = [float((new.inconsistent[k][gamma] - state.inconsistent[k][gamma]).square().mean().sqrt()) for k in (0, 1)]
+    step = float((new.inconsistent[2][gamma] - state.inconsistent[2][gamma]).square().mean().sqrt())
+    assert step == pytest.approx(CFG.step_k * statistics.median([*peers, 1.0]), rel=1e-4)  # the median of 3 copies
+    assert float(new.inconsistent[2][gamma].min()) > 0.8  # gamma was 1: the attacker moved it by at most ~0.1
+
+
+def test_warm_up_leaves_a_round_with_too_few_sizes_unbounded_and_history_ends_it() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    bound = StepBound(layout, CFG)
+    gen = torch.Generator().manual_seed(1)
+    big = moved(layout, state, [1], gen, [2.0])
+    assert bound.apply(state, big.clone(), [1] * layout.num_submodels) == {}  # one copy, no history: nothing to compare it with
+    bound.commit()
+    assert not any(bound.history.values())  # a lone copy never enters the history
+    for _ in range(3):  # rounds with both copies, both small: two sizes a round are not enough for an entry
+        small = moved(layout, state, [0, 1], gen, [0.01, 0.01])
+        assert bound.apply(state, small, [1] * layout.num_submodels) == {}
+        bound.commit()
+    bound.history = {n: h.__class__([0.01] * 3, maxlen=h.maxlen) for n, h in bound.history.items()}  # as a busier past left it
+    assert bound.apply(state, big, [1] * layout.num_submodels) == {1: len(state.inconsistent[1])}  # now the lone copy is bounded
+
+
+def test_an_attacker_at_the_bound_every_round_cannot_ratchet_it() -> None:
+    """Two honest copies and the attacker's, which always sends as much as the bound lets through: the history
+    holds each round's median copy, an honest one, so the bound stays k x the honest size."""
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    bound = StepBound(layout, CFG)
+    gen = torch.Generator().manual_seed(2)
+    gamma, _ = gamma_and_var(layout)
+    for _ in range(30):
+        new = moved(layout, state, [0, 1, 2], gen, [0.01, 0.01, 1e3])
+        bound.apply(state, new, [1] * layout.num_submodels)
+        bound.commit()
+    honest = 0.01 * math.exp(0.5 * 0.01 ** 2)  # E[RMS] is about the scale for the linear tensors
+    assert max(bound.history[gamma]) < 3 * honest
+    assert bound.limit(gamma, []) < CFG.step_k * 3 * honest
+
+
+def test_history_survives_a_restart_and_a_corrupt_one_is_refused() -> None:
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    bound = StepBound(layout, CFG)
+    bound.apply(state, moved(layout, state, [0, 1, 2], torch.Generator().manual_seed(3), [0.1, 0.2, 0.3]), [1] * layout.num_submodels)
+    bound.commit()
+    again = StepBound(layout, CFG)
+    again.load_state_dict(bound.state_dict())
+    assert again.history == bound.history and any(again.history.values())
+    for bad in ({"history": {"nope": [1.0]}}, {"history": {next(iter(bound.history)): [math.nan]}}, [1.0]):
+        with pytest.raises(ValueError, match="step-bound history"):
+            again.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("centre_check", [True, False])
+def test_the_server_commits_through_the_bound_only_with_the_centre_check(centre_check: bool) -> None:
+    """The round engine (serve, the workers' coordinator and the simulator) bounds the steps at commit: the
+    -weights update, alone on its submodel and inside every update bound, leaves running variances positive;
+    without the centre check the rule's state is committed as it is (plain NeFedAvg: at zero)."""
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    robustness = Robustness(NormBound(relative=None, adaptive_k=None), aggregation=AggregationConfig(centre_check=centre_check))
+    fed = Federation(layout, GlobalState.init(layout, seed=0), "t", 3, 1, 60.0, robustness=robustness)
+    fed.adopt_round(1, {"a": 0, "b": 1, "evil": 2}, [], now=0.0)
+    gen = torch.Generator().manual_seed(4)
+    for c, k in fed.round.assignments.items():  # honest: shrink by 0.4 (as training shrinks variances), plus noise
+        weights = {n: t for n, t in fed.state.extract(layout, k).items() if n in layout.upload_shapes(k)}
+        scale = 9.0 if c == "evil" else 0.4  # clipped to 3 x the median relative norm: -1.2 x the weights
+        fed.accept(Update(c, 1, k, 10, {n: -scale * t + 0.01 * torch.randn(t.shape, generator=gen)
+                                        for n, t in weights.items()}, 100))
+    facts = fed.close_round()
+    _, var = gamma_and_var(layout)
+    assert facts["committed"] and not facts.get("dropped")
+    assert bool((fed.state.inconsistent[2][var] > 0).all()) == centre_check
+    assert ("steps_bounded" in facts) == centre_check
+
+
+# --- the consistent tensors' thinly covered cells ---------------------------------------------------------
+
+def nefedavg_round(layout: Layout, state: GlobalState, tasks: list[tuple[int, float]], gen: torch.Generator,
+                   evil: tuple[int, dict[str, torch.Tensor]] | None = None) -> tuple[GlobalState, list[int]]:
+    """A real NeFedAvg round: one update per (submodel, step scale) in `tasks`, random steps, and `evil`'s
+    (submodel, delta). Returns the candidate state and the updates per submodel."""
+    agg = NeFedAvg(layout)
+    for k, s in tasks:
+        agg.add(k, {n: torch.randn(shape, generator=gen) * s for n, shape in layout.upload_shapes(k).items()})
+    if evil is not None:
+        agg.add(*evil)
+    return agg.finalize(state), list(agg.updates)
+
+
+def nested(shapes: list[torch.Size]) -> bool:
+    return all(all(a <= b for a, b in zip(s, t)) or all(a >= b for a, b in zip(s, t)) for s in shapes for t in shapes)
+
+
+def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: list[int], history: dict[str, list[float]],
+                k_: float, peers: int) -> tuple[GlobalState, dict[str, float]]:
+    """The cell rule element by element: each element's cell is the set of submodels whose slice holds it, its
+    coverage their updates; per tensor, the moved cells covered twice or more and the history make the pool,
+    a cell covered by fewer than `peers` above k x its median is scaled to it. Returns the new state and this
+    round's history entries (the median of the well-covered cells)."""
+    out, entries = new.clone(), {}
+    for name, full in layout.global_shapes.items():
+        if name in layout.inconsistent:
+            continue
+        holders = [k for k, s in enumerate(layout.sub_shapes) if name in s]
+        if not nested([layout.sub_shapes[k][name] for k in holders]):
+            continue
+        o, n = old.consistent[name].double(), new.consistent[name].double()
+        members: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for idx in itertools.product(*(range(d) for d in full)):
+            key = tuple(k for k in holders if all(i < d for i, d in zip(idx, layout.sub_shapes[k][name])))
+            if key:
+                members.setdefault(key, []).append(idx)
+        cells_ = []
+        for key, idxs in members.items():
+            step = [float(n[i]) - float(o[i]) for i in idxs]
+            size = math.sqrt(sum(x * x for x in step) / len(step))
+            cover = sum(updates[k] for k in key)
+            if cover > 0 and size > 0:
+                cells_.append((idxs, step, size, cover))
+        well = [size for _, _, size, cover in cells_ if cover >= 2]
+        pool = well + history.get(name, [])
+        limit = k_ * statistics.median(pool) if len(pool) >= peers else math.inf
+        for idxs, step, size, cover in cells_:
+            if cover < peers and size > limit:
+                for i, x in zip(idxs, step):
+                    out.consistent[name][i] = float(o[i]) + x * limit / size
+        if well:
+            entries[name] = statistics.median(well)
+    return out, entries
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bound_matches_brute_force(seed: int) -> None:
+    """Per-submodel copies (moved in log space for running variances) and shared cells (a real NeFedAvg
+    round) against the two element-by-element rules, over rounds: the history takes part from the second."""
+    rng = random.Random(seed)
+    layout = Layout.build(random_ladder(rng, n=4))
+    gen = torch.Generator().manual_seed(seed)
+    state = GlobalState.init(layout, seed=seed)
+    bound = StepBound(layout, CFG)
+    for _ in range(4):
+        tasks = [(rng.randrange(4), rng.choice([0.01, 0.02, 0.5])) for _ in range(rng.randint(1, 5))]
+        new, updates = nefedavg_round(layout, state, tasks, gen)
+        ks = sorted({k for k, _ in tasks})
+        new.inconsistent = moved(layout, state, ks, gen, [rng.choice([0.01, 0.02, 0.5]) for _ in ks]).inconsistent
+        past = {n: list(h) for n, h in bound.history.items()}
+        want = brute(state, new, past, CFG.step_k, CFG.min_cover)
+        want_cells, entries = brute_cells(layout, state, new, updates, past, CFG.step_k, CFG.min_cover)
+        got = new.clone()
+        bound.apply(state, got, updates)
+        for k in range(layout.num_submodels):
+            for n in got.inconsistent[k]:
+                torch.testing.assert_close(got.inconsistent[k][n], want.inconsistent[k][n], rtol=1e-5, atol=1e-6)
+        for n in got.consistent:
+            torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
+        bound.commit()
+        for n in bound.cells:  # a round's entry is the median of its well-covered cells, and only then
+            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
+        state = got
+
+
+WIDTHS = [(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]
+
+
+def test_a_lone_minus_weights_on_the_outer_ring_is_bounded_and_well_covered_cells_are_untouched() -> None:
+    """Two honest updates on submodels 1 and 2 and -weights on submodel 3, the only update of its outer ring:
+    after a few honest rounds (the history) the ring moves at most k x the typical cell step; the cells the
+    three updates share keep NeFedAvg's average bit for bit."""
+    layout = Layout.build(tiny_profile(WIDTHS))
+    state, gen, bound = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(5), StepBound(layout, CFG)
+    for _ in range(3):
+        honest, updates = nefedavg_round(layout, state, [(0, 0.01), (1, 0.01), (2, 0.01)], gen)
+        got = honest.clone()
+        bound.apply(state, got, updates)
+        for n, t in honest.consistent.items():  # cells covered 3, 2 and 1 times by alike steps: none bounded
+            assert torch.equal(got.consistent[n], t), n
+        bound.commit()
+    minus = {n: -t for n, t in state.extract(layout, 2).items() if n in layout.upload_shapes(2)}
+    new, updates = nefedavg_round(layout, state, [(0, 0.01), (1, 0.01)], gen, evil=(2, minus))
+    plain = new.clone()
+    bound.apply(state, new, updates)
+    name = next(n for n in bound.cells if n.endswith("conv1.weight") and len(bound.cells[n]) == 3)
+    (outer, _), (middle, _), (inner, _) = bound.cells[name]
+    step = [float((new.consistent[name][b] - state.consistent[name][b]).square().mean().sqrt()) for b in outer]
+    weight = float(state.consistent[name][outer[0]].square().mean().sqrt())
+    assert max(step) <= CFG.step_k * 0.02 and max(step) < weight / 10  # -weights would have moved it by its size
+    for b in inner:  # covered by all three updates: the average as NeFedAvg made it
+        assert torch.equal(new.consistent[name][b], plain.consistent[name][b])
+
+
+def test_an_attacker_alone_on_the_outer_rings_cannot_ratchet_the_cell_bound() -> None:
+    """30 rounds of two honest updates and the attacker's on the largest submodel: 3 x an honest step where the
+    others cover it too (what the centre check's size clip lets through) and 1e3 on its outer ring, which one
+    update decides and so never enters the history: the bound stays k x the honest cell steps and holds the
+    ring to it every round."""
+    layout = Layout.build(tiny_profile(WIDTHS))
+    state, gen, bound = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(6), StepBound(layout, CFG)
+    shared = [n for n in bound.cells if len(bound.cells[n]) == 3]
+    for r in range(30):
+        delta = {n: torch.randn(shape, generator=gen) * 0.03 for n, shape in layout.upload_shapes(2).items()}
+        for n in shared:
+            for b in bound.cells[n][0][0]:
+                delta[n][b] = 1e3
+        new, updates = nefedavg_round(layout, state, [(0, 0.01), (1, 0.01)], gen, evil=(2, delta))
+        bound.apply(state, new, updates)
+        bound.commit()
+        for n in shared if r >= 1 else []:  # round 1 is the warm-up: two well-covered cells, no history
+            ring_ = torch.cat([(new.consistent[n][b] - state.consistent[n][b]).reshape(-1) for b in bound.cells[n][0][0]])
+            assert float(ring_.square().mean().sqrt()) <= CFG.step_k * 0.02 * (1 + 1e-6), n
+        state = new
+    for n in shared:
+        assert max(bound.history[n]) < 0.02, n  # averages of honest steps and the clipped attacker's
+
+
+# --- what no resnet ladder has, and values a bad update sends ----------------------------------------------
+
+def odd_layout() -> tuple[Layout, GlobalState]:
+    """Three nested submodels by hand: empty and 0-dim tensors, a 2-D per-submodel tensor, names only the
+    larger submodels hold, shared tensors cut in their last dim only or with elements no submodel holds,
+    float64 tensors next to float32 ones."""
+    S = torch.Size
+    shared = {"conv.weight": [S((2, 2, 3, 3)), S((4, 3, 3, 3)), S((6, 4, 3, 3))],
+              "fc.weight": [S((5, 2)), S((5, 4)), S((5, 6))], "wide.weight": [S((2, 3, 2)), S((4, 3, 2)), S((6, 3, 2))],
+              "empty.weight": [S((0, 1)), S((0, 2)), S((0, 3))], "none.weight": [S((3, 0))] * 3,
+              "scale": [S(())] * 3, "half.bias": [None, S((3,)), S((4,))]}
+    own = {"bn.weight": [S((2,)), S((4,)), S((6,))], "bn.running_var": [S((2,)), S((4,)), S((6,))],
+           "blk.step": [S(())] * 3, "proj.weight": [S((2, 2)), S((3, 3)), S((4, 4))],
+           "gone.running_var": [S((0,))] * 3, "top.running_var": [None, None, S((3,))]}
+    full = {n: s[-1] for n, s in [*shared.items(), *own.items()]} | {"wide.weight": S((8, 3, 2)), "none.weight": S((4, 0))}
+    subs = [{n: s[k] for n, s in [*shared.items(), *own.items()] if s[k] is not None} for k in range(3)]
+    layout = Layout(None, None, full, subs, frozenset(own), frozenset())  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(7)
+
+    def init(name: str, shape: torch.Size) -> torch.Tensor:
+        t = torch.randn(shape, generator=gen, dtype=torch.float64)
+        t = t.abs() + 0.5 if name.endswith("running_var") else t
+        return t if name in ("fc.weight", "blk.step") else t.float()
+
+    state = GlobalState({n: init(n, s) for n, s in full.items() if n in shared},
+                        [{n: init(n, s) for n, s in sub.items() if n in own} for sub in subs])
+    return layout, state
+
+
+def test_the_bound_matches_brute_force_on_odd_tensors() -> None:
+    """As `test_the_bound_matches_brute_force`, on `odd_layout`: the shared tensors' outer rings (one update
+    each) at times moved 50 x their inner cells, so that they are bounded, and the copies at random scales."""
+    layout, state = odd_layout()
+    rng, gen = random.Random(8), torch.Generator().manual_seed(8)
+    bound, bounded, updates = StepBound(layout, CFG), {}, [2, 1, 1]
+    for _ in range(6):
+        new = moved(layout, state, [0, 1, 2], gen, [rng.choice([0.01, 0.02, 0.5]) for _ in range(3)])
+        for n, t in new.consistent.items():
+            scale = torch.full(t.shape, rng.choice([0.01, 0.5]), dtype=torch.float64)
+            scale[corner(layout.sub_shapes[1][n])] = 0.01
+            new.consistent[n] = (t + torch.randn(t.shape, generator=gen, dtype=torch.float64) * scale).to(t.dtype)
+        past = {n: list(h) for n, h in bound.history.items()}
+        want = brute(state, new, past, CFG.step_k, CFG.min_cover)
+        want_cells, entries = brute_cells(layout, state, new, updates, past, CFG.step_k, CFG.min_cover)
+        got = new.clone()
+        for k, count in bound.apply(state, got, updates).items():
+            bounded[k] = bounded.get(k, 0) + count
+        for k in range(layout.num_submodels):
+            for n in got.inconsistent[k]:
+                assert got.inconsistent[k][n].dtype == state.inconsistent[k][n].dtype
+                torch.testing.assert_close(got.inconsistent[k][n], want.inconsistent[k][n], rtol=1e-5, atol=1e-6)
+        for n in got.consistent:
+            assert got.consistent[n].dtype == state.consistent[n].dtype
+            torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
+        bound.commit()
+        for n in bound.cells:
+            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
+        state = got
+    assert bounded.get(2, 0) > 0  # rings and copies were bounded, not only compared
+
+
+def test_non_finite_and_non_positive_values_and_negative_zero() -> None:
+    """A copy's NaN or -1 running variance is rebuilt from its log step (a NaN value's step is 0), scaled to the
+    bound, and stays positive, as does a lone copy's 0 within the bound (warm-up); a NaN step size is no peer;
+    -0.0 for 0.0 is no move (a copy of step 0 would have made the median 0 and bounded the moved copy to
+    nothing), NaN for NaN is (its step is set to 0: a NaN in the old state stays); a thin cell's inf value
+    puts its step size at inf and the cell back to the old state, a thin cell's NaN size is no move: the
+    rule's values stay."""
+    layout = Layout.build(tiny_profile(WIDTHS))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(9)
+    gamma, var = gamma_and_var(layout)
+    bias, mean, var2 = gamma.replace("weight", "bias"), var.replace("var", "mean"), var.replace("bn1", "bn2")
+    state.inconsistent[2][mean][0] = math.nan
+    new = moved(layout, state, [0, 1], gen, [0.01, 0.01])
+    new.inconsistent[2] = {n: t + 0.01 for n, t in state.inconsistent[2].items()}
+    new.inconsistent[2][mean][0] = 0.0
+    new.inconsistent[2][mean][1:] = state.inconsistent[2][mean][1:]
+    for k in range(3):
+        new.inconsistent[k][var2] = state.inconsistent[k][var2].clone()
+    new.inconsistent[2][var2][0] = 0.0
+    for k in (0, 1):
+        new.inconsistent[k][bias] = -state.inconsistent[k][bias]  # all 0.0: -0.0
+    new.inconsistent[2][bias] = state.inconsistent[2][bias] + 0.5
+    new.inconsistent[2][var][:3] = torch.tensor([math.nan, -1.0, 0.0])
+    new.inconsistent[2][gamma][0] = math.nan
+    cells_ = [n for n in sorted(layout.global_shapes) if n.endswith("conv1.weight") and n not in layout.inconsistent][:2]
+    updates = [1, 1, 1]
+    new.consistent = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in state.consistent.items()}
+    bound = StepBound(layout, CFG)
+    for n in [gamma, var, *cells_]:
+        bound.history[n].extend([0.01] * 3)
+    (ring_inf, _), (ring_nan, _) = bound.cells[cells_[0]][0], bound.cells[cells_[1]][0]
+    assert len(bound.cells[cells_[0]]) == len(bound.cells[cells_[1]]) == 3
+    new.consistent[cells_[0]][ring_inf[0]][(0,) * 4] = math.inf
+    new.consistent[cells_[1]][ring_nan[0]][(0,) * 4] = math.nan
+    rule = new.clone()
+    bounded = bound.apply(state, new, updates)
+    old_var, got_var = state.inconsistent[2][var], new.inconsistent[2][var]
+    assert bool((got_var > 0).all()) and bool(got_var.isfinite().all()) and got_var[0] == old_var[0]
+    peers = [float((new.inconsistent[k][var] / state.inconsistent[k][var]).log().square().mean().sqrt()) for k in (0, 1)]
+    limit = CFG.step_k * statistics.median([*peers, 0.01, 0.01, 0.01])
+    assert float((got_var / old_var).double().log().square().mean().sqrt()) == pytest.approx(limit, rel=1e-4)
+    got_gamma = new.inconsistent[2][gamma]
+    assert got_gamma[0] == state.inconsistent[2][gamma][0] and torch.equal(got_gamma[1:], rule.inconsistent[2][gamma][1:])
+    assert torch.equal(new.inconsistent[2][bias], rule.inconsistent[2][bias])  # a lone copy: warm-up, no bound
+    assert float(new.inconsistent[2][var2][0]) == pytest.approx(1e-30, rel=1e-4, abs=0)
+    torch.testing.assert_close(new.inconsistent[2][var2][1:], state.inconsistent[2][var2][1:], rtol=1e-6, atol=0)
+    assert new.inconsistent[2][mean][0].isnan() and torch.equal(new.inconsistent[2][mean][1:], state.inconsistent[2][mean][1:])
+    for b in ring_inf:
+        assert torch.equal(new.consistent[cells_[0]][b], state.consistent[cells_[0]][b])
+    assert torch.equal(new.consistent[cells_[1]].isnan(), rule.consistent[cells_[1]].isnan())
+    assert torch.equal(new.consistent[cells_[1]].nan_to_num(), rule.consistent[cells_[1]].nan_to_num())
+    assert bounded == {2: 2}  # the variance copy and the inf ring
+    bound.commit()
+    assert list(bound.history[var]) == list(bound.history[gamma]) == [0.01] * 3  # two finite sizes: no entry

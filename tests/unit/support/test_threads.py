@@ -1,0 +1,41 @@
+"""nefl/support/threads.py: a process that takes a stream of updates runs torch's and the BLAS's operations on one
+thread, and gets its cores back for one large job (evaluation, FLTrust's root training)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+PROBE = """
+import json, numpy, torch
+from threadpoolctl import threadpool_info
+from nefl.support.threads import all_cores, one_per_process
+
+def blas():
+    return sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
+
+out = {"default": torch.get_num_threads()}
+with all_cores():  # before one_per_process: nothing to give back, nothing changed
+    out["before"] = torch.get_num_threads()
+one_per_process()
+out["ingest"], out["ingest_blas"] = torch.get_num_threads(), blas()
+with all_cores():
+    out["evaluation"] = torch.get_num_threads()
+out["after"] = torch.get_num_threads()
+print(json.dumps(out))
+"""
+
+
+def test_an_ingest_process_runs_on_one_thread_and_a_large_job_on_all_cores() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["PYTHONPATH"] = str(ROOT)
+    got = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True,
+                                    timeout=120).stdout)
+    assert got["default"] == got["before"] >= 1
+    assert got["ingest"] == 1 and got["ingest_blas"] in ([1], [])  # numpy without an OpenBLAS has no pool to limit
+    assert got["evaluation"] == got["default"] and got["after"] == 1
