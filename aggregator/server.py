@@ -37,7 +37,7 @@ from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, Transport
-from nefl.nested.checkpoint import (METRICS_FILE, UPDATES_TOTAL_KEY, CheckpointError, has_checkpoint,
+from nefl.nested.checkpoint import (METRICS_FILE, CheckpointError, has_checkpoint,
                              load_checkpoint, read_metrics, recovery_hint, replay_metrics)
 from nefl.support.fsio import atomic_write_text
 from nefl.protocol.messages import (MAX_LISTED, Announce, ClientStatus, Control, Decline, MessageError, Sent, ServerStatus, Task,
@@ -131,12 +131,9 @@ class Server(Transport):
         self.evaluator, root = self._evaluation(cfg, layout)
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
-                              assignment=cfg.assignment, trained_updates=start.meta.get(UPDATES_TOTAL_KEY),
+                              assignment=cfg.assignment,
                               aggregator=AggregationRule(layout, cfg.robustness.aggregation, reference=root, seed=cfg.seed))
-        if "update_guard" in start.meta:  # the adaptive bound's history survives a restart
-            self.fed.guard.load_state_dict(start.meta["update_guard"])
-        if "step_bound" in start.meta and self.fed.steps is not None:  # and the per-tensor step bound's
-            self.fed.steps.load_state_dict(start.meta["step_bound"])
+        self.fed.load_state_dict(start.meta)  # the bounds' history and the update counts survive a restart
         self.next_round = next_round
         self.reasm = Reassembler(max_bytes=cfg.max_update_bytes, timeout_s=cfg.round_timeout, lazy_views=True)
         self.out = Path(cfg.checkpoint_dir)
