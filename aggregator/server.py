@@ -13,7 +13,6 @@ this server signs names its run incarnation and a sequence number, so none repla
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import secrets
@@ -50,7 +49,7 @@ from nefl.nested.state import GlobalState, Layout
 from nefl.protocol.signing import Signer, split_signed, verify, verify_self_signed
 from nefl.protocol.topics import Topics
 from nefl.nested.train import TrainConfig
-from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, ChunkHeader, Reassembler, WireError, encode, parse_chunk, parse_header, split_chunk
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, Encoded, Reassembler, WireError, encode, parse_chunk
 
 STATUS_FILE = "status.json"
 IDLE_S = (0.005, 0.1)  # seconds between looks at a quiet inbox: the first, and the longest (Server.pump)
@@ -108,16 +107,6 @@ class Start:
 log = logging.getLogger(__name__)
 
 
-def _model_header(first_message: bytes) -> ChunkHeader:
-    """The header of a round's published model (its first message), parsed once: every participant's task names it."""
-    return _parsed_header(split_chunk(first_message)[0])
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed_header(head: bytes) -> ChunkHeader:
-    return parse_header(head)
-
-
 class Server(Transport):
     def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer,
                  enrolment: Enrolment | None = None, incarnation: int = 1) -> None:
@@ -145,7 +134,7 @@ class Server(Transport):
         self.round_rejects: Counter[str] = Counter()
         self.late = 0
         self.accuracy: list[float] | None = None
-        self._published: dict[int, list[bytes]] = {}  # this round's model messages, for republishing
+        self._published: dict[int, Encoded] = {}  # this round's models (their messages, for republishing)
         # this round's signed task per submodel: a task names no client (its topic does), so every participant of
         # a submodel gets the same one, signed once, not once per participant (200 signatures, 5 ms a round)
         self._tasks: dict[int, bytes] = {}
@@ -457,20 +446,20 @@ class Server(Transport):
         if r is None:
             return
         with self.client.batched():
-            for k, msgs in self._published.items():
-                for i, m in enumerate(msgs):
+            for k, model in self._published.items():
+                for i, m in enumerate(model.messages):
                     self.client.publish(self.topics.model_chunk(k, i), m, qos=QOS, retain=True)
             for c, k in r.assignments.items():
                 if c not in r.received:
                     self.client.publish(self.topics.task(c), self._tasks[k], qos=QOS, retain=True)
 
     def _task(self, index: int, k: int, resend: bool = False) -> bytes:
-        model = _model_header(self._published[k][0])
+        model, chunks = self._published[k].header, len(self._published[k].messages)
         return self.signer.sign(Task(
             federation=self.cfg.federation, run=self.run_id, round=index, submodel=k,
             lr=self.train_cfg.lr_at(index - 1, self.cfg.rounds), epochs=self.cfg.local_epochs,
             batch_size=self.cfg.batch_size, profile_hash=self.layout.profile.hash, deadline_s=self.cfg.round_timeout,
-            chunks=len(self._published[k]), model_digest=model.digest, model_bytes=model.size, resend=resend,
+            chunks=chunks, model_digest=model.digest, model_bytes=model.size, resend=resend,
             **self._stamp()).to_json())
 
     # -- rounds: the Transport of the shared round driver (aggregator/rounds.py) ---------------------
@@ -486,10 +475,10 @@ class Server(Transport):
         self._published = {}
         with self.client.batched():  # the round's opening in one go: one wake of the network thread, not hundreds
             for k in sorted(set(r.assignments.values())):
-                msgs = encode(fed.state.slices(self.layout, k), kind="model", federation=self.cfg.federation,
-                              round=index, submodel=k, client="server", chunk_bytes=self.cfg.chunk_bytes)
-                self._published[k] = msgs
-                for i, m in enumerate(msgs):
+                model = self._published[k] = encode(fed.state.slices(self.layout, k), kind="model", round=index,
+                                                    federation=self.cfg.federation, submodel=k, client="server",
+                                                    chunk_bytes=self.cfg.chunk_bytes)
+                for i, m in enumerate(model.messages):
                     self.publish(self.topics.model_chunk(k, i), m, retain=True)
             # before the tasks: a worker knows the round before its updates come
             self.pool.open(self.run_id, self.layout, announce=self._listening_to_workers)
@@ -556,8 +545,8 @@ class Server(Transport):
     def finish(self) -> None:
         end = Control(federation=self.cfg.federation, run=self.run_id, event="end", **self._stamp())
         self.client.publish(self.topics.control, self.signer.sign(end.to_json()), qos=QOS, retain=True)
-        for k, msgs in self._published.items():
-            for i in range(len(msgs)):
+        for k, model in self._published.items():
+            for i in range(len(model.messages)):
                 self.client.publish(self.topics.model_chunk(k, i), b"", qos=QOS, retain=True)
         info = self.publish_status("finished")  # last, so waiting for it waits for everything before it
         try:

@@ -20,7 +20,7 @@ from nefl.protocol.mqtt import parse_broker
 from nefl.protocol.signing import Signer, split_signed
 from nefl.protocol.tokens import new_token, parse_token, proof
 from nefl.protocol.topics import Topics
-from nefl.protocol.wire import encode, parse_chunk
+from nefl.protocol.wire import Encoded, encode
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")
@@ -51,7 +51,7 @@ def join(srv: Server, client: str, device: Signer, token: str = "") -> None:
     srv.handle(T.announce(client), device.sign(announce.to_json()))
 
 
-def update(layout: Layout, client: str, device: Signer, value: float = 0.0, round: int = 1) -> list[bytes]:
+def update(layout: Layout, client: str, device: Signer, value: float = 0.0, round: int = 1) -> Encoded:
     return encode({n: torch.full(s, value) for n, s in layout.upload_shapes(0).items()}, kind="update", federation="t",
                   round=round, submodel=0, client=client, samples=10, chunk_bytes=1 << 22, sign=device.sign)
 
@@ -136,12 +136,12 @@ def test_a_participant_refused_for_its_own_update_stops_holding_the_round(tmp_pa
     join(srv, "a", a)
     join(srv, "b", b)
     srv.fed.open_round(1)
-    for m in update(layout, "a", a, 1e30):  # its own, signed: refused by the norm bound
+    for m in update(layout, "a", a, 1e30).messages:  # its own, signed: refused by the norm bound
         srv.handle(T.update("a"), m)
-    for m in update(layout, "b", a):  # b's id, a's key: a forgery must not stop the round waiting for b
+    for m in update(layout, "b", a).messages:  # b's id, a's key: a forgery must not stop the round waiting for b
         srv.handle(T.update("b"), m)
     assert srv.fed.round.refused == {"a": "update_norm"} and srv.fed.waiting_for() == ["b"]
-    genuine = update(layout, "b", b)
+    genuine = update(layout, "b", b).messages
     forged = bytearray(genuine[0])
     forged[-1] ^= 0xFF  # b's signed header copied off the broker, other data: the chunk fails its Merkle proof
     srv.handle(T.update("b"), bytes(forged))
@@ -159,8 +159,8 @@ def test_an_update_noticed_but_never_received_is_asked_for_again(tmp_path, layou
     srv._published = {0: encode({n: torch.zeros(s) for n, s in layout.sub_shapes[0].items()}, kind="model",
                                 federation="t", round=1, submodel=0, client="server")}
     srv.resends.open_round()
-    msgs = update(layout, "c1", dev)
-    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=parse_chunk(msgs[0]).header.digest)
+    msgs, header = update(layout, "c1", dev)
+    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=header.digest)
     srv.handle(T.sent("c1"), notice.to_json())  # unsigned, but c1 is pinned
     srv.handle(T.sent("c1"), dev.sign(notice.to_json()))
     assert srv.fed.rejected == {"unsigned": 1}
@@ -182,11 +182,11 @@ def test_a_notice_after_its_update_is_moot_and_not_even_verified(tmp_path, layou
     join(srv, "c1", dev)
     r = srv.fed.open_round(1)
     srv.resends.open_round()
-    msgs = update(layout, "c1", dev)
+    msgs, header = update(layout, "c1", dev)
     for m in msgs:
         srv.handle(T.update("c1"), m)
     assert r.received == {"c1"}
-    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=parse_chunk(msgs[0]).header.digest)
+    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=header.digest)
     with mock.patch("aggregator.server.verify", side_effect=AssertionError("verified a moot notice")):
         srv.handle(T.sent("c1"), dev.sign(notice.to_json()))
         srv.handle(T.sent("c1"), notice.to_json())  # unsigned, which is refused before its update

@@ -84,7 +84,7 @@ WORKER = Signer(Ed25519PrivateKey.generate())
 
 def update(layout: Layout, scale: float = 0.0, **kw) -> bytes:
     args = dict(kind="update", federation="t", round=1, submodel=0, client="raw", samples=10, chunk_bytes=1 << 22)
-    return encode({n: torch.full(s, scale) for n, s in layout.upload_shapes(0).items()}, **{**args, **kw})[0]
+    return encode({n: torch.full(s, scale) for n, s in layout.upload_shapes(0).items()}, **{**args, **kw}).messages[0]
 
 
 def test_killer_messages_are_counted_rejections(server):
