@@ -90,7 +90,7 @@ def status_command(
     log_format: LogFormatOption = "plain",
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
-    from aggregator.server import STATUS_FILE  # here, not at the top: `status --help` needs no torch
+    from aggregator.control_plane import STATUS_FILE  # here, not at the top: `status --help` needs no torch
     from nefl.nested.checkpoint import read_metrics
 
     setup_logging(log_level, log_format)

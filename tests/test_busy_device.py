@@ -56,7 +56,7 @@ class Wire:
         """The agent's new publishes, into the server's inbox (where the broker puts them for its round
         loop to read), or straight to its handler when no round loop runs."""
         for topic, payload, _ in self.transport.published[self.sent:]:
-            (self.server.handle if handle else lambda *m: self.server.conn.inbox.put(m))(topic, payload)
+            (self.server.handle if handle else lambda *m: self.server.link.conn.inbox.put(m))(topic, payload)
         self.sent = len(self.transport.published)
 
     def deliver_to_agent(self) -> None:
@@ -85,9 +85,9 @@ def _wire(tmp_path, device: FakeDevice) -> Wire:
     agent = Agent(AgentConfig("c1", federation="t", pin_file=tmp_path / "pins" / "t.pub",
                               device_key=Signer.load_or_create(tmp_path / "keys", "c1.key")), transport, device)
     wire = Wire(server, agent, transport)
-    server.client.publish = wire.from_server
+    server.link.client.publish = wire.from_server
     agent.on_connected()
-    server.publish_status("waiting")
+    server.control.publish_status("waiting")
     wire.deliver_to_agent()  # the agent trusts the server, adopts the profile, plans and announces
     server.handle(T.status("c1"), status_message(agent.cfg.device_key, "online", 0))
     return wire
@@ -117,7 +117,7 @@ def test_a_skip_announced_before_the_task_does_not_lose_the_device_or_its_round(
     device.can = 0  # right after a round the device is busy: it announces "skip"...
     wire.agent.plan()
     wire.deliver_to_server()  # ...which waits in the server's inbox while the server opens the next round
-    assert wire.server.conn.inbox.qsize() == 1
+    assert wire.server.link.conn.inbox.qsize() == 1
     device.can = 5  # by the time the task arrives, the device can train it
     facts = _run_round(wire, 1)
     assert facts["reported"] == ["c1"] and facts["declined"] == {} and facts["closed_s"] < 25
@@ -134,7 +134,7 @@ def test_a_device_that_truly_cannot_train_declines_and_the_round_does_not_wait(t
     assert facts["reported"] == [] and list(facts["declined"]) == ["c1"] and "does not fit now" in facts["declined"]["c1"]
     assert facts["closed_s"] < 10 and device.trained == []  # closed on the decline, long before the 30 s deadline
     declines = [Decline.from_json(split_signed(p)[0]) for t, p, _ in wire.transport.published if t == T.decline("c1")]
-    assert [(d.round, d.run) for d in declines] == [(1, wire.server.run_id)]
+    assert [(d.round, d.run) for d in declines] == [(1, wire.server.link.run_id)]
 
 
 # -- the real device: measured step times decide ----------------------------------------------------
