@@ -135,7 +135,7 @@ def file_messages(topics: Topics, release: Release, data: dict[str, bytes],
     for position, f in enumerate(release.files):
         for index, message in enumerate(frame(data[f.name], kind="file", federation=release.federation,
                                               round=release.version, submodel=position, client=SENDER, dtype="raw",
-                                              chunk_bytes=chunk_bytes)):
+                                              chunk_bytes=chunk_bytes).messages):
             yield position, topics.deploy_file(release.version, position, index), message
 
 

@@ -117,9 +117,6 @@ class Federation:
         stable across restarts; default `seed`) make the aggregation pipeline (nefl/aggregation/pipeline.py)."""
         if min_clients < 1 or clients_per_round < min_clients:
             raise ValueError("need 1 <= --min-clients <= --clients-per-round")
-        if trained_updates is not None and len(trained_updates) != layout.num_submodels:
-            raise ValueError(f"{len(trained_updates)} update counts for {layout.num_submodels} submodels: "
-                             "the checkpoint belongs to another profile")
         self.layout, self.state, self.name = layout, state, federation
         self.clients_per_round, self.min_clients, self.round_timeout = clients_per_round, min_clients, round_timeout
         self.limits = limits
@@ -140,7 +137,8 @@ class Federation:
         self._assign = get_policy(assignment)
         self.assignment = assignment
         self.tiers = dict(tiers or {})  # fixed tiers (the simulator's); a server client's tier is its bound
-        self.trained_updates = list(trained_updates or [0] * layout.num_submodels)  # committed, all rounds
+        # committed updates per submodel, all rounds
+        self.trained_updates = self._update_counts([0] * layout.num_submodels if trained_updates is None else trained_updates)
         self.untrained_rounds = [0] * layout.num_submodels  # consecutive rounds without a committed update
         self.warn_untrained_after = warn_untrained_after
 
@@ -162,6 +160,29 @@ class Federation:
     def steps(self) -> StepBound | None:
         """The step bound at commit (with the centre check); its history is checkpointed."""
         return self.aggregator.steps
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint's metadata needs, besides the weights, to resume this federation: the adaptive bound's
+        history, the step bound's, the committed updates per submodel (under the meta keys older checkpoints use)."""
+        return {"update_guard": self.guard.state_dict(),
+                **({"step_bound": self.steps.state_dict()} if self.steps is not None else {}),
+                UPDATES_TOTAL_KEY: list(self.trained_updates)}
+
+    def load_state_dict(self, meta: Mapping[str, Any]) -> None:
+        """Resume from a checkpoint's metadata; a part it lacks (an older checkpoint) stays as it was."""
+        if meta.get(UPDATES_TOTAL_KEY) is not None:
+            self.trained_updates = self._update_counts(meta[UPDATES_TOTAL_KEY])
+        if "update_guard" in meta:
+            self.guard.load_state_dict(meta["update_guard"])
+        if "step_bound" in meta and self.steps is not None:
+            self.steps.load_state_dict(meta["step_bound"])
+
+    def _update_counts(self, counts: Sequence[int]) -> list[int]:
+        if len(counts) != self.layout.num_submodels:
+            raise ValueError(f"{len(counts)} update counts for {self.layout.num_submodels} submodels: "
+                             "the checkpoint belongs to another profile")
+        return list(counts)
 
     # -- membership ---------------------------------------------------------------------------
     def announce(self, client_id: str, msg: Announce, now: float | None = None) -> ClientInfo:

@@ -29,7 +29,7 @@ from nefl.protocol.messages import Announce, ClientStatus, Control, MessageError
 from nefl.protocol.mqtt import QOS, BrokerSettings, make_client, next_stamp
 from nefl.protocol.signing import Signer, split_signed
 from nefl.protocol.topics import Topics
-from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, encode, parse_chunk
+from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, encode
 
 log = logging.getLogger("aggregator.loadtest")
 
@@ -181,12 +181,12 @@ class Fleet:
                 time.sleep(max(0.0, next_at - time.monotonic()))
                 next_at = max(next_at, time.monotonic() - 1.0) + 1.0 / cfg.rate
             key, c = self.keys[client], self.clients[client]
-            msgs = encode(self.delta(client, r, k), kind="update", federation=cfg.federation, round=r, submodel=k,
+            msgs, header = encode(self.delta(client, r, k), kind="update", federation=cfg.federation, round=r, submodel=k,
                           client=client, samples=cfg.samples, chunk_bytes=cfg.chunk_bytes, sign=key.sign)
             for m in msgs:
                 c.publish(self.topics.update(client), m, qos=QOS)
             c.publish(self.topics.sent(client), key.sign(Sent(client=client, run=run, round=r, submodel=k,
-                                                              digest=parse_chunk(msgs[0]).header.digest).to_json()), qos=QOS)
+                                                              digest=header.digest).to_json()), qos=QOS)
             self.sent += 1
             self.bytes += sum(map(len, msgs))
 

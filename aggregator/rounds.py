@@ -20,7 +20,7 @@ from typing import Any, Callable
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, state_digest
 from nefl.aggregation.robust import DPAccountant
-from nefl.nested.checkpoint import UPDATES_TOTAL_KEY, append_metrics, save_checkpoint
+from nefl.nested.checkpoint import append_metrics, save_checkpoint
 from nefl.nested.state import GlobalState
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,7 @@ class RoundDriver:
         if self.checkpoint_dir is not None:
             save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,
                             {"round": index, "rounds": plan.rounds, "federation": fed.name, "accuracy": self.accuracy,
-                             "state_sha256": self.digest(), "update_guard": fed.guard.state_dict(),
-                             **({"step_bound": fed.steps.state_dict()} if fed.steps is not None else {}),
-                             UPDATES_TOTAL_KEY: fed.trained_updates, **self.meta()},
+                             "state_sha256": self.digest(), **fed.state_dict(), **self.meta()},
                             metrics=facts)
             append_metrics(self.metrics_dir, facts)
         self.transport.recorded(facts, time.perf_counter() - t_ckpt)

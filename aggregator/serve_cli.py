@@ -244,11 +244,11 @@ def serve_command(
         server.run()
         _linger(web, dashboard.http_linger)
     except (KeyboardInterrupt, Stop) as e:
-        done = server.next_round - 1
+        done = server.rounds.next_round - 1
         log.info(f"stopping ({stop_reason(e)}); "
                  + (f"round {done} is the last checkpointed one: continue with --resume" if done >= 1
                     else "no round completed yet, so there is nothing to resume"))
-        server.conn.stop()
+        server.link.conn.stop()
     finally:
         stop_children(local)
         if web is not None:

@@ -87,7 +87,7 @@ def status_command(
     logs: LogOptions,
 ) -> None:
     """Show a federation's live state (round, clients, rejections, accuracy)."""
-    from aggregator.server import STATUS_FILE  # here, not at the top: `status --help` needs no torch
+    from aggregator.control_plane import STATUS_FILE  # here, not at the top: `status --help` needs no torch
     from nefl.nested.checkpoint import read_metrics
 
     setup_logging(logs.log_level, logs.log_format)

@@ -238,14 +238,14 @@ class Worker:
         summary = PartialSummary(run=run, round=index, weights=[0.0] * num, updates=[0] * num)
         if fed is not None and fed.agg.total_updates:
             agg, r = as_mergeable(fed.agg).partial(), fed.round
-            msgs = encode(agg.partial_tensors(), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
+            msgs, header = encode(agg.partial_tensors(), kind="partial", federation=self.cfg.federation, round=index, submodel=0,
                           client=self.me, chunk_bytes=self.plan.chunk_bytes, sign=self.key.sign)
             for m in msgs:
                 self.publish_up(self.topics.worker(self.me, "partial"), m)
             dropped = fed.agg.dropped
             summary = PartialSummary(run=run, round=index, weights=[float(w) for w in agg.weights], updates=list(agg.updates),
                                      clients=sorted(r.received), dropped=dict(sorted(dropped.items())),
-                                     digest=parse_chunk(msgs[0]).header.digest)
+                                     digest=header.digest)
         self.publish_up(self.topics.worker(self.me, "summary"), self.key.sign(summary.to_json()))
         log.info(f"{self.me}: round {index}: partial of {len(summary.clients)} update(s) sent "
                  f"({self.bytes_up - self._up_mark} bytes up since the last one)")

@@ -123,7 +123,7 @@ def signed_updates(layout: Layout, devices: int, chunk_bytes: int, submodel: int
     for c in names:
         k = assignments[c]
         msgs = encode(device_delta(layout, k, c, 1, pool=8), kind="update", federation=FEDERATION, round=1, submodel=k,
-                      client=c, samples=100, chunk_bytes=chunk_bytes, sign=signers[c].sign)
+                      client=c, samples=100, chunk_bytes=chunk_bytes, sign=signers[c].sign).messages
         messages += [(topics.update(c), m) for m in msgs]
     return messages, assignments, {c: s.public_text for c, s in signers.items()}
 
@@ -365,6 +365,7 @@ def device_upload(profile_name: str = "resnet18-cifar10-wd", k: int = 4) -> list
 
         msgs = module.encode(delta, kind="update", federation="f", round=1, submodel=k, client="d", chunk_bytes=256 << 10,
                              sign=sign)
+        msgs = msgs if isinstance(msgs, list) else msgs.messages  # wire v1's encode returns the messages alone
         mib = sum(map(len, msgs)) / 2**20
         cpu = clean_cpu(lambda: module.encode(delta, kind="update", federation="f", round=1, submodel=k, client="d",
                                               chunk_bytes=256 << 10, sign=signer.sign))

@@ -309,7 +309,7 @@ def bench_client(progress: Progress) -> dict:
 # -- wire ------------------------------------------------------------------------------------------
 
 def wire_bytes(tensors: Delta, dtype: str, submodel: int) -> tuple[int, int]:
-    msgs = encode(tensors, kind="update", federation="bench", round=0, submodel=submodel, client="c1", dtype=dtype)
+    msgs = encode(tensors, kind="update", federation="bench", round=0, submodel=submodel, client="c1", dtype=dtype).messages
     return sum(len(m) for m in msgs), len(msgs)
 
 
@@ -433,7 +433,7 @@ def transfer_seconds(port: int, messages: list[bytes], run: int, timeout_s: floa
 def bench_mqtt(s: Settings, progress: Progress) -> dict:
     layout = Layout.build(load_profile(s.mqtt_profile))
     full = {n: torch.randn(x) for n, x in layout.global_shapes.items()}
-    messages = encode(full, kind="model", federation="bench", round=0, submodel=0, client="server")
+    messages = encode(full, kind="model", federation="bench", round=0, submodel=0, client="server").messages
     nbytes = sum(len(m) for m in messages)
     results = {}
     task = progress.add_task("MQTT transfers", total=2 * s.mqtt_repeats)
@@ -651,7 +651,7 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
     state = GlobalState.init(layout, 0)
     delta = random_delta(layout.upload_shapes(k), torch.Generator().manual_seed(0))
     device = Signer(Ed25519PrivateKey.from_private_bytes(bytes(32)))
-    msgs = encode(delta, kind="update", federation="bench", round=1, submodel=k, client="c1", sign=device.sign)
+    msgs = encode(delta, kind="update", federation="bench", round=1, submodel=k, client="c1", sign=device.sign).messages
     device_key = parse_public_key(device.public_text)
     guard = UpdateGuard(NormBound(), layout.num_submodels)
     ref = reference_norm(state, layout, k)

@@ -497,7 +497,7 @@ class Agent:
             self._decline(task, f"cannot train submodel {k + 1}: {e}")
             return
         why = {"selection": self.selection.reason[:300]} if self.selection else {}
-        msgs = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k,
+        msgs, header = encode(res.delta, kind="update", federation=self.cfg.federation, round=r, submodel=k,
                       client=self.cfg.client_id, dtype="fp16" if self.cfg.fp16 else "fp32", samples=res.num_samples,
                       metrics={"loss": round(res.loss, 4), "train_acc": round(res.accuracy, 4),
                                "train_s": round(res.seconds, 2), **res.metrics, **why},
@@ -505,7 +505,7 @@ class Agent:
                       sign=None if self.cfg.device_key is None else self.cfg.device_key.sign)
         self._publish_update(msgs, self.topics.update(self.cfg.client_id))
         self.last_upload = (self.last_task, msgs)
-        self._notify_sent(task, msgs)
+        self._notify_sent(task, header.digest)
         cut = f", {res.metrics['steps']} steps (time budget {budget_s:.0f}s)" if res.metrics.get("budget_cut") else ""
         log.info(f"round {r}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s{cut} "
                  f"(loss {res.loss:.3f}), uploading {sum(map(len, msgs))} bytes in {len(msgs)} chunks",
@@ -516,10 +516,10 @@ class Agent:
         for m in msgs:
             self.transport.publish(topic, m, qos=1)
 
-    def _notify_sent(self, task: Task, msgs: list[bytes]) -> None:
+    def _notify_sent(self, task: Task, digest: str) -> None:
         """Tell the server (directly: never a shared subscription) that the update is out, so that one lost on
         the way costs a resend, not the round."""
         notice = Sent(client=self.cfg.client_id, run=task.run, round=task.round, submodel=task.submodel,
-                      digest=parse_chunk(msgs[0]).header.digest).to_json()
+                      digest=digest).to_json()
         key = self.cfg.device_key
         self.transport.publish(self.topics.sent(self.cfg.client_id), notice if key is None else key.sign(notice), qos=1)

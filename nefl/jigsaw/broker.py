@@ -161,7 +161,7 @@ class BrokerExchange:
         peer = self.peers[msg.source]
         for chunk in encode(state, kind="return", federation=self.topics.federation, round=msg.round,
                             submodel=msg.position, client=self.my_id, samples=msg.samples, chunk_bytes=self.chunk_bytes,
-                            sign=self.signer.sign):
+                            sign=self.signer.sign).messages:
             self._publish(self.topics.jigsaw("return", peer.client_id), chunk, "return_out")
         with self.cond:
             self.sent_back.append(msg.source)
@@ -265,7 +265,7 @@ class BrokerExchange:
             state = self.store[f"c{self.me}.m{req.position}"]
             chunks = encode(state, kind="module", federation=self.topics.federation, round=req.round,
                             submodel=req.position, client=self.my_id, samples=0, chunk_bytes=self.chunk_bytes,
-                            sign=self.signer.sign)
+                            sign=self.signer.sign).messages
         for chunk in chunks:
             self._publish(self.topics.jigsaw("module", self.peers[borrower].client_id), chunk, "module_out")
 

@@ -105,6 +105,14 @@ class Chunk(NamedTuple):
     head: bytes  # the header's bytes, as signed
 
 
+class Encoded(NamedTuple):
+    """A payload's messages and the header they all carry, as built: its digest and size name the payload (in a
+    task, an upload notice, a partial's summary) without parsing a message back."""
+
+    messages: list[bytes]
+    header: ChunkHeader
+
+
 class WireError(ValueError):
     """A rejected message; `reason` is a short code for counters, the message says why."""
 
@@ -187,9 +195,9 @@ def encode(
     tensors: dict[str, torch.Tensor], *, kind: str, federation: str, round: int, submodel: int, client: str,
     dtype: str = "fp32", samples: int = 0, metrics: dict[str, float] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES, sign: Callable[[bytes], bytes] | None = None,
-) -> list[bytes]:
-    """Messages (each at most chunk_bytes long) carrying `tensors`; `sign` (a device's key) signs the
-    header once, which names the chunks' Merkle root, so every chunk's data is covered too."""
+) -> Encoded:
+    """Messages (each at most chunk_bytes long) carrying `tensors`, and their header; `sign` (a device's key) signs
+    the header once, which names the chunks' Merkle root, so every chunk's data is covered too."""
     return frame(encode_tensors(tensors, dtype), kind=kind, federation=federation, round=round, submodel=submodel,
                  client=client, dtype=dtype, samples=samples, metrics=metrics, chunk_bytes=chunk_bytes, sign=sign)
 
@@ -198,9 +206,9 @@ def frame(
     payload: bytes | bytearray, *, kind: str, federation: str, round: int, submodel: int, client: str, dtype: str,
     samples: int = 0, metrics: dict[str, float] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     sign: Callable[[bytes], bytes] | None = None,
-) -> list[bytes]:
+) -> Encoded:
     """`payload` (safetensors bytes, or a file's bytes with dtype "raw") cut into messages of at most
-    chunk_bytes; chunk i carries payload[i * chunk_room(chunk_bytes):][:chunk_room(chunk_bytes)]."""
+    chunk_bytes, and their header; chunk i carries payload[i * chunk_room(chunk_bytes):][:chunk_room(chunk_bytes)]."""
     room = chunk_room(chunk_bytes)
     view = memoryview(payload)
     count = max(1, math.ceil(len(payload) / room))
@@ -208,17 +216,17 @@ def frame(
         raise ValueError(f"{len(payload)} bytes need more than {MAX_CHUNKS} chunks: raise the chunk size")
     parts = [view[i * room:(i + 1) * room] for i in range(count)]
     levels = merkle_levels([leaf(p) for p in parts])
-    head = ChunkHeader(kind=kind, federation=federation, round=round, submodel=submodel, client=client,
-                       digest=levels[-1][0].hex(), dtype=dtype, samples=samples, metrics=metrics or {},
-                       size=len(payload), chunk=room, count=count).to_json()
-    head = _aligned(head, sign)
+    header = ChunkHeader(kind=kind, federation=federation, round=round, submodel=submodel, client=client,
+                         digest=levels[-1][0].hex(), dtype=dtype, samples=samples, metrics=metrics or {},
+                         size=len(payload), chunk=room, count=count)
+    head = _aligned(header.to_json(), sign)
     if len(head) > MAX_HEADER_BYTES:
         raise ValueError(f"message header is {len(head)} bytes, the limit is {MAX_HEADER_BYTES}: fewer metrics")
     out = []
     for i, part in enumerate(parts):
         proof = merkle_proof(levels, i)
         out.append(b"".join((_PREFIX.pack(MAGIC, WIRE_VERSION, len(proof) // HASH_BYTES, len(head), i), head, proof, part)))
-    return out
+    return Encoded(out, header)
 
 
 def _aligned(head: bytes, sign: Callable[[bytes], bytes] | None) -> bytes:

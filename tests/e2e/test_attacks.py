@@ -74,7 +74,7 @@ def update(layout: Layout, task: dict, value: float, **kw) -> list[bytes]:
     shapes = layout.upload_shapes(task["submodel"])
     args = dict(kind="update", federation="t", round=task["round"], submodel=task["submodel"], client="raw",
                 samples=10, chunk_bytes=1 << 22)
-    return encode({n: torch.full(s, value) for n, s in shapes.items()}, **{**args, **kw})
+    return encode({n: torch.full(s, value) for n, s in shapes.items()}, **{**args, **kw}).messages
 
 
 def broker_setup(procs: Procs, port: int, acl: bool) -> tuple[list[str], dict[str, list[str]]]:
@@ -134,7 +134,7 @@ def test_one_device_cannot_stop_or_spoil_the_federation(procs, tmp_path, acl):
     raw.send(T.control, b"[" * 2000 + b"]" * 2000)
     raw.send(T.task("c1"), json.dumps({**task, "epochs": 10**6, "batch_size": 0}).encode(), retain=True)
     poison_model = encode({n: torch.full(s, 1e30) for n, s in layout.sub_shapes[0].items()}, kind="model",
-                          federation="t", round=task["round"] + 1, submodel=0, client="server", chunk_bytes=16 << 10)
+                          federation="t", round=task["round"] + 1, submodel=0, client="server", chunk_bytes=16 << 10).messages
     raw.send(T.model_chunk(0, 7), poison_model[1], retain=True)
     raw.send(T.status("raw"), b'{"v":2,"type":"client_status","state":"offline"}')  # not picked again
     raw.close()

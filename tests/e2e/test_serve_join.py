@@ -45,7 +45,7 @@ def bad_inputs(layout: Layout, round_: int, k: int) -> list[tuple[str, bytes, st
 
     def msg(tensors=good, **kw):
         args = dict(kind="update", federation="t", round=round_, submodel=k, client="raw", samples=10, chunk_bytes=1 << 22)
-        return encode(tensors, **{**args, **kw})[0]
+        return encode(tensors, **{**args, **kw}).messages[0]
 
     corrupt = bytearray(msg())
     corrupt[-3] ^= 0xFF

@@ -16,7 +16,7 @@ from nefl.nested.train import OutOfTime, TrainResult
 from nefl.protocol.messages import Control, DeviceSummary, ServerStatus, Task, TrainingSettings
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
-from nefl.protocol.wire import encode, parse_chunk
+from nefl.protocol.wire import Encoded, encode
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")
@@ -91,13 +91,15 @@ class FakeServer:
         return self.signer.sign(Control(**{**dict(federation="t", run=self.run, event="end", **self.stamp()), **kw}).to_json())
 
     def weights(self, k: int = 0, round: int = 1, scale: float = 0.0) -> list[bytes]:
+        return self.model(k, round, scale).messages
+
+    def model(self, k: int = 0, round: int = 1, scale: float = 0.0) -> Encoded:
         shapes = self.layout.sub_shapes[k]
         return encode({n: torch.full(s, scale) for n, s in shapes.items()}, kind="model", federation="t", round=round,
                       submodel=k, client="server", chunk_bytes=1 << 20)
 
     def task_msg(self, k: int = 0, round: int = 1, **kw) -> Task:
-        w = self.weights(k, round)
-        header = parse_chunk(w[0]).header
+        w, header = self.model(k, round)
         args = dict(federation="t", run=self.run, round=round, submodel=k, lr=0.1, epochs=1, batch_size=16,
                     profile_hash=self.layout.profile.hash, deadline_s=60.0, chunks=len(w),
                     model_digest=header.digest, model_bytes=header.size, **self.stamp())

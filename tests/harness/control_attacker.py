@@ -108,13 +108,13 @@ class Attacker:
             for c, k in self.plan.assignments.items():
                 agg.add(k, {n: torch.randn(s) * 1000 for n, s in layout.upload_shapes(k).items()})
             for worker in ("evil", *self.args.workers):
-                msgs = encode(agg.partial_tensors(), kind="partial", federation=self.args.federation, round=close.round,
+                msgs, header = encode(agg.partial_tensors(), kind="partial", federation=self.args.federation, round=close.round,
                               submodel=0, client=worker, chunk_bytes=1 << 18, sign=self.key.sign)
                 for m in msgs:
                     self.send(t.worker(worker, "partial"), m)
                 summary = PartialSummary(run=close.run, round=close.round, weights=[float(w) for w in agg.weights],
                                          updates=list(agg.updates), clients=sorted(self.plan.assignments),
-                                         digest=parse_chunk(msgs[0]).header.digest)
+                                         digest=header.digest)
                 self.send(t.worker(worker, "summary"), self.key.sign(summary.to_json()))
                 self.count("partials_forged")
 

@@ -33,7 +33,7 @@ class Wire:
         """The agent's new publishes, into the server's inbox (where the broker puts them for its round
         loop to read), or straight to its handler when no round loop runs."""
         for topic, payload, _ in self.transport.published[self.sent:]:
-            (self.server.handle if handle else lambda *m: self.server.conn.inbox.put(m))(topic, payload)
+            (self.server.handle if handle else lambda *m: self.server.link.conn.inbox.put(m))(topic, payload)
         self.sent = len(self.transport.published)
 
     def deliver_to_agent(self) -> None:
@@ -62,9 +62,9 @@ def wire_up(tmp_path, device: FakeDevice) -> Wire:
     agent = Agent(AgentConfig("c1", federation="t", pin_file=tmp_path / "pins" / "t.pub",
                               device_key=Signer.load_or_create(tmp_path / "keys", "c1.key")), transport, device)
     wire = Wire(server, agent, transport)
-    server.client.publish = wire.from_server
+    server.link.client.publish = wire.from_server
     agent.on_connected()
-    server.publish_status("waiting")
+    server.control.publish_status("waiting")
     wire.deliver_to_agent()  # the agent trusts the server, adopts the profile, plans and announces
     server.handle(T.status("c1"), status_message(agent.cfg.device_key, "online", 0))
     return wire

@@ -54,7 +54,7 @@ def test_a_skip_announced_before_the_task_does_not_lose_the_device_or_its_round(
     device.can = 0  # right after a round the device is busy: it announces "skip"...
     wire.agent.plan()
     wire.deliver_to_server()  # ...which waits in the server's inbox while the server opens the next round
-    assert wire.server.conn.inbox.qsize() == 1
+    assert wire.server.link.conn.inbox.qsize() == 1
     device.can = 5  # by the time the task arrives, the device can train it
     facts = _run_round(wire, 1)
     assert facts["reported"] == ["c1"] and facts["declined"] == {} and facts["closed_s"] < 25
@@ -71,7 +71,7 @@ def test_a_device_that_truly_cannot_train_declines_and_the_round_does_not_wait(t
     assert facts["reported"] == [] and list(facts["declined"]) == ["c1"] and "does not fit now" in facts["declined"]["c1"]
     assert facts["closed_s"] < 10 and device.trained == []  # closed on the decline, long before the 30 s deadline
     declines = [Decline.from_json(split_signed(p)[0]) for t, p, _ in wire.transport.published if t == T.decline("c1")]
-    assert [(d.round, d.run) for d in declines] == [(1, wire.server.run_id)]
+    assert [(d.round, d.run) for d in declines] == [(1, wire.server.link.run_id)]
 
 
 # -- the real device: measured step times decide ----------------------------------------------------

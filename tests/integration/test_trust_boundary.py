@@ -72,11 +72,11 @@ def server(tmp_path, layout) -> Server:
     enrol.local_workers = {"w1": WORKER.public_text}
     srv = Server(cfg, parse_broker("mqtt://127.0.0.1:1"), Start(layout.profile, layout, GlobalState.init(layout, 0), 1),
                  Signer.load_or_create(tmp_path), enrol)
-    srv.publish = lambda topic, payload, retain=False: None
+    srv.link.publish = lambda topic, payload, retain=False: None
     srv.handle(T.status("raw"), ClientStatus(state="online").to_json())
     srv.handle(T.announce("raw"), Announce(client="raw", samples=10, max_submodel=1).to_json())
     srv.fed.open_round(1)
-    srv.pool.open(srv.run_id, layout)
+    srv.rounds.pool.open(srv.link.run_id, layout)
     return srv
 
 
@@ -85,7 +85,7 @@ WORKER = Signer(Ed25519PrivateKey.generate())
 
 def update(layout: Layout, scale: float = 0.0, **kw) -> bytes:
     args = dict(kind="update", federation="t", round=1, submodel=0, client="raw", samples=10, chunk_bytes=1 << 22)
-    return encode({n: torch.full(s, scale) for n, s in layout.upload_shapes(0).items()}, **{**args, **kw})[0]
+    return encode({n: torch.full(s, scale) for n, s in layout.upload_shapes(0).items()}, **{**args, **kw}).messages[0]
 
 
 def test_killer_messages_are_counted_rejections(server):
@@ -94,19 +94,19 @@ def test_killer_messages_are_counted_rejections(server):
             server.handle(f"nefl/t/{kind}/raw", payload)
     assert "internal_error" not in server.fed.rejected
     assert sum(server.fed.rejected.values()) >= 2 * len(KILLERS)  # empty payloads clear, they are no rejection
-    server.handle(T.update("raw"), update(server.layout))  # and the honest path still works
+    server.handle(T.update("raw"), update(server.fed.layout))  # and the honest path still works
     assert server.fed.round.received == {"raw"}
 
 
 def test_a_batch_of_receipts_is_judged_receipt_by_receipt(server):
     """A worker's receipts come in signed batches: a bad one is counted on its own, the others stand."""
     rcs = [Receipt(run="other-run", round=1, client="raw", outcome="accepted", samples=10, norm=1.0),  # wrong run
-           Receipt(run=server.run_id, round=1, client="nobody", outcome="accepted", samples=10, norm=1.0),  # not assigned
-           Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0, nbytes=7),
-           Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)]  # twice
+           Receipt(run=server.link.run_id, round=1, client="nobody", outcome="accepted", samples=10, norm=1.0),  # not assigned
+           Receipt(run=server.link.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0, nbytes=7),
+           Receipt(run=server.link.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)]  # twice
     server.handle(T.worker("w1", "receipt"), WORKER.sign(ReceiptBatch(receipts=rcs).to_json()))
     assert server.fed.rejected == {"wrong_run": 1, "stale_receipt": 1, "duplicate_update": 1}
-    assert server.fed.round.received == {"raw"} and server.pool.held["raw"].worker == "w1"
+    assert server.fed.round.received == {"raw"} and server.rounds.pool.held["raw"].worker == "w1"
     server.handle(T.worker("w1", "receipt"), WORKER.sign(rcs[2].to_json()))  # a lone receipt is not a batch
     server.handle(T.worker("w1", "receipt"), WORKER.sign(b'{"v":%d,"type":"receipts","receipts":[]}' % VERSION))
     assert server.fed.rejected["invalid_receipts"] == 2
@@ -126,7 +126,7 @@ def _signed_server(tmp_path, layout) -> tuple[Server, Signer]:
 
 def test_a_device_key_is_pinned_on_first_announce(tmp_path, layout):
     srv, device = _signed_server(tmp_path, layout)
-    assert srv.enrol.key("dev") == device.public_text and srv.fed.round.assignments == {"dev": 0}
+    assert srv.control.enrol.key("dev") == device.public_text and srv.fed.round.assignments == {"dev": 0}
     impostor = Signer.load_or_create(tmp_path / "imp", "dev.key")
     srv.handle(T.announce("dev"), impostor.sign(Announce(client="dev", samples=10, max_submodel=5,
                                                          key=impostor.public_text).to_json()))
@@ -166,17 +166,17 @@ def test_server_handle_never_raises(server, data):
         value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
         payload = WORKER.sign(json.dumps({"v": VERSION, **value}).encode())
     elif kind == "receipt":
-        rc = Receipt(run=server.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)
+        rc = Receipt(run=server.link.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)
         body = ReceiptBatch(receipts=[rc] * data.draw(st.integers(1, 3))).to_json()
         payload = WORKER.sign(mutate(data, body[:-1]) + b"}")  # only a JSON object's bytes are signed
     elif kind == "decline":
-        payload = mutate(data, Decline(client="raw", federation="t", run=server.run_id, round=1, submodel=0).to_json())
+        payload = mutate(data, Decline(client="raw", federation="t", run=server.link.run_id, round=1, submodel=0).to_json())
     elif kind == "announce":
         payload = mutate(data, Announce(client="raw", samples=10, max_submodel=2).to_json())
     elif kind == "status":
         payload = mutate(data, ClientStatus(state="online").to_json())
     else:
-        payload = mutate(data, update(server.layout))
+        payload = mutate(data, update(server.fed.layout))
     server.handle(topic, payload)
     assert "internal_error" not in server.fed.rejected
 

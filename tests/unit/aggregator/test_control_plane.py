@@ -20,7 +20,7 @@ from nefl.protocol.mqtt import parse_broker
 from nefl.protocol.signing import Signer, split_signed
 from nefl.protocol.tokens import new_token, parse_token, proof
 from nefl.protocol.topics import Topics
-from nefl.protocol.wire import encode, parse_chunk
+from nefl.protocol.wire import Encoded, encode
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")
@@ -41,7 +41,7 @@ def server(tmp_path, layout, enrolment: Enrolment | None = None, **cfg) -> tuple
     srv = Server(c, parse_broker("mqtt://127.0.0.1:1"), Start(layout.profile, layout, GlobalState.init(layout, 0), 1),
                  key(), enrolment, incarnation=7)
     sent: list[tuple[str, bytes]] = []
-    srv.publish = lambda topic, payload, retain=False: sent.append((topic, payload))
+    srv.link.publish = lambda topic, payload, retain=False: sent.append((topic, payload))
     return srv, sent
 
 
@@ -51,7 +51,7 @@ def join(srv: Server, client: str, device: Signer, token: str = "") -> None:
     srv.handle(T.announce(client), device.sign(announce.to_json()))
 
 
-def update(layout: Layout, client: str, device: Signer, value: float = 0.0, round: int = 1) -> list[bytes]:
+def update(layout: Layout, client: str, device: Signer, value: float = 0.0, round: int = 1) -> Encoded:
     return encode({n: torch.full(s, value) for n, s in layout.upload_shapes(0).items()}, kind="update", federation="t",
                   round=round, submodel=0, client=client, samples=10, chunk_bytes=1 << 22, sign=device.sign)
 
@@ -59,7 +59,7 @@ def update(layout: Layout, client: str, device: Signer, value: float = 0.0, roun
 def test_plain_serve_hears_no_worker_and_forged_worker_messages_are_counted(tmp_path, layout):
     srv, _ = server(tmp_path, layout)
     assert not any("/worker/" in t for t in srv._subscriptions())  # the forged-receipt attack has nobody to talk to
-    forged = ReceiptBatch(receipts=[Receipt(run=srv.run_id, round=1, client="c1", outcome="update_norm")]).to_json()
+    forged = ReceiptBatch(receipts=[Receipt(run=srv.link.run_id, round=1, client="c1", outcome="update_norm")]).to_json()
     srv.handle(T.worker("w1", "receipt"), forged)
     assert srv.fed.rejected == {"unauthorised_worker": 1}
     w1, thief = key(), key()
@@ -71,9 +71,9 @@ def test_plain_serve_hears_no_worker_and_forged_worker_messages_are_counted(tmp_
     srv2.handle(T.worker("w1", "receipt"), thief.sign(forged))  # signed by someone else
     srv2.handle(T.worker("w1", "status"), w1.sign(WorkerStatus(state="online", seq=5).to_json()))
     srv2.handle(T.worker("w1", "status"), w1.sign(WorkerStatus(state="online", seq=4).to_json()))  # replayed
-    assert srv2.pool.roles == {"w1": "worker"}
+    assert srv2.rounds.pool.roles == {"w1": "worker"}
     srv2.handle(T.worker("w1", "status"), w1.sign(WorkerStatus(state="offline", seq=5).to_json()))  # its will
-    assert srv2.pool.roles == {}
+    assert srv2.rounds.pool.roles == {}
     assert srv2.fed.rejected == {"unsigned": 1, "bad_signature": 1, "replayed": 1}
 
 
@@ -84,14 +84,14 @@ def test_a_receipt_must_stay_within_the_bound_and_name_the_run(tmp_path, layout)
     srv, _ = server(tmp_path, layout, enrol, workers=1)
     join(srv, "c1", dev)
     srv.fed.open_round(1)
-    srv.pool.open(srv.run_id, layout)
+    srv.rounds.pool.open(srv.link.run_id, layout)
     bound, _ = srv.fed.guard.limit(0, srv.fed.weight_norm(0))
     for rc in (Receipt(run="old", round=1, client="c1", outcome="accepted", samples=10, norm=1.0),
-               Receipt(run=srv.run_id, round=1, client="c1", outcome="accepted", samples=10, norm=bound * 2),
-               Receipt(run=srv.run_id, round=1, client="c1", outcome="accepted", samples=10)):
+               Receipt(run=srv.link.run_id, round=1, client="c1", outcome="accepted", samples=10, norm=bound * 2),
+               Receipt(run=srv.link.run_id, round=1, client="c1", outcome="accepted", samples=10)):
         srv.handle(T.worker("w1", "receipt"), w1.sign(ReceiptBatch(receipts=[rc]).to_json()))
     assert srv.fed.rejected == {"wrong_run": 1, "bad_receipt": 2} and not srv.fed.round.received
-    refused = Receipt(run=srv.run_id, round=1, client="c1", outcome="update_norm", attributed=True)
+    refused = Receipt(run=srv.link.run_id, round=1, client="c1", outcome="update_norm", attributed=True)
     srv.handle(T.worker("w1", "receipt"), w1.sign(ReceiptBatch(receipts=[refused]).to_json()))
     assert srv.fed.round.refused == {"c1": "update_norm"} and srv.fed.complete()  # nobody left to wait for
 
@@ -136,12 +136,12 @@ def test_a_participant_refused_for_its_own_update_stops_holding_the_round(tmp_pa
     join(srv, "a", a)
     join(srv, "b", b)
     srv.fed.open_round(1)
-    for m in update(layout, "a", a, 1e30):  # its own, signed: refused by the norm bound
+    for m in update(layout, "a", a, 1e30).messages:  # its own, signed: refused by the norm bound
         srv.handle(T.update("a"), m)
-    for m in update(layout, "b", a):  # b's id, a's key: a forgery must not stop the round waiting for b
+    for m in update(layout, "b", a).messages:  # b's id, a's key: a forgery must not stop the round waiting for b
         srv.handle(T.update("b"), m)
     assert srv.fed.round.refused == {"a": "update_norm"} and srv.fed.waiting_for() == ["b"]
-    genuine = update(layout, "b", b)
+    genuine = update(layout, "b", b).messages
     forged = bytearray(genuine[0])
     forged[-1] ^= 0xFF  # b's signed header copied off the broker, other data: the chunk fails its Merkle proof
     srv.handle(T.update("b"), bytes(forged))
@@ -156,11 +156,11 @@ def test_an_update_noticed_but_never_received_is_asked_for_again(tmp_path, layou
     dev = key()
     join(srv, "c1", dev)
     r = srv.fed.open_round(1)
-    srv._published = {0: encode({n: torch.zeros(s) for n, s in layout.sub_shapes[0].items()}, kind="model",
+    srv.rounds._published = {0: encode({n: torch.zeros(s) for n, s in layout.sub_shapes[0].items()}, kind="model",
                                 federation="t", round=1, submodel=0, client="server")}
-    srv.resends.open_round()
-    msgs = update(layout, "c1", dev)
-    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=parse_chunk(msgs[0]).header.digest)
+    srv.rounds.resends.open_round()
+    msgs, header = update(layout, "c1", dev)
+    notice = Sent(client="c1", run=srv.link.run_id, round=1, submodel=0, digest=header.digest)
     srv.handle(T.sent("c1"), notice.to_json())  # unsigned, but c1 is pinned
     srv.handle(T.sent("c1"), dev.sign(notice.to_json()))
     assert srv.fed.rejected == {"unsigned": 1}
@@ -168,10 +168,10 @@ def test_an_update_noticed_but_never_received_is_asked_for_again(tmp_path, layou
     srv._housekeeping()
     (topic, task), = [(t, p) for t, p in sent if t == T.task("c1")]
     task = Task.from_json(split_signed(task)[0])
-    assert task.resend and (task.run, task.round, task.incarnation) == (srv.run_id, 1, 7)
+    assert task.resend and (task.run, task.round, task.incarnation) == (srv.link.run_id, 1, 7)
     for m in msgs:
         srv.handle(T.resend("c1"), m)
-    assert r.received == {"c1"} and srv.resends.facts() == {"lost_to_unknown": 1, "resend_requested": ["c1"]}
+    assert r.received == {"c1"} and srv.rounds.resends.facts() == {"lost_to_unknown": 1, "resend_requested": ["c1"]}
 
 
 def test_a_notice_after_its_update_is_moot_and_not_even_verified(tmp_path, layout):
@@ -181,16 +181,16 @@ def test_a_notice_after_its_update_is_moot_and_not_even_verified(tmp_path, layou
     dev = key()
     join(srv, "c1", dev)
     r = srv.fed.open_round(1)
-    srv.resends.open_round()
-    msgs = update(layout, "c1", dev)
+    srv.rounds.resends.open_round()
+    msgs, header = update(layout, "c1", dev)
     for m in msgs:
         srv.handle(T.update("c1"), m)
     assert r.received == {"c1"}
-    notice = Sent(client="c1", run=srv.run_id, round=1, submodel=0, digest=parse_chunk(msgs[0]).header.digest)
-    with mock.patch("aggregator.server.verify", side_effect=AssertionError("verified a moot notice")):
+    notice = Sent(client="c1", run=srv.link.run_id, round=1, submodel=0, digest=header.digest)
+    with mock.patch("aggregator.control_plane.verify", side_effect=AssertionError("verified a moot notice")):
         srv.handle(T.sent("c1"), dev.sign(notice.to_json()))
         srv.handle(T.sent("c1"), notice.to_json())  # unsigned, which is refused before its update
-    assert srv.fed.rejected == {} and srv.resends.noticed == {}
+    assert srv.fed.rejected == {} and srv.rounds.resends.noticed == {}
 
 
 def test_the_round_plan_waits_for_an_authorised_worker(tmp_path, layout):
@@ -200,14 +200,14 @@ def test_the_round_plan_waits_for_an_authorised_worker(tmp_path, layout):
     journal = tmp_path / "enrolment.jsonl"
     srv, _ = server(tmp_path, layout, Enrolment("t", EnrolmentPolicy(), journal))
     plans = []
-    srv.pool.publish = lambda topic, payload, retain=False: plans.append(topic)
+    srv.rounds.pool.publish = lambda topic, payload, retain=False: plans.append(topic)
     srv._subscriptions()  # as on connect
     join(srv, "c1", key())
     srv.fed.open_round(1)
-    srv.pool.open(srv.run_id, layout, announce=srv._listening_to_workers)
-    assert plans == [] and srv.pool._plan is None
+    srv.rounds.pool.open(srv.link.run_id, layout, announce=srv.rounds.listening_to_workers)
+    assert plans == [] and srv.rounds.pool._plan is None
     append(journal, Grant(client="w1", role="worker", created=time.time(), key=key().public_text))
-    srv.conn.connected = True
+    srv.link.conn.connected = True
     srv._housekeeping()
-    assert srv._listening_to_workers and plans == [T.workers_round]
-    assert srv.pool._plan.round == 1 and srv.pool._plan.assignments == srv.fed.round.assignments
+    assert srv.rounds.listening_to_workers and plans == [T.workers_round]
+    assert srv.rounds.pool._plan.round == 1 and srv.rounds.pool._plan.assignments == srv.fed.round.assignments

@@ -1,5 +1,6 @@
 """Round bookkeeping of the aggregator, in-process (the MQTT side is in tests/e2e/test_serve_join.py)."""
 
+import json
 import logging
 import random
 
@@ -119,6 +120,27 @@ def test_coverage_trains_every_submodel_with_two_identical_clients() -> None:
     facts = [_round(fed, i) for i in (1, 2, 3)]
     assert [f["assigned"] for f in facts] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}, {"a": 5, "b": 1}]
     assert facts[-1][UPDATES_TOTAL_KEY] == fed.trained_updates == [2, 1, 1, 1, 1]
+
+
+def test_a_federation_resumes_from_its_checkpoint_meta() -> None:
+    """What a checkpoint carries besides the weights, under the meta keys older checkpoints have; a resumed
+    federation continues where the saved one stopped, and a meta without them leaves a fresh one as it is."""
+    fed = _federation(per_round=2)
+    for c in ("a", "b"):
+        join(fed, c, Announce(client=c, max_submodel=5, samples=10))
+    for i in (1, 2):
+        _round(fed, i)
+    saved = json.loads(json.dumps(fed.state_dict()))
+    assert set(saved) == {"update_guard", "step_bound", UPDATES_TOTAL_KEY} and saved[UPDATES_TOTAL_KEY] == [1, 1, 1, 1, 0]
+    resumed = _federation(per_round=2)
+    resumed.load_state_dict({"round": 2, **saved})
+    assert resumed.state_dict() == saved and resumed.trained_updates == [1, 1, 1, 1, 0]
+    fresh = _federation()
+    before = fresh.state_dict()
+    fresh.load_state_dict({"round": 2})
+    assert fresh.state_dict() == before
+    with pytest.raises(ValueError, match="3 update counts for 5 submodels"):
+        fresh.load_state_dict({UPDATES_TOTAL_KEY: [1, 2, 3]})
 
 
 def test_paper_policy_in_a_federation_uses_fixed_tiers_when_given() -> None:

@@ -44,7 +44,7 @@ def through_the_wire(layout: Layout, part: NeFedAvg, held: dict[str, Held], work
     """A partial as a worker publishes it and the coordinator reads it back (chunked safetensors + summary),
     checked against the receipts `held`."""
     msgs = encode(part.partial_tensors(), kind="partial", federation="t", round=1, submodel=0, client=worker,
-                  chunk_bytes=64 * 1024)
+                  chunk_bytes=64 * 1024).messages
     reasm = Reassembler(max_bytes=64 << 20)
     done = [d for m in msgs if (d := reasm.feed(m)) is not None][0]
     summary = PartialSummary(run="r", round=1, weights=[float(w) for w in part.weights], updates=list(part.updates),
@@ -122,7 +122,7 @@ def test_a_worker_judges_every_update_and_answers_the_close_with_its_partial():
 
     def update(client: str, k: int, topic_client: str | None = None) -> tuple[str, bytes]:
         msg = encode(device_delta(layout, k, client, 1), kind="update", federation="t", round=1, submodel=k, client=client,
-                     samples=5, chunk_bytes=1 << 20)
+                     samples=5, chunk_bytes=1 << 20).messages
         return t.update(topic_client or client), msg[0]
 
     w.route(w.up, t.workers_round, plan.to_json())  # not signed by the coordinator

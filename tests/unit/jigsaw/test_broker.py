@@ -142,11 +142,11 @@ def test_a_copy_signed_by_another_key_or_for_a_closed_round_is_refused() -> None
     bus, _, (a, b, c) = federation()
     own = c.store["c2.m0"]
     forged = encode({k: v * 0 for k, v in own.items()}, kind="return", federation=FED, round=0, submodel=0, client="d0",
-                    samples=1, sign=signer().sign)  # d0's name, another key
+                    samples=1, sign=signer().sign).messages  # d0's name, another key
     for chunk in forged:
         c.handle(Topics(FED).jigsaw("return", "d2"), chunk)
     c.begin_round(1, {0, 1, 2}, 0, 0.0)
-    late = encode(dict(own), kind="return", federation=FED, round=0, submodel=0, client="d1", samples=1, sign=b.signer.sign)
+    late = encode(dict(own), kind="return", federation=FED, round=0, submodel=0, client="d1", samples=1, sign=b.signer.sign).messages
     for chunk in late:
         c.handle(Topics(FED).jigsaw("return", "d2"), chunk)
     assert c.take_counters()[0] == {"bad_signature": 1, "stale_round": 1}

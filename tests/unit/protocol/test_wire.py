@@ -35,7 +35,7 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def msgs(t=None, **kw) -> list[bytes]:
     args = dict(kind="update", federation="f", round=3, submodel=1, client="c1", samples=7, chunk_bytes=CHUNK)
-    return encode(tensors() if t is None else t, **{**args, **kw})
+    return encode(tensors() if t is None else t, **{**args, **kw}).messages
 
 
 def test_roundtrip_chunked_and_bounded():
@@ -48,6 +48,15 @@ def test_roundtrip_chunked_and_bounded():
     assert done.header.client == "c1" and done.header.round == 3 and done.header.samples == 7
     for n, t in tensors().items():
         assert torch.equal(done.tensors[n], t)
+
+
+def test_encode_returns_the_header_its_messages_carry():
+    """What a sender names the payload by (a task's model digest, an upload notice) without parsing its own output."""
+    device = Signer(Ed25519PrivateKey.generate())
+    for sign in (None, device.sign):
+        out, header = encode(tensors(), kind="update", federation="f", round=3, submodel=1, client="c1", samples=7,
+                             metrics={"loss": 0.5}, chunk_bytes=CHUNK, sign=sign)
+        assert len(out) == header.count > 1 and all(parse_chunk(m).header == header for m in out)
 
 
 def test_out_of_order_and_redelivered_chunks_are_idempotent():
@@ -394,7 +403,7 @@ def test_every_chunk_s_data_starts_aligned_in_its_message(client, round_, metric
     header still parses, and its signature, over the padded bytes, still verifies."""
     device = Signer(Ed25519PrivateKey.generate())
     out = encode({"w": torch.randn(n)}, kind="update", federation="f", round=round_, submodel=0, client=client,
-                 metrics=metrics, sign=device.sign if signed else None, chunk_bytes=64 * 1024)
+                 metrics=metrics, sign=device.sign if signed else None, chunk_bytes=64 * 1024).messages
     for m in out:
         head, _, _, data = split_chunk(m)
         assert (len(m) - len(data)) % DATA_ALIGN == 0
@@ -409,11 +418,11 @@ def test_a_header_at_the_size_limit_goes_unpadded():
     for extra in range(DATA_ALIGN + 2):
         metrics = {"m": 0.0}
         base = len(split_chunk(encode({"w": torch.zeros(4)}, kind="update", federation="f", round=1, submodel=0,
-                                      client="c", metrics=metrics)[0])[0])
+                                      client="c", metrics=metrics).messages[0])[0])
         name = "x" * (MAX_HEADER_BYTES - base - extra + 1)
         try:
             out = encode({"w": torch.zeros(4)}, kind="update", federation="f", round=1, submodel=0, client="c",
-                         metrics={name: 0.0})
+                         metrics={name: 0.0}).messages
         except ValueError:
             continue  # too long before any padding: refused as before
         assert len(split_chunk(out[0])[0]) <= MAX_HEADER_BYTES
