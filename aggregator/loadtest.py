@@ -91,7 +91,7 @@ class FleetConfig:
     duration_s: float = 600.0  # give up after this long even without the coordinator's "end"
 
 
-class Fleet:
+class DeviceFleet:
     """This process's share of the simulated devices; one sender thread paces their uploads."""
 
     def __init__(self, cfg: FleetConfig, settings: BrokerSettings, layout: Layout) -> None:

@@ -159,7 +159,7 @@ class FleetBook:
         return report
 
 
-class Fleet:
+class RolloutBroker:
     """A broker connection for the operator's commands: publishes (waited for), retained rollout and reports."""
 
     def __init__(self, settings: BrokerSettings, topics: Topics, server_key: Ed25519PublicKey, pins: dict[str, str]) -> None:
@@ -208,7 +208,7 @@ class Operator:
     federation: str
     signer: Signer
     state: RolloutState
-    fleet: Fleet
+    fleet: RolloutBroker
 
     @property
     def topics(self) -> Topics:
@@ -328,7 +328,7 @@ def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, c
         settings = parse_broker(broker, *credentials)
         signer = KeyDir(federation, key_dir).server_signer(checkpoint_dir, create=create_key)
         state = load_state(checkpoint_dir)
-        fleet = Fleet(settings, topics, parse_public_key(signer.public_text), dict(state.device_keys))
+        fleet = RolloutBroker(settings, topics, parse_public_key(signer.public_text), dict(state.device_keys))
         fleet.connect()
     except (ValueError, KeyFileError, OSError) as e:  # DeployError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -522,7 +522,7 @@ class RolloutWatcher:
     the rollout checked against the server key, device reports checked against their own keys."""
 
     def __init__(self, settings: BrokerSettings, federation: str, server_key_text: str) -> None:
-        self.fleet = Fleet(settings, Topics(federation), parse_public_key(server_key_text), {})
+        self.fleet = RolloutBroker(settings, Topics(federation), parse_public_key(server_key_text), {})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-watcher", daemon=True)
 

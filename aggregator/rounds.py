@@ -44,7 +44,7 @@ class RoundHooks:
         """The round's checkpoint is committed and its metrics line written."""
 
 
-class Transport(RoundHooks, ABC):
+class RoundTransport(RoundHooks, ABC):
     """How a round's tasks reach clients and their updates reach the Federation, inside `run_round`."""
 
     @abstractmethod
@@ -73,7 +73,7 @@ class RunPlan:
 
 
 class RoundDriver:
-    """Runs rounds of one Federation over one Transport; commits every round to `checkpoint_dir` and
+    """Runs rounds of one Federation over one RoundTransport; commits every round to `checkpoint_dir` and
     appends its metrics line to `metrics_dir`/metrics.jsonl (no files when `checkpoint_dir` is None:
     a simulation that only reports). A round loop that is not the driver's (Flower's strategy loop,
     aggregator/flower.py) calls `open_round` and `close_round` around its own delivery of the tasks."""

@@ -154,7 +154,7 @@ def loadtest_command(
     logs: LogOptions,
 ) -> None:
     """Play a fleet of simulated devices sending valid random deltas (docs/scale.md, `make bench-scale`)."""
-    from aggregator.loadtest import Fleet, FleetConfig, device_grants, log
+    from aggregator.loadtest import DeviceFleet, FleetConfig, device_grants, log
     from nefl.nested.state import Layout
 
     setup_logging(logs.log_level, logs.log_format)
@@ -182,7 +182,7 @@ def loadtest_command(
     cfg = FleetConfig(federation=federation, prefix=prefix, first=first, stride=stride, devices=devices,
                       max_submodel=max_submodel, rate=rate, chunk_bytes=chunk_kib * 1024, scale=scale, seed=seed,
                       pool=pool, duration_s=duration)
-    fleet = Fleet(cfg, settings, layout)
+    fleet = DeviceFleet(cfg, settings, layout)
     fleet.start()
     log.info(f"{len(fleet.names)} simulated devices connecting to {settings.url}")
     t0 = time.monotonic()

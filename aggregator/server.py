@@ -39,7 +39,7 @@ from aggregator.metrics import Observer
 from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
-from aggregator.rounds import RoundDriver, RunPlan, Transport
+from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.nested.checkpoint import (METRICS_FILE, CheckpointError, has_checkpoint, load_checkpoint, read_metrics,
                                     recovery_hint, replay_metrics)
 from nefl.nested.data import load_dataset
@@ -118,7 +118,7 @@ class RoundTally:
     closed_s: float = 0.0  # from the round's start to its close
 
 
-class MqttTransport(Transport):
+class MqttTransport(RoundTransport):
     """The round driver's transport over the broker (aggregator/rounds.py): a round's models and signed tasks out
     (again after a reconnect), the devices' updates in, or the workers' and relays' receipts and partials
     (aggregator/partials.py), overdue updates asked for again, and the round's own facts for its metrics line."""

@@ -26,7 +26,7 @@ from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
-from aggregator.rounds import RoundDriver, RunPlan, Transport
+from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.attacks import Attack, craft, poison_dataset, triggered_test
 from nefl.nested.data import ArrayDataset, load_dataset
 from nefl.nested.methods import Method
@@ -166,7 +166,7 @@ class ServerSide:
                          seed=self.cfg.seed, device=device)
 
 
-class Simulator(Transport):
+class Simulator(RoundTransport):
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.device = str(check_device(cfg.device))

@@ -186,7 +186,7 @@ def overhead(side: str) -> dict:
     clients, after torch and the zoo are loaded."""
     from nefl.jigsaw.coretune import CoReTune, PolicyReport, observation
     from nefl.jigsaw.observations import ObservationLog
-    from nefl.jigsaw.policy import TOKEN_FEATURES, Agent, assemble, chain_log_prob, tokens_for
+    from nefl.jigsaw.policy import TOKEN_FEATURES, PolicyAgent, assemble, chain_log_prob, tokens_for
     from nefl.jigsaw.zoo import Zoo, load_base, peak_bytes
 
     torch.set_num_threads(1)
@@ -198,7 +198,7 @@ def overhead(side: str) -> dict:
     base_rss = _rss_mib()
     base_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times: dict[str, list[float]] = {"execute": [], "explore": []}
-    agent = Agent(10)
+    agent = PolicyAgent(10)
     if side == "client":
         current = bases[3].metas(0)
         for r in range(30):

@@ -30,7 +30,7 @@ class Active:
     version: int | None  # None: a plain --models directory, not a followed release
 
 
-class Window:
+class VersionOutcomes:
     """Outcomes of one version: counts since it started serving, latencies of its last `size` requests."""
 
     def __init__(self, version: int, size: int = WINDOW) -> None:
@@ -61,7 +61,7 @@ class Serving:
         self._active = active
         self._window = window
         self._lock = threading.Lock()
-        self._windows: dict[int, Window] = {}
+        self._windows: dict[int, VersionOutcomes] = {}
 
     def current(self) -> Active | None:
         return self._active
@@ -73,7 +73,7 @@ class Serving:
         with self._lock:
             window = self._windows.get(active.version)
             if window is None:
-                window = self._windows[active.version] = Window(active.version, self._window)
+                window = self._windows[active.version] = VersionOutcomes(active.version, self._window)
             window.add(ok, seconds)
 
     def swap(self, active: Active) -> float:
@@ -87,7 +87,7 @@ class Serving:
             self._active = active
             held = time.perf_counter() - started
             if active.version is not None:
-                self._windows[active.version] = Window(active.version, self._window)
+                self._windows[active.version] = VersionOutcomes(active.version, self._window)
             for version in [v for v in self._windows if v not in (active.version, old)]:
                 del self._windows[version]
         return held

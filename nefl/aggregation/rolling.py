@@ -15,7 +15,7 @@ import torch
 
 from nefl.aggregation.aggregate import coverage_mean
 
-Window = tuple[torch.Tensor | None, ...]  # one entry per dimension (nefl.aggregation.aggregate.Window without slices)
+IndexWindow = tuple[torch.Tensor | None, ...]  # one entry per dimension (nefl.aggregation.aggregate.Window without slices)
 
 
 def rolled_window(size: int, keep: int, offset: int) -> torch.Tensor:
@@ -25,7 +25,7 @@ def rolled_window(size: int, keep: int, offset: int) -> torch.Tensor:
     return (torch.arange(keep) + offset) % size
 
 
-def extract(tensor: torch.Tensor, window: Window) -> torch.Tensor:
+def extract(tensor: torch.Tensor, window: IndexWindow) -> torch.Tensor:
     """The submodel's tensor: the global tensor's elements at the window's indices."""
     for dim, idx in enumerate(window):
         if idx is not None:
@@ -33,12 +33,12 @@ def extract(tensor: torch.Tensor, window: Window) -> torch.Tensor:
     return tensor.clone()
 
 
-def extract_state(state: dict[str, torch.Tensor], windows: dict[str, Window]) -> dict[str, torch.Tensor]:
+def extract_state(state: dict[str, torch.Tensor], windows: dict[str, IndexWindow]) -> dict[str, torch.Tensor]:
     return {name: extract(state[name], windows[name]) for name in windows}
 
 
 def aggregate_windows(
-    global_state: dict[str, torch.Tensor], updates: Sequence[tuple[dict[str, torch.Tensor], dict[str, Window]]],
+    global_state: dict[str, torch.Tensor], updates: Sequence[tuple[dict[str, torch.Tensor], dict[str, IndexWindow]]],
 ) -> dict[str, torch.Tensor]:
     """New global state: each element the mean of the updated values of the submodels covering it;
     uncovered elements (and tensors no update carries) keep their value (nefl/aggregation/aggregate.py's rule)."""

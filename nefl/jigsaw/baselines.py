@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nefl.aggregation.rolling import Window, extract_state, rolled_window
+from nefl.aggregation.rolling import IndexWindow, extract_state, rolled_window
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_model, peak_bytes
 from nefl.nested.train import Batches, TrainConfig, TrainResult, local_train
 
@@ -41,11 +41,11 @@ def width_for_budget(base: BaseArch, budget: float, batch_size: int, levels: Seq
     return max(fits) if fits else min(levels)
 
 
-def submodel_windows(base: BaseArch, gamma: float, offset: int) -> dict[str, Window]:
+def submodel_windows(base: BaseArch, gamma: float, offset: int) -> dict[str, IndexWindow]:
     """Index windows of every tensor of the width-`gamma` submodel in the global model's state: each
     hidden layer keeps ceil(C * gamma) channels starting at `offset` mod C (0: HeteroFL's prefix)."""
     model = build_model(base.metas(0))
-    windows: dict[str, Window] = {}
+    windows: dict[str, IndexWindow] = {}
     cur: torch.Tensor | None = None  # kept indices of the current activation's channels (None: all)
     for j, (meta, module) in enumerate(zip(base.metas(0), model)):
         hw = meta.d_in[1] * meta.d_in[2]
@@ -70,7 +70,7 @@ def submodel_windows(base: BaseArch, gamma: float, offset: int) -> dict[str, Win
 @dataclass
 class WindowStep:
     values: dict[str, torch.Tensor]  # the trained window, for nefl.aggregation.rolling.aggregate_windows
-    windows: dict[str, Window]
+    windows: dict[str, IndexWindow]
     result: TrainResult
     model: nn.Sequential  # the trained submodel
     cut_seconds: float  # choosing and cutting the window: the method's decision cost

@@ -30,7 +30,7 @@ from torch import nn
 
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport, observation
 from nefl.jigsaw.observations import ObservationLog
-from nefl.jigsaw.policy import Agent, Episode, TokenFn, assemble, chain_log_prob, terminal_reward, tokens_for
+from nefl.jigsaw.policy import PolicyAgent, Episode, TokenFn, assemble, chain_log_prob, terminal_reward, tokens_for
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleExchange, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, Zoo, build_model, fixed_bytes, peak_bytes
 from nefl.nested.state import load_module_state
@@ -89,7 +89,7 @@ class JigsawClient:
             raise ValueError(f"client {client}: its base model {base.name} does not fit its budget of {budget / 2**20:.1f} MiB")
         self.client, self.base, self.budget, self.settings = client, base, budget, settings
         self.data_feature = data_feature.float()
-        self.agent = Agent(len(data_feature), lr=settings.policy_lr, gamma=settings.gamma, tau=settings.tau, seed=seed) \
+        self.agent = PolicyAgent(len(data_feature), lr=settings.policy_lr, gamma=settings.gamma, tau=settings.tau, seed=seed) \
             if assemble else None
         self.log = ObservationLog(settings.observation_decay)
         self.chain: list[ModuleMeta] | None = None if assemble else base.metas(client)

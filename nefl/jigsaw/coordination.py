@@ -17,7 +17,7 @@ import msgspec
 from nefl.jigsaw.client import ClientSettings
 from nefl.jigsaw.coretune import ModuleKey
 from nefl.jigsaw.shards import ShardSpec
-from nefl.jigsaw.symbio import Client
+from nefl.jigsaw.symbio import ClientIndex
 from nefl.protocol.messages import Count, KeyText, Message, Name, Round, Seconds, Short
 from nefl.support.settings import TrainConfig
 
@@ -25,7 +25,7 @@ MAX_PLAN_BYTES = 1 << 20
 MAX_DEVICES = 1024
 Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Phase = Literal["policy", "train", "end", "over"]  # end: fetch the final modules and score them; over: leave
-Clients = Annotated[list[Client], msgspec.Meta(max_length=4 * MAX_DEVICES)]
+Clients = Annotated[list[ClientIndex], msgspec.Meta(max_length=4 * MAX_DEVICES)]
 
 
 class JigsawHello(Message, frozen=True, tag="jigsaw_hello", tag_field="type"):
@@ -38,7 +38,7 @@ class JigsawHello(Message, frozen=True, tag="jigsaw_hello", tag_field="type"):
 
 
 class Participant(msgspec.Struct, frozen=True, kw_only=True):
-    index: Client
+    index: ClientIndex
     client_id: Name
     key: KeyText
 
@@ -80,7 +80,7 @@ class RoundDone(Message, frozen=True, tag="jigsaw_done", tag_field="type"):
 
     federation: Name
     run: Name
-    client: Client
+    client: ClientIndex
     round: Round
     trained: bool  # False: no chain could be assembled from the peers that answered
     accuracy: Unit  # validation accuracy after training (end: local test accuracy)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nefl.jigsaw.policy import TOKEN_FEATURES, returns, terminal_reward
-from nefl.jigsaw.symbio import Client
+from nefl.jigsaw.symbio import ClientIndex
 from nefl.protocol.messages import Message, Name, Round
 
 MAX_REPORT_BYTES = 256 * 1024
@@ -35,7 +35,7 @@ class PolicyReport(Message, frozen=True, tag="jigsaw_report", tag_field="type"):
     """Client -> server, policy phase: what the critic and Exp need of one client's round."""
 
     federation: Name
-    client: Client
+    client: ClientIndex
     round: Round
     accuracy: Unit
     cap: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
@@ -48,7 +48,7 @@ class CriticAdvice(Message, frozen=True, tag="jigsaw_advice", tag_field="type"):
     """Server -> one client: its Exp term and (after the critic's warm-up) the critic's value per step."""
 
     federation: Name
-    client: Client
+    client: ClientIndex
     round: Round
     exp: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)]
     values: Annotated[list[Feature], msgspec.Meta(max_length=64)] | None = None

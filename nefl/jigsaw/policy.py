@@ -185,7 +185,7 @@ def log_probs(policy: AttenAssemble, episode: Episode) -> torch.Tensor:
                         for s in episode.steps])
 
 
-class Agent:
+class PolicyAgent:
     """A client's policy with its optimiser. The baseline of the advantage is the server critic's value
     when it sends one (CoRe-Tune, after its warm-up), else a running mean of the client's own rewards,
     which is kept up to date in both cases so it is warm when the server goes away."""

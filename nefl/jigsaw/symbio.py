@@ -27,7 +27,7 @@ from nefl.nested.tensors import first_non_finite
 from nefl.protocol.messages import Message, MessageError, Name, Round, decode
 
 Topology = Literal["full", "ring", "random"]
-Client = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+ClientIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Position = Annotated[int, msgspec.Meta(ge=0, le=1024)]
 MAX_MODULES = 256  # modules one client may advertise
 
@@ -36,7 +36,7 @@ class MetadataBroadcast(Message, frozen=True, tag="jigsaw_metadata", tag_field="
     """Client -> its neighbours: the metadata of every module of its base model (no parameters)."""
 
     federation: Name
-    client: Client
+    client: ClientIndex
     modules: Annotated[list[ModuleMeta], msgspec.Meta(max_length=MAX_MODULES)]
 
 
@@ -44,8 +44,8 @@ class ModuleFetch(Message, frozen=True, tag="jigsaw_fetch", tag_field="type"):
     """Client -> source: send me the current parameters of your module at `position`."""
 
     federation: Name
-    client: Client
-    source: Client
+    client: ClientIndex
+    source: ClientIndex
     round: Round
     position: Position
 
@@ -54,8 +54,8 @@ class ModuleReturn(Message, frozen=True, tag="jigsaw_return", tag_field="type"):
     """Client -> source: my trained copy of your module (the tensors ride beside this header)."""
 
     federation: Name
-    client: Client
-    source: Client
+    client: ClientIndex
+    source: ClientIndex
     round: Round
     position: Position
     samples: Annotated[int, msgspec.Meta(ge=1, le=10**9)]

@@ -16,7 +16,7 @@ from nefl.jigsaw.baselines import WIDTH_LEVELS, scaled_metas, submodel_windows, 
 from nefl.jigsaw.coretune import CoReTune, PolicyReport, ServerCritic, exploration_bonus, observation
 from nefl.jigsaw.observations import ObservationLog
 from nefl.jigsaw.policy import (
-    TOKEN_FEATURES, Agent, AttenAssemble, assemble, chain_log_prob, log_probs, returns, tokens_for,
+    TOKEN_FEATURES, PolicyAgent, AttenAssemble, assemble, chain_log_prob, log_probs, returns, tokens_for,
 )
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, neighbours, source_average
 from nefl.jigsaw.zoo import (
@@ -248,7 +248,7 @@ def _toy_zoo() -> Zoo:
 
 
 def test_reinforce_moves_probability_toward_the_rewarded_module() -> None:
-    zoo, agent = _toy_zoo(), Agent(10, lr=0.05, seed=0)
+    zoo, agent = _toy_zoo(), PolicyAgent(10, lr=0.05, seed=0)
     data = torch.rand(10)
     gen = torch.Generator().manual_seed(0)
 
@@ -304,7 +304,7 @@ def test_reinforce_learns_to_prefer_one_source_over_an_identical_module_of_anoth
     mods = [ModuleMeta(source=1, **twin), ModuleMeta(source=2, **twin),
             ModuleMeta(source=0, position=1, type="fc", d_in=(4, 4, 4), d_out=(6, 1, 1)),
             ModuleMeta(source=0, position=2, type="head", d_in=(6, 1, 1), d_out=(10, 1, 1))]
-    zoo, agent, data = Zoo.build(mods, (1, 8, 8), 8, 2), Agent(10, lr=0.05, seed=0), torch.rand(10)
+    zoo, agent, data = Zoo.build(mods, (1, 8, 8), 8, 2), PolicyAgent(10, lr=0.05, seed=0), torch.rand(10)
     gen = torch.Generator().manual_seed(0)
 
     def p_source_2() -> float:
