@@ -65,9 +65,11 @@ class SimPolicy:
 
 
 @option_group("Topology")
-class SimTopology:
+class Topology:
+    """Who borrows from whom: the simulator's clients and jigsaw-serve's devices alike."""
+
     topology: Annotated[str, typer.Option(help="Neighbour topology: full (the paper's), ring or random.")] = D.topology
-    neighbours_k: Annotated[int, typer.Option(min=1, help="Peers per client for --topology random.")] = D.neighbours_k
+    neighbours_k: Annotated[int, typer.Option(min=1, help="Peers per participant for --topology random.")] = D.neighbours_k
 
 
 @grouped
@@ -89,7 +91,7 @@ def jigsaw_command(
     data: SimData,
     local: LocalTraining,
     policy: SimPolicy,
-    neighbours: SimTopology,
+    neighbours: Topology,
 ) -> None:
     """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client."""
     err = console(stderr=True)
@@ -161,12 +163,6 @@ class DevicePolicy:
         min=0, help="Policy-phase rounds the critic trains before its values count.")] = D.critic_warmup
 
 
-@option_group("Topology")
-class DeviceTopology:
-    topology: Annotated[str, typer.Option(help="Neighbour topology: full, ring or random.")] = D.topology
-    neighbours_k: Annotated[int, typer.Option(min=1, help="Peers per device for --topology random.")] = D.neighbours_k
-
-
 @option_group("Checks and timeouts")
 class Timeouts:
     norm_bound: Annotated[float, typer.Option(
@@ -204,7 +200,7 @@ def jigsaw_serve_command(
     data: DeviceData,
     local: LocalTraining,
     policy: DevicePolicy,
-    neighbours: DeviceTopology,
+    neighbours: Topology,
     limits: Timeouts,
     local_broker: Embedded,
     mqtt: BrokerOptions,
