@@ -90,7 +90,9 @@ class Agent:
         self.profile_hash: str | None = None
         self.training = TrainingSettings()  # the server's batch size, local epochs and round timeout
         self.selection: Selection | None = None
-        self.promised = 0  # the bound (1-based) of the latest announce: tasks at or below it are kept
+        self.promised = 0  # the bound (1-based) of the latest announce: tasks at or below it are kept...
+        self.promised_deadline = 0.0  # ...when they leave at least the round time it was planned for
+        self._planned_deadline = 0.0
         self.run_id: str | None = None  # the server run whose signed status we follow
         self.server_seen = False  # a trusted server status has arrived (for "no server" diagnostics)
         self.foreign_key: str | None = None  # a status signed by another key than the pinned one arrived
@@ -358,9 +360,9 @@ class Agent:
         if task.model_bytes > model_bytes_bound(self.layout, k):
             raise MessageError("bad_task", f"round {r}: {task.model_bytes}-byte weights exceed submodel {k + 1}'s size")
         # a task is kept unless the device truly cannot train it now: no hysteresis margin for k. One at or
-        # below the announced bound is a promise: training fits itself to the time left, so only memory that
-        # is no longer there breaks it
-        promised = k < self.promised
+        # below the announced bound, with the round time the bound was planned for, is a promise: training fits
+        # itself to the time left, so only memory that is no longer there breaks it
+        promised = k < self.promised and task.deadline_s >= self.promised_deadline
         current = self.selection.index if self.selection is not None and self.selection.index is not None else -1
         self.plan(task.deadline_s, hold=max(current, k))
         if self._cannot_keep(k) if promised else not self._allows(k):
@@ -439,7 +441,8 @@ class Agent:
             return False
         if hold is None and self.selection is not None:
             hold = -1 if self.selection.index is None else self.selection.index
-        budget = (deadline_s or self.training.round_timeout) * (1 - UPLOAD_SHARE)
+        self._planned_deadline = deadline_s or self.training.round_timeout
+        budget = self._planned_deadline * (1 - UPLOAD_SHARE)
         sel = self.device.plan(self.layout, self.training, budget, self.cfg.max_submodel, hold)
         self.planned_at = self.clock()
         first = self.selection is None
@@ -454,7 +457,7 @@ class Agent:
         sel, can = self.selection, self.can_train()
         key = self.cfg.device_key
         self.seq += 1
-        self.promised = can
+        self.promised, self.promised_deadline = can, self._planned_deadline
         msg = Announce(client=self.cfg.client_id, samples=max(1, self.device.samples), max_submodel=can,
                        selection="" if sel is None else sel.reason[:300], device=self.device.summary(),
                        key="" if key is None else key.public_text, session=self.session, seq=self.seq,
