@@ -112,16 +112,19 @@ class Federation:
                  limits: ClientLimits = ClientLimits(), robustness: Robustness = Robustness(), offline_grace_s: float = 10.0,
                  assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
                  trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3,
-                 reference: ReferenceUpdate | None = None, rule_seed: int | None = None) -> None:
-        """`robustness`, `weighting`, `reference` (the server's root updates) and `rule_seed` (the rule's draws,
-        stable across restarts; default `seed`) make the aggregation pipeline (nefl/aggregation/pipeline.py)."""
+                 reference: ReferenceUpdate | None = None, rule_seed: int | None = None,
+                 rule_secret: bytes | None = None) -> None:
+        """`robustness`, `weighting`, `reference` (the server's root updates), `rule_seed` (the rule's draws,
+        stable across restarts; default `seed`) and `rule_secret` (a server's: the draws then come from it, not the
+        seed) make the aggregation pipeline (nefl/aggregation/pipeline.py)."""
         if min_clients < 1 or clients_per_round < min_clients:
             raise ValueError("need 1 <= --min-clients <= --clients-per-round")
         self.layout, self.state, self.name = layout, state, federation
         self.clients_per_round, self.min_clients, self.round_timeout = clients_per_round, min_clients, round_timeout
         self.limits = limits
         self.offline_grace_s = offline_grace_s
-        self.aggregator = Pipeline(layout, robustness, weighting, reference, seed if rule_seed is None else rule_seed)
+        self.aggregator = Pipeline(layout, robustness, weighting, reference, seed if rule_seed is None else rule_seed,
+                                   rule_secret)
         self._bounded: dict[int, int] = {}  # submodel -> its tensors the step bound scaled down this round
         self._reference: dict[int, float] = {}  # submodel -> norm of its current weights, once per round
         self.clients: dict[str, ClientInfo] = {}

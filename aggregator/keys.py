@@ -5,6 +5,7 @@ copying or publishing a run directory (checkpoints, metrics, exports) never ship
         server.key          the aggregator's signing key (0600): devices and workers pin its public half
         enrolment.jsonl     the operator's grants and revocations (`aggregator enroll`, `revoke`), 0600
         incarnation         the run incarnation: +1 on every `serve` start, --resume included
+        aggregation.secret  what the centre check's draws come from (0600), never --seed
         workers/ID.key      keys of the workers and relays started on this host (0600)
 
 Before this layout the server key lived in the run directory (`--checkpoint-dir`/server.key); `serve`,
@@ -16,15 +17,18 @@ from __future__ import annotations
 import filecmp
 import logging
 import os
+import secrets
 import shutil
 from pathlib import Path
 
 from nefl.protocol.signing import KEY_FILE, KeyFileError, Signer
-from nefl.support.fsio import atomic_write_text
+from nefl.support.fsio import atomic_write_bytes, atomic_write_text
 
 KEY_DIR_ENV = "NEFL_KEY_DIR"
 JOURNAL = "enrolment.jsonl"
 INCARNATION = "incarnation"
+RULE_SECRET = "aggregation.secret"
+SECRET_BYTES = 32
 log = logging.getLogger("aggregator.server")
 
 
@@ -51,6 +55,23 @@ class KeyDir:
     @property
     def journal(self) -> Path:
         return self.path / JOURNAL
+
+    def rule_secret(self) -> bytes:
+        """The server's secret for the aggregation's draws (the centre check's sketch positions), made on first
+        use and kept beside the server key (0600): an attacker who knows --seed and the code still cannot tell
+        where the sketch looks."""
+        path = self.path / RULE_SECRET
+        try:
+            secret = path.read_bytes()
+            if len(secret) == SECRET_BYTES:
+                return secret
+            log.warning(f"{path}: not a {SECRET_BYTES}-byte secret; a new one replaces it")
+        except FileNotFoundError:
+            pass
+        secret = secrets.token_bytes(SECRET_BYTES)
+        self.ensure()
+        atomic_write_bytes(path, secret, mode=0o600)
+        return secret
 
     def server_signer(self, checkpoint_dir: str | Path | None = None, create: bool = True) -> Signer:
         """The server key, moved here first from `checkpoint_dir` where an older version kept it."""

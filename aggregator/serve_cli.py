@@ -210,7 +210,7 @@ def serve_command(
         enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(cfg.workers, federation)}
         incarnation = keys.next_incarnation()
         settings = parse_broker(broker or embedded.url, *mqtt.credentials)
-        server = Server(cfg, settings, start, signer, enrolment, incarnation)  # a missing --eval-dataset fails here, first
+        server = Server(cfg, settings, start, signer, enrolment, incarnation, keys.rule_secret())  # a missing --eval-dataset fails here, first
         if embedded is not None:
             embedded.start()
             log.info(f"started embedded MQTT broker on {embedded.url} ({embedded.name}); clients join with "

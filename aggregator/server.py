@@ -19,6 +19,7 @@ partials) in, for the round driver of aggregator/rounds.py; and `Server`, which 
 from __future__ import annotations
 
 import logging
+import secrets
 import queue
 import time
 import traceback
@@ -294,9 +295,11 @@ class Server:
     checkpoints, metrics); runs the inbox loop that feeds them, and the run from its first round to its end."""
 
     def __init__(self, cfg: ServeConfig, settings: BrokerSettings, start: Start, signer: Signer,
-                 enrolment: Enrolment | None = None, incarnation: int = 1) -> None:
+                 enrolment: Enrolment | None = None, incarnation: int = 1, rule_secret: bytes | None = None) -> None:
         """`enrolment`: the registry with its journal (default: none, open as the policy says);
-        `incarnation`: this run's number under the server key (aggregator/keys.py counts them)."""
+        `incarnation`: this run's number under the server key (aggregator/keys.py counts them);
+        `rule_secret`: what the centre check's draws come from (aggregator/keys.py keeps it beside the server key;
+        default: a fresh one), never --seed."""
         layout, next_round = start.layout, start.next_round
         self.cfg, self.topics = cfg, Topics(cfg.federation)
         train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
@@ -305,7 +308,7 @@ class Server:
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
                               assignment=cfg.assignment,
-                              reference=root, rule_seed=cfg.seed)
+                              reference=root, rule_secret=rule_secret or secrets.token_bytes(32))
         self.fed.load_state_dict(start.meta)  # the bounds' history and the update counts survive a restart
         self.fed.defer_direct = bool(cfg.workers or cfg.remote_workers)  # what reaches this process then is a resend
         out = Path(cfg.checkpoint_dir)

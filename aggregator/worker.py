@@ -95,6 +95,7 @@ class Worker:
         self.plan: WorkerRound | None = None
         self.layout: Layout | None = None
         self.fed: Federation | None = None
+        self.rule_secret = secrets.token_bytes(32)  # its centre check's draws: this process's, sent nowhere
         self.reasm: Reassembler | None = None
         self.pins: dict[str, str] = {}  # the plan's device keys
         self.keys = DeviceKeys(self.pins.get)
@@ -203,7 +204,7 @@ class Worker:
             # a worker holds no weights: the plan's reference norms stand in for them
             empty = GlobalState({}, [{} for _ in range(self.layout.num_submodels)])
             self.fed = Federation(self.layout, empty, plan.federation, max(1, len(plan.assignments)), 1,
-                                  plan.deadline_s, robustness=robust)
+                                  plan.deadline_s, robustness=robust, rule_secret=self.rule_secret)
         self.fed.round_timeout = plan.deadline_s
         self.fed.adopt_round(plan.round, plan.assignments, plan.references)
         self.fed.guard.load_state_dict({"norms": plan.norms})

@@ -12,6 +12,7 @@ passed intake and a committed state, in the order it acts.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -57,16 +58,18 @@ class Commit:
 
 class Pipeline:
     """A federation's aggregation (see the module docstring). `reference`: the server's root updates, for a rule
-    whose registry entry needs root data; `seed`: the rule's and the centre check's draws, mixed with the round."""
+    whose registry entry needs root data. The rule's and the centre check's draws (the sketch's positions) come
+    from `secret` mixed with the round where one is given (a server: positions nobody can compute in advance,
+    docs/security.md), else from `seed` (the simulator: reproducible)."""
 
     def __init__(self, layout: Layout, robustness: Robustness = Robustness(), weighting: Weighting = "uniform",
-                 reference: ReferenceUpdate | None = None, seed: int = 0) -> None:
+                 reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None) -> None:
         cfg = robustness.aggregation
         if cfg.spec.root_data and reference is None:
             raise ValueError(f"--aggregator {cfg.rule} needs root data on the server: give --root-data DATASET "
                              "(or --eval-dataset, whose test split it uses by default)")
         self.layout, self.robustness, self.cfg, self.weighting = layout, robustness, cfg, weighting
-        self.reference, self.seed = reference, seed
+        self.reference, self.seed, self.secret = reference, seed, secret
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self.steps = StepBound(layout, cfg) if cfg.centre_check else None
         self.noise = torch.Generator()
@@ -88,12 +91,19 @@ class Pipeline:
                     weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
         """A fresh aggregate for round `index`, which starts from `state` with these (client -> submodel) tasks;
         `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them)."""
-        seed = self.seed * 1_000_003 + index
+        seed = self.round_seed(index)
         inner = self.cfg.spec.load().begin(RoundContext(self.layout, self.cfg, self.weighting, index, seed, self.reference))
         if not self.cfg.centre_check:
             return inner
         weight_norm = weight_norm or functools.cache(lambda k: reference_norm(state, self.layout, k))  # once a round
         return screened(inner, self.cfg, weight_norm, assignments, seed)
+
+    def round_seed(self, index: int) -> int:
+        """Round `index`'s draws: keyed BLAKE2b of the round under the secret (63 bits), else from the seed."""
+        if self.secret is None:
+            return self.seed * 1_000_003 + index
+        digest = hashlib.blake2b(index.to_bytes(8, "big"), key=self.secret, digest_size=8).digest()
+        return int.from_bytes(digest, "big") >> 1
 
     def commit(self, agg: RoundAggregate, state: GlobalState) -> Commit:
         """The round's new state from `agg` (begun from `state`, which is not modified), unless it is not finite
