@@ -10,7 +10,7 @@ import time
 
 import typer
 
-from aggregator.enrolment import EnrolmentPolicy, Grant, Revoke, append
+from aggregator.enrolment import EnrolmentPolicy, Grant, Revoke, Role, append
 from aggregator.keys import KeyDir
 from nefl.protocol.signing import KeyFileError, parse_public_key
 from nefl.protocol.tokens import new_token
@@ -34,6 +34,8 @@ def enroll_command(
     key: str = typer.Option(None, "--key", help="Enrol this public key now instead of printing a join token (a device "
                             "whose key you know; required for --worker: what `aggregator worker --print-key` prints)."),
     worker: bool = typer.Option(False, "--worker", help="Authorise an aggregator worker or site relay, not a device."),
+    follower: bool = typer.Option(False, "--follower", help="Enrol a device that only follows model rollouts "
+                                  "(`edge-client serve --follow`): its reports count, it never trains; needs --key."),
     valid_hours: float = typer.Option(EnrolmentPolicy.token_ttl_s / 3600, "--valid-hours", min=0.01,
                                       help="How long the join token may be used."),
     *,
@@ -43,14 +45,17 @@ def enroll_command(
     Enrolling an id that is already pinned rotates its key once the device presents the new token."""
     keys = _key_dir(where, client_id)
     now = time.time()
+    role = _role(worker, follower)
     try:
         if key is not None:
             parse_public_key(key)
-            append(keys.journal, Grant(client=client_id, role="worker" if worker else "device", created=now, key=key.strip()))
-            print(f"{'worker' if worker else 'device'} {client_id} enrolled with key {key.strip()[:12]}...", file=sys.stderr)
+            append(keys.journal, Grant(client=client_id, role=role, created=now, key=key.strip()))
+            print(f"{role} {client_id} enrolled with key {key.strip()[:12]}...", file=sys.stderr)
             return
         if worker:
             raise ValueError("a worker is authorised by its key: give --key (`aggregator worker --print-key` prints it)")
+        if follower:
+            raise ValueError("a follower is enrolled by its key: give --key (the public half of its --device-key)")
         token, verifier = new_token(keys.server_signer().public_text)
         append(keys.journal, Grant(client=client_id, created=now, verifier=verifier, expires=now + valid_hours * 3600))
     except (KeyFileError, ValueError, OSError) as e:
@@ -65,6 +70,7 @@ def enroll_command(
 def revoke_command(
     client_id: str = typer.Argument(..., help="The device's (or, with --worker, the worker's) id."),
     worker: bool = typer.Option(False, "--worker", help="Revoke a worker's or relay's key, not a device's."),
+    follower: bool = typer.Option(False, "--follower", help="Revoke a rollout follower's key, not a device's."),
     *,
     where: KeyOptions,
 ) -> None:
@@ -72,8 +78,15 @@ def revoke_command(
     only with a new `aggregator enroll`)."""
     keys = _key_dir(where, client_id)
     try:
-        append(keys.journal, Revoke(client=client_id, role="worker" if worker else "device", time=time.time()))
+        append(keys.journal, Revoke(client=client_id, role=_role(worker, follower), time=time.time()))
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    print(f"{'worker' if worker else 'device'} {client_id} revoked", file=sys.stderr)
+    print(f"{_role(worker, follower)} {client_id} revoked", file=sys.stderr)
+
+
+def _role(worker: bool, follower: bool) -> Role:
+    if worker and follower:
+        print("error: --worker or --follower, not both", file=sys.stderr)
+        raise typer.Exit(2)
+    return "worker" if worker else "follower" if follower else "device"

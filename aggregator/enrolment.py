@@ -12,6 +12,8 @@ Enrolment is *open* (trust on first use: the first signed announce pins an id's 
 the journal grants a device; from then on (or with --no-open-enrolment) an id takes part only once the
 operator enrolled it, with a join token its first signed announce proves (nefl/protocol/tokens.py) or with its
 key. Open pins are bounded: a rate and a cap on new ones, and those of ids that never trained expire.
+A *follower* (`aggregator enroll ID --follower --key KEY`) is an id whose model-rollout reports count
+(aggregator/rollout.py); it never trains and its grant leaves open enrolment open.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from nefl.protocol.messages import Hex64, KeyText, Name
 from nefl.protocol.tokens import check_proof
 
 log = logging.getLogger("aggregator.server")
-Role = Literal["device", "worker"]
+Role = Literal["device", "worker", "follower"]  # follower: reports on a model rollout, never trains
 HowPinned = Literal["open", "token", "key"]
 
 
@@ -64,8 +66,8 @@ class Grant(msgspec.Struct, kw_only=True, frozen=True, tag="grant", tag_field="o
     def __post_init__(self) -> None:
         if (self.verifier is None) == (self.key is None):
             raise ValueError("a grant carries a token verifier or a key, not both")
-        if self.role == "worker" and self.key is None:
-            raise ValueError("a worker is authorised by its key")
+        if self.role in ("worker", "follower") and self.key is None:
+            raise ValueError(f"a {self.role} is authorised by its key")
 
 
 class Revoke(msgspec.Struct, kw_only=True, frozen=True, tag="revoke", tag_field="op"):
@@ -133,6 +135,7 @@ class Enrolment:
         self.revoked: dict[str, float] = {}  # device id -> time of its latest revocation
         self.workers: dict[str, str] = {}  # worker / relay id -> its key, from the journal
         self.local_workers: dict[str, str] = {}  # started by `serve --workers` with keys of its own
+        self.followers: dict[str, str] = {}  # model-rollout follower id -> its key, from the journal (never trains)
         self.device_grants = False
         self._recent: deque[float] = deque()  # times of recent open pins (the rate)
         self._seen: tuple[int, int] | None = None
@@ -159,13 +162,15 @@ class Enrolment:
 
     def apply(self, entries: list[Entry]) -> None:
         workers: dict[str, tuple[str, float]] = {}
+        followers: dict[str, tuple[str, float]] = {}
         for e in entries:
             if isinstance(e, Spend):
                 self._spent(e)
             elif isinstance(e, Revoke):
-                if e.role == "worker":
-                    if e.client in workers and workers[e.client][1] <= e.time:
-                        del workers[e.client]
+                if e.role in ("worker", "follower"):
+                    keyed = workers if e.role == "worker" else followers
+                    if e.client in keyed and keyed[e.client][1] <= e.time:
+                        del keyed[e.client]
                     continue
                 self.revoked[e.client] = max(self.revoked.get(e.client, 0.0), e.time)
                 pin = self.pins.get(e.client)
@@ -174,6 +179,8 @@ class Enrolment:
                     log.warning(f"{e.client}: device key {pin.key[:12]}... revoked by the operator")
             elif e.role == "worker":
                 workers[e.client] = (e.key, e.created)
+            elif e.role == "follower":
+                followers[e.client] = (e.key, e.created)
             else:
                 self.device_grants = True
                 if e.verifier is not None:
@@ -184,6 +191,7 @@ class Enrolment:
                 if pin is None or pin.since < e.created:
                     self.pins[e.client] = Pin(e.key, e.created, "key", trained=pin is not None and pin.key == e.key and pin.trained)
         self.workers = {w: k for w, (k, _) in workers.items()}
+        self.followers = {f: k for f, (k, _) in followers.items()}
 
     def _spent(self, e: Spend) -> None:
         """A token redeemed by this or an earlier `serve`: spent for good; its pin stands unless revoked since."""
@@ -200,6 +208,10 @@ class Enrolment:
     def key(self, client: str) -> str | None:
         pin = self.pins.get(client)
         return pin.key if pin is not None else None
+
+    def report_key(self, client: str) -> str | None:
+        """The key a model-rollout report of `client` must be signed with: its device pin, or its follower key."""
+        return self.key(client) or self.followers.get(client)
 
     def precheck(self, client: str, proof: str) -> None:
         """Refuse, before any signature is checked, what closed enrolment never admits: an id with no pin

@@ -216,3 +216,13 @@ def test_a_spend_that_cannot_be_recorded_enrols_no_one(tmp_path):
         j.mkdir()
     assert reasons(lambda: e.admit("c1", dev, proof(parse_token(token)[1], "t", "c1", dev))) == "journal_unwritable"
     assert e.key("c1") is None and verifier not in e.used
+
+
+def test_a_follower_enrolment_lets_an_id_report_on_rollouts_never_train() -> None:
+    e = Enrolment("t")
+    e.apply([Grant(client="f1", role="follower", created=1.0, key="k1")])
+    assert e.report_key("f1") == "k1" and e.key("f1") is None and e.open  # open enrolment for training stays open
+    e.apply([Grant(client="f1", role="follower", created=1.0, key="k1"), Revoke(client="f1", role="follower", time=2.0)])
+    assert e.report_key("f1") is None
+    with pytest.raises(ValueError, match="follower is authorised by its key"):
+        Grant(client="f1", role="follower", created=1.0, verifier="0" * 64)
