@@ -6,16 +6,18 @@ format (nefl/protocol/wire.py, kind "file"), each chunk's sha256 listed, so a de
 arrival and resumes a broken download. int8 files are not rolled out (a device's parity check
 compares fp32 logits with the exporter's torch logits); the release's manifest drops them.
 
-The rollout's state (which version is stable, which is on canary on which devices, what was revoked,
-the pinned device keys) lives in {checkpoint-dir}/deploy/rollout.json beside the server key that
-signs it; the broker only carries copies (retained), so a broker that lost them gets them again
-from `aggregator publish` of the same export, which keeps its version.
+The rollout's state (which version is stable, which is on canary on which devices, what was revoked)
+lives in the federation's key directory ($NEFL_KEY_DIR/FEDERATION/rollout/rollout.json) beside the
+server key that signs it, whatever directory a command runs from: one history per federation. The
+broker only carries copies (retained), so a broker that lost them gets them again from `aggregator
+publish` of the same export, which keeps its version.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +57,6 @@ class RolloutState(msgspec.Struct, kw_only=True):
     reason: str = ""
     history: list[int] = []  # stable versions in the order they went stable (rollbacks included)
     releases: dict[int, ReleaseRecord] = {}
-    device_keys: dict[str, str] = {}  # client id -> the key its first signed report named
 
     def rollout(self, federation: str) -> Rollout:
         return Rollout(federation=federation, seq=self.seq, stable=self.stable, canary=self.canary,
@@ -69,12 +70,26 @@ class RolloutState(msgspec.Struct, kw_only=True):
         return keep | set(earlier[-1:])
 
 
-def state_path(checkpoint_dir: str | Path) -> Path:
-    return Path(checkpoint_dir) / DEPLOY_DIR / STATE_FILE
+def state_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / STATE_FILE
 
 
-def load_state(checkpoint_dir: str | Path) -> RolloutState:
-    path = state_path(checkpoint_dir)
+def migrate_state(run_dir: Path, state_dir: Path) -> None:
+    """A state an older version kept in RUN/deploy/: moved into `state_dir`, or refused when both exist."""
+    old, new = run_dir / DEPLOY_DIR / STATE_FILE, state_path(state_dir)
+    if not old.is_file():
+        return
+    if new.is_file():
+        raise DeployError(f"two rollout states: {old} (the old place) and {new}; keep the one with the higher "
+                          f"\"seq\" in {state_dir} and delete the other")
+    new.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shutil.copyfile(old, new)
+    old.unlink()
+    log.warning(f"moved the rollout state from {old} to {new} (it lives with the federation's keys now)")
+
+
+def load_state(state_dir: str | Path) -> RolloutState:
+    path = state_path(state_dir)
     try:
         return msgspec.json.decode(path.read_bytes(), type=RolloutState)
     except FileNotFoundError:
@@ -83,9 +98,9 @@ def load_state(checkpoint_dir: str | Path) -> RolloutState:
         raise DeployError(f"{path}: unreadable rollout state ({e}); restore it from a backup") from None
 
 
-def save_state(checkpoint_dir: str | Path, state: RolloutState) -> None:
-    path = state_path(checkpoint_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save_state(state_dir: str | Path, state: RolloutState) -> None:
+    path = state_path(state_dir)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write_bytes(path, msgspec.json.format(msgspec.json.encode(state), indent=1))
 
 

@@ -7,6 +7,7 @@ copying or publishing a run directory (checkpoints, metrics, exports) never ship
         incarnation         the run incarnation: +1 on every `serve` start, --resume included
         aggregation.secret  what the centre check's draws come from (0600), never --seed
         workers/ID.key      keys of the workers and relays started on this host (0600)
+        rollout/rollout.json  the model rollout's state (`aggregator publish`, `aggregator rollout`)
 
 Before this layout the server key lived in the run directory (`--checkpoint-dir`/server.key); `serve`,
 `key` and the rollout commands move it here on first use (docs/security.md, "Moving an old key").
@@ -55,6 +56,11 @@ class KeyDir:
     @property
     def journal(self) -> Path:
         return self.path / JOURNAL
+
+    @property
+    def rollout_dir(self) -> Path:
+        """The rollout's state (aggregator/deploy.py): one history per federation, next to the key that signs it."""
+        return self.path / "rollout"
 
     def rule_secret(self) -> bytes:
         """The server's secret for the aggregation's draws (the centre check's sketch positions), made on first

@@ -4,13 +4,20 @@
     aggregator rollout status | promote | rollback [--to V]
 
 Without a canary a published version goes stable at once. With one, only the canary devices get it;
-the command then watches their signed reports (deploy/status/{client}) and applies `CanaryRule`: a
-canary that refused the version, rolled it back, or answers with an error rate or p95 latency worse
-than its own previous version's by more than the rule's margin rolls it back for everyone (revoked:
-no device will take it again); when every canary has answered `min_requests` requests within the
-margins, the version is promoted to stable and the other devices take it. The same decisions can be
+the command then watches their signed reports (deploy/status/{client}) and applies `CanaryRule` to
+each: a canary that refused the version, rolled it back, or answers with an error rate or p95 latency
+worse than its own previous version's by more than the rule's margin is against it; one that answered
+`min_requests` requests within the margins is for it. More than half of the canaries against rolls it
+back for everyone (revoked: no device will take it again); more than half for promotes it to stable
+and the other devices take it. The same decisions can be
 taken by hand with `aggregator rollout promote|rollback`. Every change is a new signed `Rollout`
-with a higher sequence number (nefl/protocol/messages.py), kept in {checkpoint-dir}/deploy/rollout.json.
+with a higher sequence number (nefl/protocol/messages.py), kept in the federation's key directory
+(KEY_DIR/FEDERATION/rollout/rollout.json): one history, wherever the command runs.
+
+A report counts only under the key the federation's enrolment journal holds for its id (`aggregator
+enroll ID --follower --key KEY`, or a training device's pin): canaries are drawn from enrolled devices that
+reported, at random (the operator's randomness, not a function of the ids), and a majority of them
+decides, so one enrolled device that lies about its own numbers does not decide alone.
 
 `RolloutWatcher` keeps the same view (who runs which version) live for the dashboard of
 `aggregator serve --http` (/api/rollout).
@@ -18,16 +25,16 @@ with a higher sequence number (nefl/protocol/messages.py), kept in {checkpoint-d
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import queue
+import random
 import secrets
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +47,8 @@ from rich.table import Table
 
 from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
-                               manifest_digest, retired_topics, save_state)
+                               manifest_digest, migrate_state, retired_topics, save_state)
+from aggregator.enrolment import Enrolment
 from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, FederationOption, KeyDirOption, LogFormatOption,
                                       LogLevelOption, LogOptions)
 from nefl.support.option_groups import grouped, option_group
@@ -97,22 +105,40 @@ def judge_device(client: str, report: DeployReport | None, version: int, rule: C
 
 
 def judge(reports: dict[str, DeployReport], devices: list[str], version: int, rule: CanaryRule) -> Verdict:
-    """Any canary against it rolls back; all for it promotes; otherwise wait."""
+    """A majority of the canaries decides: rollback when more than half are against it, promote when more
+    than half are for it, otherwise wait. Each canary speaks only for itself, so among three or more one
+    that lies (good numbers for a bad version, or bad ones for a good version) cannot decide alone."""
     verdicts = [judge_device(d, reports.get(d), version, rule) for d in devices]
-    for decision in ("rollback", "wait"):
+    quorum = len(devices) // 2 + 1
+    for decision in ("rollback", "promote"):
         found = [v.why for v in verdicts if v.decision == decision]
-        if found:
+        if found and len(found) >= quorum:
             return Verdict(decision, "; ".join(found))  # type: ignore[arg-type]
-    return Verdict("promote", "; ".join(v.why for v in verdicts))
+    return Verdict("wait", "; ".join(f"{v.why} ({v.decision})" if v.decision != "wait" else v.why for v in verdicts))
+
+
+class EnrolledKeys:
+    """The key the federation's enrolment journal holds for an id (a device's: granted with `aggregator enroll
+    ID --key` or pinned when a join token was spent; a follower's: `aggregator enroll ID --follower --key`),
+    re-read whenever the journal changes."""
+
+    def __init__(self, keys: KeyDir) -> None:
+        self.enrolment = Enrolment(keys.federation, journal=keys.journal)
+
+    def __call__(self, client: str) -> str | None:
+        self.enrolment.reload()
+        return self.enrolment.report_key(client)
 
 
 class FleetBook:
-    """What the broker says about the fleet: the retained rollout (checked against the server key) and the
-    newest signed report of each device, whose key is pinned on its first report. Bytes from the broker
-    are hostile: anything that does not check out is counted in `rejected`, never raised."""
+    """What the broker says about the fleet: the retained rollout (checked against the server key, never
+    older than `seq_floor`, the operator state's) and the newest signed report of each device, taken only
+    under the key its enrolment holds (`enrolled`). Bytes from the broker are hostile: anything that does
+    not check out is counted in `rejected`, never raised, and never displaces the real device's report."""
 
-    def __init__(self, topics: Topics, server_key: Ed25519PublicKey, pins: dict[str, str]) -> None:
-        self.topics, self.server_key, self.pins = topics, server_key, pins
+    def __init__(self, topics: Topics, server_key: Ed25519PublicKey, enrolled: Callable[[str], str | None],
+                 seq_floor: int = 0) -> None:
+        self.topics, self.server_key, self.enrolled, self.seq_floor = topics, server_key, enrolled, seq_floor
         self.rollout: Rollout | None = None
         self.reports: dict[str, DeployReport] = {}
         self.rejected: Counter[str] = Counter()
@@ -131,12 +157,17 @@ class FleetBook:
             self.rejected[e.reason] += 1
             log.debug(f"{topic}: refused ({e})")
 
+    def online(self) -> list[str]:
+        """Devices whose last report is online and still signed by their enrolled key (not revoked since)."""
+        return sorted(c for c, r in self.reports.items() if r.state != "offline" and self.enrolled(c) == r.key)
+
     def _check_rollout(self, payload: bytes) -> Rollout:
         rollout = Rollout.from_json(verify(payload, self.server_key))
         if rollout.federation != self.topics.federation:
             raise MessageError("wrong_federation", f"a rollout of federation {rollout.federation!r}")
-        if self.rollout is not None and rollout.seq < self.rollout.seq:
-            raise MessageError("replayed", f"rollout #{rollout.seq} is older than #{self.rollout.seq}")
+        newest = max(self.seq_floor, self.rollout.seq if self.rollout is not None else 0)
+        if rollout.seq < newest:
+            raise MessageError("replayed", f"rollout #{rollout.seq} is older than #{newest}")
         return rollout
 
     def _check(self, client: str, payload: bytes) -> DeployReport:
@@ -146,13 +177,19 @@ class FleetBook:
             will = DeployReport.from_json(payload)  # only the unsigned last will is taken unsigned, and only as offline
             if will.state != "offline" or will.client != client:
                 raise
+            if self.enrolled(client) is None:
+                raise MessageError("not_enrolled", f"a last will for {client}, which is not enrolled") from None
             last = self.reports.get(client)
             return msgspec.structs.replace(last, state="offline") if last is not None else will
         report = DeployReport.from_json(body)
         if report.client != client or report.federation != self.topics.federation:
             raise MessageError("client_mismatch", f"report names {report.client}@{report.federation} on {client}'s topic")
-        if self.pins.setdefault(client, key) != key:
-            raise MessageError("key_mismatch", f"{client} signed with another key than the one pinned")
+        enrolled = self.enrolled(client)
+        if enrolled is None:
+            raise MessageError("not_enrolled", f"a report of {client}, which is not enrolled (`aggregator enroll "
+                                               f"{client} --follower --key KEY`)")
+        if enrolled != key:
+            raise MessageError("key_mismatch", f"a report of {client} signed by {key[:12]}..., not its enrolled key")
         last = self.reports.get(client)
         if last is not None and last.state != "offline" and report.time < last.time:
             raise MessageError("replayed", f"report of {client} older than the last one")
@@ -162,9 +199,10 @@ class FleetBook:
 class RolloutBroker:
     """A broker connection for the operator's commands: publishes (waited for), retained rollout and reports."""
 
-    def __init__(self, settings: BrokerSettings, topics: Topics, server_key: Ed25519PublicKey, pins: dict[str, str]) -> None:
+    def __init__(self, settings: BrokerSettings, topics: Topics, server_key: Ed25519PublicKey,
+                 enrolled: Callable[[str], str | None], seq_floor: int = 0) -> None:
         self.topics = topics
-        self.book = FleetBook(topics, server_key, pins)
+        self.book = FleetBook(topics, server_key, enrolled, seq_floor)
         self.conn = Connection(settings, f"nefl-rollout-{secrets.token_hex(4)}", None, b"", log)
         self.lock = threading.Lock()  # held while a message is taken in: a reader in another thread sees whole updates
 
@@ -197,14 +235,14 @@ class RolloutBroker:
         self.conn.stop()
 
     def online(self) -> list[str]:
-        return sorted(c for c, r in self.book.reports.items() if r.state != "offline")
+        return self.book.online()
 
 
 @dataclass
 class Operator:
     """One operator command's world: where the state and key live, the broker link, the federation."""
 
-    checkpoint_dir: Path
+    state_dir: Path
     federation: str
     signer: Signer
     state: RolloutState
@@ -220,8 +258,7 @@ class Operator:
             setattr(self.state, name, value)
         self.state.seq += 1
         self.state.reason = reason
-        self.state.device_keys = self.fleet.book.pins
-        save_state(self.checkpoint_dir, self.state)
+        save_state(self.state_dir, self.state)
         rollout = self.state.rollout(self.federation)
         self.fleet.publish(self.topics.deploy_rollout, self.signer.sign(rollout.to_json()))
         self.retire()
@@ -237,7 +274,7 @@ class Operator:
                 for topic in retired_topics(self.topics, record):
                     self.fleet.publish(topic, b"")
                 record.chunks = []  # cleared: a later rollback to it publishes the files again
-        save_state(self.checkpoint_dir, self.state)
+        save_state(self.state_dir, self.state)
 
     def publish_files(self, export_dir: Path, version: int, chunk_bytes: int, fmt: str) -> None:
         """The release's files (retained chunks) first, then the signed release: a device that sees the
@@ -252,7 +289,7 @@ class Operator:
         self.state.releases[version] = ReleaseRecord(
             version=version, manifest_sha256=manifest_digest(export_dir), export_dir=str(export_dir.resolve()),
             chunks=[len(f.chunks) for f in release.files], created=release.created)
-        save_state(self.checkpoint_dir, self.state)
+        save_state(self.state_dir, self.state)
         total = sum(f.size for f in release.files)
         log.info(f"published v{version}: {len(release.files)} files, {total} bytes in "
                  f"{sum(len(f.chunks) for f in release.files)} chunks (from {release.source_checkpoint or export_dir}, "
@@ -269,6 +306,14 @@ class Operator:
                 raise DeployError(f"v{version}'s export {export_dir} changed since it was published; publish it "
                                   "as a new version instead")
             self.publish_files(export_dir, version, chunk_bytes, fmt)
+
+    def check_current(self) -> None:
+        """Refuse to sign from a state older than what the broker holds: another state (another key or
+        state directory, a restored backup) published since, and acting here would fork the history."""
+        seen = self.fleet.book.rollout
+        if seen is not None and seen.seq > self.state.seq:
+            raise DeployError(f"the broker holds rollout #{seen.seq}, newer than #{self.state.seq} in {self.state_dir}: "
+                              "run this with the --key-dir (or --state-dir) of the operator that published it")
 
     def watch(self, version: int, rule: CanaryRule) -> Verdict:
         """Watch the canary devices' reports until the rule decides or `watch_s` passes."""
@@ -306,56 +351,73 @@ class Operator:
                           revoked=sorted({*self.state.revoked, bad}), history=[*self.state.history, target])
 
 
-def choose_canaries(online: list[str], fraction: float | None, named: list[str], version: int) -> list[str]:
-    """The named devices, or floor(fraction x online) of them but at least one (0.34 of 3 is one device),
-    picked by a hash of (version, id) so that successive versions spread over the fleet rather than always
-    landing on the same device."""
+OPERATOR_RANDOM = secrets.SystemRandom()
+
+
+def choose_canaries(online: list[str], fraction: float | None, named: list[str], enrolled: Callable[[str], str | None],
+                    rng: random.Random = OPERATOR_RANDOM) -> list[str]:
+    """The named devices (each enrolled), or floor(fraction x online) of the online ones but at least one
+    (0.34 of 3 is one device), drawn at random: nobody can pick an id that gets drawn, and successive
+    versions spread over the fleet."""
     if named:
+        unknown = sorted(d for d in set(named) if enrolled(d) is None)
+        if unknown:
+            raise DeployError(f"--canary-devices {', '.join(unknown)}: not enrolled in this federation "
+                              "(`aggregator enroll ID --follower --key KEY`)")
         return sorted(set(named))
-    if fraction is None:
+    if fraction is None or not online:
         return []
-    ranked = sorted(online, key=lambda c: hashlib.sha256(f"{version}:{c}".encode()).hexdigest())
-    return sorted(ranked[:max(1, math.floor(fraction * len(online) + 1e-9))])
+    return sorted(rng.sample(sorted(online), max(1, math.floor(fraction * len(online) + 1e-9))))
 
 
 def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
-                     create_key: bool = True, key_dir: str | None = None) -> Operator:
+                     create_key: bool = True, key_dir: str | None = None, state_dir: str | None = None) -> Operator:
     """The operator's world, or exit 2 with the fix (bad URL, key, state, broker unreachable). Only the
-    commands that sign create the server key when it is missing (as `aggregator key` does)."""
+    commands that sign create the server key when it is missing (as `aggregator key` does). The state is
+    the key directory's (or `state_dir`); one an older version left in the run directory is moved there."""
     checkpoint_dir = checkpoint_dir or f"runs/{federation}"
     try:
         topics = Topics(federation)
         settings = parse_broker(broker, *credentials)
-        signer = KeyDir(federation, key_dir).server_signer(checkpoint_dir, create=create_key)
-        state = load_state(checkpoint_dir)
-        fleet = RolloutBroker(settings, topics, parse_public_key(signer.public_text), dict(state.device_keys))
+        keys = KeyDir(federation, key_dir)
+        signer = keys.server_signer(checkpoint_dir, create=create_key)
+        where = Path(state_dir) if state_dir else keys.rollout_dir
+        migrate_state(Path(checkpoint_dir), where)
+        state = load_state(where)
+        fleet = RolloutBroker(settings, topics, parse_public_key(signer.public_text), EnrolledKeys(keys), state.seq)
         fleet.connect()
     except (ValueError, KeyFileError, OSError) as e:  # DeployError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     fleet.listen(DISCOVER_S)
-    return Operator(Path(checkpoint_dir), federation, signer, state, fleet)
+    return Operator(where, federation, signer, state, fleet)
 
 
 @option_group("Federation")
 class FederationOptions:
-    """Where an operator command finds the federation: its broker, run directory and keys."""
+    """Where an operator command finds the federation: its broker, keys and rollout state."""
 
     broker: BrokerUrlOption
     federation: FederationOption = "default"
     checkpoint_dir: Annotated[Optional[str], typer.Option(
-        help="The federation's run directory; the rollout's state is kept in its deploy/ (default: "
-             "runs/FEDERATION).")] = None
+        help="The federation's run directory: a server key or rollout state an older version kept there is moved "
+             "to the key directory (default: runs/FEDERATION).")] = None
     key_dir: KeyDirOption = None
+    state_dir: Annotated[Optional[str], typer.Option(
+        help="Where the rollout's state lives (default: KEY_DIR/FEDERATION/rollout, one history per "
+             "federation).")] = None
     mqtt: BrokerOptions = field(default_factory=BrokerOptions)
 
 
 @contextmanager
 def operating(where: FederationOptions, create_key: bool = True) -> Iterator[Operator]:
-    """One operator command: connected, a DeployError turned into its one line and exit 2, disconnected after."""
+    """One operator command: connected, a DeployError turned into its one line and exit 2, disconnected after.
+    A command that signs (`create_key`) first checks that the state is the newest the broker has seen."""
     op = connect_operator(where.checkpoint_dir, where.federation, where.broker, where.mqtt.credentials, create_key,
-                          where.key_dir)
+                          where.key_dir, where.state_dir)
     try:
+        if create_key:
+            op.check_current()
         yield op
     except DeployError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -407,7 +469,7 @@ def _publish(op: Operator, export: Path, fraction: float | None, named: list[str
     if version in op.state.revoked:
         raise DeployError(f"{export} is v{version}, which was rolled back; export a new checkpoint to publish")
     op.publish_files(export, version, chunk_bytes, fmt)
-    devices = choose_canaries(op.fleet.online(), fraction, named, version)
+    devices = choose_canaries(op.fleet.online(), fraction, named, op.fleet.book.enrolled)
     if fraction is not None and not devices:
         raise DeployError(f"no device follows federation {op.federation!r} yet (no report on "
                           f"{op.topics.deploy_statuses}): start `edge-client serve --follow`, or name --canary-devices")
@@ -519,10 +581,11 @@ def rollback_command(
 
 class RolloutWatcher:
     """The live rollout view for `aggregator serve --http` (/api/rollout): its own subscriber connection,
-    the rollout checked against the server key, device reports checked against their own keys."""
+    the rollout checked against the server key, device reports against their enrolled keys."""
 
-    def __init__(self, settings: BrokerSettings, federation: str, server_key_text: str) -> None:
-        self.fleet = RolloutBroker(settings, Topics(federation), parse_public_key(server_key_text), {})
+    def __init__(self, settings: BrokerSettings, federation: str, server_key_text: str, keys: KeyDir) -> None:
+        self.fleet = RolloutBroker(settings, Topics(federation), parse_public_key(server_key_text), EnrolledKeys(keys),
+                                   load_state(keys.rollout_dir).seq)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-watcher", daemon=True)
 

@@ -224,7 +224,7 @@ def serve_command(
              f"join token; `aggregator key` prints it); keys in {keys.path}; run incarnation {incarnation}")
     log.info("enrolment " + ("open: a device's first signed announce pins its key" if enrolment.open else
                              "closed: only devices enrolled with `aggregator enroll` take part"))
-    watcher = RolloutWatcher(settings, federation, signer.public_text).start() if listen else None
+    watcher = RolloutWatcher(settings, federation, signer.public_text, keys).start() if listen else None
     try:
         web = start_http(server.observer, *listen, dashboard.http_token, watcher.snapshot) if watcher is not None else None
     except OSError as e:

@@ -31,6 +31,7 @@ from provenance import ROOT, measured_by, provenance, write_section  # benchmark
 sys.path.insert(0, str(ROOT))
 import paho.mqtt.client as mqtt  # noqa: E402
 
+from aggregator.enrolment import Grant, append  # noqa: E402
 from aggregator.keys import KeyDir  # noqa: E402
 from nefl.protocol.manifest import read_manifest  # noqa: E402
 from nefl.protocol.signing import Signer  # noqa: E402
@@ -84,11 +85,15 @@ class Lab:
         return (self.tmp / f"{name}.log").read_text()
 
     def device(self, name: str, *extra: str) -> int:
+        """A following device, enrolled first with its device key (its reports count only under that key)."""
         port = free_port()
+        device_key = Signer.load_or_create(self.tmp, f"{name}.key")
+        append(KeyDir(FED, self.tmp / "keys").journal, Grant(client=name, role="follower", created=time.time(),
+                                                                 key=device_key.public_text))
         self.start(name, [sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--follow",
                           f"mqtt://127.0.0.1:{self.broker}", "--federation", FED, "--server-key", self.key.public_text,
-                          "--client-id", name, "--models", str(self.tmp / name), "--port", str(port), "--threads", "1",
-                          *extra])
+                          "--client-id", name, "--device-key", str(self.tmp / f"{name}.key"), "--models",
+                          str(self.tmp / name), "--port", str(port), "--threads", "1", *extra])
         return port
 
     def aggregator(self, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -220,7 +225,7 @@ def scenario(lab: Lab, v1: Path, v2: Path) -> dict:
 def refusals(lab: Lab, port: int, v1: Path, v2: Path) -> dict[str, str]:
     """Each bad input against d1 (serving v2, stable), and the line it logged; d1 must keep serving v2."""
     t, forger = Topics(FED), Signer.load_or_create(lab.tmp / "forger")
-    state = json.loads((lab.run_dir / "deploy" / "rollout.json").read_text())
+    state = json.loads((KeyDir(FED, lab.tmp / "keys").rollout_dir / "rollout.json").read_text())
     seq = state["seq"]
     release, chunks = release_messages(lab.key, v2, 7, FED)
     topic, chunk = chunks[0]

@@ -19,6 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aggregator.enrolment import Grant, append
 from aggregator.keys import KeyDir
 from nefl.protocol.messages import DeployReport, Rollout, VersionStats
 from nefl.protocol.signing import Signer
@@ -84,6 +85,8 @@ def _followed_fleet(tmp) -> list[tuple[str, bytes]]:
                                                        canary_devices=["d8"]).to_json()))]
     for name, version in (("d8", 3), ("d9", 2)):
         key = Signer.load_or_create(tmp / "devices", f"{name}.key")
+        append(KeyDir("t", tmp / "keys").journal, Grant(client=name, role="follower", created=time.time(),
+                                                        key=key.public_text))  # their reports count only once enrolled
         report = DeployReport(client=name, federation="t", key=key.public_text, state="serving", version=version,
                               target=version, health="ok", time=time.time(), fetched_bytes=1000, release_bytes=3000,
                               current=VersionStats(version=version, requests=40, errors=0, p95_ms=3.25))

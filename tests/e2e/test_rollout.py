@@ -21,7 +21,7 @@ from aggregator.cli import app
 from aggregator.keys import KeyDir
 from aggregator.rollout import connect_operator
 from nefl.protocol.manifest import read_manifest, write_manifest
-from nefl.protocol.messages import Release
+from nefl.protocol.messages import DeployReport, Release, VersionStats
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import split_chunk
@@ -50,6 +50,13 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"v1": root / "v1", "v2": root / "v2", "slow": slow_export(root / "v2", root / "slow", extra_matmuls=8)}
 
 
+@pytest.fixture(autouse=True)
+def operator_keys(procs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's commands in this process use the key directory of the test's processes: a rollout
+    history of the test's own (it lives with the federation's keys)."""
+    monkeypatch.setenv("NEFL_KEY_DIR", str(procs.tmp / "keys"))
+
+
 def aggregator(*args: str) -> Result:
     """The operator's commands in this process (a new process would spend most of its time importing torch)."""
     return CliRunner().invoke(app, list(args))
@@ -57,11 +64,16 @@ def aggregator(*args: str) -> Result:
 
 def follow(procs, name: str, broker_port: int, *extra: str, models: Path | None = None) -> int:
     """Start a following device; returns its HTTP port (call `listening` before using it)."""
+    """An `edge-client serve --follow` device, enrolled first with its device key (`aggregator enroll --follower`)."""
     port = free_port()
     key = KeyDir("t").server_signer().public_text
+    device_key = Signer.load_or_create(procs.tmp, f"{name}.key")
+    enrolled = aggregator("enroll", name, "--follower", "--key", device_key.public_text, "--federation", "t")
+    assert enrolled.exit_code == 0, enrolled.output
     procs.start(name, [sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--follow",
                        f"mqtt://127.0.0.1:{broker_port}", "--federation", "t", "--server-key", key, "--client-id", name,
-                       "--models", str(models or procs.tmp / name), "--port", str(port), "--threads", "1", *extra])
+                       "--device-key", str(procs.tmp / f"{name}.key"), "--models", str(models or procs.tmp / name),
+                       "--port", str(port), "--threads", "1", *extra])
     return port
 
 
@@ -107,19 +119,26 @@ def test_three_devices_swap_while_serving_and_a_slow_canary_is_rolled_back(procs
         wait_for(lambda: all(serving(p) == 2 for p in ports.values()), 120, "every device to swap to v2")
         wait_for(lambda: all(sum(a.version == 2 for a in loop.answers) > 40 for loop in loops.values()), 60,
                  "requests on v2")
+        # an anonymous client of the broker reports the coming version as perfect under a made-up id
+        attacker = Signer.load_or_create(procs.tmp, "attacker.key")
+        forged = attacker.sign(DeployReport(client="zz", federation="t", key=attacker.public_text, state="serving",
+                                            version=3, time=time.time() + 3600,
+                                            current=VersionStats(version=3, requests=500, errors=0, p95_ms=1.0)).to_json())
+        _publish_raw(broker, [(T.deploy_status("zz"), forged)])
         canary = aggregator("publish", "--export", str(exports["slow"]), "--canary", "0.34", "--min-requests", "20",
                             "--watch-s", "180", *broker_args(broker, procs))
     finally:
         for loop in loops.values():
             loop.stop()
     assert canary.exit_code == 1, canary.output
-    state = json.loads((procs.tmp / "run" / "deploy" / "rollout.json").read_text())
+    state = json.loads((KeyDir("t").rollout_dir / "rollout.json").read_text())
     assert state["stable"] == 2 and state["revoked"] == [3] and state["canary"] is None
     assert "rolled back on the canary" in state["reason"] and "p95" in state["reason"], state["reason"]
     status = aggregator("rollout", "status", "--json", *broker_args(broker, procs))
     assert status.exit_code == 0, status.output
     view = json.loads(status.stdout)
     devices = {d["client"]: d for d in view["devices"]}
+    assert set(devices) == {"d1", "d2", "d3"}  # the forged report counted for nothing, and was never a canary
     canaries = [n for n, d in devices.items() if "rolled back v3 -> v2" in d["event"]]
     assert len(canaries) == 1, {n: d["event"] for n, d in devices.items()}  # one of three devices was the canary
     for name, loop in loops.items():
@@ -240,3 +259,32 @@ def test_a_disk_that_fills_while_staging_leaves_the_old_version_serving(procs, e
     finally:
         procs.stop_all()
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_one_rollout_history_per_federation_and_no_replay_shown_as_current(procs, exports, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    broker = free_port()
+    procs.mosquitto(broker)
+    where = ["--broker", f"mqtt://127.0.0.1:{broker}", "--federation", "t"]
+    first = aggregator("publish", "--export", str(exports["v1"]), *where)
+    assert first.exit_code == 0, first.output
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no runs/t here: the state is the key directory's all the same
+    second = aggregator("publish", "--export", str(exports["v2"]), *where)
+    assert second.exit_code == 0, second.output
+    state = json.loads((KeyDir("t").rollout_dir / "rollout.json").read_text())
+    assert state["seq"] == 2 and state["stable"] == 2 and not (elsewhere / "runs").exists()
+
+    stale = tmp_path / "stale-state"  # a state that does not know rollout #2 (another copy, an old backup)
+    for args in (["publish", "--export", str(exports["v1"])], ["rollout", "promote"], ["rollout", "rollback"]):
+        forked = aggregator(*args, *where, "--state-dir", str(stale))
+        assert forked.exit_code == 2, forked.output
+        errors = [line for line in forked.output.splitlines() if line.startswith("error:")]  # the rest: log lines
+        assert len(errors) == 1 and "rollout #2, newer than #0" in errors[0] and str(stale) in errors[0], forked.output
+    assert not stale.exists()
+
+    _publish_raw(broker, [(T.deploy_rollout, rollout(KeyDir("t").server_signer(), 1, 1))])  # an old signed rollout
+    status = aggregator("rollout", "status", "--json", *where)
+    assert status.exit_code == 0, status.output
+    assert json.loads(status.stdout)["rollout"]["seq"] == 2 and json.loads(status.stdout)["rollout"]["stable"] == 2
