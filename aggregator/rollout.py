@@ -584,8 +584,12 @@ class RolloutWatcher:
     the rollout checked against the server key, device reports against their enrolled keys."""
 
     def __init__(self, settings: BrokerSettings, federation: str, server_key_text: str, keys: KeyDir) -> None:
-        self.fleet = RolloutBroker(settings, Topics(federation), parse_public_key(server_key_text), EnrolledKeys(keys),
-                                   load_state(keys.rollout_dir).seq)
+        try:
+            seq = load_state(keys.rollout_dir).seq
+        except DeployError as e:  # the dashboard still shows the fleet; the operator's commands say how to fix it
+            log.warning(f"{e}; the rollout view takes any signed rollout")
+            seq = 0
+        self.fleet = RolloutBroker(settings, Topics(federation), parse_public_key(server_key_text), EnrolledKeys(keys), seq)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-watcher", daemon=True)
 

@@ -553,3 +553,14 @@ def test_rollout_status_table_names_every_device_and_its_versions(capsys: pytest
     out = capsys.readouterr().out
     assert "rollout #4: stable v2, revoked [3]" in out and "last change: v3 rolled back" in out
     assert "swapped v1 -> v2" in out and "offline" in out and "v1 (2.0)" in out
+
+
+def test_the_dashboards_rollout_view_survives_an_unreadable_state(tmp_path: Path) -> None:
+    from aggregator.rollout import RolloutWatcher
+    from nefl.protocol.mqtt import parse_broker
+
+    keys = KeyDir("t", tmp_path)
+    keys.rollout_dir.mkdir(parents=True)
+    (keys.rollout_dir / "rollout.json").write_text("{not json")
+    watcher = RolloutWatcher(parse_broker("mqtt://127.0.0.1:1"), "t", SERVER.public_text, keys)
+    assert watcher.fleet.book.seq_floor == 0 and watcher.snapshot() == {"rollout": None, "devices": []}
