@@ -33,6 +33,7 @@ from nefl.support.option_groups import grouped, option_group
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import BrokerSettings, Connection, parse_broker
 from nefl.protocol.signing import status_message
+from nefl.protocol.tokens import parse_token
 from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.protocol.topics import Topics, check_name
 
@@ -150,6 +151,16 @@ def join_command(
     logs: LogOptions,
 ) -> None:
     """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
+    cid, federation = member.cid, member.federation
+    try:  # what a person typed is checked before torch, the dataset or the broker: a typo answers at once
+        check_name("client id", cid)
+        settings = parse_broker(member.broker, *member.mqtt.credentials)
+        if join_token:
+            parse_token(join_token)
+        listen = parse_listen(http) if http else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
     with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
         import torch
 
@@ -157,14 +168,10 @@ def join_command(
         from edge_client.device import DataConfig, DeviceConfig, LocalDevice
         from edge_client.metrics import instrument
         from nefl.nested.data import DatasetUnavailable, parse_partition
-    cid, federation = member.cid, member.federation
     setup_logging(logs.log_level, logs.log_format, context={"client": cid})
     stop_on_sigterm()
     try:
-        check_name("client id", cid)
-        settings = parse_broker(member.broker, *member.mqtt.credentials)
         parse_partition(data.partition)
-        listen = parse_listen(http) if http else None
         if limits.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {limits.device}: torch sees no CUDA device here (on a Jetson, install NVIDIA's torch "
                              "wheel; see docs/deploy.md)")
