@@ -3,7 +3,9 @@
 The paho network thread only enqueues messages; the main thread feeds them to the agent and ticks
 it, so all state has one owner. The shell's own job is what a person at the device needs to see:
 connection state, a clear word when no aggregator answers, and a clean exit (code 0, status
-"offline" published) on Ctrl-C or SIGTERM from a service manager. The agent and the device (torch)
+"offline" published) on Ctrl-C or SIGTERM from a service manager. Exit codes: 0 the federation ended or the
+process was stopped, 2 a configuration error (one line), 4 the server refused this device for good (revoked;
+a bad, spent or expired join token; the line before says what to do). The agent and the device (torch)
 are imported by the command, not by this module, so `join --help` answers at once.
 """
 
@@ -41,16 +43,18 @@ if TYPE_CHECKING:
     from edge_client.agent import Agent
 
 NO_SERVER_AFTER_S = 30.0
+EXIT_REFUSED = 4  # the server refused this device for good (revoked; a bad, spent or expired token): restarting won't help
 log = logging.getLogger(__name__)
 
 
 def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
-    """Feed the agent until the federation ends or the process is asked to stop; 0 either way."""
+    """Feed the agent until the federation ends or the process is asked to stop (0 either way), or until the
+    server refuses this device for good (EXIT_REFUSED)."""
     started = time.monotonic()
     warned = False
     conn.start()
     try:
-        while not agent.ended:
+        while not agent.ended and agent.refused is None:
             if conn.just_connected():
                 agent.on_connected(conn.stamp)
             try:
@@ -61,6 +65,8 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
             if not agent.server_seen and not warned and time.monotonic() - started > NO_SERVER_AFTER_S:
                 warned = True
                 log.warning(_no_server(agent, conn, settings))
+        if agent.refused is not None:
+            return EXIT_REFUSED
         log.info("federation ended")
     except (KeyboardInterrupt, Stop) as e:
         log.info(f"stopping ({stop_reason(e)}); the server will not wait for this device")
