@@ -94,8 +94,11 @@ class ControlPlane:
         for c in self.enrol.reload():
             self.fed.forget(c, "its device key was revoked or replaced")
             self._statuses.forget(c)
-            self.observer.client_gone(c, "revoked" if c in self.enrol.revoked else "key replaced")
             self._presence_changed = True
+            if self.enrol.key(c) is None:  # revoked: the device hears it now, not at its next announce
+                self.refuse(c, "revoked", self.enrol.unpinned[c])
+            else:
+                self.observer.client_gone(c, "key replaced")
         for c in self.enrol.expire(set(r.assignments) if r else set()):
             log.info(f"{c}: its first-use pin expired without it ever training", extra={"client": c})
             self.fed.forget(c, "pin expired")

@@ -226,8 +226,8 @@ def test_a_refused_announce_is_answered_signed_on_the_devices_topic_within_the_r
     join(srv, "c1", dev, proof(secret, "t", "c1", dev.public_text))
     assert srv.fed.available() == ["c1"] and not told
     append(journal, Revoke(client="c1", time=time.time()))
-    srv.control.check_enrolment()
-    assert srv.observer.snapshot().clients_online == 0
+    srv.control.check_enrolment()  # the device is told at once, not at its next announce
+    assert srv.observer.snapshot().clients_online == 0 and len(told) == 1
     for _ in range(3):  # the revoked device keeps announcing: one answer per reason and interval
         join(srv, "c1", dev, proof(secret, "t", "c1", dev.public_text))
     # an announce forged under c1's id, signed by another key: refused too, and the answer names that key
@@ -238,7 +238,7 @@ def test_a_refused_announce_is_answered_signed_on_the_devices_topic_within_the_r
     assert [(r.reason, r.key, r.client, r.run) for r in got] == [("revoked", dev.public_text, "c1", srv.link.run_id),
                                                                 ("bad_token", forger.public_text, "c1", srv.link.run_id)]
     assert "aggregator enroll c1" in got[0].hint and got[1].seq > got[0].seq
-    assert srv.control.refusals.held == 2 and srv.fed.rejected["revoked"] == 3
+    assert srv.control.refusals.held == 3 and srv.fed.rejected["revoked"] == 3
     (row,) = [d for d in srv.observer.snapshot().devices if d.id == "c1"]
     assert (row.online, row.gone) == (False, "revoked")  # the dashboard shows it revoked, not online
 
