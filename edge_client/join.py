@@ -29,7 +29,7 @@ from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_
 from nefl.support.cli_options import BrokerOptions, BrokerUrlOption, DataRootOption, LogOptions, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
-from nefl.support.listen import parse_listen
+from nefl.support.listen import check_bindable, parse_listen
 from nefl.support.logs import setup_logging
 from nefl.support.option_groups import grouped, option_group
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
@@ -164,6 +164,8 @@ def join_command(
         if join_token:
             parse_token(join_token)
         listen = parse_listen(http) if http else None
+        if listen:
+            check_bindable(*listen)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
