@@ -166,7 +166,8 @@ def join_command(
         listen = parse_listen(http) if http else None
         if listen:
             check_bindable(*listen)
-    except ValueError as e:
+        signer = device_signer(cid, device_key)  # the key directory: readable, or the key made, before the data
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
@@ -189,7 +190,6 @@ def join_command(
         local = LocalDevice(DataConfig(**asdict(data)),  # its fields are DataConfig's, by name
                             DeviceConfig(limits.max_submodel, limits.memory_budget, limits.cpu_budget, limits.calibrate_costs,
                                          seed, limits.device, limits.recalibrate, limits.cache_dir))
-        signer = device_signer(cid, device_key)
         pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
         cfg = AgentConfig(cid, federation, limits.max_submodel, fp16, member.chunk_kib * 1024, server_key, pin, signer,
                           join_token, run_file_for(pin))

@@ -33,3 +33,10 @@ def test_a_typo_is_one_line_and_exit_2_before_any_loading(args: list[str], said:
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and said in lines[0].lower(), err
     assert took < 5.0, f"took {took:.1f} s: something loaded before the check"
     assert "loading" not in err
+
+
+def test_an_unusable_device_key_is_found_before_any_loading(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    code, err, took = _join("--broker", "mqtt://127.0.0.1:1", "--data-root", "/nonexistent",
+                            "--device-key", str(tmp_path / "file" / "c1.key"))
+    assert code == 2 and err.startswith("error:") and "loading" not in err and took < 5.0, err
