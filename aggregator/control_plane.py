@@ -23,10 +23,11 @@ from aggregator.federation import Federation, Rejected
 from aggregator.intake import DeviceKeys
 from aggregator.link import Link
 from aggregator.metrics import Observer
+from aggregator.refusals import RefusalLimit
 from aggregator.resends import Resends
 from nefl.nested.profile import Profile
-from nefl.protocol.messages import (MAX_LISTED, Announce, ClientStatus, Decline, Sent, ServerStatus, StatusBook,
-                                    TrainingSettings)
+from nefl.protocol.messages import (MAX_LISTED, REFUSAL_HINTS, Announce, AnnounceRefusal, ClientStatus, Decline, Sent,
+                                    ServerStatus, StatusBook, TrainingSettings, refusal_hint)
 from nefl.protocol.signing import split_signed, verify, verify_self_signed
 from nefl.protocol.topics import Topics
 from nefl.support.fsio import atomic_write_text
@@ -52,6 +53,7 @@ class ControlPlane:
         self._presence_changed = False  # who is online or able to train changed since the last status
         self._status_at = 0.0  # monotonic time of the last published status
         self._status_every, self._status_file, self._progress = status_every, out / STATUS_FILE, progress
+        self.refusals = RefusalLimit()
         # what every status repeats: the run, its profile and its training settings
         self._fixed = dict(federation=fed.name, run=link.run_id, rounds=rounds, profile=profile.to_dict(),
                            method=fed.layout.method.name, profile_hash=fed.layout.profile.hash,
@@ -92,6 +94,11 @@ class ControlPlane:
         for c in self.enrol.reload():
             self.fed.forget(c, "its device key was revoked or replaced")
             self._statuses.forget(c)
+            self._presence_changed = True
+            if self.enrol.key(c) is None:  # revoked: the device hears it now, not at its next announce
+                self.refuse(c, "revoked", self.enrol.unpinned[c])
+            else:
+                self.observer.client_gone(c, "key replaced")
         for c in self.enrol.expire(set(r.assignments) if r else set()):
             log.info(f"{c}: its first-use pin expired without it ever training", extra={"client": c})
             self.fed.forget(c, "pin expired")
@@ -111,17 +118,37 @@ class ControlPlane:
         id (enrolment). An id that cannot be enrolled is refused before any signature is checked."""
         parts = split_signed(payload)
         msg = Announce.from_json(payload if parts is None else parts[0])
-        self.enrol.precheck(client, msg.token)
+        self._judge(client, "", lambda: self.enrol.precheck(client, msg.token))
         if parts is None:
-            self.enrol.admit(client, "", msg.token)
+            self._judge(client, "", lambda: self.enrol.admit(client, "", msg.token))
             return msg
         body, key = verify_self_signed(payload, lambda b: Announce.from_json(b).key)
         msg = Announce.from_json(body)
         new = self.enrol.key(client) is None
-        self.enrol.admit(client, key, msg.token)
+        self._judge(client, key, lambda: self.enrol.admit(client, key, msg.token))
         if new and client in self._pending and self.enrol.key(client) is not None:
             self.client_status(client, self._pending.pop(client))  # its status came before its enrolment
         return msg
+
+    def _judge(self, client: str, key: str, check: Callable[[], None]) -> None:
+        """An enrolment check; its refusal is also told to the device (`key`: the verified key of the refused
+        announce, "" before any signature was checked)."""
+        try:
+            check()
+        except Rejected as e:
+            if e.reason in REFUSAL_HINTS:
+                self.refuse(client, e.reason, key)
+            raise
+
+    def refuse(self, client: str, reason: str, key: str) -> None:
+        """A signed `AnnounceRefusal` on the device's own topic, within the rate limit (aggregator/refusals.py)."""
+        if reason == "revoked":
+            self.observer.client_gone(client, "revoked")
+        if not self.refusals.allow(client, reason):
+            return
+        msg = AnnounceRefusal(client=client, federation=self.fed.name, run=self.link.run_id, reason=reason, key=key,
+                      hint=refusal_hint(reason, client), **self.link.stamp())
+        self.link.tell(self.topics.refusal(client), self.link.signer.sign(msg.to_json()))
 
     def pinned_body(self, client: str, payload: bytes) -> bytes:
         """The body of a device's message, signed by the key pinned for its id (so nobody else can speak, or

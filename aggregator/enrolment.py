@@ -133,6 +133,7 @@ class Enrolment:
         self.tokens: dict[str, Grant] = {}  # verifier -> its grant
         self.invited: set[str] = set()  # ids a token was issued for
         self.revoked: dict[str, float] = {}  # device id -> time of its latest revocation
+        self.unpinned: dict[str, str] = {}  # the ids whose pin the last reload removed or replaced -> that key
         self.workers: dict[str, str] = {}  # worker / relay id -> its key, from the journal
         self.local_workers: dict[str, str] = {}  # started by `serve --workers` with keys of its own
         self.followers: dict[str, str] = {}  # model-rollout follower id -> its key, from the journal (never trains)
@@ -158,7 +159,9 @@ class Enrolment:
         self._seen = (st.st_size, st.st_mtime_ns)
         before = {c: p.key for c, p in self.pins.items()}
         self.apply(read_journal(self.journal))
-        return sorted(c for c, k in before.items() if c not in self.pins or self.pins[c].key != k)
+        changed = sorted(c for c, k in before.items() if c not in self.pins or self.pins[c].key != k)
+        self.unpinned = {c: before[c] for c in changed}
+        return changed
 
     def apply(self, entries: list[Entry]) -> None:
         workers: dict[str, tuple[str, float]] = {}

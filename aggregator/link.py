@@ -37,6 +37,10 @@ class Link:
         reconnect publishes again, and an empty payload that clears a retained message."""
         return self.client.publish(topic, payload, qos=QOS, retain=True)
 
+    def tell(self, topic: str, payload: bytes) -> None:
+        """Not retained and not counted as a round's traffic: a refusal to one device."""
+        self.client.publish(topic, payload, qos=QOS)
+
     def stamp(self) -> dict[str, int]:
         """The incarnation and the next sequence number, for a message this server signs."""
         self._seq += 1

@@ -43,6 +43,7 @@ class DeviceRow(msgspec.Struct, kw_only=True):
 
     id: str
     online: bool
+    gone: str = ""  # why the server no longer takes this device ("revoked", "key replaced"); "" while it does
     last_seen: float  # unix time of its last announce, status change or accepted update
     device: DeviceSummary
     max_submodel: int
@@ -188,6 +189,17 @@ class Observer:
                 self._devices.popitem(last=False)
             (self._online.add if info.online else self._online.discard)(cid)
             (self._ready.add if info.online and info.max_submodel >= 0 else self._ready.discard)(cid)
+            self.metrics.online.set(len(self._online))
+            self.metrics.ready.set(len(self._ready))
+
+    def client_gone(self, cid: str, why: str) -> None:
+        """The server no longer takes this device (its enrolment was revoked or replaced): shown as such, never online."""
+        with self._lock:
+            row = self._devices.get(cid)
+            if row is not None:
+                row.online, row.gone = False, why
+            self._online.discard(cid)
+            self._ready.discard(cid)
             self.metrics.online.set(len(self._online))
             self.metrics.ready.set(len(self._ready))
 

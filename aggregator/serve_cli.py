@@ -29,7 +29,7 @@ from nefl.support.cli_options import (BrokerOptions, DataRootOption, FederationO
                                       LogOptions)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
-from nefl.support.listen import is_loopback, parse_listen
+from nefl.support.listen import check_bindable, is_loopback, parse_listen
 from nefl.support.logs import setup_logging
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import parse_broker
@@ -188,6 +188,8 @@ def serve_command(
         if listen and not is_loopback(listen[0]) and not dashboard.http_token:
             raise TokenRequired(f"--http {http} would show the fleet to anyone who can reach it: give --http-token "
                                 "(or $NEFL_HTTP_TOKEN), or bind 127.0.0.1")
+        if listen:
+            check_bindable(*listen)  # a taken port is found now, before the key directory, the checkpoint or the data
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

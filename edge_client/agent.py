@@ -32,8 +32,8 @@ import torch
 from edge_client.device import Device
 from edge_client.select import Selection
 from nefl.support.fsio import atomic_write_text
-from nefl.protocol.messages import (MAX_STATUS_BYTES, Announce, Control, Decline, MessageError, Sent, ServerStatus,
-                           Stamped, Task, TrainingSettings)
+from nefl.protocol.messages import (FINAL_REFUSALS, MAX_STATUS_BYTES, Announce, AnnounceRefusal, Control, Decline,
+                                   MessageError, Sent, ServerStatus, Stamped, Task, TrainingSettings, refusal_hint)
 from nefl.protocol.mqtt import Transport
 from nefl.nested.profile import ProfileError, parse_profile
 from nefl.protocol.signing import (KeyPin, Signer, parse_public_key, public_key_arg, split_signed, status_message, verify,
@@ -106,6 +106,8 @@ class Agent:
         self.weights: dict[str, torch.Tensor] | None = None  # the current task's verified weights
         self.ended = False
         self.said_not_joined = ""  # the run whose end was logged as not ours
+        self.refused: str | None = None  # why the server refused this device for good (join then exits)
+        self.said_refused = ""  # the reason of the last refusal logged (a retry under it is not logged again)
         self.dropped: Counter[str] = Counter()
         self.session = secrets.token_hex(4)  # announces are numbered within it (Announce.seq)
         self.seq = 0
@@ -114,7 +116,7 @@ class Agent:
     # -- connection ---------------------------------------------------------------------------------
     def subscriptions(self) -> list[str]:
         me = self.cfg.client_id
-        subs = [self.topics.task(me), self.topics.control, self.topics.server_status]
+        subs = [self.topics.task(me), self.topics.refusal(me), self.topics.control, self.topics.server_status]
         return subs + ([self.topics.model_all(self.model_sub)] if self.model_sub is not None else [])
 
     def on_connected(self, seq: int = 0) -> None:
@@ -146,6 +148,8 @@ class Agent:
             self._on_signed(topic, payload, Control, self._on_control)
         elif topic == self.topics.task(self.cfg.client_id):
             self._on_signed(topic, payload, Task, self._take_task)
+        elif topic == self.topics.refusal(self.cfg.client_id):
+            self._on_signed(topic, payload, AnnounceRefusal, self._on_refusal)
         elif self.model_sub is not None and topic.startswith(self.topics.model_all(self.model_sub)[:-1]):
             self._on_model_chunk(payload)
 
@@ -334,8 +338,32 @@ class Agent:
             self.ended = True
         elif self.said_not_joined != msg.run:
             self.said_not_joined = msg.run
-            log.info(f"run {msg.run} of federation {msg.federation} ended; this device took no task in it, so it "
-                     "stays for the next run")
+            if self.said_refused:
+                log.info(f"run {msg.run} of federation {msg.federation} ended; the server refused this device "
+                         f"({self.said_refused}) and took nothing from it")
+            else:
+                log.info(f"run {msg.run} of federation {msg.federation} ended; this device took no task in it, so it "
+                         "stays for the next run")
+
+    def _on_refusal(self, msg: AnnounceRefusal) -> None:
+        """The server refused our announce: say what to do, once per reason. A final reason (revoked, a bad,
+        spent or expired token) ends the device, but only when the refused announce was signed by this device's
+        key: an announce forged under our id is refused too, and must not stop us."""
+        me, key = self.cfg.client_id, self.cfg.device_key
+        if msg.client != me:
+            raise MessageError("client_mismatch", f"refusal of {msg.client!r} on {me!r}'s topic")
+        final = msg.reason in FINAL_REFUSALS
+        if final and (key is None or msg.key != key.public_text):
+            raise MessageError("not_our_announce", f"refusal ({msg.reason}) of an announce signed by "
+                                                   f"{msg.key[:12] or 'no key'}..., not by this device's key")
+        said = refusal_hint(msg.reason, me) or "".join(c if c.isprintable() else "?" for c in msg.hint)
+        if final:
+            self.refused = msg.reason
+            log.error(f"the server refused this device ({msg.reason}): {said}", extra={"reason": msg.reason})
+        elif self.said_refused != msg.reason:
+            self.said_refused = msg.reason
+            log.warning(f"the server refused this device's announce ({msg.reason}): {said}; still trying",
+                        extra={"reason": msg.reason})
 
     def _take_task(self, task: Task) -> None:
         """Remember a new task and subscribe to its submodel's (retained) weights, or decline it."""

@@ -3,7 +3,9 @@
 The paho network thread only enqueues messages; the main thread feeds them to the agent and ticks
 it, so all state has one owner. The shell's own job is what a person at the device needs to see:
 connection state, a clear word when no aggregator answers, and a clean exit (code 0, status
-"offline" published) on Ctrl-C or SIGTERM from a service manager. The agent and the device (torch)
+"offline" published) on Ctrl-C or SIGTERM from a service manager. Exit codes: 0 the federation ended or the
+process was stopped, 2 a configuration error (one line), 4 the server refused this device for good (revoked;
+a bad, spent or expired join token; the line before says what to do). The agent and the device (torch)
 are imported by the command, not by this module, so `join --help` answers at once.
 """
 
@@ -27,12 +29,13 @@ from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_
 from nefl.support.cli_options import BrokerOptions, BrokerUrlOption, DataRootOption, LogOptions, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
-from nefl.support.listen import parse_listen
+from nefl.support.listen import check_bindable, parse_listen
 from nefl.support.logs import setup_logging
 from nefl.support.option_groups import grouped, option_group
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import BrokerSettings, Connection, parse_broker
 from nefl.protocol.signing import status_message
+from nefl.protocol.tokens import parse_token
 from nefl.support.signals import Stop, stop_on_sigterm, stop_reason
 from nefl.protocol.topics import Topics, check_name
 
@@ -40,16 +43,18 @@ if TYPE_CHECKING:
     from edge_client.agent import Agent
 
 NO_SERVER_AFTER_S = 30.0
+EXIT_REFUSED = 4  # the server refused this device for good (revoked; a bad, spent or expired token): restarting won't help
 log = logging.getLogger(__name__)
 
 
 def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
-    """Feed the agent until the federation ends or the process is asked to stop; 0 either way."""
+    """Feed the agent until the federation ends or the process is asked to stop (0 either way), or until the
+    server refuses this device for good (EXIT_REFUSED)."""
     started = time.monotonic()
     warned = False
     conn.start()
     try:
-        while not agent.ended:
+        while not agent.ended and agent.refused is None:
             if conn.just_connected():
                 agent.on_connected(conn.stamp)
             try:
@@ -60,6 +65,8 @@ def run(agent: Agent, conn: Connection, settings: BrokerSettings) -> int:
             if not agent.server_seen and not warned and time.monotonic() - started > NO_SERVER_AFTER_S:
                 warned = True
                 log.warning(_no_server(agent, conn, settings))
+        if agent.refused is not None:
+            return EXIT_REFUSED
         log.info("federation ended")
     except (KeyboardInterrupt, Stop) as e:
         log.info(f"stopping ({stop_reason(e)}); the server will not wait for this device")
@@ -150,6 +157,19 @@ def join_command(
     logs: LogOptions,
 ) -> None:
     """Join a federation: announce, train assigned submodels, upload deltas until the federation ends."""
+    cid, federation = member.cid, member.federation
+    try:  # what a person typed is checked before torch, the dataset or the broker: a typo answers at once
+        check_name("client id", cid)
+        settings = parse_broker(member.broker, *member.mqtt.credentials)
+        if join_token:
+            parse_token(join_token)
+        listen = parse_listen(http) if http else None
+        if listen:
+            check_bindable(*listen)
+        signer = device_signer(cid, device_key)  # the key directory: readable, or the key made, before the data
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
     with full_install_required("edge-client join"):  # here, not at the top: `join --help` needs no torch
         import torch
 
@@ -157,14 +177,10 @@ def join_command(
         from edge_client.device import DataConfig, DeviceConfig, LocalDevice
         from edge_client.metrics import instrument
         from nefl.nested.data import DatasetUnavailable, parse_partition
-    cid, federation = member.cid, member.federation
     setup_logging(logs.log_level, logs.log_format, context={"client": cid})
     stop_on_sigterm()
     try:
-        check_name("client id", cid)
-        settings = parse_broker(member.broker, *member.mqtt.credentials)
         parse_partition(data.partition)
-        listen = parse_listen(http) if http else None
         if limits.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {limits.device}: torch sees no CUDA device here (on a Jetson, install NVIDIA's torch "
                              "wheel; see docs/deploy.md)")
@@ -174,7 +190,6 @@ def join_command(
         local = LocalDevice(DataConfig(**asdict(data)),  # its fields are DataConfig's, by name
                             DeviceConfig(limits.max_submodel, limits.memory_budget, limits.cpu_budget, limits.calibrate_costs,
                                          seed, limits.device, limits.recalibrate, limits.cache_dir))
-        signer = device_signer(cid, device_key)
         pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
         cfg = AgentConfig(cid, federation, limits.max_submodel, fp16, member.chunk_kib * 1024, server_key, pin, signer,
                           join_token, run_file_for(pin))

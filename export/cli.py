@@ -61,7 +61,7 @@ def onnx_command(
         log.error(f"parity failed: {e}")
         raise typer.Exit(1) from None
     except (CheckpointError, ValueError) as e:
-        log.error(str(e))
+        log.error(str(e).replace("--checkpoint-dir", "--checkpoint"))  # the library names serve's option, not this one's
         raise typer.Exit(2) from None
     for entry in manifest["submodels"]:
         line = (f"submodel {entry['index'] + 1}: {entry['file']}  gamma {entry['gamma']:g}  params {entry['params']:,}  "

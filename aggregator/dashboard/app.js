@@ -37,7 +37,7 @@ function device(d) {
 function drawDevices(state) {
   const rows = state.devices.map((d) => el("tr", { "data-client": d.id },
     el("td", {}, d.id),
-    el("td", { class: d.online ? "online" : "offline" }, d.online ? "online" : "offline"),
+    el("td", { class: d.gone ? "gone" : d.online ? "online" : "offline" }, d.gone || (d.online ? "online" : "offline")),
     el("td", {}, ago(d.last_seen, state.time)),
     el("td", {}, device(d)),
     el("td", {}, d.max_submodel ? `≤ ${d.max_submodel}` : "nothing"),

@@ -198,6 +198,41 @@ class Control(Stamped, frozen=True, tag="control", tag_field="type"):
     event: Literal["end"]
 
 
+class AnnounceRefusal(Stamped, frozen=True, tag="announce_refusal", tag_field="type"):
+    """Server -> one client, signed: its announce was refused for `reason` (an enrolment reason code of
+    docs/security.md), with a one-line `hint` for its operator. `key` is the device key that signed the
+    refused announce ("" when the refusal came before any signature was checked): a device stops only on a
+    refusal of its own key, so an announce forged under its id cannot stop it."""
+
+    client: Name
+    federation: Name
+    run: Name
+    reason: Name
+    key: KeyText = ""
+    hint: Reason = ""
+
+
+# what the device's operator should do about each refused announce, by reason ({client}: the device's id)
+REFUSAL_HINTS = {
+    "revoked": "this device was revoked by the operator: ask for a new token (aggregator enroll {client}) and join "
+               "with --join-token",
+    "bad_token": "the join token is not one issued for this id: ask the operator to issue a new token "
+                 "(aggregator enroll {client})",
+    "token_used": "the join token was spent already: ask the operator to issue a new token (aggregator enroll {client})",
+    "token_expired": "the join token expired: ask the operator to issue a new token (aggregator enroll {client})",
+    "not_enrolled": "this id is not enrolled: enrol with a join token (aggregator enroll {client}, then "
+                    "edge-client join --join-token)",
+    "key_mismatch": "this id is pinned to another device key: use that device's key, or ask the operator to revoke "
+                    "and re-enrol the id",
+    "unsigned": "this server needs signed announces: join with a join token (aggregator enroll {client})",
+}
+FINAL_REFUSALS = frozenset({"revoked", "bad_token", "token_used", "token_expired"})  # retrying never helps
+
+
+def refusal_hint(reason: str, client: str) -> str:
+    return REFUSAL_HINTS[reason].format(client=client) if reason in REFUSAL_HINTS else ""
+
+
 class TrainingSettings(msgspec.Struct, kw_only=True, frozen=True):
     batch_size: BatchSize = 32
     local_epochs: Epochs = 1

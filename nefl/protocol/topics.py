@@ -7,6 +7,7 @@ ACL can confine a client to `.../{client}` leaves (docs/security.md). MQTT 3.1.1
     decline/{client}      client -> server            "I will not train task (run, round, submodel)"
     status/{client}       client -> server  retained  "online"; last will "offline"
     task/{client}         server -> client  retained  round, submodel, lr, epochs
+    refusal/{client}      server -> client            signed: its announce was refused, why, what to do
     model/{sub}/{chunk}   server -> all     retained  submodel weights, once per round (broker fans out)
     update/{client}       client -> server            chunked delta of the assigned submodel
     sent/{client}         client -> server            signed notice: "my update for (run, round) is out"
@@ -86,6 +87,9 @@ class Topics:
 
     def task(self, client: str) -> str:
         return f"{self.root}/task/{client}"
+
+    def refusal(self, client: str) -> str:
+        return f"{self.root}/refusal/{client}"
 
     def update(self, client: str) -> str:
         return f"{self.root}/update/{client}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 _LISTEN = re.compile(r"(?:(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):)?([0-9]{1,5})")
 
@@ -29,3 +30,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_bindable(host: str, port: int, option: str = "--http") -> None:
+    """Bind HOST:PORT and let go at once, so a taken port is found before a command does its slow work; raises
+    ValueError naming the option."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise ValueError(f"{option} {host}:{port}: {e.strerror or e} (is another process on that port? pick another)") from None

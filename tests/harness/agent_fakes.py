@@ -13,7 +13,8 @@ from edge_client.select import Selection
 from nefl.nested.profile import load_profile
 from nefl.nested.state import Layout
 from nefl.nested.train import OutOfTime, TrainResult
-from nefl.protocol.messages import Control, DeviceSummary, ServerStatus, Task, TrainingSettings
+from nefl.protocol.messages import (AnnounceRefusal, Control, DeviceSummary, ServerStatus, Task, TrainingSettings,
+                                   refusal_hint)
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import Encoded, encode
@@ -89,6 +90,11 @@ class FakeServer:
 
     def end(self, **kw) -> bytes:
         return self.signer.sign(Control(**{**dict(federation="t", run=self.run, event="end", **self.stamp()), **kw}).to_json())
+
+    def refusal(self, reason: str, key: str = "", **kw) -> bytes:
+        args = dict(client="c1", federation="t", run=self.run, reason=reason, key=key, hint=refusal_hint(reason, "c1"),
+                    **self.stamp())
+        return self.signer.sign(AnnounceRefusal(**{**args, **kw}).to_json())
 
     def weights(self, k: int = 0, round: int = 1, scale: float = 0.0) -> list[bytes]:
         return self.model(k, round, scale).messages

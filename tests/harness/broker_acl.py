@@ -11,6 +11,7 @@ pattern write nefl/t/update/%u
 pattern write nefl/t/sent/%u
 pattern write nefl/t/resend/%u
 pattern read  nefl/t/task/%u
+pattern read  nefl/t/refusal/%u
 pattern read  nefl/t/model/#
 pattern read  nefl/t/control
 pattern read  nefl/t/server/status

@@ -410,3 +410,21 @@ def test_docs_and_grafana_name_only_real_metrics():
     families = {family.name for reg in (obs.metrics.registry, device.registry, inference.registry) for family in reg.collect()}
     undocumented = {f for f in families if f not in documented and f + "_total" not in documented}
     assert not undocumented, f"exported but not in docs/operations.md: {sorted(undocumented)}"
+
+
+def test_a_taken_http_port_is_found_before_any_slow_work(tmp_path):
+    import socket
+    import time
+
+    from aggregator.cli import app
+    from edge_client.cli import app as edge_app
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = CliRunner().invoke(app, ["serve", "--http", f"127.0.0.1:{port}", "--checkpoint-dir", str(tmp_path / "run"),
+                                          "--key-dir", str(tmp_path / "keys")])
+        assert result.exit_code == 2 and f"--http 127.0.0.1:{port}" in result.output and "pick another" in result.output
+        assert time.monotonic() - started < 5 and not (tmp_path / "keys").exists() and not (tmp_path / "run").exists()
+        result = CliRunner().invoke(edge_app, ["join", "--broker", "mqtt://127.0.0.1:1", "--http", str(port),
+                                               "--data-root", str(tmp_path / "nodata")])
+        assert result.exit_code == 2 and "pick another" in result.output and "loading" not in result.output

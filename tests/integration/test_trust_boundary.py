@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from aggregator.server import ServeConfig, Server, Start
 from edge_client.agent import Agent
 from aggregator.enrolment import Enrolment
-from nefl.protocol.messages import VERSION, Announce, ClientStatus, Control, Decline, Receipt, ReceiptBatch
+from nefl.protocol.messages import FINAL_REFUSALS, VERSION, Announce, ClientStatus, Control, Decline, Receipt, ReceiptBatch
 from nefl.protocol.mqtt import parse_broker
 from nefl.nested.profile import load_profile
 from nefl.protocol.signing import Signer, split_signed
@@ -338,3 +338,28 @@ def test_agent_dispatch_never_raises(agent, server_side, data):
     agent.tick()
     assert "internal_error" not in agent.dropped
     assert not agent.ended
+
+
+@fuzz
+@given(data=st.data())
+def test_the_refusal_handler_never_raises_and_stops_only_on_a_final_refusal_of_our_key(agent, server_side, data):
+    mine = agent.cfg.device_key.public_text
+    agent.refused = None  # the agent lives across examples
+    kind = data.draw(st.sampled_from(["bytes", "json", "signed-json", "mutated", "signed-refusal"]))
+    if kind == "bytes":
+        payload = data.draw(st.binary(max_size=3000))
+    elif kind == "json":
+        payload = json.dumps(data.draw(json_values)).encode()
+    elif kind == "signed-json":  # validly signed by the pinned key, hostile body
+        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
+        payload = server_side.signer.sign(json.dumps({"v": VERSION, "type": "announce_refusal", **value}).encode())
+    elif kind == "mutated":
+        payload = mutate(data, server_side.refusal("revoked", key=mine, seq=50))
+    else:  # validly signed, any reason, key and hint
+        reason = data.draw(st.sampled_from(sorted(FINAL_REFUSALS) + ["not_enrolled", "new_reason"]) | st.text(max_size=64))
+        payload = server_side.refusal(reason, key=data.draw(st.sampled_from([mine, "", "x" * 64])),
+                                      hint=data.draw(st.text(max_size=300)), seq=50)
+    agent.dispatch(T.refusal("c1"), payload)
+    assert "internal_error" not in agent.dropped
+    if agent.refused is not None:
+        assert kind in ("mutated", "signed-refusal") and agent.refused in FINAL_REFUSALS

@@ -11,13 +11,14 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from aggregator.enrolment import Enrolment, EnrolmentPolicy, Grant, append
+from aggregator.enrolment import Enrolment, EnrolmentPolicy, Grant, Revoke, append
+from aggregator.refusals import RefusalLimit
 from aggregator.server import ServeConfig, Server, Start
 from nefl.nested.profile import load_profile
 from nefl.nested.state import GlobalState, Layout
-from nefl.protocol.messages import Announce, ClientStatus, Receipt, ReceiptBatch, Sent, Task, WorkerStatus
+from nefl.protocol.messages import Announce, AnnounceRefusal, ClientStatus, Receipt, ReceiptBatch, Sent, Task, WorkerStatus
 from nefl.protocol.mqtt import parse_broker
-from nefl.protocol.signing import Signer, split_signed
+from nefl.protocol.signing import Signer, parse_public_key, split_signed, verify
 from nefl.protocol.tokens import new_token, parse_token, proof
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import Encoded, encode
@@ -211,3 +212,45 @@ def test_the_round_plan_waits_for_an_authorised_worker(tmp_path, layout):
     srv._housekeeping()
     assert srv.rounds.listening_to_workers and plans == [T.workers_round]
     assert srv.rounds.pool._plan.round == 1 and srv.rounds.pool._plan.assignments == srv.fed.round.assignments
+
+
+def test_a_refused_announce_is_answered_signed_on_the_devices_topic_within_the_rate_limit(tmp_path, layout):
+    journal = tmp_path / "enrolment.jsonl"
+    token, verifier = new_token(key().public_text)
+    append(journal, Grant(client="c1", created=time.time() - 10, verifier=verifier, expires=time.time() + 60))
+    srv, _ = server(tmp_path, layout, Enrolment("t", EnrolmentPolicy(), journal))
+    told: list[tuple[str, bytes]] = []
+    srv.link.tell = lambda topic, payload: told.append((topic, payload))
+    dev, forger = key(), key()
+    secret = parse_token(token)[1]
+    join(srv, "c1", dev, proof(secret, "t", "c1", dev.public_text))
+    assert srv.fed.available() == ["c1"] and not told
+    append(journal, Revoke(client="c1", time=time.time()))
+    srv.control.check_enrolment()  # the device is told at once, not at its next announce
+    assert srv.observer.snapshot().clients_online == 0 and len(told) == 1
+    for _ in range(3):  # the revoked device keeps announcing: one answer per reason and interval
+        join(srv, "c1", dev, proof(secret, "t", "c1", dev.public_text))
+    # an announce forged under c1's id, signed by another key: refused too, and the answer names that key
+    guess = parse_token(new_token(key().public_text)[0])[1]  # the forger does not have c1's token
+    join(srv, "c1", forger, proof(guess, "t", "c1", forger.public_text))
+    assert [t for t, _ in told] == [T.refusal("c1")] * 2
+    got = [AnnounceRefusal.from_json(verify(p, parse_public_key(srv.link.signer.public_text))) for _, p in told]
+    assert [(r.reason, r.key, r.client, r.run) for r in got] == [("revoked", dev.public_text, "c1", srv.link.run_id),
+                                                                ("bad_token", forger.public_text, "c1", srv.link.run_id)]
+    assert "aggregator enroll c1" in got[0].hint and got[1].seq > got[0].seq
+    assert srv.control.refusals.held == 3 and srv.fed.rejected["revoked"] == 3
+    (row,) = [d for d in srv.observer.snapshot().devices if d.id == "c1"]
+    assert (row.online, row.gone) == (False, "revoked")  # the dashboard shows it revoked, not online
+
+
+def test_refusals_are_limited_per_client_and_reason_and_overall() -> None:
+    now = [0.0]
+    limit = RefusalLimit(every=10.0, cap=3, clock=lambda: now[0])
+    assert limit.allow("a", "revoked") and not limit.allow("a", "revoked")
+    assert limit.allow("a", "not_enrolled")  # another reason is another answer
+    assert limit.allow("b", "revoked") and not limit.allow("c", "revoked")  # the global cap
+    now[0] = 10.0
+    assert limit.allow("a", "revoked") and limit.allow("c", "revoked")
+    assert limit.held == 2
+    many = RefusalLimit(every=10.0, cap=10**6, remembered=5, clock=lambda: now[0])
+    assert all(many.allow(f"x{i}", "not_enrolled") for i in range(20)) and len(many._last) == 5  # bounded memory

@@ -43,7 +43,7 @@ def declines(transport) -> list[Decline]:
 def test_connect_subscribes_and_says_online(tmp_path):
     agent, transport, _ = make_agent(tmp_path)
     agent.on_connected()
-    assert set(transport.subscribed) == {T.task("c1"), T.control, T.server_status}
+    assert set(transport.subscribed) == {T.task("c1"), T.refusal("c1"), T.control, T.server_status}
     assert ClientStatus.from_json(split_signed(transport.on(T.status("c1"))[-1])[0]).state == "online"
     assert not announces(transport)  # nothing to say before the profile is known
 

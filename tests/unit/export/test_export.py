@@ -127,7 +127,9 @@ def test_parity_failure_writes_no_manifest_and_exits_1(tmp_path: Path, monkeypat
 
 def test_cli_rejects_a_missing_checkpoint(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["onnx", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "no checkpoint here" in " ".join(result.output.split())
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "no checkpoint here" in said
+    assert "check --checkpoint" in said and "--checkpoint-dir" not in said  # this command's own option
 
 
 def _fashion_mnist_available() -> bool:

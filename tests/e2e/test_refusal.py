@@ -1,0 +1,52 @@
+"""A refusal reaches the device, with real processes: mosquitto, `aggregator serve` under enrolment, a device
+that joined with its token, then `aggregator revoke`: `edge-client join` exits with EXIT_REFUSED and one line
+naming the cause and the fix, within a round."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edge_client.join import EXIT_REFUSED
+from tests.harness.procs import Procs, free_port, needs_mosquitto, wait_for
+
+pytestmark = pytest.mark.slow
+PROFILE = "resnet8-fmnist-w"
+ROUND_S = 30
+CLI = [sys.executable, "-c", "from aggregator.cli import app; app()"]
+
+
+def aggregator(procs: Procs, *args: str) -> str:
+    done = subprocess.run([*CLI, *args, "--federation", "t"], env=procs.env, capture_output=True, text=True, timeout=60,
+                          check=True)
+    return done.stdout.strip()
+
+
+@needs_mosquitto
+@pytest.mark.timeout(240)
+def test_a_revoked_device_is_told_and_join_exits_with_the_reason(procs):
+    port = free_port()
+    procs.mosquitto(port)
+    url = f"mqtt://127.0.0.1:{port}"
+    token = aggregator(procs, "enroll", "c1")
+    procs.start("agg", [*CLI, "serve", "--profile", PROFILE, "--checkpoint-dir", str(procs.tmp / "run"), "--broker", url,
+                        "--federation", "t", "--rounds", "50", "--min-clients", "2", "--round-timeout", str(ROUND_S),
+                        "--join-wait", "600", "--batch-size", "16"])
+    dev = procs.start("c1", [sys.executable, "-c", "from edge_client.cli import app; app()", "join", "--broker", url,
+                             "--client-id", "c1", "--federation", "t", "--threads", "1", "--max-samples", "64",
+                             "--no-calibrate", "--join-token", token])
+    wait_for(lambda: "client c1 announced" in procs.log("agg"), 120, "c1 to enrol")
+    aggregator(procs, "revoke", "c1")
+    revoked = time.monotonic()
+    try:
+        rc = dev.wait(ROUND_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"join still running a round after the revocation:\n{procs.log('c1')[-3000:]}") from None
+    took = time.monotonic() - revoked
+    lines = [line for line in procs.log("c1").splitlines() if "refused this device" in line]
+    assert rc == EXIT_REFUSED and took < ROUND_S, (rc, took)
+    assert len(lines) == 1 and "revoked by the operator" in lines[0] and "aggregator enroll c1" in lines[0], lines
+    assert "stays for the next run" not in procs.log("c1")
