@@ -335,8 +335,8 @@ class Server:
         plan = RunPlan(cfg.rounds, eval_samples=cfg.eval_samples,
                        final_eval_samples=cfg.final_eval_samples or (len(evaluator.test) if evaluator else None),
                        dp_delta=cfg.dp_delta, background_eval=True)
-        self.driver = RoundDriver(self.fed, self.rounds, plan, evaluator, out, meta=lambda: {"enrolment": enrol.state_dict(), "incarnation": incarnation},
-                                  checkpointed=next_round - 1)
+        self.driver = RoundDriver(self.fed, self.rounds, plan, evaluator, out, checkpointed=next_round - 1,
+                                  meta=lambda: {"enrolment": enrol.state_dict(), "incarnation": incarnation})
 
     # -- inbound (main thread) ------------------------------------------------------------------
     def pump(self, until: float) -> None:
@@ -448,6 +448,8 @@ class Server:
         for index in range(self.rounds.next_round, self.cfg.rounds + 1):
             self.wait_for_clients()
             self.driver.run_round(index)
+        if self.driver.evaluating():
+            self.control.publish_status("evaluating")
         while self.driver.evaluating():  # the last round's scores, with the inbox still served
             self.pump(time.monotonic() + 0.5)
             self.driver.poll()

@@ -133,7 +133,8 @@ def step_seconds_now(profile: str = PROFILE, batch: int = 32, steps: int = 3) ->
 def serve_args(broker: list[str], rounds: int, timeout: float, per_round: int = 3, evaluate: bool = False) -> list[str]:
     args = [*broker, "--federation", "t", "--rounds", str(rounds), "--clients-per-round", str(per_round),
             "--min-clients", "1", "--round-timeout", str(timeout), "--join-wait", "10", "--batch-size", "16"]
-    return args + (["--eval-dataset", "fashion-mnist", "--eval-samples", "300", "--final-eval-samples", "300"] if evaluate else [])
+    evaluation = ["--eval-dataset", "fashion-mnist", "--eval-samples", "300", "--final-eval-samples", "300"]
+    return args + (evaluation if evaluate else [])
 
 
 def client_args(i: int, samples: int, max_submodel: int, *extra: str) -> list[str]:
