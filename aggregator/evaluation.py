@@ -9,12 +9,17 @@ statistics of the initial weights.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nefl.nested.data import ArrayDataset, BatchLoader, load_dataset
 from nefl.nested.state import GlobalState, Layout, load_module_state, module_state
 from nefl.nested.train import evaluate, recompute_bn_stats
 from nefl.support.threads import all_cores
+
+CHUNK = 500  # images scored between progress calls (one batch): a stop waits for one batch at most
+Progress = Callable[[int, int, int], None]  # (submodel index, images scored, images in all)
 
 
 class Evaluator:
@@ -42,21 +47,36 @@ class Evaluator:
         test = test if test is not None else load_dataset(dataset, data_root, train=False)
         return cls(layout, test, train, max_samples, calibration_samples, seed)
 
-    def accuracy(self, state: GlobalState, max_samples: int | None = None) -> list[float]:
-        """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);
-        static-BN statistics are recalibrated into `state` first."""
-        with all_cores():  # a served federation's ingest runs on one thread (nefl/support/threads.py); this is one large job
-            return self._accuracy(state, min(self.n if max_samples is None else max_samples, len(self.test)))
+    def samples(self, max_samples: int | None = None) -> int:
+        """How many test images `accuracy(state, max_samples)` scores."""
+        return min(self.n if max_samples is None else max_samples, len(self.test))
 
-    def _accuracy(self, state: GlobalState, n: int) -> list[float]:
+    def accuracy(self, state: GlobalState, max_samples: int | None = None, threads: int | None = None,
+                 progress: Progress | None = None) -> list[float]:
+        """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);
+        static-BN statistics are recalibrated into `state` first. `threads`: torch's threads for the calling
+        thread (default: every core, for an evaluation on the thread that runs the rounds)."""
+        if threads is not None:  # an evaluation beside the rounds: a budget of its own (OpenMP's count is per thread)
+            torch.set_num_threads(threads)
+            return self._accuracy(state, self.samples(max_samples), progress)
+        with all_cores():  # a served federation's ingest runs on one thread (nefl/support/threads.py); this is one large job
+            return self._accuracy(state, self.samples(max_samples), progress)
+
+    def _accuracy(self, state: GlobalState, n: int, progress: Progress | None) -> list[float]:
         out = []
         for k, model in enumerate(self.modules):
             load_module_state(model, state.extract(self.layout, k))
             if self.calib is not None:
                 recompute_bn_stats(model, self.calib, self.device)
                 self._record_stats(model, state, k)
-            acc, _ = evaluate(model, BatchLoader(self.test, torch.arange(n), 500, False, False, 0), self.device)
-            out.append(round(acc, 4))
+            correct = 0
+            for start in range(0, n, CHUNK):
+                if progress is not None:
+                    progress(k, start, n)
+                idx = torch.arange(start, min(n, start + CHUNK))
+                acc, _ = evaluate(model, BatchLoader(self.test, idx, 500, False, False, 0), self.device)
+                correct += round(acc * len(idx))
+            out.append(round(correct / n, 4))
         return out
 
     def _record_stats(self, model: torch.nn.Module, state: GlobalState, k: int) -> None:

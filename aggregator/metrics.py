@@ -237,11 +237,19 @@ class Observer:
         self.metrics.checkpoint_seconds.observe(seconds)
 
     def metrics_line(self, line: Mapping[str, Any]) -> None:
-        """A line just appended to metrics.jsonl: round 0 (the initial accuracy) or a closed round."""
+        """A line just appended to metrics.jsonl: round 0 (the initial accuracy), a closed round, or a closed
+        round's scores that came later (`"evaluated": true`: they fill in its row)."""
         m = self.metrics
         if line.get("accuracy"):
             for k, a in enumerate(line["accuracy"]):
                 m.accuracy.labels(str(k + 1)).set(a)
+        if line.get("evaluated"):
+            with self._lock:
+                for row in reversed(self._history):
+                    if row.round == line.get("round"):
+                        row.accuracy = line["accuracy"]
+                        break
+            return
         if line.get("round", 0) >= 1:
             m.rounds.inc()
             if line.get("committed"):

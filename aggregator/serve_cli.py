@@ -34,7 +34,7 @@ from nefl.support.logs import setup_logging
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import parse_broker
 from nefl.nested.profile import ProfileError
-from nefl.support.settings import TrainConfig
+from nefl.support.settings import DEFAULT_EVAL_SAMPLES, TrainConfig
 from nefl.support.heap import freeze_startup, keep_freed_memory
 from nefl.support.signals import Stop, stop_children, stop_on_sigterm, stop_reason
 from nefl.protocol.signing import KeyFileError
@@ -74,7 +74,12 @@ class ServeTraining:
 class ServeEval:
     eval_dataset: Annotated[Optional[str], typer.Option(
         help="Evaluate every submodel on this dataset's test split after each round.")] = None
-    eval_samples: Annotated[Optional[int], typer.Option(min=1, help="Evaluate on the first N test images only (faster).")] = None
+    eval_samples: Annotated[int, typer.Option(
+        min=1, help="Score each round on the first N test images (beside the next round; the last round: see "
+                    "--final-eval-samples).")] = DEFAULT_EVAL_SAMPLES
+    final_eval_samples: Annotated[Optional[int], typer.Option(
+        min=1, help="Score the last round on the first N test images (default: the whole test split); the run "
+                    "ends when it is scored.")] = None
     data_root: DataRootOption = None
     root_data: ro.RootData = None
 
@@ -246,12 +251,13 @@ def serve_command(
         server.run()
         _linger(web, dashboard.http_linger)
     except (KeyboardInterrupt, Stop) as e:
-        done = server.rounds.next_round - 1
+        done = server.driver.checkpointed
         log.info(f"stopping ({stop_reason(e)}); "
                  + (f"round {done} is the last checkpointed one: continue with --resume" if done >= 1
                     else "no round completed yet, so there is nothing to resume"))
         server.link.conn.stop()
     finally:
+        server.driver.stop_evaluating()
         stop_children(local)
         if web is not None:
             web.close()

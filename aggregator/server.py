@@ -47,6 +47,7 @@ from nefl.nested.data import load_dataset
 from nefl.nested.profile import Profile, load_profile
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.train import TrainConfig
+from nefl.support.settings import DEFAULT_EVAL_SAMPLES
 from nefl.protocol.messages import Control, MessageError, Task, TrainingSettings
 from nefl.protocol.mqtt import QOS, BrokerSettings
 from nefl.protocol.signing import Signer
@@ -68,7 +69,8 @@ class ServeConfig:
     checkpoint_dir: str = "runs/default"
     resume: bool = False
     eval_dataset: str | None = None
-    eval_samples: int | None = None
+    eval_samples: int | None = DEFAULT_EVAL_SAMPLES  # None: the whole test split
+    final_eval_samples: int | None = None  # the last round's (None: the whole test split)
     data_root: str | None = None
     local_epochs: int = TrainConfig.local_epochs
     lr: float = TrainConfig.lr
@@ -281,6 +283,9 @@ class MqttTransport(RoundTransport):
     def evaluating(self) -> None:
         self.control.publish_status("evaluating")
 
+    def evaluated(self, line: dict[str, Any]) -> None:
+        self.observer.metrics_line(line)
+
     def recorded(self, facts: dict[str, Any], checkpoint_s: float) -> None:
         self.observer.checkpoint_saved(checkpoint_s)
         self.observer.metrics_line(facts)
@@ -327,7 +332,10 @@ class Server:
         self.rounds = MqttTransport(cfg, self.fed, self.link, self.topics, self.control, enrol, keys, resends,
                                     self.observer, start.profile, train_cfg, self.pump, next_round)
         self._housekept = 0.0  # monotonic time of the last housekeeping
-        self.driver = RoundDriver(self.fed, self.rounds, RunPlan(cfg.rounds, dp_delta=cfg.dp_delta), evaluator, out,
+        plan = RunPlan(cfg.rounds, eval_samples=cfg.eval_samples,
+                       final_eval_samples=cfg.final_eval_samples or (len(evaluator.test) if evaluator else None),
+                       dp_delta=cfg.dp_delta, background_eval=True)
+        self.driver = RoundDriver(self.fed, self.rounds, plan, evaluator, out, checkpointed=next_round - 1,
                                   meta=lambda: {"enrolment": enrol.state_dict(), "incarnation": incarnation})
 
     # -- inbound (main thread) ------------------------------------------------------------------
@@ -394,8 +402,10 @@ class Server:
 
     def _housekeeping(self) -> None:
         """Once a second: the operator's enrolment changes, expired pins, newly authorised workers, overdue
-        updates, the status heartbeat (and the status at once when who is online or able to train changed)."""
+        updates, the status heartbeat (and the status at once when who is online or able to train changed), a finished
+        evaluation attached to its round."""
         self._housekept = time.monotonic()
+        self.driver.poll()
         self.control.check_enrolment()
         self.rounds.housekeeping()
         self.control.heartbeat()
@@ -438,6 +448,11 @@ class Server:
         for index in range(self.rounds.next_round, self.cfg.rounds + 1):
             self.wait_for_clients()
             self.driver.run_round(index)
+        if self.driver.evaluating():
+            self.control.publish_status("evaluating")
+        while self.driver.evaluating():  # the last round's scores, with the inbox still served
+            self.pump(time.monotonic() + 0.5)
+            self.driver.poll()
         self.finish()
 
     def finish(self) -> None:

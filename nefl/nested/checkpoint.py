@@ -305,7 +305,8 @@ def replay_metrics(directory: str | Path) -> int:
 
 def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
     """The round lines of DIR/metrics.jsonl for readers (status, dashboards): a line torn by a crash
-    mid-append is skipped here, and only `replay_metrics` on resume repairs the file."""
+    mid-append is skipped here, and only `replay_metrics` on resume repairs the file. A served round's scores
+    come later, in a line of their own (`"evaluated": true`): they are merged into that round's line."""
     try:
         text = (Path(directory) / METRICS_FILE).read_text(errors="replace")
     except FileNotFoundError:
@@ -316,8 +317,14 @@ def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
             facts = json.loads(line)
         except ValueError:
             continue
-        if isinstance(facts, dict):
-            out.append(facts)
+        if not isinstance(facts, dict):
+            continue
+        if facts.get("evaluated"):
+            line = next((m for m in reversed(out) if m.get("round") == facts.get("round")), None)
+            if line is not None:
+                line.update(facts)
+                continue
+        out.append(facts)
     return out
 
 

@@ -146,6 +146,35 @@ def test_mosquitto_federation_learns_and_survives_bad_input(procs, tmp_path):
         assert f"rejected {reason}" in log
 
 
+@needs_mosquitto
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slow_evaluation_holds_no_round_and_ctrl_c_names_the_checkpoint(procs, tmp_path):
+    """Scoring 5,000 images takes longer than a round here: the rounds still open and close on time beside it, the
+    devices keep hearing the server, and Ctrl-C mid-evaluation names the round whose checkpoint is on disk."""
+    port = free_port()
+    procs.mosquitto(port)
+    timeout = 30
+    agg = procs.aggregator("agg", [*serve_args(["--broker", f"mqtt://127.0.0.1:{port}"], 20, timeout, per_round=2),
+                                   "--eval-dataset", "fashion-mnist", "--eval-samples", "5000"])
+    for i in (1, 2):
+        procs.client(f"c{i}", f"mqtt://127.0.0.1:{port}", client_args(i, 64, i))
+    wait_for(lambda: 3 in metrics(tmp_path), 150, "round 3")
+    log = procs.log("agg")
+    assert "evaluating round 0: submodel 1/5, 0/5,000 images" in log
+    assert "round 3 accuracy" not in log  # its scores are still to come: an evaluation runs now
+    agg.send_signal(signal.SIGINT)
+    assert agg.wait(30) == 0, procs.log("agg")[-3000:]
+    done = load_checkpoint(tmp_path / "run").meta["round"]
+    assert done >= 3 and f"round {done} is the last checkpointed one: continue with --resume" in procs.log("agg")
+    m = metrics(tmp_path)
+    assert max(m) == done
+    for r in range(1, done + 1):
+        assert m[r]["committed"] and m[r]["wall_s"] < timeout + 5, m[r]
+    for i in (1, 2):
+        assert "no aggregator" not in procs.log(f"c{i}")
+
+
 @pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.slow

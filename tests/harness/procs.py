@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nefl.nested.checkpoint import read_metrics
 from nefl.nested.profile import load_profile
 from nefl.nested.state import Layout
 
@@ -88,10 +89,7 @@ def wait_for(cond, timeout: float, what: str):
 
 
 def metrics(tmp: Path) -> dict[int, dict]:
-    path = tmp / "run" / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    return {m["round"]: m for m in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
+    return {m["round"]: m for m in read_metrics(tmp / "run")}  # a round's later scores merged into its line
 
 
 def server_state(tmp: Path) -> dict:
@@ -135,7 +133,8 @@ def step_seconds_now(profile: str = PROFILE, batch: int = 32, steps: int = 3) ->
 def serve_args(broker: list[str], rounds: int, timeout: float, per_round: int = 3, evaluate: bool = False) -> list[str]:
     args = [*broker, "--federation", "t", "--rounds", str(rounds), "--clients-per-round", str(per_round),
             "--min-clients", "1", "--round-timeout", str(timeout), "--join-wait", "10", "--batch-size", "16"]
-    return args + (["--eval-dataset", "fashion-mnist", "--eval-samples", "300"] if evaluate else [])
+    evaluation = ["--eval-dataset", "fashion-mnist", "--eval-samples", "300", "--final-eval-samples", "300"]
+    return args + (evaluation if evaluate else [])
 
 
 def client_args(i: int, samples: int, max_submodel: int, *extra: str) -> list[str]:
