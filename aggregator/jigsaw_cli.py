@@ -13,7 +13,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
+from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedPortOption
 from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, KeyDirOption, LogOptions, RunOutOption, ThreadsOption,
                                       TorchvisionRootOption)
@@ -72,6 +72,18 @@ class Topology:
     neighbours_k: Annotated[int, typer.Option(min=1, help="Peers per participant for --topology random.")] = D.neighbours_k
 
 
+@option_group("Poisoning")
+class SimAttack:
+    """A poisoning borrower, to measure the sources' screening of returned copies (docs/fedjigsaw.md)."""
+
+    attack: Annotated[Optional[str], typer.Option(
+        help="The first --attackers clients return poisoned copies of borrowed modules: flip (-3.5 x the copy), "
+             "scale (change stretched to 4.5 x the module's norm) or layer (largest tensor flipped).")] = D.attack
+    attackers: Annotated[int, typer.Option(min=0, help="Clients that poison under --attack.")] = D.attackers
+    screen_returns: Annotated[bool, typer.Option(
+        help="Sources judge each module's returns together before averaging (off: the fixed norm bound alone).")] = D.screen_returns
+
+
 @grouped
 def jigsaw_command(
     method: str = typer.Option(D.method, help=" | ".join(f"{m.name} ({m.summary})" for m in METHODS.values()) + "."),
@@ -92,6 +104,7 @@ def jigsaw_command(
     local: LocalTraining,
     policy: SimPolicy,
     neighbours: Topology,
+    poisoning: SimAttack,
 ) -> None:
     """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client."""
     err = console(stderr=True)
@@ -101,12 +114,14 @@ def jigsaw_command(
         raise typer.BadParameter(str(e), param_hint="--method") from None
     if neighbours.topology not in ("full", "ring", "random"):
         raise typer.BadParameter(f"--topology {neighbours.topology!r}: use full, ring or random")
+    if poisoning.attack is not None and poisoning.attack not in ATTACKS:
+        raise typer.BadParameter(f"--attack {poisoning.attack!r}: use {', '.join(ATTACKS)}")
     if threads:
         torch.set_num_threads(threads)
     # the groups' fields are JigsawConfig's, by name
     cfg = JigsawConfig(method=method, dataset=dataset, archs=_archs(archs), clients=clients, rounds=rounds, lr=lr,
                        budget_headroom=budget_headroom, eval_every=eval_every, seed=seed, out=out, **asdict(data),
-                       **asdict(local), **asdict(policy), **asdict(neighbours))
+                       **asdict(local), **asdict(policy), **asdict(neighbours), **asdict(poisoning))
     try:
         sim = JigsawSimulator(cfg)
     except (ArchError, DatasetUnavailable, ValueError) as e:

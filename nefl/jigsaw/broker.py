@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from nefl.jigsaw.symbio import MetadataBroadcast, ModuleFetch, ModuleReturn, refusal, source_average, state_bytes
+from nefl.jigsaw.screen import ReturnScreen
+from nefl.jigsaw.symbio import MetadataBroadcast, ModuleFetch, ModuleReturn, aggregate_returns, refusal, state_bytes
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_module
 from nefl.nested.state import module_state
 from nefl.protocol import signing
@@ -80,10 +81,11 @@ class BrokerExchange:
     def __init__(self, topics: Topics, me: int, peers: dict[int, Peer], links: list[list[int]], signer: Signer,
                  transport: Transport, store: dict[str, dict[str, torch.Tensor]], chunk_bytes: int,
                  fetch_timeout_s: float, norm_bound: float, max_module_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, screen: ReturnScreen | None = None) -> None:
         self.topics, self.me, self.peers, self.links, self.signer = topics, me, peers, links, signer
         self.transport, self.store, self.chunk_bytes = transport, store, chunk_bytes
         self.fetch_timeout_s, self.norm_bound, self.clock = fetch_timeout_s, norm_bound, clock
+        self.screen = screen  # judges each module's returns together when a round closes; None: plain Eq. 2
         self.by_id = {p.client_id: p for p in peers.values()}
         self.my_id = peers[me].client_id
         self.cond = threading.Condition()
@@ -180,6 +182,8 @@ class BrokerExchange:
             counts = self._aggregate()
             if fresh is not None:
                 self.store = fresh
+                if self.screen is not None:  # fresh modules: the proxy task's history says nothing about them
+                    self.screen = ReturnScreen(self.screen.cfg)
             self.round, self.active = r, set(active) | {self.me}
             self.sent_back, self.heard = [], 0
             self.arrived.clear()
@@ -191,8 +195,8 @@ class BrokerExchange:
     def _aggregate(self) -> dict[str, int]:
         counts = {}
         for key, copies in self.returned.items():
-            ordered = [st for _, _, st in sorted(copies, key=lambda c: (c[0], c[1]))]  # the simulator's order
-            self.store[key] = source_average(ordered)
+            ordered = [(b == self.me, st) for b, _, st in sorted(copies, key=lambda c: (c[0], c[1]))]  # the simulator's order
+            self.store[key] = aggregate_returns(self.screen, key, self.store[key], ordered, self.rejected)
             counts[key] = len(copies)
         self.returned.clear()
         return counts

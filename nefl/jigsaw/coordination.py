@@ -61,6 +61,7 @@ class JigsawPlan(Message, frozen=True, tag="jigsaw_plan", tag_field="type"):
     policy_rounds: Annotated[int, msgspec.Meta(ge=0, le=100_000)]
     fetch_timeout_s: Seconds  # a peer that does not answer a fetch within this is masked for the round
     norm_bound: Annotated[float, msgspec.Meta(gt=0, le=1e6)]  # a returned copy may differ from the source's by this x its norm
+    screen: bool = True  # sources judge each module's returns together (nefl.jigsaw.screen) before Eq. 2
 
 
 class JigsawRound(Message, frozen=True, tag="jigsaw_round", tag_field="type"):

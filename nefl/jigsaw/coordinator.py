@@ -171,7 +171,8 @@ class Coordinator:
                           train=TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                             milestones=tuple(cfg.milestones)),
                           rounds=cfg.rounds, policy_rounds=cfg.policy_rounds if self.method.assemble else 0,
-                          fetch_timeout_s=cfg.fetch_timeout_s, norm_bound=cfg.norm_bound)
+                          fetch_timeout_s=cfg.fetch_timeout_s, norm_bound=cfg.norm_bound,
+                          screen=cfg.screen_returns)
         with self.cond:
             self.plan, self.by_id = plan, {p.client_id: p for p in participants}
         self._publish(self.topics.jigsaw("plan"), plan.to_json(), retain=True)

@@ -31,6 +31,7 @@ from nefl.jigsaw.coordination import MAX_PLAN_BYTES, JigsawHello, JigsawPlan, Ji
 from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CriticAdvice
 from nefl.jigsaw.methods import get_method
 from nefl.jigsaw.shards import ClientShard, client_data, initial_modules, module_seed, probe_images
+from nefl.jigsaw.screen import ReturnScreen
 from nefl.jigsaw.symbio import ModuleFetch
 from nefl.jigsaw.zoo import BaseArch, base_for_budget, build_model, load_base
 from nefl.nested.data import load_dataset
@@ -213,7 +214,7 @@ class JigsawDevice:
         peers = {p.index: Peer(p.index, p.client_id, parse_public_key(p.key)) for p in plan.participants}
         self.exchange = BrokerExchange(self.topics, me, peers, [list(n) for n in plan.links], self.signer, self.transport,
                                        self._initial(plan, me), self.cfg.chunk_bytes, plan.fetch_timeout_s, plan.norm_bound,
-                                       largest_module_bytes(bases), self.clock)
+                                       largest_module_bytes(bases), self.clock, ReturnScreen() if plan.screen else None)
         self.me = me
         for topic in self.exchange.subscriptions():
             self.transport.subscribe(topic, qos=QOS)

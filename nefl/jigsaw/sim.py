@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from nefl.aggregation.robust import update_norm
 from nefl.aggregation.rolling import aggregate_windows, extract_state
 from nefl.jigsaw.baselines import scaled_metas, submodel_windows, train_window, width_for_budget
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
@@ -36,8 +37,9 @@ from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CoReTune, CriticAdvice, Polic
 from nefl.jigsaw.methods import JigsawMethod, get_method
 from nefl.jigsaw.policy import TOKEN_FEATURES
 from nefl.jigsaw.shards import ClientShard, ShardSpec, client_data, device_budgets, initial_modules, module_seed, probe_images
-from nefl.jigsaw.symbio import InProcessExchange, neighbours, state_bytes
-from nefl.jigsaw.zoo import base_for_budget, build_model, load_base, peak_bytes
+from nefl.jigsaw.screen import ReturnScreen
+from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, neighbours, state_bytes
+from nefl.jigsaw.zoo import ModuleMeta, base_for_budget, build_model, load_base, peak_bytes
 from nefl.nested.checkpoint import META_FILE, STATE_FILE, append_metrics
 from nefl.nested.data import get_dataset_info, load_dataset
 from nefl.nested.state import load_module_state, module_state
@@ -80,6 +82,9 @@ class JigsawConfig:
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
     norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest ones stay far below)
+    screen_returns: bool = True  # sources judge each module's returns together (nefl.jigsaw.screen); off: the norm bound alone
+    attack: str | None = None  # the first `attackers` clients return poisoned copies in model training: flip, scale or layer
+    attackers: int = 0
     fetch_timeout_s: float = 30.0  # over MQTT: a peer that does not send a module in this is masked for the round
     round_timeout_s: float = 600.0  # over MQTT: the coordinator closes a round without the devices not done by then
     eval_every: int = 5  # model-training rounds between evaluations (always after the last)
@@ -116,6 +121,52 @@ def _wire(msg, cls, max_bytes: int = MAX_REPORT_BYTES):
     return cls.from_json(msg.to_json(), max_bytes)
 
 
+# -- a poisoning borrower (benchmarks) ----------------------------------------------------------------
+
+ATTACKS = ("flip", "scale", "layer")
+
+
+def poison(attack: str, sent: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A lying borrower's return of a module it was sent as `sent`, each under the old 5 x norm bound:
+    flip: -3.5 x its trained copy; scale: its change stretched to 4.5 x the module's norm; layer: the largest
+    tensor flipped (-3.5 x), the others honest."""
+    if attack == "flip":
+        return {k: -3.5 * v for k, v in trained.items()}
+    if attack == "scale":
+        delta = {k: trained[k] - sent[k] for k in sent}
+        stretch = 4.5 * update_norm(sent) / max(update_norm(delta), 1e-12)
+        return {k: sent[k] + stretch * d for k, d in delta.items()}
+    if attack == "layer":
+        big = max(trained, key=lambda k: trained[k].numel())
+        return {k: -3.5 * v if k == big else v for k, v in trained.items()}
+    raise ValueError(f"unknown attack {attack!r}: use one of {', '.join(ATTACKS)}")
+
+
+class PoisoningExchange:
+    """An attacker's view of the exchange: everything passes, except that the copies of other sources'
+    modules it returns are poisoned (its own modules it returns honestly)."""
+
+    def __init__(self, inner: InProcessExchange, attack: str) -> None:
+        self.inner, self.attack = inner, attack
+        self.sent: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def broadcast(self, msg: MetadataBroadcast) -> None:
+        self.inner.broadcast(msg)
+
+    def catalogue(self, client: int) -> list[ModuleMeta]:
+        return self.inner.catalogue(client)
+
+    def fetch(self, req: ModuleFetch) -> dict[str, torch.Tensor]:
+        got = self.inner.fetch(req)
+        self.sent[(req.source, req.position)] = {k: v.clone() for k, v in got.items()}
+        return got
+
+    def give_back(self, msg: ModuleReturn, state: dict[str, torch.Tensor]) -> None:
+        if msg.client != msg.source:
+            state = poison(self.attack, self.sent[(msg.source, msg.position)], state)
+        self.inner.give_back(msg, state)
+
+
 # -- the two families ---------------------------------------------------------------------------------
 
 class ModuleFederation:
@@ -139,13 +190,21 @@ class ModuleFederation:
     def _fresh_exchange(self) -> InProcessExchange:
         """Every source's modules at their (seeded) initial parameters; every client announces and connects."""
         store = {k: v for c, b in enumerate(self.sim.bases) for k, v in initial_modules(b.metas(c), module_seed(self.cfg.seed, c)).items()}
-        exchange = InProcessExchange(FEDERATION, store, self.links, self.cfg.norm_bound)
+        exchange = InProcessExchange(FEDERATION, store, self.links, self.cfg.norm_bound,
+                                     ReturnScreen() if self.cfg.screen_returns else None)
         self._seen = dict.fromkeys(exchange.bytes, 0)  # traffic already reported (announcements go with the next round)
         for client in self.clients:
             client.join(exchange)
         for client in self.clients:
             client.connect(exchange)
         return exchange
+
+    def exchange_of(self, c: int) -> InProcessExchange | PoisoningExchange:
+        """The exchange as client c uses it in the model-training phase: poisoned returns for the first
+        `attackers` clients under an attack."""
+        if self.cfg.attack and c < self.cfg.attackers:
+            return PoisoningExchange(self.exchange, self.cfg.attack)
+        return self.exchange
 
     def begin_model_training(self) -> None:
         """The modules start fresh (the proxy task's parameters are not carried over); the policies stay."""
@@ -190,7 +249,7 @@ class ModuleFederation:
     def train_round(self, r: int, t: int, train_cfg: TrainConfig, score: Callable[[int, nn.Module], None]) -> dict:
         """Model-training round r (the t-th of the phase): execute, train on the task, aggregate."""
         sim = self.sim
-        results = [client.step(r, sim.task_loaders(c, r), self.exchange, train_cfg, sim.probe, explore=False)
+        results = [client.step(r, sim.task_loaders(c, r), self.exchange_of(c), train_cfg, sim.probe, explore=False)
                    for c, client in enumerate(self.clients)]
         for c, res in enumerate(results):
             score(c, res.model)

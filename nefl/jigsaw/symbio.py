@@ -20,8 +20,8 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 import torch
 
-from nefl.aggregation.aggregate import coverage_mean
 from nefl.aggregation.robust import update_norm
+from nefl.jigsaw.screen import ReturnScreen, source_average
 from nefl.jigsaw.zoo import ModuleMeta
 from nefl.nested.tensors import first_non_finite
 from nefl.protocol.messages import Message, MessageError, Name, Round, decode
@@ -83,15 +83,6 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def source_average(copies: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Eq. 2: the element-wise mean of the copies a source received back for one module."""
-    if not copies:
-        raise ValueError("nothing to average: a module nobody borrowed keeps its parameters")
-    first = copies[0]
-    return {name: coverage_mean(first[name], [((None,) * first[name].dim(), c[name] - first[name], 1.0) for c in copies])
-            for name in first}
-
-
 def refusal(own: dict[str, torch.Tensor] | None, state: dict[str, torch.Tensor], norm_bound: float | None = None) -> str | None:
     """Why a source refuses a trained copy of its module `own`, or None: other tensors or shapes, non-finite
     values, or (with `norm_bound`) a distance from its own copy above norm_bound x that copy's norm. A borrower
@@ -103,6 +94,20 @@ def refusal(own: dict[str, torch.Tensor] | None, state: dict[str, torch.Tensor],
     if norm_bound is not None and update_norm({k: state[k] - own[k] for k in own}) > norm_bound * update_norm(own):
         return "norm_bound"
     return None
+
+
+def aggregate_returns(screen: ReturnScreen | None, key: str, sent: dict[str, torch.Tensor],
+                      copies: Sequence[tuple[bool, dict[str, torch.Tensor]]], rejected: dict[str, int]) -> dict[str, torch.Tensor]:
+    """A module's new parameters from its returns (own?, state) in borrower order: Eq. 2, over the copies the
+    screen accepts when there is one (its refusals and clips are counted in `rejected`)."""
+    if screen is None:
+        return source_average([st for _, st in copies])
+    new, verdict = screen.aggregate(key, sent, copies)
+    for reason, n in verdict.refused.items():
+        rejected[reason] += n
+    if verdict.clipped:
+        rejected["clipped"] += verdict.clipped
+    return new
 
 
 class ModuleExchange(Protocol):
@@ -121,12 +126,13 @@ class InProcessExchange:
     strict loader, as over a broker; tensors are counted at float32 size. `aggregate` closes a round."""
 
     def __init__(self, federation: str, store: dict[str, dict[str, torch.Tensor]], links: Sequence[Sequence[int]] = (),
-                 norm_bound: float | None = None) -> None:
+                 norm_bound: float | None = None, screen: ReturnScreen | None = None) -> None:
         self.federation, self.norm_bound = federation, norm_bound
+        self.screen = screen  # judges each module's returns together at `aggregate`; None: plain Eq. 2
         self.store = store  # module key -> parameters, owned by the module's source
         self.links = [list(n) for n in links]  # each client's neighbours (whose broadcasts it receives)
         self.metadata: dict[int, list[ModuleMeta]] = {}
-        self.returned: dict[str, list[dict[str, torch.Tensor]]] = defaultdict(list)
+        self.returned: dict[str, list[tuple[bool, dict[str, torch.Tensor]]]] = defaultdict(list)  # key -> (own?, state)
         self.rejected: dict[str, int] = defaultdict(int)
         self.bytes = {"metadata": 0, "fetch": 0, "return": 0}
 
@@ -180,12 +186,12 @@ class InProcessExchange:
             return
         if got.client != got.source:
             self.bytes["return"] += state_bytes(state)
-        self.returned[key].append(state)
+        self.returned[key].append((got.client == got.source, state))
 
     def aggregate(self) -> dict[str, int]:
         """Eq. 2 at every source for the modules borrowed this round; returns how many copies each got."""
         counts = {key: len(copies) for key, copies in self.returned.items()}
         for key, copies in self.returned.items():
-            self.store[key] = source_average(copies)
+            self.store[key] = aggregate_returns(self.screen, key, self.store[key], copies, self.rejected)
         self.returned.clear()
         return counts

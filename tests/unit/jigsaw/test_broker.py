@@ -24,7 +24,8 @@ from nefl.jigsaw.coordinator import Coordinator
 from nefl.jigsaw.device import DeviceSettings, JigsawDevice
 from nefl.jigsaw.shards import initial_modules
 from nefl.jigsaw.sim import JigsawConfig
-from nefl.jigsaw.symbio import MetadataBroadcast, ModuleFetch, ModuleReturn, source_average
+from nefl.jigsaw.screen import ReturnScreen
+from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, source_average
 from nefl.jigsaw.zoo import load_base
 from nefl.protocol.signing import KeyPin, Signer, parse_public_key
 from nefl.protocol.topics import Topics
@@ -78,7 +79,7 @@ def signer() -> Signer:
     return Signer(Ed25519PrivateKey.generate())
 
 
-def federation(n: int = 3, norm_bound: float = 5.0, timeout: float = 2.0):
+def federation(n: int = 3, norm_bound: float = 5.0, timeout: float = 2.0, screen: bool = False):
     """n exchanges (each owning cnn-2 modules) wired through one bus, fully connected, round 0 open."""
     bus, signers = Bus(), [signer() for _ in range(n)]
     peers = {i: Peer(i, f"d{i}", parse_public_key(s_.public_text)) for i, s_ in enumerate(signers)}
@@ -88,7 +89,7 @@ def federation(n: int = 3, norm_bound: float = 5.0, timeout: float = 2.0):
         holder: list[BrokerExchange] = []
         port = bus.port(lambda t, p, h=holder: h[0].handle(t, p))
         ex = BrokerExchange(Topics(FED), i, peers, links, signers[i], port, initial_modules(BASE.metas(i), 100 + i),
-                            64 * 1024, timeout, norm_bound, largest_module_bytes([BASE]))
+                            64 * 1024, timeout, norm_bound, largest_module_bytes([BASE]), screen=ReturnScreen() if screen else None)
         holder.append(ex)
         exchanges.append(ex)
     for ex in exchanges:
@@ -273,3 +274,24 @@ def test_a_round_row_reaches_the_prometheus_metrics() -> None:
     assert value("nefl_jigsaw_rejected_total", {"reason": "norm_bound"}) == 4
     assert value("nefl_jigsaw_modules_borrowed_total") == 10 and value("nefl_jigsaw_chain_changes_total") == 2
     assert value("nefl_jigsaw_masked_peers") == 1 and value("nefl_jigsaw_whole_model_bytes_per_device") == 4000
+
+
+def test_the_broker_screens_returns_as_the_in_process_exchange_does() -> None:
+    """A sign-flipped copy under the old 5 x bound: both exchanges refuse it at the round's close and average
+    the same copies, bit for bit."""
+    _, _, (a, b, c) = federation(screen=True)
+    own = {k: v.clone() for k, v in c.store["c2.m1"].items()}
+    honest = {i: {k: v * (1 + 0.01 * (i + 1)) + 0.001 * i for k, v in own.items()} for i in range(3)}
+    flipped = {k: -3.5 * v for k, v in honest[0].items()}
+    give_back(c, 2, 1, honest[2])
+    give_back(b, 2, 1, honest[1])
+    give_back(a, 2, 1, flipped)
+    c.begin_round(1, {0, 1, 2}, 2, 1.0)
+    assert c.take_counters()[0] == {"sign_flip": 1}
+    store = {"c2.m1": {k: v.clone() for k, v in own.items()}}
+    twin = InProcessExchange(FED, store, [[1, 2], [0, 2], [0, 1]], 5.0, ReturnScreen())
+    for client, state in ((0, flipped), (1, honest[1]), (2, honest[2])):
+        twin.give_back(ModuleReturn(federation=FED, client=client, source=2, round=0, position=1, samples=10), state)
+    twin.aggregate()
+    assert dict(twin.rejected) == {"sign_flip": 1}
+    assert all(torch.equal(c.store["c2.m1"][k], store["c2.m1"][k]) for k in own)

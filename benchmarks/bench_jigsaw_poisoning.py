@@ -1,0 +1,61 @@
+"""FedJigsaw with a poisoning borrower: honest clients' local accuracy with one attacker that returns poisoned
+copies of the modules it borrows, against the honest control and local-only training, with the sources' screen
+of returned copies (nefl/jigsaw/screen.py) off (the fixed 5 x norm bound alone) and on. Prints a markdown table.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_jigsaw_poisoning.py [--seeds 0 1 2] [--clients 6] [--rounds 6]
+
+Fashion-MNIST, Dirichlet(0.1), --samples images per client, a short policy phase, every model-training round scored.
+Client 0 is the attacker (from the model-training phase on); the honest clients are the others. Per run: the honest
+clients' mean accuracy after the last round, the largest drop of an honest client's final accuracy below its
+control, and the lowest (accuracy - local-only accuracy) of any honest client in any round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
+
+
+def curves(cfg: JigsawConfig) -> list[list[float]]:
+    """Every client's accuracy after each model-training round."""
+    return [row["accuracy"] for row in JigsawSimulator(cfg).run().rounds if row["phase"] == "train"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--samples", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    for seed in args.seeds:
+        base = dict(clients=args.clients, rounds=args.rounds, policy_rounds=2, critic_warmup=1, proxy_samples=40,
+                    max_samples_per_client=args.samples, test_per_client=200, eval_every=1, seed=seed)
+        local = curves(JigsawConfig(method="local-only", **base))
+        for screen in (False, True):
+            control = curves(JigsawConfig(screen_returns=screen, **base))
+            for attack in (None, *ATTACKS):
+                run = control if attack is None else curves(JigsawConfig(screen_returns=screen, attack=attack, attackers=1, **base))
+                honest = range(1, args.clients)
+                final = statistics.fmean(run[-1][c] for c in honest)
+                drop = max(control[-1][c] - run[-1][c] for c in honest)
+                floor = min(run[t][c] - local[t][c] for t in range(len(run)) for c in honest)
+                rows.setdefault(f"{'screen' if screen else 'norm bound only'} | {attack or 'none (control)'}", []).append((final, drop, floor))
+                print(f"seed {seed} screen {screen} attack {attack}: {final:.3f} {drop:+.3f} {floor:+.3f}", flush=True)
+        rows.setdefault("local-only | none", []).append((statistics.fmean(local[-1][c] for c in range(1, args.clients)), 0.0, 0.0))
+    print("\n| returns judged by | attack | honest mean acc | worst drop below control | worst (acc - local-only) in any round |")
+    print("|---|---|---|---|---|")
+    for name, vals in rows.items():
+        mean = statistics.fmean(v[0] for v in vals)
+        print(f"| {name} | {mean:.3f} ({', '.join(f'{v[0]:.3f}' for v in vals)}) | {max(v[1] for v in vals):+.3f} | "
+              f"{min(v[2] for v in vals):+.3f} |")
+
+
+if __name__ == "__main__":
+    main()
