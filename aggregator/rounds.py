@@ -85,6 +85,15 @@ class RunPlan:
     progress_every_s: float = 10.0  # a background evaluation's progress line, at most this often (and per submodel)
 
 
+def score_line(evaluator: Evaluator, transport: RoundHooks, state: GlobalState, samples: int | None,
+               **evaluate: Any) -> dict[str, Any]:
+    """A state's scores as a round's line has them: top-1 per submodel, worst, average, the images scored, and
+    what the transport adds (the simulator's backdoor success); `evaluate`: Evaluator.accuracy's threads, progress."""
+    acc = evaluator.accuracy(state, samples, **evaluate)
+    return {"accuracy": acc, "worst": min(acc), "avg": round(sum(acc) / len(acc), 4),
+            "eval_samples": evaluator.samples(samples), **transport.scores(state, samples)}
+
+
 class Cancelled(Exception):
     """An evaluation given up (the run stops)."""
 
@@ -260,9 +269,9 @@ class RoundDriver:
 
         def run() -> dict[str, Any]:
             t0 = time.monotonic()
-            acc = evaluator.accuracy(state, samples, threads=max(1, (os.cpu_count() or 2) // 2), progress=progress)
-            return {"round": index, "evaluated": True, "accuracy": acc, "worst": min(acc), "avg": round(sum(acc) / len(acc), 4),
-                    "eval_samples": n, "eval_s": round(time.monotonic() - t0, 3), **self.transport.scores(state, samples)}
+            line = score_line(evaluator, self.transport, state, samples, threads=max(1, (os.cpu_count() or 2) // 2),
+                              progress=progress)
+            return {"round": index, "evaluated": True, **line, "eval_s": round(time.monotonic() - t0, 3)}
 
         log.info(f"evaluating round {index} on {n:,} test images beside the rounds", extra={"round": index})
         self.evaluation = Evaluation(index, run, cancelled)
@@ -278,8 +287,6 @@ class RoundDriver:
         return self._digested[2]
 
     def _scores(self, samples: int | None) -> dict[str, Any]:
-        acc = self.evaluator.accuracy(self.fed.state, samples)
-        self.accuracy = acc
-        n = min(samples or self.evaluator.n, len(self.evaluator.test))
-        return {"accuracy": acc, "worst": min(acc), "avg": round(sum(acc) / len(acc), 4), "eval_samples": n,
-                **self.transport.scores(self.fed.state, samples)}
+        line = score_line(self.evaluator, self.transport, self.fed.state, samples)
+        self.accuracy = line["accuracy"]
+        return line
