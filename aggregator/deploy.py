@@ -2,9 +2,9 @@
 
 A release is the export's manifest (checked file by file against its sha256s first), where it came
 from (checkpoint, round, the weights' sha256) and how its files travel: cut into chunks of the wire
-format (nefl/protocol/wire.py, kind "file"), each chunk's sha256 listed, so a device checks every chunk on
-arrival and resumes a broken download. int8 files are not rolled out (a device's parity check
-compares fp32 logits with the exporter's torch logits); the release's manifest drops them.
+format (nefl/protocol/wire.py, kind "file"), each file named by the Merkle root of its chunks, so a device
+checks every chunk's proof on arrival and resumes a broken download. int8 files are not rolled out (a
+device's parity check compares fp32 logits with the exporter's torch logits); the release's manifest drops them.
 
 The rollout's state (which version is stable, which is on canary on which devices, what was revoked)
 lives in the federation's key directory ($NEFL_KEY_DIR/FEDERATION/rollout/rollout.json) beside the
@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from nefl.protocol.manifest import MANIFEST_FILE, ManifestError, read_manifest, read_verified
+from nefl.protocol.merkle import payload_root
 from nefl.protocol.messages import MAX_RELEASE_BYTES, Release, ReleaseFile, Rollout
 from nefl.protocol.signing import SIGNATURE_OVERHEAD
 from nefl.protocol.topics import Topics
@@ -129,8 +130,7 @@ def build_release(export_dir: Path, federation: str, version: int, chunk_bytes: 
         manifest = msgspec.structs.replace(
             manifest, submodels=[msgspec.structs.replace(e, int8=None) for e in manifest.submodels])
     room = chunk_room(chunk_bytes)
-    files = [ReleaseFile(name=name, sha256=names[name], size=len(blob),
-                         chunks=[hashlib.sha256(blob[i:i + room]).hexdigest() for i in range(0, len(blob), room)])
+    files = [ReleaseFile(name=name, sha256=names[name], size=len(blob), digest=payload_root(blob, room).hex())
              for name, blob in data.items()]
     try:
         release = Release(

@@ -288,11 +288,11 @@ class Operator:
         self.fleet.publish(self.topics.deploy_release(version), self.signer.sign(release.to_json()))
         self.state.releases[version] = ReleaseRecord(
             version=version, manifest_sha256=manifest_digest(export_dir), export_dir=str(export_dir.resolve()),
-            chunks=[len(f.chunks) for f in release.files], created=release.created)
+            chunks=[release.chunks(f) for f in release.files], created=release.created)
         save_state(self.state_dir, self.state)
         total = sum(f.size for f in release.files)
         log.info(f"published v{version}: {len(release.files)} files, {total} bytes in "
-                 f"{sum(len(f.chunks) for f in release.files)} chunks (from {release.source_checkpoint or export_dir}, "
+                 f"{sum(release.chunks(f) for f in release.files)} chunks (from {release.source_checkpoint or export_dir}, "
                  f"round {release.source_round})")
 
     def ensure_files(self, version: int, chunk_bytes: int, fmt: str) -> None:

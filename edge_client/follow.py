@@ -8,11 +8,13 @@ What it does with a rollout (docs/deploy.md, "Rolling out a trained model"):
 
 1. The signed rollout (deploy/rollout) names the version this device should run: the canary
    version when the device is on the canary list, the stable one otherwise.
-2. The signed release of that version lists its files with sizes and per-chunk sha256. The device
+2. The signed release of that version lists its files with sizes and the Merkle root of each file's
+   wire chunks (nefl/protocol/merkle.py). The device
    takes only the submodels that fit its memory now (the runtime's own rule, `Submodel.fits`),
    plus the parity reference, and checks the disk before writing a byte.
-3. Chunks are checked one by one against the signed hashes and written into staging on disk, so a
-   forged chunk is dropped alone and a broken transfer resumes with the chunks still missing.
+3. Each chunk's Merkle proof is checked against its file's signed root (the wire format's own check,
+   `check_release_chunk`) and the chunk is written into staging on disk with its proof, so a forged chunk
+   is dropped alone and a broken transfer resumes, re-verified, with the chunks still missing.
 4. Complete: every file is hashed again, the manifest's parity inputs run through onnxruntime here
    and must match the exporter's torch logits within the export's bound, the runtime is built and
    calibrated, and only then swapped in between two requests. The version before stays on disk
@@ -28,7 +30,6 @@ retained and signed with the device key that `edge-client join` uses.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import queue
@@ -55,7 +56,7 @@ from nefl.protocol.messages import MAX_RELEASE_BYTES, DeployReport, MessageError
 from nefl.protocol.mqtt import QOS, Connection, Transport
 from nefl.protocol.signing import Signer, verify
 from nefl.protocol.topics import Topics
-from nefl.protocol.wire import Chunk, WireError, parse_chunk
+from nefl.protocol.wire import Chunk, WireError, check_chunk, parse_chunk
 
 log = logging.getLogger(__name__)
 MAX_REFUSALS_REPORTED = 32
@@ -115,6 +116,24 @@ def check_parity(directory: Path, manifest: Manifest) -> None:
                                         f"differs from the exporter's logits by {diff:.3g}, over the bound {bound:.3g}")
 
 
+def check_release_chunk(release: Release, wanted: set[str], chunk: Chunk) -> tuple[str, int]:
+    """(file name, index) of a chunk of a file in `wanted` whose header describes that file of the signed release
+    and whose Merkle proof ties its data to the file's signed root; Refused (with the wire's reason) otherwise."""
+    header, position, index = chunk.header, chunk.header.submodel, chunk.index
+    if position >= len(release.files) or release.files[position].name not in wanted:
+        raise Refused("unwanted", f"dropped a chunk of v{release.version}: file {position} is not one this device fetches")
+    f = release.files[position]
+    where = f"chunk {index} of {f.name} (v{release.version})"
+    if (header.dtype, header.size, header.chunk, header.digest) != ("raw", f.size, release.chunk_bytes, f.digest):
+        raise Refused("inconsistent_chunks", f"dropped {where}: its header does not describe the signed file")
+    try:
+        check_chunk(chunk)
+    except WireError as e:
+        raise Refused(e.reason, f"dropped {where}: {e.detail}, which the signed release names; waiting for an intact "
+                                "copy") from None
+    return f.name, index
+
+
 class Follower:
     def __init__(self, cfg: FollowConfig, transport: Transport, store: Store, serving: Serving, build: RuntimeFactory,
                  memory: MemoryProbe, clock: Callable[[], float] = time.monotonic,
@@ -167,7 +186,7 @@ class Follower:
         self._subscribed.clear()
         if self.staging is not None:
             staging = self.staging
-            total = sum(len(f.chunks) for f in staging.files.values())
+            total = sum(staging.release.chunks(f) for f in staging.files.values())
             missing = sum(len(staging.missing(name)) for name in staging.files)
             log.info(f"resuming v{staging.version}: {total - missing} of {total} chunks already staged, asking for the "
                      f"{missing} missing")
@@ -182,7 +201,7 @@ class Follower:
         for name in staging.files:
             position = release.file(name)[0]
             missing = staging.missing(name)
-            if len(missing) == len(release.file(name)[1].chunks):
+            if len(missing) == release.chunks(release.file(name)[1]):
                 topics.append(self.topics.deploy_file_chunks(release.version, position))
             else:
                 topics += [self.topics.deploy_file(release.version, position, i) for i in missing]
@@ -360,12 +379,12 @@ class Follower:
         if header.kind != "file" or header.federation != self.cfg.federation or header.round != release.version:
             self.dropped["unwanted"] += 1
             return
-        name, index = self._check_chunk(release, chunk)
+        name, index = check_release_chunk(release, set(staging.files), chunk)
         if index in staging.have[name]:
             self.dropped["duplicate"] += 1
             return
         try:
-            staging.write(name, index, data)
+            staging.write(name, index, data, chunk.proof)
         except StoreError as e:
             raise self._abandon_staging(e) from None
         self._last_progress = self.clock()
@@ -376,25 +395,6 @@ class Follower:
                 self._subscribed.discard(topic)
         if staging.done:
             self._install()
-
-    def _check_chunk(self, release: Release, chunk: Chunk) -> tuple[str, int]:
-        """(file name, index) of a chunk that is exactly what the signed release says; Refused otherwise."""
-        header, data, position, index = chunk.header, chunk.data, chunk.header.submodel, chunk.index
-        if position >= len(release.files) or release.files[position].name not in self.staging.files:
-            raise Refused("unwanted", f"dropped a chunk of v{release.version}: file {position} is not one this device fetches")
-        f = release.files[position]
-        where = f"chunk {index} of {f.name} (v{release.version})"
-        if (header.dtype, header.size, header.count) != ("raw", f.size, len(f.chunks)):
-            raise Refused("inconsistent_chunks", f"dropped {where}: its header does not describe the signed file")
-        expected = self.staging.chunk_size(f, index)
-        if len(data) != expected:
-            kind = "truncated" if len(data) < expected else "oversized"
-            raise Refused(kind, f"dropped {where}: {len(data)} bytes, the signed release says {expected}; "
-                                "waiting for an intact copy")
-        if hashlib.sha256(data).hexdigest() != f.chunks[index]:
-            raise Refused("sha256_mismatch", f"dropped {where}: sha256 does not match the signed release; "
-                                             "waiting for an intact copy")
-        return f.name, index
 
     # -- installing and swapping ---------------------------------------------------------------------------
     def _install(self) -> None:
@@ -418,8 +418,10 @@ class Follower:
         """A version already complete on disk (a crash after staging, or a rollback target kept): check and swap."""
         try:
             release = self._stored_release(version)
-        except (Refused, OSError) as e:
+        except (Refused, OSError) as e:  # a release.json changed on disk, or kept from before a release format change
             self.store.discard(version)
+            if version == self.target:
+                self._subscribe([self.topics.deploy_release(version)])
             raise Refused("load", f"v{version} on disk is unusable ({e}); fetching it again") from None
         self._go_live(release, self.store.version_dir(version), 0)
 

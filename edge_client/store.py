@@ -4,19 +4,21 @@
     DIR/previous -> versions/v2      kept for a rollback
     DIR/versions/vN/                 manifest.json (the submodels this device fetched), their .onnx files,
                                      parity.npz, release.json (the signed release exactly as received)
-    DIR/staging/vN/                  FILE.part while chunks arrive; renamed to versions/vN once complete
+    DIR/staging/vN/                  FILE.part while chunks arrive, FILE.proofs their Merkle proofs; renamed to
+                                     versions/vN once complete
     DIR/follow.json                  the newest rollout applied, versions revoked, versions refused here and why
 
 `edge-client infer --models DIR` and `serve --models DIR` read DIR/current, so a followed directory
 is used like an export directory. A download resumes from what is on disk: every staged chunk is
-checked against its sha256 in the signed release when staging (re)opens, so a crash, a restart or a
-broker that dropped mid-transfer costs only the chunks that are missing. Stdlib, numpy-free.
+checked again, with the proof it came with, against its file's Merkle root in the signed release when
+staging (re)opens (nefl/protocol/merkle.py, the wire format's own check), so a crash, a restart or a
+broker that dropped mid-transfer costs only the chunks that are missing, and a chunk changed on disk is
+fetched again. Numpy-free.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -25,7 +27,8 @@ from pathlib import Path
 import msgspec
 
 from edge_client.probe import format_bytes
-from nefl.protocol.manifest import MANIFEST_FILE, Manifest, sha256_file, write_manifest
+from nefl.protocol.manifest import MANIFEST_FILE, Manifest, write_manifest
+from nefl.protocol.merkle import HASH_BYTES, leaf, merkle_root, merkle_root_of, proof_length
 from nefl.protocol.messages import Release, ReleaseFile
 from nefl.support.fsio import atomic_write_bytes, fsync_dir, fsync_file
 
@@ -137,9 +140,10 @@ class Store:
 class Staging:
     """The files of one release that this device wants, arriving chunk by chunk into FILE.part.
 
-    Chunk i of a file lives at bytes [i * chunk_bytes, ...) of its part file; which chunks are there is
-    not recorded anywhere but recomputed from the bytes (each hashed against the signed release), so
-    the part files alone are the truth about what a resumed download still needs.
+    Chunk i of a file lives at bytes [i * chunk_bytes, ...) of its part file and its proof at
+    [i * depth * 32, ...) of its proofs file (depth: the longest proof of the file); which chunks are there is
+    not recorded anywhere but recomputed from the bytes (each chunk's proof checked against the file's
+    signed root), so the staged files alone are the truth about what a resumed download still needs.
     """
 
     def __init__(self, store: Store, release: Release, wanted: list[str], keep_free_bytes: int) -> None:
@@ -171,10 +175,10 @@ class Staging:
         return min(self.release.chunk_bytes, f.size - index * self.release.chunk_bytes)
 
     def missing(self, name: str) -> list[int]:
-        return [i for i in range(len(self.files[name].chunks)) if i not in self.have[name]]
+        return [i for i in range(self.release.chunks(self.files[name])) if i not in self.have[name]]
 
     def file_done(self, name: str) -> bool:
-        return len(self.have[name]) == len(self.files[name].chunks)
+        return len(self.have[name]) == self.release.chunks(self.files[name])
 
     @property
     def done(self) -> bool:
@@ -183,19 +187,36 @@ class Staging:
     def _part(self, name: str) -> Path:
         return self.dir / f"{name}.part"
 
+    def _proofs(self, name: str) -> Path:
+        return self.dir / f"{name}.proofs"
+
+    def _proof_at(self, f: ReleaseFile, index: int) -> tuple[int, int]:
+        """(offset, length) of chunk `index`'s proof in the proofs file."""
+        count = self.release.chunks(f)
+        return index * (count - 1).bit_length() * HASH_BYTES, proof_length(index, count) * HASH_BYTES
+
     def _scan(self, f: ReleaseFile) -> set[int]:
-        """The chunks already in the part file whose bytes hash to the release's chunk hashes."""
+        """The chunks already staged whose bytes, with their staged proofs, hash up to the file's signed root."""
         have: set[int] = set()
+        count, root = self.release.chunks(f), bytes.fromhex(f.digest)
         try:
-            with open(self._part(f.name), "rb") as part:
-                for i, digest in enumerate(f.chunks):
+            with open(self._part(f.name), "rb") as part, open(self._proofs(f.name), "rb") as proofs:
+                for i in range(count):
                     part.seek(i * self.release.chunk_bytes)
                     data = part.read(self.chunk_size(f, i))
-                    if hashlib.sha256(data).hexdigest() == digest:
+                    at, length = self._proof_at(f, i)
+                    proofs.seek(at)
+                    proof = proofs.read(length)
+                    if len(proof) == length and merkle_root_of(data, i, count, proof) == root:
                         have.add(i)
         except FileNotFoundError:
             pass
         return have
+
+    def _root_on_disk(self, f: ReleaseFile) -> bytes:
+        """The Merkle root of the assembled part file, read chunk by chunk."""
+        with open(self._part(f.name), "rb") as part:
+            return merkle_root([leaf(part.read(self.chunk_size(f, i))) for i in range(self.release.chunks(f))])
 
     def _check_space(self, keep_free_bytes: int) -> None:
         need = self.wanted_bytes - self.staged_bytes
@@ -205,17 +226,11 @@ class Staging:
                              f"{format_bytes(free)} are free and {format_bytes(keep_free_bytes)} must stay free: free "
                              "some space (or lower --keep-free)")
 
-    def write(self, name: str, index: int, data: bytes) -> None:
-        """Store chunk `index` of `name` (already checked against its hash by the caller)."""
-        path = self._part(name)
+    def write(self, name: str, index: int, data: bytes | memoryview, proof: bytes | memoryview) -> None:
+        """Store chunk `index` of `name` and its Merkle proof (already checked against the signed root by the caller)."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                written = os.pwrite(fd, data, index * self.release.chunk_bytes)
-            finally:
-                os.close(fd)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, "short write")
+            _write_at(self._proofs(name), proof, self._proof_at(self.files[name], index)[0])
+            _write_at(self._part(name), data, index * self.release.chunk_bytes)
         except OSError as e:
             reason = "disk_full" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "io_error"
             raise StoreError(reason, f"writing {name} of v{self.version} into {self.dir} failed: "
@@ -229,13 +244,14 @@ class Staging:
         try:
             for name, f in self.files.items():
                 part = self._part(name)
-                if sha256_file(part) != f.sha256 or part.stat().st_size != f.size:
+                if part.stat().st_size != f.size or self._root_on_disk(f) != bytes.fromhex(f.digest):
                     part.unlink()
                     self.have[name].clear()
                     raise StoreError("io_error", f"{name} of v{self.version} does not hash to the signed release after "
                                                  "assembly (changed on disk?); downloading it again")
                 fsync_file(part)
                 os.replace(part, self.dir / name)
+                self._proofs(name).unlink(missing_ok=True)
             write_manifest(self.dir, manifest)
             atomic_write_bytes(self.dir / RELEASE_FILE, release_raw)
             target = self.store.version_dir(self.version)
@@ -249,5 +265,16 @@ class Staging:
 
     def discard(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write_at(path: Path, data: bytes | memoryview, offset: int) -> None:
+    """`data` at `offset` of `path` (created if missing); OSError, a short write as ENOSPC."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        written = os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a short write)")
 
 

@@ -16,6 +16,7 @@ the coordinator (docs/security.md, "What each signature binds").
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
@@ -25,6 +26,9 @@ import msgspec
 from nefl.protocol.manifest import Manifest
 
 VERSION = 2  # 2: digests (the Merkle root of wire v2, nefl/protocol/wire.py) where v1 named a payload's sha256
+# a message whose own layout changed says so in its `v` (its default), and the loader checks that, not VERSION:
+# 3: a release names each file by the Merkle root of its wire chunks where 2 listed a sha256 per chunk
+RELEASE_VERSION = 3
 MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
@@ -300,12 +304,18 @@ def decode(payload: bytes, cls: type[T], max_bytes: int = MAX_CONTROL_BYTES) -> 
         raise MessageError("malformed_json", f"{kind}: {_short(e)}") from None
     except (msgspec.ValidationError, RecursionError) as e:
         raise MessageError("malformed_json", f"{kind}: no integer wire version 'v' ({_short(e)})") from None
-    if head.v != VERSION:
-        raise MessageError("bad_version", f"{kind} message of wire version {head.v}, this build speaks {VERSION}")
+    if head.v != (expected := wire_version(cls)):
+        raise MessageError("bad_version", f"{kind} message of wire version {head.v}, this build speaks {expected}")
     try:
         return msgspec.json.decode(payload, type=cls)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise MessageError(f"invalid_{kind}", _short(e)) from None
+
+
+@functools.cache
+def wire_version(cls: type[Message]) -> int:
+    """The version `cls` is sent with (its `v` default): VERSION, or the message's own where its layout changed."""
+    return next(f.default for f in msgspec.structs.fields(cls) if f.name == "v")
 
 
 def _short(e: Exception) -> str:
@@ -435,7 +445,7 @@ class PartialSummary(Message, frozen=True, kw_only=True, tag="partial_summary", 
 
 
 # -- model rollout: aggregator -> devices that follow it (docs/deploy.md) --------------------------------
-MAX_RELEASE_BYTES = 4 << 20  # a release lists every chunk's sha256: 60k chunks (15 GB at 256 KiB) fit
+MAX_RELEASE_BYTES = 4 << 20  # a release carries the export's manifest and one root per file
 MAX_FILES = 256  # a file's position in its release is the `submodel` field of its wire chunks
 Version = Annotated[int, msgspec.Meta(ge=1, le=2**31)]
 FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]  # never a path
@@ -443,20 +453,23 @@ Millis = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 
 
 class ReleaseFile(msgspec.Struct, kw_only=True, frozen=True):
-    """One file of a release: the device checks every chunk against `chunks` as it arrives, so a forged
-    or corrupted chunk is dropped on its own and a transfer resumes from the chunks already staged."""
+    """One file of a release. Its wire chunks (kind "file", nefl/protocol/wire.py) carry the same Merkle root in
+    their header, and each chunk's proof ties its data to `digest`: the device checks every chunk against the
+    signed root as it arrives, drops a forged or corrupted one alone, and resumes from the chunks it staged."""
 
     name: FileName
-    sha256: Hex64
+    sha256: Hex64  # the whole file, as the manifest names it
     size: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
-    chunks: Annotated[list[Hex64], msgspec.Meta(min_length=1, max_length=1 << 16)]
+    digest: Hex64  # the BLAKE3 Merkle root of the file's chunks of `Release.chunk_bytes` (nefl/protocol/merkle.py)
 
 
 class Release(Message, frozen=True, kw_only=True, tag="release", tag_field="type"):
     """Server -> devices, retained on deploy/release/{version}, signed: one exported ladder, where it
     came from (checkpoint, round, weights), its manifest (per submodel: sha256, sizes, accuracy; the
-    parity reference) and how its files travel (chunk i of a file is bytes [i*chunk_bytes, (i+1)*chunk_bytes))."""
+    parity reference) and how its files travel (chunk i of a file is bytes [i*chunk_bytes, (i+1)*chunk_bytes)).
+    Version RELEASE_VERSION: a follower built for version 2 refuses it with `bad_version` (docs/protocol.md)."""
 
+    v: int = RELEASE_VERSION
     federation: Name
     version: Version
     created: Short
@@ -471,14 +484,15 @@ class Release(Message, frozen=True, kw_only=True, tag="release", tag_field="type
         by_name = {f.name: f for f in self.files}
         if len(by_name) != len(self.files):
             raise ValueError("file names repeat")
-        for f in self.files:
-            if len(f.chunks) != math.ceil(f.size / self.chunk_bytes):
-                raise ValueError(f"{f.name}: {len(f.chunks)} chunk hashes for {f.size} bytes in chunks of {self.chunk_bytes}")
         parity = self.manifest.parity
         named = [(e.file, e.sha256) for e in self.manifest.submodels] + [(parity.file, parity.sha256)]
         for name, sha in named:
             if name is None or name not in by_name or by_name[name].sha256 != sha:
                 raise ValueError(f"the manifest names {name or 'no parity file'}, which the release does not carry with that sha256")
+
+    def chunks(self, f: ReleaseFile) -> int:
+        """How many wire chunks carry file `f`."""
+        return math.ceil(f.size / self.chunk_bytes)
 
     def file(self, name: str) -> tuple[int, ReleaseFile]:
         """(position, file): the position is what the file's wire chunks carry as `submodel`."""

@@ -19,7 +19,7 @@ Model rollout (docs/deploy.md, "Rolling out a trained model"): the aggregator pu
 models to devices that follow them with `edge-client serve --follow`.
 
     deploy/rollout                  server -> devices  retained  signed: stable and canary version, canary devices, revoked
-    deploy/release/{version}        server -> devices  retained  signed: the export's manifest, files, sizes, chunk hashes
+    deploy/release/{version}        server -> devices  retained  signed: the export's manifest, files, sizes, Merkle roots
     deploy/file/{version}/{f}/{i}   server -> devices  retained  chunk i of file f of that release (wire kind "file")
     deploy/status/{client}          device -> server   retained  signed by the device key: version, health, latency;
                                                                  last will "offline"

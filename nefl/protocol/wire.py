@@ -8,10 +8,10 @@ One MQTT message (wire version 2) =
 all integers big-endian. The payload is a safetensors file of the whole tensor dict (never a
 pickle), or, for kind "file" (dtype "raw"), the bytes of one file of a model release (docs/deploy.md).
 The JSON header is the same bytes in every chunk of a payload: it names the payload's size, its
-chunk size and count, and `digest`, the root of a BLAKE3 Merkle tree over the chunks. A device
-signs that header once per update (nefl/protocol/signing.py), so a receiver verifies one signature per
-update (a later chunk's header is compared byte for byte with the verified one), and each chunk's
-proof ties its data to the signed root: a forged or corrupted chunk is refused on arrival, alone,
+chunk size and count, and `digest`, the root of a BLAKE3 Merkle tree over the chunks
+(nefl/protocol/merkle.py). A device signs that header once per update (nefl/protocol/signing.py), so a
+receiver verifies one signature per update (a later chunk's header is compared byte for byte with the
+verified one), and each chunk's proof ties its data to the signed root: a forged or corrupted chunk is refused on arrival, alone,
 and never takes the place of the genuine one. Version 1 (a header with its own signature in every
 chunk, one sha256 over the whole payload) is refused with `bad_version`.
 
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import numpy as np
-from blake3 import blake3
 
 from nefl.nested.tensorfile import DTYPES, PayloadError, decode_tensors, encode_tensors
 from nefl.protocol import signing
+from nefl.protocol.merkle import HASH_BYTES, cut, leaf, merkle_levels, merkle_proof, merkle_root_of, proof_length
 from nefl.protocol.messages import (
     DEFAULT_CHUNK_BYTES,
     Count,
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
 MAGIC = b"NEFL"
 WIRE_VERSION = 2
 MAX_HEADER_BYTES = 4096
-HASH_BYTES = 32
 MAX_CHUNKS = 1 << 24
 MAX_PROOF = 24  # hashes in the proof of a chunk of a set of at most MAX_CHUNKS
 KINDS = ("model", "update", "partial", "file", "module", "return")
@@ -71,8 +70,6 @@ _PREFIX = struct.Struct(">4sBBHI")
 DATA_ALIGN = 8  # a chunk's data starts this aligned within its message (the header padded; `_aligned`)
 # refusals of a complete set whose every chunk hashed up to the signed root: the signer's own bytes
 PAYLOAD_REASONS = frozenset({"malformed_payload", "bad_dtype", "non_finite"})
-_LEAF = "nefl-edge 2026-12 wire chunk leaf"  # BLAKE3 derive-key contexts: a leaf is never taken for a node
-_NODE = "nefl-edge 2026-12 wire chunk node"
 
 
 class ChunkHeader(Message, frozen=True):
@@ -131,56 +128,6 @@ class Assembled:
     nbytes: int  # payload bytes received (what the wire carried, headers excluded)
 
 
-# -- the Merkle tree over chunks -------------------------------------------------------------------------
-def leaf(data: bytes | memoryview) -> bytes:
-    return blake3(data, derive_key_context=_LEAF).digest()
-
-
-def _node(left: bytes, right: bytes) -> bytes:
-    return blake3(left + right, derive_key_context=_NODE).digest()
-
-
-def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
-    """Every level of the tree, leaves first, root last: pairs hash together, an odd last node moves up as is."""
-    levels = [leaves]
-    while len(levels[-1]) > 1:
-        below = levels[-1]
-        levels.append([_node(below[i], below[i + 1]) if i + 1 < len(below) else below[i] for i in range(0, len(below), 2)])
-    return levels
-
-
-def merkle_proof(levels: list[list[bytes]], index: int) -> bytes:
-    """The sibling hashes from chunk `index` up to the root (none where a node has no sibling)."""
-    out = []
-    for level in levels[:-1]:
-        if index ^ 1 < len(level):
-            out.append(level[index ^ 1])
-        index //= 2
-    return b"".join(out)
-
-
-def proof_length(index: int, count: int) -> int:
-    """How many hashes the proof of chunk `index` of `count` holds."""
-    n = 0
-    while count > 1:
-        n += (index ^ 1) < count
-        index, count = index // 2, (count + 1) // 2
-    return n
-
-
-def merkle_root_of(data: bytes | memoryview, index: int, count: int, proof: memoryview) -> bytes:
-    """The root that chunk `index` (of `count`) with this proof hashes up to."""
-    h = leaf(data)
-    j = 0
-    while count > 1:
-        if (index ^ 1) < count:
-            sib = bytes(proof[j * HASH_BYTES:(j + 1) * HASH_BYTES])
-            h = _node(sib, h) if index & 1 else _node(h, sib)
-            j += 1
-        index, count = index // 2, (count + 1) // 2
-    return h
-
-
 # -- framing ----------------------------------------------------------------------------------------------
 def chunk_room(chunk_bytes: int) -> int:
     """Payload bytes per message when no message may exceed `chunk_bytes` (header and proof at their worst)."""
@@ -210,11 +157,10 @@ def frame(
     """`payload` (safetensors bytes, or a file's bytes with dtype "raw") cut into messages of at most
     chunk_bytes, and their header; chunk i carries payload[i * chunk_room(chunk_bytes):][:chunk_room(chunk_bytes)]."""
     room = chunk_room(chunk_bytes)
-    view = memoryview(payload)
-    count = max(1, math.ceil(len(payload) / room))
-    if count > MAX_CHUNKS:
+    if math.ceil(len(payload) / room) > MAX_CHUNKS:
         raise ValueError(f"{len(payload)} bytes need more than {MAX_CHUNKS} chunks: raise the chunk size")
-    parts = [view[i * room:(i + 1) * room] for i in range(count)]
+    parts = cut(payload, room)
+    count = len(parts)
     levels = merkle_levels([leaf(p) for p in parts])
     header = ChunkHeader(kind=kind, federation=federation, round=round, submodel=submodel, client=client,
                          digest=levels[-1][0].hex(), dtype=dtype, samples=samples, metrics=metrics or {},

@@ -197,12 +197,12 @@ def test_bad_input_is_refused_a_broken_transfer_resumes_and_a_signed_rollback_is
     for message in bad:
         _publish_raw(broker, [message])
         time.sleep(0.3)  # one at a time: each retained one replaces the one before
-    wait_for(lambda: "sha256 does not match" in procs.log("d1"), 30, "the damaged chunks to be refused")
+    wait_for(lambda: "does not hash to the digest in its header" in procs.log("d1"), 30, "the damaged chunks to be refused")
     log = procs.log("d1")
     for words in ["refused rollout message: message carries no server signature",
                   "refused rollout message: signature does not match the pinned server key",
                   "refused rollout of federation 'other': this device follows 't'",
-                  "bytes, the signed release says", "sha256 does not match the signed release"]:
+                  "bytes, the header says", "does not hash to the digest in its header, which the signed release names"]:
         assert words in log, words
     assert serving(port) == 1  # the old version kept serving through all of it
 

@@ -186,9 +186,9 @@ def test_an_older_version_needs_a_signed_rollback(export: Path, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("damage, reason, words", [
-    (lambda data: data[:-100], "truncated", "bytes, the signed release says"),
-    (lambda data: data + b"x" * 100, "oversized", "bytes, the signed release says"),
-    (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "sha256_mismatch", "sha256 does not match the signed release"),
+    (lambda data: data[:-100], "size_mismatch", "bytes, the header says"),
+    (lambda data: data + b"x" * 100, "size_mismatch", "bytes, the header says"),
+    (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "digest_mismatch", "does not hash to the digest in its header"),
 ])
 def test_damaged_chunks_are_dropped_and_the_intact_copy_still_completes(export: Path, tmp_path: Path, damage, reason,
                                                                         words) -> None:
@@ -320,6 +320,24 @@ def test_a_restart_serves_the_version_on_disk(export: Path, tmp_path: Path) -> N
     deliver(make(tmp_path), export, 1)
     again = make(tmp_path)
     again.load_current()
+    assert again.version == 1
+
+
+def test_a_version_whose_stored_release_no_longer_loads_is_fetched_again(export: Path, tmp_path: Path) -> None:
+    """A release.json kept from before the release format's version 3 (here: one whose `v` says 2) is refused
+    on restart; the rollout that names that version fetches it again, re-verified, and serves it."""
+    deliver(make(tmp_path), export, 1)
+    stored = tmp_path / "models" / "versions" / "v1" / "release.json"
+    stored.write_bytes(SERVER.sign(stored.read_bytes().replace(b'"v":3', b'"v":2', 1).rsplit(b',"sig"', 1)[0] + b"}"))
+    again = make(tmp_path)
+    again.load_current()
+    assert again.version is None and "bad_version" in again.event
+    release, chunks = release_messages(SERVER, export, 1)
+    again.dispatch(T.deploy_rollout, rollout(SERVER, 1, 1))
+    assert "fetching it again" in again.event and T.deploy_release(1) in again.transport.subscribed
+    again.dispatch(T.deploy_release(1), release)
+    for topic, message in chunks:
+        again.dispatch(topic, message)
     assert again.version == 1
 
 

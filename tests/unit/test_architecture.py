@@ -16,7 +16,7 @@ PACKAGES = ("nefl", "aggregator", "edge_client", "export")
 FLOORS = (("nefl.support", 1), ("nefl.nested", 2), ("nefl.aggregation", 3), ("nefl.protocol", 3), ("nefl.jigsaw", 4),
           ("nefl.cli", 4), ("nefl", 0), ("aggregator", 5), ("edge_client", 5), ("export", 5))
 # what the small install (numpy, onnxruntime, paho-mqtt: no torch) imports: docs/architecture.md
-TORCH_FREE = ("nefl.support", "nefl.protocol.messages", "nefl.protocol.wire", "nefl.protocol.signing",
+TORCH_FREE = ("nefl.support", "nefl.protocol.messages", "nefl.protocol.merkle", "nefl.protocol.wire", "nefl.protocol.signing",
               "nefl.protocol.topics", "nefl.protocol.tokens", "nefl.protocol.manifest", "nefl.protocol.mqtt", "nefl.protocol.paho_fast",
               "nefl.nested.arch", "nefl.nested.profile", "nefl.nested.cost", "nefl.nested.tensorfile",
               "nefl.nested.families.costs", "nefl.cli")

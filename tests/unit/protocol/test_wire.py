@@ -20,9 +20,10 @@ from nefl.protocol.messages import MessageError
 from nefl.protocol.signing import Signer, parse_public_key
 from nefl.protocol.topics import Topics, check_name
 from nefl.nested.tensorfile import PayloadError, decode_tensors, encode_tensors
-from nefl.protocol.wire import (_NODE, DATA_ALIGN, HASH_BYTES, MAGIC, MAX_HEADER_BYTES, WIRE_VERSION, Reassembler, WireError, encode, leaf,
-                                merkle_levels, merkle_proof, merkle_root_of, parse_chunk, proof_length,
-                       split_chunk)
+from nefl.protocol.merkle import (_NODE, HASH_BYTES, leaf, merkle_levels, merkle_proof, merkle_root, merkle_root_of,
+                                  proof_length)
+from nefl.protocol.wire import (DATA_ALIGN, MAGIC, MAX_HEADER_BYTES, WIRE_VERSION, Reassembler, WireError, encode,
+                                parse_chunk, split_chunk)
 
 CHUNK = 16 * 1024
 
@@ -120,7 +121,7 @@ def test_every_chunk_proves_its_place_and_nothing_else_does(count, data):
         nodes = [blake3(nodes[i] + nodes[i + 1], derive_key_context=_NODE).digest() if i + 1 < len(nodes) else nodes[i]
                  for i in range(0, len(nodes), 2)]
     root = levels[-1][0]
-    assert root == nodes[0]
+    assert root == nodes[0] == merkle_root([leaf(p) for p in parts])
     i = data.draw(st.integers(0, count - 1))
     proof = memoryview(merkle_proof(levels, i))
     assert len(proof) == proof_length(i, count) * HASH_BYTES
