@@ -47,7 +47,7 @@ from rich.table import Table
 
 from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
-                               manifest_digest, migrate_state, retired_topics, save_state)
+                               manifest_digest, migrate_state, retired_topics, save_state, state_path)
 from aggregator.enrolment import Enrolment
 from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, FederationOption, KeyDirOption, LogFormatOption,
                                       LogLevelOption, LogOptions)
@@ -171,16 +171,8 @@ class FleetBook:
         return rollout
 
     def _check(self, client: str, payload: bytes) -> DeployReport:
-        try:
-            body, key = verify_self_signed(payload, lambda b: DeployReport.from_json(b).key)
-        except MessageError:
-            will = DeployReport.from_json(payload)  # only the unsigned last will is taken unsigned, and only as offline
-            if will.state != "offline" or will.client != client:
-                raise
-            if self.enrolled(client) is None:
-                raise MessageError("not_enrolled", f"a last will for {client}, which is not enrolled") from None
-            last = self.reports.get(client)
-            return msgspec.structs.replace(last, state="offline") if last is not None else will
+        # every report signed, the last will included: an unsigned one (an older follower's, or anyone's) is refused
+        body, key = verify_self_signed(payload, lambda b: DeployReport.from_json(b).key)
         report = DeployReport.from_json(body)
         if report.client != client or report.federation != self.topics.federation:
             raise MessageError("client_mismatch", f"report names {report.client}@{report.federation} on {client}'s topic")
@@ -191,9 +183,23 @@ class FleetBook:
         if enrolled != key:
             raise MessageError("key_mismatch", f"a report of {client} signed by {key[:12]}..., not its enrolled key")
         last = self.reports.get(client)
-        if last is not None and last.state != "offline" and report.time < last.time:
+        if report.state == "offline":
+            return self._closed(client, report, last)
+        if last is not None and (report.connection, report.time) < (last.connection, last.time):
             raise MessageError("replayed", f"report of {client} older than the last one")
+        if last is not None and last.state == "offline" and report.connection <= last.connection:
+            raise MessageError("replayed", f"report of {client} from a connection its last will closed")
         return report
+
+    @staticmethod
+    def _closed(client: str, will: DeployReport, last: DeployReport | None) -> DeployReport:
+        """The device's signed last will (or its clean goodbye): the last report, offline, when the will names
+        the connection that report came on or a later one; a will of an earlier connection is a replay."""
+        if last is None:
+            return will
+        if will.connection < last.connection:
+            raise MessageError("replayed", f"a last will of {client} for an earlier connection than its last report's")
+        return msgspec.structs.replace(last, state="offline", connection=will.connection)
 
 
 class RolloutBroker:
@@ -371,10 +377,12 @@ def choose_canaries(online: list[str], fraction: float | None, named: list[str],
 
 
 def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, credentials: tuple[str | None, ...],
-                     create_key: bool = True, key_dir: str | None = None, state_dir: str | None = None) -> Operator:
+                     create_key: bool = True, key_dir: str | None = None, state_dir: str | None = None,
+                     need_state: bool = False) -> Operator:
     """The operator's world, or exit 2 with the fix (bad URL, key, state, broker unreachable). Only the
     commands that sign create the server key when it is missing (as `aggregator key` does). The state is
-    the key directory's (or `state_dir`); one an older version left in the run directory is moved there."""
+    the key directory's (or `state_dir`); one an older version left in the run directory is moved there.
+    `need_state`: a command that only reads the state refuses one that was never written."""
     checkpoint_dir = checkpoint_dir or f"runs/{federation}"
     try:
         topics = Topics(federation)
@@ -383,6 +391,9 @@ def connect_operator(checkpoint_dir: str | None, federation: str, broker: str, c
         signer = keys.server_signer(checkpoint_dir, create=create_key)
         where = Path(state_dir) if state_dir else keys.rollout_dir
         migrate_state(Path(checkpoint_dir), where)
+        if need_state and not state_path(where).is_file():
+            raise DeployError(f"no rollout state in {where}: nothing was published with these keys; give the "
+                              "--key-dir (or --state-dir) of the operator that ran `aggregator publish`")
         state = load_state(where)
         fleet = RolloutBroker(settings, topics, parse_public_key(signer.public_text), EnrolledKeys(keys), state.seq)
         fleet.connect()
@@ -412,9 +423,10 @@ class FederationOptions:
 @contextmanager
 def operating(where: FederationOptions, create_key: bool = True) -> Iterator[Operator]:
     """One operator command: connected, a DeployError turned into its one line and exit 2, disconnected after.
-    A command that signs (`create_key`) first checks that the state is the newest the broker has seen."""
+    A command that signs (`create_key`) first checks that the state is the newest the broker has seen; one
+    that only reads (`rollout status`) needs a state to read."""
     op = connect_operator(where.checkpoint_dir, where.federation, where.broker, where.mqtt.credentials, create_key,
-                          where.key_dir, where.state_dir)
+                          where.key_dir, where.state_dir, need_state=not create_key)
     try:
         if create_key:
             op.check_current()

@@ -157,6 +157,7 @@ class Follower:
         self._last_report = float("-inf")
         self._last_progress = clock()
         self._retry_at: float | None = None
+        self.connection = 0  # the stamp of the broker connection reports go out on
 
     # -- versions on disk ---------------------------------------------------------------------------------
     @property
@@ -181,8 +182,10 @@ class Follower:
         return self._verify_release(self.store.release_bytes(version), version)
 
     # -- connection ---------------------------------------------------------------------------------------
-    def on_connected(self) -> None:
-        """(Re)connected with a clean session: subscribe again to what is still needed, say where we are."""
+    def on_connected(self, connection: int = 0) -> None:
+        """(Re)connected with a clean session (stamped `connection`, which its reports name): subscribe again to
+        what is still needed, say where we are."""
+        self.connection = connection
         self._subscribed.clear()
         if self.staging is not None:
             staging = self.staging
@@ -555,6 +558,7 @@ class Follower:
             fetched_bytes=fetched, release_bytes=size,
             submodels=sorted(s.index for s in active.runtime.submodels) if active is not None else [],
             swap_ms=None if self.swap_ms is None else round(self.swap_ms, 3), time=self.wall(),
+            connection=self.connection,
         )
 
     def _report(self, force: bool = False) -> None:
@@ -570,9 +574,12 @@ def release_size(release: Release) -> int:
     return sum(f.size for f in release.files)
 
 
-def offline_report(client_id: str) -> bytes:
-    """The last will on deploy/status/{client}: unsigned, so it only ever says "offline"."""
-    return DeployReport(client=client_id, state="offline").to_json()
+def offline_report(cfg: FollowConfig, connection: int) -> bytes:
+    """The last will on deploy/status/{client} for the connection stamped `connection`, signed now, before it is
+    needed: "offline" from this device's key, closing that connection's reports and no other's."""
+    report = DeployReport(client=cfg.client_id, federation=cfg.federation, key=cfg.device_key.public_text,
+                          state="offline", connection=connection, time=connection / 1e6)
+    return cfg.device_key.sign(report.to_json())
 
 
 def run(follower: Follower, conn: Connection, stop: threading.Event) -> None:
@@ -581,7 +588,7 @@ def run(follower: Follower, conn: Connection, stop: threading.Event) -> None:
     try:
         while not stop.is_set():
             if conn.just_connected():
-                follower.on_connected()
+                follower.on_connected(conn.stamp)
             try:
                 follower.dispatch(*conn.inbox.get(timeout=0.2))
             except queue.Empty:
@@ -591,4 +598,4 @@ def run(follower: Follower, conn: Connection, stop: threading.Event) -> None:
             except Exception:  # keep following: the current version serves whatever went wrong here
                 log.error(f"internal error in the follower's tick\n{traceback.format_exc()}")
     finally:
-        conn.stop((follower.topics.deploy_status(follower.cfg.client_id), offline_report(follower.cfg.client_id)))
+        conn.stop((follower.topics.deploy_status(follower.cfg.client_id), offline_report(follower.cfg, conn.stamp)))

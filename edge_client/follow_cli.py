@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ def start_following(
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     memory_probe = probe or ExternalLoadProbe()
-    conn = Connection(settings, f"{cid}-serve", topics.deploy_status(cid), offline_report(cid), log)
+    conn = Connection(settings, f"{cid}-serve", topics.deploy_status(cid), partial(offline_report, cfg), log)
     serving = Serving()
     follower = Follower(cfg, conn.client, store, serving, build, lambda: memory_probe()[1])
     with console.status("loading and calibrating the current version..."):

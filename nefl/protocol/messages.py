@@ -540,8 +540,9 @@ class Refusal(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class DeployReport(Message, frozen=True, kw_only=True, tag="deploy_report", tag_field="type"):
-    """Device -> server, retained on deploy/status/{client}, signed by the device key it names in `key`
-    (the broker-published last will, unsigned, only says "offline")."""
+    """Device -> server, retained on deploy/status/{client}, signed by the device key it names in `key`. The
+    last will is such a report too, state "offline", signed in advance for the connection it names in
+    `connection`: it closes that connection's reports, and a replayed will of an earlier connection closes nothing."""
 
     client: Name
     state: Literal["waiting", "staging", "serving", "offline"]
@@ -560,6 +561,7 @@ class DeployReport(Message, frozen=True, kw_only=True, tag="deploy_report", tag_
     submodels: Annotated[list[Submodel], msgspec.Meta(max_length=256)] = []  # 0-based, of the serving version
     swap_ms: Millis | None = None  # requests waited this long for the last swap
     time: float = 0.0  # the device's clock: a report older than the newest seen is a replay
+    connection: Count = 0  # the stamp of the MQTT connection it was sent on (nefl/protocol/mqtt.py next_stamp); 0: unknown
 
 
 # -- Flower (aggregator/flower.py <-> edge_client/flower.py, docs/flower.md) ---------------------------

@@ -21,7 +21,7 @@ from aggregator.deploy import DeployError, RolloutState, build_release, load_sta
 from aggregator.enrolment import Grant, Revoke, append
 from aggregator.keys import KeyDir
 from aggregator.rollout import CanaryRule, EnrolledKeys, FleetBook, choose_canaries, judge, judge_device
-from edge_client.follow import FollowConfig, Follower
+from edge_client.follow import FollowConfig, Follower, offline_report
 from edge_client.runtime import AdaptiveRuntime
 from edge_client.serving import Active, Serving
 from edge_client.store import Store, followed_current
@@ -354,8 +354,35 @@ def test_reports_are_signed_by_the_device_key(export: Path, tmp_path: Path) -> N
     assert book.reports["d1"].version == 1 and book.online() == ["d1"]
     book.feed(T.deploy_status("d1"), forged)
     assert book.reports["d1"].version == 1 and book.rejected["key_mismatch"] == 2
-    book.feed(T.deploy_status("d1"), DeployReport(client="d1", state="offline").to_json())  # the unsigned last will
-    assert book.reports["d1"].state == "offline" and book.reports["d1"].version == 1
+
+
+
+def test_only_a_devices_signed_last_will_of_its_current_connection_marks_it_offline(export: Path, tmp_path: Path) -> None:
+    """Anyone can publish on deploy/status/d1: an unsigned "offline", a forged one, or d1's own will of an earlier
+    connection replayed change nothing; d1's will of the connection it reports on does, and only d1's next
+    connection brings it back (a replayed report of the closed connection does not)."""
+    f = make(tmp_path)
+    f.on_connected(100)
+    old_will = offline_report(f.cfg, 100)
+    f.on_connected(200)
+    deliver(f, export, 1)
+    book = FleetBook(T, parse_public_key(SERVER.public_text), {"d1": f.cfg.device_key.public_text}.get)
+    report = f.transport.on(T.deploy_status("d1"))[-1]
+    book.feed(T.deploy_status("d1"), report)
+    other = Signer(Ed25519PrivateKey.generate())
+    forged = other.sign(DeployReport(client="d1", federation="t", key=other.public_text, state="offline",
+                                     connection=200).to_json())
+    for payload in (DeployReport(client="d1", state="offline").to_json(), forged, old_will):
+        book.feed(T.deploy_status("d1"), payload)
+    assert book.online() == ["d1"] and book.reports["d1"].version == 1
+    assert book.rejected == {"unsigned": 1, "key_mismatch": 1, "replayed": 1}
+    book.feed(T.deploy_status("d1"), offline_report(f.cfg, 200))  # the broker publishes d1's will
+    assert book.online() == [] and book.reports["d1"].state == "offline" and book.reports["d1"].version == 1
+    book.feed(T.deploy_status("d1"), report)  # its last report replayed: the will closed that connection
+    assert book.online() == [] and book.rejected["replayed"] == 2
+    f.on_connected(300)
+    book.feed(T.deploy_status("d1"), f.transport.on(T.deploy_status("d1"))[-1])
+    assert book.online() == ["d1"]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -457,7 +484,7 @@ def test_reports_count_only_under_the_enrolled_key_and_made_up_ids_are_never_can
         book.feed(T.deploy_status(made_up), _signed_report(attacker, made_up, version=2, current=stats))
     book.feed(T.deploy_status("d2"), _signed_report(attacker, "d2", version=2, current=stats))  # another device's id
     book.feed(T.deploy_status("zz"), DeployReport(client="zz", state="offline").to_json())  # an unsigned last will
-    assert book.reports == {} and book.rejected == {"not_enrolled": 4, "key_mismatch": 1}
+    assert book.reports == {} and book.rejected == {"not_enrolled": 3, "unsigned": 1, "key_mismatch": 1}
     book.feed(T.deploy_status("d1"), _signed_report(d1, "d1", version=1))
     book.feed(T.deploy_status("d2"), _signed_report(d2, "d2", version=1))
     assert book.online() == ["d1", "d2"]
@@ -491,6 +518,21 @@ def test_an_old_rollout_state_moves_to_the_key_directory(tmp_path: Path) -> None
     save_state(run / "deploy", RolloutState(seq=1))
     with pytest.raises(DeployError, match="two rollout states"):
         migrate_state(run, keys.rollout_dir)
+
+
+def test_rollout_status_without_a_state_says_so_in_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from aggregator.cli import app
+
+    keys = KeyDir("t", tmp_path / "keys")
+    keys.server_signer()
+    result = CliRunner().invoke(app, ["rollout", "status", "--federation", "t", "--key-dir", str(tmp_path / "keys"),
+                                      "--broker", "mqtt://127.0.0.1:1", "--checkpoint-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert lines == [f"error: no rollout state in {keys.rollout_dir}: nothing was published with these keys; give the "
+                     "--key-dir (or --state-dir) of the operator that ran `aggregator publish`"]
 
 
 @given(online=st.lists(st.from_regex(r"[a-z]{1,6}", fullmatch=True), unique=True, min_size=1, max_size=30),
