@@ -531,8 +531,8 @@ def test_rollout_status_without_a_state_says_so_in_one_line(tmp_path: Path) -> N
                                       "--broker", "mqtt://127.0.0.1:1", "--checkpoint-dir", str(tmp_path / "run")])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert lines == [f"error: no rollout state in {keys.rollout_dir}: nothing was published with these keys; give the "
-                     "--key-dir (or --state-dir) of the operator that ran `aggregator publish`"]
+    assert lines == [(f"error: no rollout state in {keys.rollout_dir}: nothing was published with these keys; give "
+                      "the --key-dir (or --state-dir) of the operator that ran `aggregator publish`")]
 
 
 @given(online=st.lists(st.from_regex(r"[a-z]{1,6}", fullmatch=True), unique=True, min_size=1, max_size=30),
