@@ -173,6 +173,8 @@ class Agent:
             if msg.federation != self.cfg.federation or msg.run != status.run or msg.incarnation != status.incarnation:
                 raise MessageError("wrong_run", f"{type(msg).__name__} of {msg.federation}/{msg.run}, that key's run "
                                                 f"is {status.run}")
+            if isinstance(msg, AnnounceRefusal):
+                self._on_refusal(msg, trusted=False)  # said, never obeyed: it does not make the key trusted
             if not isinstance(msg, Task):
                 return  # nothing but a task (this device chosen by that run) makes a first-use key trusted
             self._pin(key, f"its run {status.run} sent this device a task")
@@ -345,10 +347,12 @@ class Agent:
                 log.info(f"run {msg.run} of federation {msg.federation} ended; this device took no task in it, so it "
                          "stays for the next run")
 
-    def _on_refusal(self, msg: AnnounceRefusal) -> None:
+    def _on_refusal(self, msg: AnnounceRefusal, trusted: bool = True) -> None:
         """The server refused our announce: say what to do, once per reason. A final reason (revoked, a bad,
         spent or expired token) ends the device, but only when the refused announce was signed by this device's
-        key: an announce forged under our id is refused too, and must not stop us."""
+        key (an announce forged under our id is refused too, and must not stop us) and the refusal by the pinned
+        server key: a device with neither pin nor token (`trusted` False: a key it has only seen in a status) says
+        the refusal and keeps trying, as anyone could run a server that refuses it."""
         me, key = self.cfg.client_id, self.cfg.device_key
         if msg.client != me:
             raise MessageError("client_mismatch", f"refusal of {msg.client!r} on {me!r}'s topic")
@@ -357,12 +361,13 @@ class Agent:
             raise MessageError("not_our_announce", f"refusal ({msg.reason}) of an announce signed by "
                                                    f"{msg.key[:12] or 'no key'}..., not by this device's key")
         said = refusal_hint(msg.reason, me) or "".join(c if c.isprintable() else "?" for c in msg.hint)
-        if final:
+        if final and trusted:
             self.refused = msg.reason
             log.error(f"the server refused this device ({msg.reason}): {said}", extra={"reason": msg.reason})
         elif self.said_refused != msg.reason:
             self.said_refused = msg.reason
-            log.warning(f"the server refused this device's announce ({msg.reason}): {said}; still trying",
+            log.warning(f"the server refused this device's announce ({msg.reason}): {said}; still trying"
+                        + ("" if trusted else " (a server whose key this device has not pinned: not obeyed)"),
                         extra={"reason": msg.reason})
 
     def _take_task(self, task: Task) -> None:

@@ -110,3 +110,18 @@ def test_join_exits_with_exit_refused_after_a_final_refusal(tmp_path):
     agent, server, mine = _agent(tmp_path)
     conn = _Conn([(T.refusal("c1"), server.refusal("revoked", key=mine))])
     assert run(agent, conn, None) == EXIT_REFUSED and conn.stopped is not None  # "offline" said on the way out
+
+
+@pytest.mark.parametrize("reason", ["not_enrolled", "revoked"])
+def test_a_device_without_pin_or_token_says_a_refusal_and_never_obeys_it(tmp_path, caplog, reason):
+    """Trust on first use: the refusal is signed by a key the device has only seen in a status. It says what to do,
+    once; it neither ends the device (anyone can run a server that refuses it) nor pins that key."""
+    server = FakeServer(tmp_path / "s")
+    agent, _, _ = make_agent(tmp_path, server, pinned=False)
+    mine = agent.cfg.device_key.public_text
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            agent.dispatch(T.refusal("c1"), server.refusal(reason, key=mine))
+    assert agent.refused is None and agent.pin.key is None and not agent.dropped
+    said = [r.getMessage() for r in caplog.records if "refused this device's announce" in r.getMessage()]
+    assert len(said) == 1 and f"({reason})" in said[0] and "not obeyed" in said[0]
