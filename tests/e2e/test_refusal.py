@@ -1,6 +1,7 @@
 """A refusal reaches the device, with real processes: mosquitto, `aggregator serve` under enrolment, a device
-that joined with its token, then `aggregator revoke`: `edge-client join` exits with EXIT_REFUSED and one line
-naming the cause and the fix, within a round."""
+that joined with its token (on the coordinator's broker, or on a site broker behind `aggregator relay`), then
+`aggregator revoke`: `edge-client join` exits with EXIT_REFUSED and one line naming the cause and the fix,
+within a round."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def aggregator(procs: Procs, *args: str) -> str:
 
 @needs_mosquitto
 @pytest.mark.timeout(240)
-def test_a_revoked_device_is_told_and_join_exits_with_the_reason(procs):
+@pytest.mark.parametrize("behind_relay", [False, True], ids=["direct", "behind_relay"])
+def test_a_revoked_device_is_told_and_join_exits_with_the_reason(procs, behind_relay):
     port = free_port()
     procs.mosquitto(port)
     url = f"mqtt://127.0.0.1:{port}"
@@ -35,9 +37,10 @@ def test_a_revoked_device_is_told_and_join_exits_with_the_reason(procs):
     procs.start("agg", [*CLI, "serve", "--profile", PROFILE, "--checkpoint-dir", str(procs.tmp / "run"), "--broker", url,
                         "--federation", "t", "--rounds", "50", "--min-clients", "2", "--round-timeout", str(ROUND_S),
                         "--join-wait", "600", "--batch-size", "16"])
-    dev = procs.start("c1", [sys.executable, "-c", "from edge_client.cli import app; app()", "join", "--broker", url,
-                             "--client-id", "c1", "--federation", "t", "--threads", "1", "--max-samples", "64",
-                             "--no-calibrate", "--join-token", token])
+    device_url = relay_site(procs, url) if behind_relay else url
+    dev = procs.start("c1", [sys.executable, "-c", "from edge_client.cli import app; app()", "join", "--broker",
+                             device_url, "--client-id", "c1", "--federation", "t", "--threads", "1", "--max-samples",
+                             "64", "--no-calibrate", "--join-token", token])
     wait_for(lambda: "client c1 announced" in procs.log("agg"), 120, "c1 to enrol")
     aggregator(procs, "revoke", "c1")
     revoked = time.monotonic()
@@ -50,3 +53,21 @@ def test_a_revoked_device_is_told_and_join_exits_with_the_reason(procs):
     assert rc == EXIT_REFUSED and took < ROUND_S, (rc, took)
     assert len(lines) == 1 and "revoked by the operator" in lines[0] and "aggregator enroll c1" in lines[0], lines
     assert "stays for the next run" not in procs.log("c1")
+
+
+def relay_site(procs: Procs, upstream: str) -> str:
+    """A site broker behind `aggregator relay` (its key authorised on the coordinator); returns the site's URL."""
+    site = free_port()
+    procs.mosquitto(site)
+    relay = [*CLI, "relay", "--site-broker", f"mqtt://127.0.0.1:{site}", "--upstream", upstream, "--federation", "t",
+             "--relay-id", "site-a"]
+    env = procs.env
+    procs.env = {**env, "NEFL_KEY_DIR": str(procs.tmp / "relay-keys")}  # the relay's own host
+    try:
+        key = subprocess.run([*relay, "--print-key"], env=procs.env, capture_output=True, text=True, timeout=60,
+                             check=True).stdout.strip()
+        procs.start("relay", relay)
+    finally:
+        procs.env = env
+    aggregator(procs, "enroll", "site-a", "--worker", "--key", key)
+    return f"mqtt://127.0.0.1:{site}"
