@@ -15,8 +15,8 @@ from rich.table import Table
 
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedPortOption
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, KeyDirOption, LogOptions, RunOutOption, ThreadsOption,
-                                      TorchvisionRootOption)
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, KeyDirOption, LogOptions, OutOption,
+                                      ThreadsOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
@@ -46,7 +46,7 @@ class SimData:
         min=10, help="Cap each client's task data (faster runs).")] = D.max_samples_per_client
     test_per_client: Annotated[int, typer.Option(
         min=10, help="Local test images per client (its own label distribution).")] = D.test_per_client
-    data_root: TorchvisionRootOption = D.data_root
+    data_root: DataRootOption = D.data_root
 
 
 @option_group("Policy")
@@ -97,7 +97,7 @@ def jigsaw_command(
                                           "largest base model's share of the training-peak estimate."),
     eval_every: int = typer.Option(D.eval_every, min=0, help="Evaluate every N model-training rounds (always after the last)."),
     seed: int = typer.Option(D.seed, help="Seed for init, budgets, partitions, policies and augmentation."),
-    out: RunOutOption = D.out,
+    out: OutOption = D.out,
     threads: ThreadsOption = None,
     *,
     data: SimData,
@@ -106,7 +106,8 @@ def jigsaw_command(
     neighbours: Topology,
     poisoning: SimAttack,
 ) -> None:
-    """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client."""
+    """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client.
+    With --out, metrics.jsonl, config.json and the final checkpoint are written there."""
     err = console(stderr=True)
     try:
         chosen = get_method(method)
@@ -208,7 +209,7 @@ def jigsaw_serve_command(
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds."),
     lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate."),
     seed: int = typer.Option(D.seed, help="Seed of shards, module init, policies and topology."),
-    out: Optional[str] = typer.Option(None, help="Directory for metrics.jsonl (one row per round) and final.json."),
+    out: OutOption = None,
     http: Optional[str] = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT)."),
     key_dir: KeyDirOption = None,
     *,
@@ -221,7 +222,8 @@ def jigsaw_serve_command(
     mqtt: BrokerOptions,
     logs: LogOptions,
 ) -> None:
-    """Coordinate FedJigsaw devices over MQTT: rounds, topology, phase and the CoRe-Tune critic; no central model."""
+    """Coordinate FedJigsaw devices over MQTT: rounds, topology, phase and the CoRe-Tune critic; no central model.
+    With --out, metrics.jsonl (one row per round) and final.json are written there."""
     import logging
     import threading
     from pathlib import Path

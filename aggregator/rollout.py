@@ -49,8 +49,8 @@ from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
                                manifest_digest, migrate_state, retired_topics, save_state, state_path)
 from aggregator.enrolment import Enrolment
-from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, FederationOption, KeyDirOption, LogFormatOption,
-                                      LogLevelOption, LogOptions)
+from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, FederationOption, JsonOption, KeyDirOption,
+                                      LogFormatOption, LogLevelOption, LogOptions)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.logs import console, progress, setup_logging
 from nefl.protocol.messages import DeployReport, MessageError, Rollout
@@ -513,13 +513,14 @@ rollout_app = typer.Typer(help="See and steer a model rollout: who runs which ve
 @rollout_app.command("status")
 @grouped
 def status_command(
-    as_json: bool = typer.Option(False, "--json", help="Print the rollout and the device reports as JSON."),
+    as_json: JsonOption = False,
     log_level: LogLevelOption = "warning",
     log_format: LogFormatOption = "plain",
     *,
     where: FederationOptions,
 ) -> None:
-    """Which device runs which version, its health and latency against the version before."""
+    """Which device runs which version, its health and latency against the version before (--json: the rollout
+    and the device reports as JSON)."""
     setup_logging(log_level, log_format)
     with operating(where, create_key=False) as op:
         view = fleet_view(op.fleet.book.rollout or op.state.rollout(where.federation), op.fleet.book.reports)

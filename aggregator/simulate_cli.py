@@ -15,7 +15,7 @@ from rich.table import Table
 from aggregator.assignment import Assignment
 from aggregator.run_options import RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import BatchSizeOption, RunOutOption, ThreadsOption, TorchvisionRootOption
+from nefl.support.cli_options import BatchSizeOption, DataRootOption, OutOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.settings import Attack, TrainConfig, Weighting
@@ -28,7 +28,7 @@ class SimData:
     dataset: Annotated[Optional[str], typer.Option(help="Dataset (default: the profile's), e.g. fashion-mnist.")] = None
     non_iid: Annotated[Optional[float], typer.Option(help="Dirichlet alpha for label skew (omit for IID).")] = None
     max_samples_per_client: Annotated[Optional[int], typer.Option(min=1, help="Cap each client's data (faster runs).")] = None
-    data_root: TorchvisionRootOption = None
+    data_root: DataRootOption = None
 
 
 @option_group("Local training")
@@ -66,7 +66,7 @@ def simulate_command(
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
     rounds: int = typer.Option(30, min=1, help="Communication rounds."),
     seed: int = typer.Option(0, help="Seed for init, partitions, sampling and augmentation."),
-    out: RunOutOption = None,
+    out: OutOption = None,
     threads: ThreadsOption = None,
     device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
     assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
@@ -81,7 +81,8 @@ def simulate_command(
     evaluation: SimEval,
     hostile: AttackOptions,
 ) -> None:
-    """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy."""
+    """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy; with --out,
+    metrics.jsonl, config.json and the final checkpoint are written there."""
     with full_install_required("aggregator simulate"):  # here, not at the top: `simulate --help` needs no torch
         import torch
 

@@ -19,7 +19,7 @@ import paho.mqtt.client as mqtt
 import typer
 from rich.table import Table
 
-from nefl.support.cli_options import BrokerOptions, LogOptions
+from nefl.support.cli_options import BrokerOptions, JsonOption, LogOptions
 from nefl.support.option_groups import grouped
 from nefl.support.logs import console, setup_logging
 from nefl.protocol.messages import MAX_STATUS_BYTES, MessageError, ServerStatus
@@ -81,12 +81,12 @@ def status_command(
     federation: str = typer.Option("default", help="Federation name."),
     checkpoint_dir: str = typer.Option(None, help="Read status.json and metrics.jsonl here (default runs/FEDERATION)."),
     timeout: float = typer.Option(5.0, help="Seconds to wait for the retained status."),
-    as_json: bool = typer.Option(False, "--json", help="Print the raw status JSON."),
+    as_json: JsonOption = False,
     *,
     access: BrokerOptions,
     logs: LogOptions,
 ) -> None:
-    """Show a federation's live state (round, clients, rejections, accuracy)."""
+    """Show a federation's live state (round, clients, rejections, accuracy); --json prints the raw status JSON."""
     from aggregator.control_plane import STATUS_FILE  # here, not at the top: `status --help` needs no torch
     from nefl.nested.checkpoint import read_metrics
 

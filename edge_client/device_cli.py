@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_client.probe import MIN_WINDOW_S, DeviceSnapshot, Prober, format_bytes, is_throttled
+from nefl.support.cli_options import JsonOption
 
 console = Console()
 
@@ -53,10 +54,10 @@ def _snapshot_table(s: DeviceSnapshot) -> Table:
 
 
 def probe_command(
-    as_json: bool = typer.Option(False, "--json", help="Print the snapshot as JSON."),
+    as_json: JsonOption = False,
     interval: float = typer.Option(0.5, min=0.0, help=f"Seconds over which CPU utilisation is sampled (under {MIN_WINDOW_S:g} s: unknown)."),
 ) -> None:
-    """Print one snapshot of memory, CPU/GPU load, thermals, throttling and battery."""
+    """Print one snapshot of memory, CPU/GPU load, thermals, throttling and battery (--json: as JSON)."""
     snap = sample_snapshot(interval)
     if as_json:
         print(json.dumps(snap.to_dict(), indent=1))

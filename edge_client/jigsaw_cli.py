@@ -17,7 +17,7 @@ import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
 from edge_client.join import Membership
-from nefl.support.cli_options import LogOptions, ThreadsOption
+from nefl.support.cli_options import DataRootOption, LogOptions, OutOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import setup_logging
 from nefl.support.option_groups import grouped
@@ -32,20 +32,21 @@ log = logging.getLogger(__name__)
 def jigsaw_command(
     memory_budget: str = typer.Option(None, help="Memory this device may train in, e.g. 40MB (default: what the probe "
                                       "reads as available); the largest base architecture that fits is its model."),
-    data_root: str = typer.Option(None, help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data); the "
-                                  "coordinator's plan names the dataset and this device's shard of it."),
+    data_root: DataRootOption = None,
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
                                    help="The coordinator's public key (`aggregator key` prints it) or a file holding it; "
                                         "without it the first plan that lists this device is trusted, with a warning."),
     device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
                                     "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; peers check it."),
-    out: Path = typer.Option(None, help="Write the final chain's parameters here (final.safetensors)."),
+    out: OutOption = None,
     threads: ThreadsOption = None,
     *,
     member: Membership,
     logs: LogOptions,
 ) -> None:
-    """Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them."""
+    """Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them. The
+    coordinator's plan names the dataset (under --data-root) and this device's shard of it; with --out, the final
+    chain's parameters are written there (final.safetensors)."""
     with full_install_required("edge-client jigsaw"):
         import torch
         from safetensors.torch import save_file
@@ -85,8 +86,8 @@ def jigsaw_command(
     try:
         accuracy = device.run()
         if out is not None and device.final_state:
-            out.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in device.final_state.items()}, str(out / "final.safetensors"))
+            Path(out).mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in device.final_state.items()}, str(Path(out) / "final.safetensors"))
         log.info("federation over" + (f"; final local test accuracy {accuracy:.4f}" if accuracy is not None else ""))
     except (DatasetUnavailable, ValueError) as e:
         log.error(f"cannot take part: {e}")

@@ -21,7 +21,7 @@ from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
 from nefl.nested.profile import ProfileError, load_profile
-from nefl.support.cli_options import BatchSizeOption
+from nefl.support.cli_options import BatchSizeOption, JsonOption
 from nefl.support.extras import full_install_required
 from nefl.support.settings import TrainConfig
 
@@ -84,9 +84,10 @@ def plan_command(
     recalibrate: bool = typer.Option(False, help="Ignore the cache and measure again."),
     cache_dir: CacheDirOption = CALIBRATION_DIR,
     device: str = typer.Option("cpu", help="torch device the costs are measured on: cpu, or cuda (Jetson / GPU)."),
-    as_json: bool = typer.Option(False, "--json", help="Print costs and the selection as JSON."),
+    as_json: JsonOption = False,
 ) -> None:
-    """Show each submodel's cost on this device now, whether it fits, and which one would train."""
+    """Show each submodel's cost on this device now, whether it fits, and which one would train (--json: the costs
+    and the selection as JSON)."""
     with full_install_required("edge-client plan"):  # here, not at the top: `plan --help` needs no torch
         import torch
 

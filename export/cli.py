@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from nefl.support.cli_options import LogOptions
+from nefl.support.cli_options import DataRootOption, LogOptions, OutOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import progress, setup_logging
 from nefl.support.option_groups import grouped
@@ -34,18 +34,18 @@ def _parse_submodels(spec: str | None) -> list[int] | None:
 @grouped
 def onnx_command(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint directory (as written by serve or simulate)."),
-    out: Path = typer.Option(..., "--out", help="Directory for the .onnx files and manifest.json."),
+    out: OutOption = ...,
     quantize: str | None = typer.Option(None, "--quantize", help="'int8': also write static-QDQ int8 files "
                                         "and their accuracy delta on the test split."),
-    data_root: Path | None = typer.Option(None, "--data-root", help="Where the dataset lives (default: $NEFL_DATA_ROOT "
-                                          "or ~/.cache/nefl/data); parity uses seeded random inputs without it."),
+    data_root: DataRootOption = None,
     submodels: str | None = typer.Option(None, "--submodels", help="Only these submodels, 1-based, e.g. '1,3,5'."),
     include_untrained: bool = typer.Option(False, "--include-untrained", help="Also export submodels the checkpoint "
                                            "records as never trained or no better than chance (skipped by default)."),
     *,
     logs: LogOptions,
 ) -> None:
-    """One verified .onnx per submodel (BN and step sizes folded), then manifest.json."""
+    """One verified .onnx per submodel (BN and step sizes folded), then manifest.json, into --out. The parity
+    check uses the dataset's test images from --data-root, or seeded random inputs where it has none."""
     with full_install_required("nefl-export onnx"):  # here, not at the top: `onnx --help` needs no torch
         from export.onnx_export import export_checkpoint
         from export.parity import ParityError
@@ -70,4 +70,4 @@ def onnx_command(
             q = entry["int8"]
             line += f"  int8 acc {q['accuracy_int8']:.4f} (delta {q['accuracy_delta']:+.4f})"
         print(line)
-    print(f"manifest: {out / 'manifest.json'} (parity inputs: {manifest['parity']['inputs']})")
+    print(f"manifest: {Path(out) / 'manifest.json'} (parity inputs: {manifest['parity']['inputs']})")

@@ -41,10 +41,10 @@ FederationOption = Annotated[str, typer.Option("--federation", help="Federation 
 BrokerUrlOption = Annotated[str, typer.Option(
     "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")]
 DataRootOption = Annotated[Optional[str], typer.Option(
-    "--data-root", help="Dataset directory (default $NEFL_DATA_ROOT or ~/.cache/nefl/data).")]
-TorchvisionRootOption = Annotated[Optional[str], typer.Option("--data-root", help="Dataset root (torchvision layout).")]
-RunOutOption = Annotated[Optional[str], typer.Option(
-    "--out", help="Directory for metrics.jsonl, config.json and the final checkpoint.")]
+    "--data-root", help="Dataset directory, torchvision's layout (default $NEFL_DATA_ROOT or ~/.cache/nefl/data).")]
+# what a command writes there, and what it prints, its own description says
+OutOption = Annotated[Optional[str], typer.Option("--out", help="Directory this command writes its results into.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the output as JSON instead of text.")]
 BatchSizeOption = Annotated[int, typer.Option("--batch-size", min=1, help="Local batch size.")]
 
 # the aggregator side's private keys (aggregator/keys.py): one directory per federation, outside the run directories
