@@ -591,16 +591,42 @@ def test_infer_on_a_followed_directory_uses_its_current_version(export: Path, tm
                                                     '{"v":2,"type":"deploy_report","client":"d2","state":"serving"}',
                                                     '{"v":2,"type":"rollout","federation":"t","seq":1}', "{}", "[]"])),
     st.sampled_from([rollout(SERVER, 3, 1), rollout(SERVER, 3, 1, federation="x"), rollout(SERVER, 3, 1)[:-20]]),
-    st.builds(lambda key, version, state: key.sign(DeployReport(client="d1", federation="t", key=key.public_text,
-                                                                 state=state, version=version, time=1.0).to_json()),
+    st.builds(lambda key, version, state, connection: key.sign(DeployReport(
+        client="d1", federation="t", key=key.public_text, state=state, version=version, time=1.0,
+        connection=connection).to_json()),
               st.sampled_from([SERVER, Signer(Ed25519PrivateKey.generate())]), st.integers(1, 5),
-              st.sampled_from(["serving", "offline", "staging"]))))
+              st.sampled_from(["serving", "offline", "staging"]), st.integers(0, 2**53))))
 def test_fuzzed_reports_and_rollouts_never_raise_on_the_operators_side(client: str, payload: bytes) -> None:
     book = FleetBook(T, parse_public_key(SERVER.public_text), {"d1": SERVER.public_text}.get)
     book.feed(T.deploy_status(client), payload)
     book.feed(T.deploy_rollout, payload)
     assert set(book.reports) <= {"d1"}
     assert book.rollout is None or book.rollout.federation == "t"
+
+
+FORGER = Signer(Ed25519PrivateKey.generate())
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["serving", "offline"]), st.integers(0, 4), st.floats(0, 4),
+                                st.booleans()), max_size=12))
+def test_only_d1s_own_reports_move_it_and_a_will_closes_only_its_connection(steps) -> None:
+    """Any sequence of d1's signed reports and wills (connections and times in any order) and forged ones: nothing
+    raises; a forged one never changes d1's row; a will never closes a newer connection than the last report's,
+    and after a will only a later connection brings d1 back."""
+    book = FleetBook(T, parse_public_key(SERVER.public_text), {"d1": SERVER.public_text}.get)
+    for state, connection, at, genuine in steps:
+        key = SERVER if genuine else FORGER
+        before = book.reports.get("d1")
+        book.feed(T.deploy_status("d1"), key.sign(DeployReport(client="d1", federation="t", key=key.public_text,
+                                                               state=state, time=at, connection=connection).to_json()))
+        after = book.reports.get("d1")
+        if not genuine or after is before or before is None:
+            assert genuine or after is before
+            continue
+        assert connection >= before.connection
+        if before.state == "offline" and after.state != "offline":
+            assert connection > before.connection
 
 
 def test_rollout_status_table_names_every_device_and_its_versions(capsys: pytest.CaptureFixture) -> None:
