@@ -15,10 +15,11 @@ What it does with a rollout (docs/deploy.md, "Rolling out a trained model"):
 3. Each chunk's Merkle proof is checked against its file's signed root (the wire format's own check,
    `check_release_chunk`) and the chunk is written into staging on disk with its proof, so a forged chunk
    is dropped alone and a broken transfer resumes, re-verified, with the chunks still missing.
-4. Complete: every file is hashed again, the manifest's parity inputs run through onnxruntime here
-   and must match the exporter's torch logits within the export's bound, the runtime is built and
-   calibrated, and only then swapped in between two requests. The version before stays on disk
-   and, until the new one has answered `health_requests` requests without more errors, in memory.
+4. Complete: every file's Merkle root is computed again from disk, the manifest's parity inputs run
+   through onnxruntime here and must match the exporter's torch logits within the export's bound, the
+   runtime is built and calibrated, and only then swapped in between two requests. The version before
+   stays on disk and, until the new one has answered `health_requests` requests without more errors, in
+   memory.
 5. A version that fails parity, loading or the health check is refused here for good and the
    device goes back to (or stays on) the version before, saying why; an older version is taken only
    when the signed rollout revokes the one running (the operator's rollback).
