@@ -25,8 +25,8 @@ from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
 from aggregator.run_options import RunSpec
-from nefl.support.cli_options import (BrokerOptions, DataRootOption, FederationOption, KeyDirOption, KeyOptions,
-                                      LogOptions)
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, FederationOption, KeyDirOption,
+                                      KeyOptions, LogOptions)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
 from nefl.support.listen import check_bindable, is_loopback, parse_listen
@@ -67,7 +67,7 @@ class RoundOptions:
 class ServeTraining:
     local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs per task.")] = TrainConfig.local_epochs
     lr: Annotated[float, typer.Option(help="Base learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
-    batch_size: Annotated[int, typer.Option(min=1, help="Local batch size clients train with.")] = TrainConfig.batch_size
+    batch_size: BatchSizeOption = TrainConfig.batch_size
 
 
 @option_group("Evaluation")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from edge_client.cache import CALIBRATION_DIR
-from edge_client.plan_cli import CacheDirOption
+from edge_client.plan_cli import CacheDirOption, CalibrateOption, RecalibrateOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
 from nefl.support.cli_options import BrokerOptions, BrokerUrlOption, DataRootOption, LogOptions, ThreadsOption
 from nefl.support.extras import full_install_required
@@ -128,10 +128,8 @@ class DeviceOptions:
     cpu_budget: Annotated[Optional[float], typer.Option(
         help="Emulate a device this fraction as fast, e.g. 0.5 (training sleeps after each round to really take that "
              "long).")] = None
-    calibrate_costs: Annotated[bool, typer.Option(
-        "--calibrate/--no-calibrate", help="Measure one training step per submodel (cached) or use the analytic "
-                                           "estimate.")] = True
-    recalibrate: Annotated[bool, typer.Option(help="Ignore the cached calibration and measure again.")] = False
+    calibrate_costs: CalibrateOption = True
+    recalibrate: RecalibrateOption = False
     cache_dir: CacheDirOption = CALIBRATION_DIR
     device: Annotated[str, typer.Option(help="torch device to train on: cpu, or cuda on a Jetson / GPU machine.")] = "cpu"
 

@@ -21,7 +21,7 @@ from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
 from nefl.nested.profile import ProfileError, load_profile
-from nefl.support.cli_options import BatchSizeOption, JsonOption
+from nefl.support.cli_options import BatchSizeOption, JsonOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.settings import TrainConfig
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 2, 3
 CacheDirOption = Annotated[Path, typer.Option("--cache-dir", help="Where calibrations are cached.")]
+CalibrateOption = Annotated[bool, typer.Option(
+    "--calibrate/--no-calibrate", help="Measure one training step per submodel (cached) or use the analytic estimate.")]
+RecalibrateOption = Annotated[bool, typer.Option(
+    "--recalibrate/--no-recalibrate", help="Ignore the cached calibration and measure again.")]
 console = Console()
 
 
@@ -79,9 +83,9 @@ def plan_command(
     cpu_budget: Optional[float] = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5."),
     safety_margin: float = typer.Option(DEFAULT_SAFETY_MARGIN, min=0.0, max=0.9, help="Fraction of available memory left free."),
     hot_limit: float = typer.Option(HOT_LIMIT_C, help="A thermal zone at or above this (C) counts as throttled."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Torch threads for training; default: torch's (one per core)."),
-    calibrate_costs: bool = typer.Option(True, "--calibrate/--no-calibrate", help="Measure one real step per submodel (cached)."),
-    recalibrate: bool = typer.Option(False, help="Ignore the cache and measure again."),
+    threads: ThreadsOption = None,
+    calibrate_costs: CalibrateOption = True,
+    recalibrate: RecalibrateOption = False,
     cache_dir: CacheDirOption = CALIBRATION_DIR,
     device: str = typer.Option("cpu", help="torch device the costs are measured on: cpu, or cuda (Jetson / GPU)."),
     as_json: JsonOption = False,
