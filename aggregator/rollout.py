@@ -49,8 +49,8 @@ from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
                                manifest_digest, migrate_state, retired_topics, save_state, state_path)
 from aggregator.enrolment import Enrolment
-from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, FederationOption, JsonOption, KeyDirOption,
-                                      LogFormatOption, LogLevelOption, LogOptions)
+from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, ChunkKibOption, FederationOption, JsonOption,
+                                      KeyDirOption, LogFormatOption, LogLevelOption, LogOptions)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.logs import console, progress, setup_logging
 from nefl.protocol.messages import DeployReport, MessageError, Rollout
@@ -438,7 +438,6 @@ def operating(where: FederationOptions, create_key: bool = True) -> Iterator[Ope
         op.fleet.close()
 
 
-CHUNK_KIB = typer.Option(DEFAULT_CHUNK_BYTES // 1024, "--chunk-kib", min=8, help="Largest MQTT message, KiB.")
 RULE = CanaryRule()
 
 
@@ -458,7 +457,7 @@ def publish_command(
     max_error_increase: float = typer.Option(RULE.max_error_increase, "--max-error-increase", min=0.0, max=1.0,
                                              help="Roll back when a canary's error rate exceeds its previous "
                                                   "version's by more than this (0.02: two points)."),
-    chunk_kib: int = CHUNK_KIB,
+    chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
     *,
     where: FederationOptions,
     logs: LogOptions,
@@ -578,7 +577,7 @@ def promote_command(*, where: FederationOptions, logs: LogOptions) -> None:
 def rollback_command(
     to: int = typer.Option(None, "--to", min=1, help="The version to go back to (default: the stable one before)."),
     reason: str = typer.Option("by the operator", "--reason", help="Why, for the devices' logs and the status."),
-    chunk_kib: int = CHUNK_KIB,
+    chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
     *,
     where: FederationOptions,
     logs: LogOptions,

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from aggregator.keys import KeyDir
-from nefl.support.cli_options import BrokerOptions, FederationOption, KeyDirOption, LogOptions
+from nefl.support.cli_options import BrokerOptions, ChunkKibOption, FederationOption, KeyDirOption, LogOptions
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.heap import freeze_startup
 from nefl.support.logs import setup_logging
@@ -138,7 +138,7 @@ def loadtest_command(
     rate: float = typer.Option(0.0, min=0, help="Updates per second, all processes together; 0 = as fast as possible."),
     max_submodel: int = typer.Option(0, min=0, help="Largest submodel every device announces (1-based); 0: device i "
                                      "announces (i mod K) + 1, a mixed fleet."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message a device sends, KiB."),
+    chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
     scale: float = typer.Option(1e-3, min=0, help="Standard deviation of the random deltas."),
     pool: int = typer.Option(0, min=0, help="Draw deltas from this many cached variants per submodel (0: a fresh "
                              "delta per device and round, costlier to generate)."),

@@ -25,8 +25,8 @@ from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
 from aggregator.run_options import RunSpec
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, FederationOption, KeyDirOption,
-                                      KeyOptions, LogOptions)
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, ChunkKibOption, DataRootOption, FederationOption,
+                                      KeyDirOption, KeyOptions, LogOptions)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
 from nefl.support.listen import check_bindable, is_loopback, parse_listen
@@ -140,7 +140,7 @@ def serve_command(
     federation: FederationOption = "default",
     checkpoint_dir: str = typer.Option(None, help="Checkpoint + metrics.jsonl directory (default: runs/FEDERATION)."),
     resume: bool = typer.Option(False, help="Continue from the checkpoint in --checkpoint-dir."),
-    chunk_kib: int = typer.Option(DEFAULT_CHUNK_BYTES // 1024, min=8, help="Largest MQTT message the server publishes, KiB."),
+    chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
     seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "

@@ -26,7 +26,8 @@ import typer
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.plan_cli import CacheDirOption, CalibrateOption, RecalibrateOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.support.cli_options import BrokerOptions, BrokerUrlOption, DataRootOption, LogOptions, ThreadsOption
+from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, ChunkKibOption, DataRootOption, LogOptions,
+                                      ThreadsOption)
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
 from nefl.support.listen import check_bindable, parse_listen
@@ -94,8 +95,7 @@ class Membership:
     client_id: Annotated[Optional[str], typer.Option(
         help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID).")] = None
     federation: Annotated[str, typer.Option(help="Federation name (topic prefix nefl/NAME/).")] = "default"
-    chunk_kib: Annotated[int, typer.Option(
-        min=8, help="Largest MQTT message this client sends, KiB.")] = DEFAULT_CHUNK_BYTES // 1024
+    chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024
     mqtt: BrokerOptions = field(default_factory=BrokerOptions)
 
     @property
