@@ -14,9 +14,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
-from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedPortOption
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, KeyDirOption, LogOptions, OutOption,
-                                      ThreadsOption)
+from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedHostOption, EmbeddedPortOption
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, KeyDirOption, LocalEpochsOption,
+                                      LogOptions, OutOption, RoundTimeoutOption, ThreadsOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
@@ -31,30 +31,47 @@ def _archs(names: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in names.split(",") if a.strip())
 
 
+# options of the simulation (`jigsaw`) and the MQTT federation (`jigsaw-serve`) alike: a client of one is a device
+# of the other
+ArchsOption = Annotated[str, typer.Option(
+    "--archs", help="Base architectures (names from profiles/jigsaw or TOML paths, comma-separated); each client takes "
+                    "the largest its memory budget fits.")]
+NonIidOption = Annotated[float, typer.Option(
+    "--non-iid", min=1e-6, help="Dirichlet alpha of the clients' label skew (0.1 high, 1.0 low).")]
+ProxySamplesOption = Annotated[int, typer.Option(
+    "--proxy-samples", min=10, help="Proxy images per client for the policy phase's rotation task (set aside from the "
+                                    "training images before partitioning).")]
+MaxSamplesOption = Annotated[Optional[int], typer.Option(
+    "--max-samples-per-client", min=10, help="Cap each client's task data (faster runs).")]
+TestPerClientOption = Annotated[int, typer.Option(
+    "--test-per-client", min=10, help="Local test images per client (its own label distribution).")]
+PolicyRoundsOption = Annotated[int, typer.Option(
+    "--policy-rounds", min=0, help="Policy phase before the model-training rounds, on the proxy task (methods with a "
+                                   "policy: fedjigsaw, no-coretune, no-symbio; CoRe-Tune's critic trains during it).")]
+CriticWarmupOption = Annotated[int, typer.Option(
+    "--critic-warmup", min=0, help="Policy-phase rounds the server's critic trains before its values drive the "
+                                   "clients' advantages.")]
+
+
 @option_group("Local training")
 class LocalTraining:
-    local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs.")] = D.local_epochs
+    local_epochs: LocalEpochsOption = D.local_epochs
     batch_size: BatchSizeOption = D.batch_size
 
 
 @option_group("Data")
 class SimData:
-    non_iid: Annotated[float, typer.Option(min=1e-6, help="Dirichlet alpha of the label skew (0.1 high, 1.0 low).")] = D.non_iid
-    proxy_samples: Annotated[int, typer.Option(min=10, help="Proxy images per client (rotation task, set aside from the "
-                                                             "training images before partitioning).")] = D.proxy_samples
-    max_samples_per_client: Annotated[Optional[int], typer.Option(
-        min=10, help="Cap each client's task data (faster runs).")] = D.max_samples_per_client
-    test_per_client: Annotated[int, typer.Option(
-        min=10, help="Local test images per client (its own label distribution).")] = D.test_per_client
+    non_iid: NonIidOption = D.non_iid
+    proxy_samples: ProxySamplesOption = D.proxy_samples
+    max_samples_per_client: MaxSamplesOption = D.max_samples_per_client
+    test_per_client: TestPerClientOption = D.test_per_client
     data_root: DataRootOption = D.data_root
 
 
 @option_group("Policy")
 class SimPolicy:
-    policy_rounds: Annotated[int, typer.Option(min=0, help="Policy phase before them, on the proxy task (methods with a "
-                                                           "policy: fedjigsaw, no-coretune, no-symbio).")] = D.policy_rounds
-    critic_warmup: Annotated[int, typer.Option(min=0, help="Policy-phase rounds the server's critic trains before its "
-                                                           "values drive the clients' advantages.")] = D.critic_warmup
+    policy_rounds: PolicyRoundsOption = D.policy_rounds
+    critic_warmup: CriticWarmupOption = D.critic_warmup
     switch_cost: Annotated[float, typer.Option(
         min=0.0, help="Nats per round the current chain was trained that the policy must prefer a new chain by before "
                       "a client switches to it in the model-training phase.")] = D.switch_cost
@@ -88,8 +105,7 @@ class SimAttack:
 def jigsaw_command(
     method: str = typer.Option(D.method, help=" | ".join(f"{m.name} ({m.summary})" for m in METHODS.values()) + "."),
     dataset: str = typer.Option(D.dataset, help="Dataset (cnn-* architectures: 28x28; vgg-*: 32x32, e.g. cifar10)."),
-    archs: str = typer.Option(",".join(D.archs), help="Base architectures devices can get (names from profiles/jigsaw or "
-                              "TOML paths); each client gets the largest its memory budget fits."),
+    archs: ArchsOption = ",".join(D.archs),
     clients: int = typer.Option(D.clients, min=2, help="Clients (all active every round, as the paper)."),
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds (every method)."),
     lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate of the local models (constant, as the FedJigsaw paper)."),
@@ -164,19 +180,16 @@ def jigsaw_command(
 @option_group("Data")
 class DeviceData:
     dataset: Annotated[str, typer.Option(help="Dataset the devices shard (each holds its own copy).")] = D.dataset
-    non_iid: Annotated[float, typer.Option(min=1e-6, help="Dirichlet alpha of the devices' label skew.")] = D.non_iid
-    max_samples_per_client: Annotated[Optional[int], typer.Option(
-        min=10, help="Cap each device's task data.")] = D.max_samples_per_client
-    test_per_client: Annotated[int, typer.Option(min=10, help="Local test images per device.")] = D.test_per_client
-    proxy_samples: Annotated[int, typer.Option(min=10, help="Proxy images per device (policy phase).")] = D.proxy_samples
+    non_iid: NonIidOption = D.non_iid
+    max_samples_per_client: MaxSamplesOption = D.max_samples_per_client
+    test_per_client: TestPerClientOption = D.test_per_client
+    proxy_samples: ProxySamplesOption = D.proxy_samples
 
 
 @option_group("Policy")
 class DevicePolicy:
-    policy_rounds: Annotated[int, typer.Option(
-        min=0, help="Policy phase before them (CoRe-Tune's critic runs here during it).")] = D.policy_rounds
-    critic_warmup: Annotated[int, typer.Option(
-        min=0, help="Policy-phase rounds the critic trains before its values count.")] = D.critic_warmup
+    policy_rounds: PolicyRoundsOption = D.policy_rounds
+    critic_warmup: CriticWarmupOption = D.critic_warmup
 
 
 @option_group("Checks and timeouts")
@@ -186,17 +199,14 @@ class Timeouts:
                        "refused and counted).")] = D.norm_bound
     fetch_timeout: Annotated[float, typer.Option(
         min=0.1, help="Seconds a device waits for a peer's module before masking that peer for the round.")] = D.fetch_timeout_s
-    round_timeout: Annotated[float, typer.Option(
-        min=1.0, help="Seconds before a round closes without the devices that have not reported.")] = D.round_timeout_s
+    round_timeout: RoundTimeoutOption = D.round_timeout_s
     join_wait: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for --devices devices to say hello.")] = 600.0
 
 
 @option_group("Embedded broker (without --broker)")
 class Embedded:
     embedded_port: EmbeddedPortOption = 1883
-    embedded_host: Annotated[str, typer.Option(help="Address the embedded broker listens on (0.0.0.0: every interface, "
-                                                    "for devices on other machines; then secure it: "
-                                                    "docs/security.md).")] = "127.0.0.1"
+    embedded_host: EmbeddedHostOption = "127.0.0.1"
 
 
 @grouped
@@ -205,7 +215,7 @@ def jigsaw_serve_command(
     broker: BrokerOrEmbeddedOption = None,
     federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME)."),
     method: str = typer.Option(D.method, help="fedjigsaw, no-coretune, no-symbio or local-only."),
-    archs: str = typer.Option(",".join(D.archs), help="Base architectures; each device takes the largest its memory fits."),
+    archs: ArchsOption = ",".join(D.archs),
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds."),
     lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate."),
     seed: int = typer.Option(D.seed, help="Seed of shards, module init, policies and topology."),

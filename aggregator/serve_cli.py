@@ -26,7 +26,7 @@ from aggregator.keys import KeyDir
 from aggregator.resends import Resends
 from aggregator.run_options import RunSpec
 from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, ChunkKibOption, DataRootOption, FederationOption,
-                                      KeyDirOption, KeyOptions, LogOptions)
+                                      KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, RoundTimeoutOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
 from nefl.support.listen import check_bindable, is_loopback, parse_listen
@@ -49,6 +49,9 @@ log = logging.getLogger("aggregator.server")  # one logger for the server's stor
 
 
 EmbeddedPortOption = Annotated[int, typer.Option(min=0, help="Port of the embedded broker (0: a free one).")]
+EmbeddedHostOption = Annotated[str, typer.Option(
+    "--embedded-host", help="Address the embedded broker listens on (0.0.0.0: every interface, so devices on other "
+                            "machines can join; then secure it: docs/security.md).")]
 BrokerOrEmbeddedOption = Annotated[Optional[str], typer.Option(
     "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker.")]
 
@@ -58,14 +61,14 @@ class RoundOptions:
     rounds: Annotated[int, typer.Option(min=1, help="Rounds to run (in total, counting resumed ones).")] = 10
     clients_per_round: Annotated[int, typer.Option(min=1, help="Participants per round, among connected clients.")] = 10
     min_clients: Annotated[int, typer.Option(min=1, help="Quorum: updates needed for a round to change the model.")] = 1
-    round_timeout: Annotated[float, typer.Option(min=1, help="Seconds before a round closes without stragglers.")] = 120.0
+    round_timeout: RoundTimeoutOption = 120.0
     join_wait: Annotated[float, typer.Option(min=0, help="Once a first client is ready, seconds to wait for "
                                                          "--clients-per-round before starting with --min-clients.")] = 10.0
 
 
 @option_group("Local training")
 class ServeTraining:
-    local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs per task.")] = TrainConfig.local_epochs
+    local_epochs: LocalEpochsOption = TrainConfig.local_epochs
     lr: Annotated[float, typer.Option(help="Base learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
     batch_size: BatchSizeOption = TrainConfig.batch_size
 
@@ -87,8 +90,7 @@ class ServeEval:
 @option_group("Embedded broker (without --broker)")
 class EmbeddedOptions:
     embedded_port: EmbeddedPortOption = 1883
-    embedded_host: Annotated[str, typer.Option(help="Address the embedded broker listens on (0.0.0.0: every interface, "
-                                                    "so devices on the network can join).")] = "127.0.0.1"
+    embedded_host: EmbeddedHostOption = "127.0.0.1"
     embedded_broker_kind: Annotated[BrokerKind, typer.Option(
         "--embedded-broker", help="auto: mosquitto as a child process when installed, else amqtt (about a tenth of "
                                   "the throughput).")] = "auto"

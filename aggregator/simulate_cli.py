@@ -15,7 +15,7 @@ from rich.table import Table
 from aggregator.assignment import Assignment
 from aggregator.run_options import RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import BatchSizeOption, DataRootOption, OutOption, ThreadsOption
+from nefl.support.cli_options import BatchSizeOption, DataRootOption, LocalEpochsOption, OutOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.settings import Attack, TrainConfig, Weighting
@@ -33,7 +33,7 @@ class SimData:
 
 @option_group("Local training")
 class SimTraining:
-    local_epochs: Annotated[int, typer.Option(min=1, help="Local epochs E.")] = TrainConfig.local_epochs
+    local_epochs: LocalEpochsOption = TrainConfig.local_epochs
     batch_size: BatchSizeOption = TrainConfig.batch_size
     lr: Annotated[float, typer.Option(help="SGD learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
     weighting: Annotated[Weighting, typer.Option(help="uniform (as the paper) or samples.")] = "uniform"

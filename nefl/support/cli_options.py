@@ -46,6 +46,9 @@ DataRootOption = Annotated[Optional[str], typer.Option(
 OutOption = Annotated[Optional[str], typer.Option("--out", help="Directory this command writes its results into.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the output as JSON instead of text.")]
 BatchSizeOption = Annotated[int, typer.Option("--batch-size", min=1, help="Local batch size.")]
+LocalEpochsOption = Annotated[int, typer.Option("--local-epochs", min=1, help="Local epochs per round.")]
+RoundTimeoutOption = Annotated[float, typer.Option(
+    "--round-timeout", min=1, help="Seconds before a round closes without the clients that have not reported.")]
 ChunkKibOption = Annotated[int, typer.Option("--chunk-kib", min=8, help="Largest MQTT message this command publishes, KiB.")]
 
 # the aggregator side's private keys (aggregator/keys.py): one directory per federation, outside the run directories
