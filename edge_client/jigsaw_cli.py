@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
-from edge_client.join import Membership
+from edge_client.join import DeviceKeyOption, Membership
 from nefl.support.cli_options import DataRootOption, LogOptions, OutOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import setup_logging
@@ -36,8 +36,7 @@ def jigsaw_command(
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
                                    help="The coordinator's public key (`aggregator key` prints it) or a file holding it; "
                                         "without it the first plan that lists this device is trusted, with a warning."),
-    device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
-                                    "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; peers check it."),
+    device_key: DeviceKeyOption = None,
     out: OutOption = None,
     threads: ThreadsOption = None,
     *,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from edge_client.cache import CALIBRATION_DIR
-from edge_client.plan_cli import CacheDirOption, CalibrateOption, RecalibrateOption
+from edge_client.plan_cli import CacheDirOption, CalibrateOption, CpuBudgetOption, RecalibrateOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
 from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, ChunkKibOption, DataRootOption, LogOptions,
                                       ThreadsOption)
@@ -116,6 +116,12 @@ class DataOptions:
         min=1, help="Use at most N samples of the shard (quick tests, demos).")] = None
 
 
+DeviceKeyOption = Annotated[Optional[Path], typer.Option(
+    "--device-key", help="This device's signing key (created 0600 if missing) [default: "
+                         "$NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator (or, in FedJigsaw, each peer) "
+                         "checks what it sends against it.")]
+
+
 @option_group("What this device trains")
 class DeviceOptions:
     max_submodel: Annotated[int, typer.Option(
@@ -125,9 +131,7 @@ class DeviceOptions:
         help="Select submodels as if only this much memory were free, e.g. 300MB (emulation for selection only: the "
              "process is not limited, and its resident memory includes torch, the data and the model, often 800 MB "
              "or more).")] = None
-    cpu_budget: Annotated[Optional[float], typer.Option(
-        help="Emulate a device this fraction as fast, e.g. 0.5 (training sleeps after each round to really take that "
-             "long).")] = None
+    cpu_budget: CpuBudgetOption = None
     calibrate_costs: CalibrateOption = True
     recalibrate: RecalibrateOption = False
     cache_dir: CacheDirOption = CALIBRATION_DIR
@@ -142,8 +146,7 @@ def join_command(
     server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
                                    help="The aggregator's public key (`aggregator key` prints it) or a file holding it; "
                                         "without it the first key seen is trusted and remembered, with a warning."),
-    device_key: Path = typer.Option(None, help="This device's signing key (created 0600 if missing) "
-                                    "[default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator pins it."),
+    device_key: DeviceKeyOption = None,
     join_token: str = typer.Option(None, envvar="NEFL_JOIN_TOKEN", help="The one-time token `aggregator enroll "
                                    "CLIENT_ID` printed: enrols this device's key and tells it the server key."),
     http: str = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe "

@@ -33,6 +33,9 @@ EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 2, 3
 CacheDirOption = Annotated[Path, typer.Option("--cache-dir", help="Where calibrations are cached.")]
 CalibrateOption = Annotated[bool, typer.Option(
     "--calibrate/--no-calibrate", help="Measure one training step per submodel (cached) or use the analytic estimate.")]
+CpuBudgetOption = Annotated[Optional[float], typer.Option(
+    "--cpu-budget", help="Emulate a device this fraction as fast, e.g. 0.5 (`join` sleeps after each training round to "
+                         "really take that long).")]
 RecalibrateOption = Annotated[bool, typer.Option(
     "--recalibrate/--no-recalibrate", help="Ignore the cached calibration and measure again.")]
 console = Console()
@@ -80,7 +83,7 @@ def plan_command(
     deadline: Optional[float] = typer.Option(None, min=0.0, help="Round deadline for local training, seconds."),
     max_submodel: Optional[int] = typer.Option(None, min=1, help="Never train a submodel above this number."),
     memory_budget: Optional[str] = typer.Option(None, help="Emulate a device with this much free memory, e.g. 300MB."),
-    cpu_budget: Optional[float] = typer.Option(None, help="Emulate a device this fraction as fast, e.g. 0.5."),
+    cpu_budget: CpuBudgetOption = None,
     safety_margin: float = typer.Option(DEFAULT_SAFETY_MARGIN, min=0.0, max=0.9, help="Fraction of available memory left free."),
     hot_limit: float = typer.Option(HOT_LIMIT_C, help="A thermal zone at or above this (C) counts as throttled."),
     threads: ThreadsOption = None,
