@@ -60,7 +60,7 @@ class Screened(RoundAggregate):
                  assignments: Mapping[str, int], seed: int, sizes: TensorSizes) -> None:
         super().__init__(inner.layout, inner.weighting)
         self.inner, self.cfg, self.weight_norm, self.sizes = inner, cfg, weight_norm, sizes
-        self.noise = torch.Generator().manual_seed(seed ^ 0x5EED)  # the tensor noise's draws: the round's seed, not the sketch's
+        self.noise = torch.Generator().manual_seed(seed ^ 0x5EED)  # tensor noise: the round's seed, apart from the sketch's
         self.name = inner.name
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
@@ -86,7 +86,7 @@ class Screened(RoundAggregate):
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update's norm was scaled by to the size bound
         self.own: dict[int, Sizes] = {}  # sketch i (pending) -> its update's tensor sizes
-        self.references: dict[int, dict[str, float]] = {}  # sketch i (pending, streaming) -> its tensors' references on arrival
+        self.references: dict[int, dict[str, float]] = {}  # sketch i (pending, streaming) -> its references on arrival
         self.tensors_clipped: dict[str, int] = {}  # client -> how many of its tensors were scaled to their bound
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
         self.judged = self.agreed = 0  # voters judged, and those that reached `min_agree`
@@ -274,7 +274,8 @@ class Screened(RoundAggregate):
             if factors:
                 self.tensors_clipped[h.client] = len(factors)
             # the whole-update clip measures and scales what the step bound does not judge alone (its thin copies)
-            whole = {n: size for n, size in own.items() if not self.sizes.at_commit(n, h.k)}
+            whole = {n: size for n, size in own.items()
+                     if n not in self.sizes.per_submodel or math.isfinite(references[n])}
             norm = max(self.weight_norm(h.k), 1e-12)
             left = clipped_norm(whole, factors) / norm
             bound = limit

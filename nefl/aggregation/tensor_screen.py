@@ -91,11 +91,6 @@ class TensorSizes:
         pool = [*values, *self.history.get(name, ())]
         return statistics.median(pool) if len(pool) >= least else math.inf
 
-    def at_commit(self, name: str, k: int) -> bool:
-        """Whether submodel k's copy of `name` is left to the step bound: a per-submodel tensor too few of the round's
-        updates carry for a centre here (so far)."""
-        return name in self.per_submodel and len(self.values.get((name, k), ())) < self.cfg.min_cover
-
     def bounds(self, k: int, sizes: Sizes) -> dict[str, float]:
         """Per tensor of an update of submodel k (its `sizes`, added), its reference."""
         return {name: self.reference(name, k, size) for name, (size, _) in sizes.items()}

@@ -239,3 +239,27 @@ def test_honest_rounds_repair_a_committed_poisoned_state_under_the_step_bound() 
                 assert distance(state, target) > 5
         runs[poisoned] = distance(state, target)
     assert runs[True] <= 1.1 * runs[False] + 1e-3, runs
+
+
+def test_the_optional_noise_is_drawn_from_the_round_seed_at_the_tensors_reference_scale() -> None:
+    """tensor_noise > 0: every kept update's tensors get N(0, (tensor_noise x reference)^2) per element, drawn from
+    the round's seed (the server's secret in `serve`): the same round gives the same noise, another round other noise."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    ups = [honest(layout, 0, gen) for _ in range(4)]
+
+    def run(noise: float, index: int) -> GlobalState:
+        pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig(tensor_noise=noise, **SIZE_ONLY)))
+        agg = pipeline.begin_round(state, {f"c{i}": 0 for i in range(4)}, index)
+        for i, d in enumerate(ups):
+            agg.add(0, {n: t.clone() for n, t in d.items()}, client=f"c{i}")
+        return agg.finalize(state)
+
+    plain, noisy, again, other = run(0.0, 1), run(1.0, 1), run(1.0, 1), run(1.0, 2)
+    name = "fc.weight"
+    added = rms(noisy.consistent[name] - plain.consistent[name])
+    sizes = sorted(rms(d[name]) for d in ups)
+    assert 0.25 * statistics.median(sizes) < added < statistics.median(sizes)  # about reference / sqrt(4 updates)
+    assert torch.equal(noisy.consistent[name], again.consistent[name])
+    assert not torch.equal(noisy.consistent[name], other.consistent[name])
