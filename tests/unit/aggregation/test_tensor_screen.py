@@ -20,7 +20,7 @@ from tests.harness.helpers import FULL, random_ladder, tiny_profile
 
 WIDTHS = [(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]
 # the vote drops nothing and the whole-update clip never acts: what is left is the per-tensor clip
-SIZE_ONLY = dict(min_agree=0.0, max_norm_ratio=1e9)
+SIZE_ONLY = {"min_agree": 0.0, "max_norm_ratio": 1e9}
 
 
 def rms(t: torch.Tensor) -> float:
@@ -222,7 +222,7 @@ def test_honest_rounds_repair_a_committed_poisoned_state_under_the_step_bound() 
     """A model trained toward a target by honest rounds; after round 6 a poisoned state is committed (the classifier's
     bias pushed by 5, a running variance x100, a step size flipped: what got through). Bounded at k x each tensor's
     history, honest rounds must still bring it back: after 20 more its distance to the target is the control run's
-    (unpoisoned) plus 10%. A bound that held each step to k x its settled history froze it (distance 30-60)."""
+    (unpoisoned) plus 10%: the bound must not hold the repair to k x the settled steps of the copy's peers."""
     layout = Layout.build(tiny_profile(WIDTHS))
     start, target = GlobalState.init(layout, seed=0), GlobalState.init(layout, seed=1)
     runs = {}
