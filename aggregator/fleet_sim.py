@@ -200,6 +200,8 @@ class FleetSimulator:
             arrive = [t for t in started if not t.vanishes and t.end <= deadline]
             self.result.lost += sum(t.vanishes for t in started)
             close = max(t.end for t in arrive) if len(arrive) == len(started) else deadline
+            if close > fc.time_budget_s:  # the budget ends before the round does
+                break
             self._evaluate_until(close - 1e-9)  # the old version serves until the round closes
             updates = [(t, self._train(t)) for t in arrive]
             for t, trained in sorted(updates, key=lambda u: u[0].end):
