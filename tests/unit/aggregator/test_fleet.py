@@ -3,7 +3,6 @@ buffered and synchronous runs on it."""
 
 from __future__ import annotations
 
-
 import pytest
 from typer.testing import CliRunner
 
