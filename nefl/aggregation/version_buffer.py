@@ -43,7 +43,6 @@ class Offer:
 
     staleness: int  # versions between its base and the current one
     reason: str | None = None  # why it was refused ("stale", "future-version", "invalid", "norm-bound"); None: taken
-    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,18 +86,18 @@ class VersionBuffer:
         tau = self.version - base
         reason = self.cfg.refusal(self.version, base)
         if reason is not None:
-            return Offer(tau, reason, f"base version {base}, current {self.version}, bound {self.cfg.max_staleness}")
+            return Offer(tau, reason)
         try:
             self._agg.validate(k, delta)
             w = update_weight(self.pipeline.weighting, samples)
-        except UpdateError as e:
-            return Offer(tau, "invalid", str(e))
+        except UpdateError:
+            return Offer(tau, "invalid")
         guard = self.pipeline.guard
         ref = reference_norm(self.state, self.pipeline.layout, k) if guard.bound.relative is not None else None
         try:
             delta, norm, _ = guard.check(k, delta, ref)
-        except UpdateRejected as e:
-            return Offer(tau, "norm-bound", str(e))
+        except UpdateRejected:
+            return Offer(tau, "norm-bound")
         if self.cfg.server_lr != 1.0:
             delta = {n: t * self.cfg.server_lr for n, t in delta.items()}
         self._agg.add_weighted(k, delta, w * self.cfg.weight(tau))
