@@ -1,10 +1,11 @@
 """Buffered asynchronous NeFedAvg against synchronous rounds on one emulated fleet of mixed speeds (issue 47); writes
 docs/results.md's generated section.
 
-    PYTHONPATH=. python benchmarks/bench_buffered.py [--seeds 3] [--jobs 1] [--time-budget-s 800]
+    PYTHONPATH=. python benchmarks/bench_buffered.py [--seeds 3] [--jobs 1] [--time-budget-s 800] [--buffer-sizes 3 5]
 
 Each run is `aggregator simulate --mode buffered|sync` in-process (aggregator/fleet_sim.py), one torch thread,
-resumable: a finished run is saved as <out>/<setting>_<mode>_s<seed>.json and skipped when present. Both modes train
+resumable: a finished run is saved as <out>/<setting>_<name>_s<seed>.json and skipped when present (name: sync,
+buffered, or buffered-k<K> for a buffer size other than the declared one). Both modes train
 the same devices (speeds 1x-10x, budgets, shards, vanishings: the fleet's draws depend on the seed only), IID and
 Dirichlet(0.5), over the seeds declared below. Reported per setting and mode, over the seeds: the simulated time at
 which every submodel first reaches TARGET (worst-submodel accuracy), the time buffered mode needs to reach the
@@ -15,12 +16,13 @@ the staleness of the committed updates, and the server's commit CPU time and buf
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "results.md"
 START, END = "<!-- bench-buffered:start -->", "<!-- bench-buffered:end -->"
 SETTINGS: dict[str, float | None] = {"iid": None, "dir0.5": 0.5}
-MODES = ("sync", "buffered")
 TARGET = 0.5  # worst-submodel accuracy every submodel must reach; declared before the runs
 # the last evaluations averaged for a steadier accuracy at the budget (added after the first runs: one evaluation's
 # worst submodel moves by up to 30 points from one 50 s step to the next)
@@ -62,6 +63,11 @@ class Budget:
     eval_samples: int = 1000
 
 
+def run_name(mode: str, buffer_size: int) -> str:
+    """sync, buffered (the declared K) or buffered-k<K>."""
+    return mode if mode == "sync" or buffer_size == Budget.buffer_size else f"{mode}-k{buffer_size}"
+
+
 @dataclass(frozen=True)
 class Job:
     setting: str
@@ -71,12 +77,16 @@ class Job:
     out: str
 
     @property
+    def name(self) -> str:
+        return run_name(self.mode, self.budget.buffer_size)
+
+    @property
     def label(self) -> str:
-        return f"{self.setting}/{self.mode}/s{self.seed}"
+        return f"{self.setting}/{self.name}/s{self.seed}"
 
     @property
     def path(self) -> str:
-        return str(Path(self.out) / f"{self.setting}_{self.mode}_s{self.seed}.json")
+        return str(Path(self.out) / f"{self.setting}_{self.name}_s{self.seed}.json")
 
     @property
     def rounds(self) -> int:  # the progress bar's steps: evaluations
@@ -148,20 +158,21 @@ def _times(ts: list[float | None]) -> str:
 
 
 def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
-    by = {(r["setting"], r["mode"], r["seed"]): r for r in results}
+    by = {(r["setting"], run_name(r["mode"], r["budget"]["buffer_size"]), r["seed"]): r for r in results}
+    names = sorted({name for _, name, _ in by}, key=lambda n: (n != "sync", n != "buffered", n))
     p = results[-1]["provenance"]
     lines = ["## Generated: buffered asynchronous vs synchronous NeFedAvg on an emulated fleet (`benchmarks/bench_buffered.py`)",
              "", measured_by("PYTHONPATH=. python benchmarks/bench_buffered.py", p), "",
              f"{budget.profile}, {budget.clients} emulated devices of {budget.samples_per_client} Fashion-MNIST images "
              f"(step times 1x-{FleetConfig.slowest:g}x, {FleetConfig.vanish:.0%} of tasks lost to a vanishing device), "
-             f"{budget.concurrency} training at once, buffer K = {budget.buffer_size}, staleness 1/sqrt(1 + tau), "
+             f"{budget.concurrency} training at once, buffer K = {budget.buffer_size} (buffered-kN: K = N), staleness 1/sqrt(1 + tau), "
              f"{budget.time_budget_s:g} simulated s, evaluated every {budget.eval_every_s:g} s on {budget.eval_samples} "
              f"test images; seeds {seeds}, target: every submodel at {TARGET:.0%}. Mean ± sd over the seeds.", "",
-             "| setting | mode | s to every submodel >= target | s to sync's final worst | worst at budget | avg at budget "
+             "| setting | run | s to every submodel >= target | s to sync's final worst | worst at budget | avg at budget "
              f"| worst, last {TAIL} evaluations | avg, last {TAIL} | versions | updates committed | real s per run |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for setting in SETTINGS:
-        for mode in MODES:
+        for mode in names:
             runs = [by[(setting, mode, s)] for s in seeds if (setting, mode, s) in by]
             if not runs:
                 continue
@@ -176,10 +187,10 @@ def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
                 f"{_mean_sd([r['updates'] for r in runs])} | {_mean_sd([r['seconds'] for r in runs])} |")
     lines += ["", "Staleness of the committed updates (buffered, all seeds), updates refused, and the server's cost per "
               "committed version (median commit CPU time: finalize and state check; the buffer's largest tensor memory):",
-              "", "| setting | staleness: updates | refused | commit CPU ms | buffer MiB | model MiB | trained per submodel |",
-              "|---|---|---|---:|---:|---:|---|"]
-    for setting in SETTINGS:
-        runs = [by[(setting, "buffered", s)] for s in seeds if (setting, "buffered", s) in by]
+              "", "| setting | run | staleness: updates | refused | commit CPU ms | buffer MiB | model MiB | trained per submodel |",
+              "|---|---|---|---|---:|---:|---:|---|"]
+    for setting, name in itertools.product(SETTINGS, names[1:]):
+        runs = [by[(setting, name, s)] for s in seeds if (setting, name, s) in by]
         if not runs:
             continue
         seen: Counter[int] = Counter()
@@ -188,7 +199,7 @@ def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
             seen.update({int(k): v for k, v in r["staleness"].items()})
             refused.update(r["refused"])
         trained = [sum(r["trained"][k] for r in runs) for k in range(len(runs[0]["trained"]))]
-        lines.append(f"| {setting} | {', '.join(f'{k}: {v}' for k, v in sorted(seen.items()))} | {dict(refused) or 'none'} | "
+        lines.append(f"| {setting} | {name} | {', '.join(f'{k}: {v}' for k, v in sorted(seen.items()))} | {dict(refused) or 'none'} | "
                      f"{1000 * statistics.fmean(r['commit_cpu_s'] for r in runs):.1f} | "
                      f"{max(r['buffer_bytes'] for r in runs) / 2**20:.2f} | {runs[0]['state_bytes'] / 2**20:.2f} | {trained} |")
     return lines
@@ -199,12 +210,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--time-budget-s", type=float, default=Budget.time_budget_s)
+    ap.add_argument("--buffer-sizes", type=int, nargs="+", default=[Budget.buffer_size], help="buffered runs' K")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "buffered"))
     ap.add_argument("--no-doc", action="store_true", help="print the tables, leave docs/results.md alone")
     args = ap.parse_args()
     budget = Budget(time_budget_s=args.time_budget_s)
     seeds = list(range(args.seeds))
-    jobs = [Job(setting, mode, seed, budget, args.out) for seed in seeds for setting in SETTINGS for mode in MODES]
+    runs = [("sync", budget), *(("buffered", replace(budget, buffer_size=k)) for k in args.buffer_sizes)]
+    jobs = [Job(setting, mode, seed, b, args.out) for seed in seeds for setting in SETTINGS for mode, b in runs]
     results = run_sweep(jobs, args.jobs, run_job, load, describe, console)
     lines = report(results, budget, seeds)
     console.print("\n".join(lines))
