@@ -89,11 +89,12 @@ class FleetSimulator:
                           self.train_cfg, upload=self.layout.upload_shapes(task.submodel), device=self.device)
         return res.delta, res.num_samples
 
-    def _start(self, d: int, k: int, now: float) -> tuple[Task, tuple | None]:
+    def _begin(self, d: int, k: int, now: float) -> Task:
+        """Device d's task of submodel k on the newest version, counted."""
         task = self.fleet.start(d, k, self.buffer.version, now)
         self.result.tasks += 1
         self.result.lost += task.vanishes
-        return task, None if task.vanishes else self._train(task)
+        return task
 
     def _offer(self, task: Task, trained: tuple, now: float) -> None:
         delta, samples = trained
@@ -156,7 +157,8 @@ class FleetSimulator:
         def launch(now: float) -> None:
             idle = [d for d in fleet.online(now) if d not in busy]
             for d in fleet.pick(idle, fc.concurrency - len(busy)):
-                task, trained = self._start(d, assign_task(fleet.bound(d), given, self.buffer.version, fc.coverage_lag), now)
+                task = self._begin(d, assign_task(fleet.bound(d), given, self.buffer.version, fc.coverage_lag), now)
+                trained = None if task.vanishes else self._train(task)
                 busy.add(d)
                 queue.push(task.end, (task, trained))
             if len(busy) < fc.concurrency:  # too few devices online: look again when the next one is back
@@ -195,10 +197,8 @@ class FleetSimulator:
             bounds = [Candidate(str(d), fleet.bound(d), fleet.bound(d)) for d in chosen]
             assigned = assign_coverage(bounds, coverage_order(trained_counts), rng)
             deadline = now + fc.deadline * fleet.task_budget_s
-            started = [self.fleet.start(d, assigned[str(d)], self.buffer.version, now) for d in chosen]
-            self.result.tasks += len(started)
+            started = [self._begin(d, assigned[str(d)], now) for d in chosen]
             arrive = [t for t in started if not t.vanishes and t.end <= deadline]
-            self.result.lost += sum(t.vanishes for t in started)
             close = max(t.end for t in arrive) if len(arrive) == len(started) else deadline
             if close > fc.time_budget_s:  # the budget ends before the round does
                 break
