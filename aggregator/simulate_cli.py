@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from aggregator.assignment import Assignment
+from aggregator.fleet_cli import FleetOptions, fleet_robustness, fleet_simulator, report_fleet
 from aggregator.run_options import RunSpec
 from nefl.nested.profile import ProfileError
 from nefl.support.cli_options import BatchSizeOption, DataRootOption, LocalEpochsOption, OutOption, ThreadsOption
@@ -80,6 +81,7 @@ def simulate_command(
     run: RunSpec,
     evaluation: SimEval,
     hostile: AttackOptions,
+    fleet: FleetOptions,
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy; with --out,
     metrics.jsonl, config.json and the final checkpoint are written there."""
@@ -98,14 +100,20 @@ def simulate_command(
         # the groups' fields are SimConfig's, by name
         cfg = SimConfig(profile, method, clients=clients, per_round=per_round, rounds=rounds, seed=seed, out=out,
                         device=device, assignment=assignment, **asdict(data), **asdict(training), **asdict(evaluation),
-                        lr_schedule=run.lr_schedule, warmup_rounds=run.warmup_rounds, robustness=run.robust.robustness(),
+                        lr_schedule=run.lr_schedule, warmup_rounds=run.warmup_rounds,
+                        robustness=fleet_robustness(run.robust) if fleet.mode else run.robust.robustness(),
                         root_samples=run.robust.root_samples, attack=attack, attackers=hostile.attackers if attack else 0.0)
-        sim = Simulator(cfg)
+        if fleet.mode:
+            fleet_sim = fleet_simulator(cfg, fleet, init_from)
+        else:
+            sim = Simulator(cfg)
         if init_from:  # before the first round, so round 1 trains from the pretrained weights
             sim.fed.state = GlobalState.pretrained(sim.layout, init_from, seed)
     except (ProfileError, DatasetUnavailable, ValueError, ImportError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
+    if fleet.mode:
+        return report_fleet(fleet_sim, console)
     ladder = sim.layout.profile
     console.print(f"{ladder.name} · method {sim.layout.method.name} · {len(sim.train)} training images over "
                   f"{clients} clients ({'IID' if data.non_iid is None else f'Dirichlet({data.non_iid})'})")

@@ -1,0 +1,140 @@
+"""An emulated heterogeneous fleet for `aggregator simulate --mode buffered|sync`: devices whose training steps take
+1x to `slowest`x as long as the fastest one's, whose load varies from task to task, and some of which vanish mid-task
+and come back later. Time is simulated (the loops in aggregator/fleet_sim.py pop events off a queue), so a fleet
+with a 10x spread of speeds is compared in minutes on 2 CPU cores. Torch-free: pure arithmetic on seeded draws.
+
+A device's task budget is `budget` x the time the fastest device needs for the full model on a median shard; each device trains, at
+most, the largest submodel whose task fits its budget at its speed (at least the smallest), as a device does with
+its own time budget per task.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FleetMode = Literal["buffered", "sync"]
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The emulated devices and how the server drives them."""
+
+    mode: FleetMode = "buffered"
+    slowest: float = 10.0  # step-time multipliers spread geometrically from 1x to this over the devices
+    step_s: float = 1.0  # simulated seconds of one full-model step on the fastest device
+    budget: float = 3.0  # a task's time budget, in full-model tasks of the fastest device
+    load_jitter: float = 0.5  # a task's steps take 1 to 1 + this x as long (the device's other load)
+    vanish: float = 0.05  # the chance that a device vanishes during a task (its update never arrives)
+    away_s: float = 200.0  # mean simulated seconds a vanished device stays away
+    concurrency: int = 5  # devices training at once (sync: participants per round)
+    deadline: float = 1.5  # sync: a round closes at this x the task budget at the latest
+    coverage_lag: int = 4  # buffered: a submodel no task was given for this many versions goes to the next device able
+    time_budget_s: float = 3000.0  # simulated seconds the run lasts
+    eval_every_s: float = 150.0  # evaluate the newest version every this many simulated seconds
+
+    def __post_init__(self) -> None:
+        if not self.slowest >= 1 or not self.step_s > 0 or not self.budget > 0 or self.load_jitter < 0:
+            raise ValueError("need slowest >= 1, step_s > 0, budget > 0 and load_jitter >= 0")
+        if not 0 <= self.vanish < 1 or not self.away_s > 0:
+            raise ValueError(f"need 0 <= vanish < 1 and away_s > 0, got {self.vanish}, {self.away_s}")
+        if self.concurrency < 1 or not self.deadline >= 1 or self.coverage_lag < 1:
+            raise ValueError("need concurrency >= 1, deadline >= 1 and coverage_lag >= 1")
+        if not self.time_budget_s > 0 or not self.eval_every_s > 0:
+            raise ValueError("need a positive time budget and evaluation interval")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One device's task: what it trains, from which version, when it ends, and whether its update arrives."""
+
+    device: int
+    submodel: int
+    base: int  # the version it trained from
+    start: float
+    end: float
+    vanishes: bool
+
+
+@dataclass
+class Fleet:
+    """The devices' speeds and availability (`away_until`), and the seeded draws of every task."""
+
+    cfg: FleetConfig
+    costs: Sequence[float]  # per submodel: its training step's cost relative to the full model's
+    steps: Sequence[int]  # per device: the training steps of one of its tasks (local epochs over its shard)
+    rng: random.Random
+    multipliers: list[float] = field(default_factory=list)
+    away_until: list[float] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: FleetConfig, costs: Sequence[float], steps: Sequence[int], seed: int) -> Fleet:
+        """One device per entry of `steps`, device i's steps taking slowest ** (i / (devices - 1)) x the fastest's."""
+        n = len(steps)
+        mult = [cfg.slowest ** (i / max(1, n - 1)) for i in range(n)]
+        return cls(cfg, costs, steps, random.Random(seed * 7919 + 17), mult, [0.0] * n)
+
+    def task_s(self, device: int, k: int) -> float:
+        """Seconds submodel k's task takes device `device` without other load."""
+        return self.steps[device] * self.cfg.step_s * self.multipliers[device] * self.costs[k]
+
+    @property
+    def task_budget_s(self) -> float:
+        """Every device's budget per task: `budget` full-model tasks of the fastest device on the median shard."""
+        return self.cfg.budget * statistics.median(self.steps) * self.cfg.step_s
+
+    def bound(self, device: int) -> int:
+        """The largest submodel whose task fits the device's budget at its speed (at least the smallest)."""
+        fits = [k for k in range(len(self.costs)) if self.task_s(device, k) <= self.task_budget_s]
+        return max(fits, default=0)
+
+    def online(self, now: float) -> list[int]:
+        return [d for d, t in enumerate(self.away_until) if t <= now]
+
+    def start(self, device: int, k: int, base: int, now: float) -> Task:
+        """A task begun now: its length under a load drawn now, and whether the device vanishes during it (then it is
+        away for an exponential time after the task's end)."""
+        load = 1.0 + self.rng.random() * self.cfg.load_jitter
+        end = now + self.task_s(device, k) * load
+        vanishes = self.rng.random() < self.cfg.vanish
+        if vanishes:
+            self.away_until[device] = end + self.rng.expovariate(1.0 / self.cfg.away_s)
+        return Task(device, k, base, now, end, vanishes)
+
+    def pick(self, idle: Sequence[int], n: int) -> list[int]:
+        """n of the idle online devices, uniformly (fewer when fewer are there), in index order."""
+        return sorted(self.rng.sample(list(idle), min(n, len(idle))))
+
+
+def assign_task(bound: int, given: list[int], version: int, lag: int) -> int:
+    """The submodel a device of `bound` trains in buffered mode: its bound, unless a submodel within it was given to
+    no task for `lag` versions (the largest such): slow devices keep the small submodels trained, fast ones the
+    large, and the ones between catch a fast device now and then. `given[k]`: the version submodel k was last given
+    at, updated here."""
+    starved = [k for k in range(bound + 1) if version - given[k] >= lag]
+    k = max(starved) if starved else bound
+    given[k] = version
+    return k
+
+
+class EventQueue:
+    """Simulated time: (time, payload) events popped in time order, ties in the order they were pushed."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Any]] = []
+        self._n = 0
+
+    def push(self, t: float, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, self._n, payload))
+        self._n += 1
+
+    def pop(self) -> tuple[float, Any]:
+        t, _, payload = heapq.heappop(self._heap)
+        return t, payload
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -1,0 +1,94 @@
+"""`aggregator simulate --mode buffered|sync`: the emulated fleet's options and its run's report (the runs themselves:
+aggregator/fleet_sim.py, imported when the command runs, so `--help` needs no torch)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from aggregator.fleet import FleetConfig, FleetMode
+from aggregator.robust_options import RobustnessOptions
+from nefl.aggregation.staleness import StalenessConfig
+from nefl.support.option_groups import option_group
+
+if TYPE_CHECKING:
+    from aggregator.fleet_sim import FleetSimulator
+    from aggregator.simulate import SimConfig
+    from nefl.aggregation.pipeline import Robustness
+
+_F, _S = FleetConfig(), StalenessConfig()
+
+
+@option_group("Emulated fleet: buffered asynchronous or synchronous, in simulated time (docs/results.md)")
+class FleetOptions:
+    mode: Annotated[Optional[FleetMode], typer.Option(
+        help="buffered (a version whenever K updates arrive, each weighted by its staleness) or sync (rounds wait for "
+             "the slowest or the deadline) on an emulated fleet of mixed speeds, --per-round devices training at once; "
+             "omit for the paper's rounds.")] = None
+    slowest: Annotated[float, typer.Option(min=1, help="The slowest device's step time, in the fastest's.")] = _F.slowest
+    budget: Annotated[float, typer.Option(
+        min=0, help="A task's time budget, in full-model tasks of the fastest device.")] = _F.budget
+    vanish: Annotated[float, typer.Option(min=0, max=0.99, help="The chance a device vanishes during a task.")] = _F.vanish
+    time_budget_s: Annotated[float, typer.Option(min=1, help="Simulated seconds the run lasts.")] = _F.time_budget_s
+    eval_every_s: Annotated[float, typer.Option(min=1, help="Evaluate every N simulated seconds.")] = _F.eval_every_s
+    buffer_size: Annotated[int, typer.Option(min=1, help="buffered: updates per committed version (K).")] = _S.buffer_size
+    staleness_exponent: Annotated[float, typer.Option(
+        min=0, help="buffered: an update tau versions old counts (1 + tau)^-a (0.5: FedBuff's; 0: alike).")] = _S.exponent
+    max_staleness: Annotated[int, typer.Option(
+        min=0, help="buffered: updates more versions old than this are refused (stale).")] = _S.max_staleness
+    commit_after_s: Annotated[Optional[float], typer.Option(
+        min=0, help="buffered: commit a partial buffer once its oldest update waited this long (simulated s).")] = None
+
+    def configs(self, concurrency: int) -> tuple[FleetConfig, StalenessConfig]:
+        fleet = FleetConfig(mode=self.mode or _F.mode, slowest=self.slowest, budget=self.budget, vanish=self.vanish,
+                            concurrency=concurrency, time_budget_s=self.time_budget_s, eval_every_s=self.eval_every_s)
+        staleness = StalenessConfig(buffer_size=self.buffer_size, exponent=self.staleness_exponent,
+                                    max_staleness=self.max_staleness, commit_after_s=self.commit_after_s)
+        return fleet, staleness
+
+
+def fleet_robustness(robust: RobustnessOptions) -> Robustness:
+    """The server's bounds for a fleet run: the centre check is off unless asked for (buffered mode refuses it, and
+    the synchronous run it is compared with must merge alike)."""
+    return (robust if robust.centre_check is not None else replace(robust, centre_check=False)).robustness()
+
+
+def fleet_simulator(cfg: SimConfig, options: FleetOptions, init_from: str | None) -> FleetSimulator:
+    """The fleet run `options` names, with `cfg` (its per_round: the devices training at once); a ValueError for what
+    only the paper's rounds run."""
+    from aggregator.fleet_sim import FleetSimulator  # torch: only when the command runs
+
+    if cfg.attack is not None or init_from:
+        raise ValueError("--attack and --init-from run in the paper's rounds only: omit --mode")
+    return FleetSimulator(cfg, *options.configs(cfg.per_round))
+
+
+def report_fleet(sim: FleetSimulator, console: Console) -> None:
+    """Run it: an evaluation line per grid time on stdout (without --out), then the last accuracy and what arrived."""
+    cfg, fleet = sim.cfg, sim.fleet_cfg
+    console.print(f"{sim.layout.profile.name} · {fleet.mode} on {cfg.clients} emulated devices (1x-{fleet.slowest:g}x), "
+                  f"{fleet.concurrency} at once, bounds {[sim.fleet.bound(d) + 1 for d in range(cfg.clients)]}")
+
+    def on_line(line: dict) -> None:
+        if cfg.out is None and line["kind"] == "eval":
+            print(json.dumps(line), flush=True)
+
+    result = sim.run(on_line)
+    last = result.curve[-1]
+    staleness_seen = Counter(s for c in result.commits for s in c["staleness"])
+    table = Table(title=f"{fleet.mode} · {fleet.time_budget_s:g} simulated s · {len(result.commits)} versions · "
+                        f"{result.seconds:.0f} s")
+    table.add_column("submodel")
+    table.add_column("top-1", justify="right")
+    for k, acc in enumerate(last["accuracy"]):
+        table.add_row(str(k + 1), f"{100 * acc:.2f}")
+    table.add_row("worst", f"{100 * last['worst']:.2f}")
+    Console().print(table)
+    Console().print(f"tasks {result.tasks}, lost to vanished devices {result.lost}, refused {dict(result.refused)}, "
+                    f"staleness of committed updates {dict(sorted(staleness_seen.items()))}")
