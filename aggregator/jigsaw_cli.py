@@ -40,10 +40,12 @@ class LocalTraining:
 @option_group("Data")
 class SimData:
     non_iid: Annotated[float, typer.Option(min=1e-6, help="Dirichlet alpha of the label skew (0.1 high, 1.0 low).")] = D.non_iid
-    proxy_samples: Annotated[int, typer.Option(min=10, help="Proxy images per client (rotation task, set aside from the "
-                                                             "training images before partitioning).")] = D.proxy_samples
+    probe_samples: Annotated[int, typer.Option(min=1, help="Shared unlabelled images set aside from the training images "
+                                                           "before partitioning: E_data for CoRe-Tune's Exp.")] = D.probe_samples
     max_samples_per_client: Annotated[Optional[int], typer.Option(
-        min=10, help="Cap each client's task data (faster runs).")] = D.max_samples_per_client
+        min=10, help="Cap each client's training images (faster runs, or a small-data setting).")] = D.max_samples_per_client
+    val_samples: Annotated[int, typer.Option(
+        min=1, help="Held-out validation images per client (the policy's reward), at most half its shard.")] = D.val_samples
     test_per_client: Annotated[int, typer.Option(
         min=10, help="Local test images per client (its own label distribution).")] = D.test_per_client
     data_root: TorchvisionRootOption = D.data_root
@@ -51,8 +53,9 @@ class SimData:
 
 @option_group("Policy")
 class SimPolicy:
-    policy_rounds: Annotated[int, typer.Option(min=0, help="Policy phase before them, on the proxy task (methods with a "
-                                                           "policy: fedjigsaw, no-coretune, no-symbio).")] = D.policy_rounds
+    policy_rounds: Annotated[int, typer.Option(min=0, help="Policy phase before them, on the task data too (methods with "
+                                                           "a policy: fedjigsaw, no-coretune, no-symbio; 0: the "
+                                                           "untrained policy, decoded greedily).")] = D.policy_rounds
     critic_warmup: Annotated[int, typer.Option(min=0, help="Policy-phase rounds the server's critic trains before its "
                                                            "values drive the clients' advantages.")] = D.critic_warmup
     switch_cost: Annotated[float, typer.Option(
@@ -167,7 +170,8 @@ class DeviceData:
     max_samples_per_client: Annotated[Optional[int], typer.Option(
         min=10, help="Cap each device's task data.")] = D.max_samples_per_client
     test_per_client: Annotated[int, typer.Option(min=10, help="Local test images per device.")] = D.test_per_client
-    proxy_samples: Annotated[int, typer.Option(min=10, help="Proxy images per device (policy phase).")] = D.proxy_samples
+    val_samples: Annotated[int, typer.Option(min=1, help="Held-out validation images per device (the reward).")] = D.val_samples
+    probe_samples: Annotated[int, typer.Option(min=1, help="Shared unlabelled images for E_data.")] = D.probe_samples
 
 
 @option_group("Policy")
