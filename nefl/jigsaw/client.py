@@ -83,7 +83,7 @@ class StepResult:
 
 
 @torch.no_grad()
-def data_feature(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+def probe_feature(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
     """E_data: a task-trained model's mean class probabilities on the shared probe images. A model trained on
     skewed labels predicts its frequent classes more often, so clients with alike label skews get alike E_data."""
     return model.eval()(probe).softmax(1).mean(0)
@@ -211,7 +211,7 @@ class JigsawClient:
                 probe: torch.Tensor) -> PolicyReport:
         """For the server: the new E_data (for Exp) and h_t per decision, built from the E_data the client had
         before this round (the critic's baseline must not see what the actions led to)."""
-        feature = data_feature(model, probe)
+        feature = probe_feature(model, probe)
         obs = [observation(self.prior_feature, st.state, self.settings.max_blocks).tolist() for st in episode.steps]
         self.prior_feature = feature
         return PolicyReport(federation=self.settings.federation, client=self.client, round=r, accuracy=accuracy,

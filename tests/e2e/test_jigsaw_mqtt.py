@@ -45,6 +45,7 @@ def start_federation(procs: Procs, tmp: Path, cfg: JigsawConfig, fetch_timeout: 
                                 "--policy-rounds", str(cfg.policy_rounds), "--critic-warmup", str(cfg.critic_warmup),
                                 "--max-samples-per-client", str(cfg.max_samples_per_client),
                                 "--test-per-client", str(cfg.test_per_client), "--val-samples", str(cfg.val_samples),
+                                "--probe-samples", str(cfg.probe_samples),
                                 "--seed", str(cfg.seed), "--fetch-timeout", str(fetch_timeout),
                                 "--round-timeout", str(round_timeout), "--join-wait", "120", "--out", str(tmp / "run")])
     for i, b in enumerate(budgets(cfg)):

@@ -286,9 +286,9 @@ def test_the_co_training_credit_grows_with_overlap_and_with_scarce_data() -> Non
 
 
 def _small_sim(method: str, **kw) -> JigsawSimulator:
-    cfg = JigsawConfig(method=method, clients=3, rounds=1, policy_rounds=2, critic_warmup=1, max_samples_per_client=48,
-                       test_per_client=30, val_samples=30, probe_samples=16, non_iid=1.0, eval_every=1, **kw)
-    return JigsawSimulator(cfg)
+    cfg = dict(clients=3, rounds=1, policy_rounds=2, critic_warmup=1, max_samples_per_client=48, test_per_client=30,
+               val_samples=30, probe_samples=16, non_iid=1.0, eval_every=1)
+    return JigsawSimulator(JigsawConfig(method=method, **{**cfg, **kw}))
 
 
 def test_the_policy_phase_trains_on_the_task_is_rewarded_on_held_out_task_data_and_keeps_the_modules() -> None:
@@ -326,3 +326,15 @@ def test_eq2_averages_every_copy_of_a_chain_all_clients_train() -> None:
         assert len(copies[key]) == 3
         for name, value in fed.exchange.store[key].items():
             assert torch.allclose(value.float(), torch.stack([c[name].float() for c in copies[key]]).mean(0), atol=1e-6)
+
+
+def test_e_data_reflects_each_clients_label_skew() -> None:
+    """E_data, from the task-trained model on the shared probe images, is closer to the client's own label
+    distribution than to any other client's: Exp sees data similarity."""
+    sim = _small_sim("fedjigsaw", local_epochs=3, non_iid=0.1)
+    for r in range(2):
+        sim.fed.policy_round(r, sim.train_cfg)
+    hist = torch.stack([d.histogram for d in sim.data])
+    feats = torch.stack([cl.prior_feature for cl in sim.fed.clients])
+    sim_matrix = torch.nn.functional.normalize(feats, dim=1) @ torch.nn.functional.normalize(hist, dim=1).T
+    assert sim_matrix.argmax(1).tolist() == [0, 1, 2], sim_matrix
