@@ -69,7 +69,7 @@ class Budget:
 
 
 # the small-data setting of issue 43, where clients have too little data alone
-SMALL = Budget(rounds=12, policy_rounds=6, critic_warmup=2, samples_per_client=40, test_per_client=300, eval_every=0,
+SMALL = Budget(rounds=8, policy_rounds=4, critic_warmup=1, samples_per_client=40, test_per_client=300, eval_every=0,
                local_epochs=5, batch_size=16)
 SMALL_START, SMALL_END = "<!-- bench-fedjigsaw-small:start -->", "<!-- bench-fedjigsaw-small:end -->"
 # the small-data sweep's variants: a method, or a method with other settings (the untrained policy); the claim's
