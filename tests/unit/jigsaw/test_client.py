@@ -218,7 +218,7 @@ def test_every_method_runs_its_phases_on_real_data(method: str) -> None:
         if m.fixed == "base":
             assert chains[0] == [x.key for x in sim.bases[0].metas(0)]
         if m.fixed == "shared":  # the smallest base model, head included, for everyone
-            assert chains[0] == chains[1] == chains[2] and len(set(k.split(".")[0] for k in chains[0])) == 1
+            assert chains[0] == chains[1] == chains[2] and len({k.split(".")[0] for k in chains[0]}) == 1
         return
     policy_rows = res.rounds[:2]
     assert all(len(r["reward"]) == 3 for r in policy_rows)
@@ -286,8 +286,8 @@ def test_the_co_training_credit_grows_with_overlap_and_with_scarce_data() -> Non
 
 
 def _small_sim(method: str, **kw) -> JigsawSimulator:
-    cfg = dict(clients=3, rounds=1, policy_rounds=2, critic_warmup=1, max_samples_per_client=48, test_per_client=30,
-               val_samples=30, probe_samples=16, non_iid=1.0, eval_every=1)
+    cfg = {"clients": 3, "rounds": 1, "policy_rounds": 2, "critic_warmup": 1, "max_samples_per_client": 48,
+           "test_per_client": 30, "val_samples": 30, "probe_samples": 16, "non_iid": 1.0, "eval_every": 1}
     return JigsawSimulator(JigsawConfig(method=method, **{**cfg, **kw}))
 
 
