@@ -38,16 +38,20 @@ ArchsOption = Annotated[str, typer.Option(
                     "the largest its memory budget fits.")]
 NonIidOption = Annotated[float, typer.Option(
     "--non-iid", min=1e-6, help="Dirichlet alpha of the clients' label skew (0.1 high, 1.0 low).")]
-ProxySamplesOption = Annotated[int, typer.Option(
-    "--proxy-samples", min=10, help="Proxy images per client for the policy phase's rotation task (set aside from the "
-                                    "training images before partitioning).")]
+ProbeSamplesOption = Annotated[int, typer.Option(
+    "--probe-samples", min=1, help="Shared unlabelled images set aside from the training images before partitioning: "
+                                   "E_data for CoRe-Tune's Exp.")]
+ValSamplesOption = Annotated[int, typer.Option(
+    "--val-samples", min=1, help="Held-out validation images per client (the policy's reward), at most half its "
+                                 "shard.")]
 MaxSamplesOption = Annotated[Optional[int], typer.Option(
-    "--max-samples-per-client", min=10, help="Cap each client's task data (faster runs).")]
+    "--max-samples-per-client", min=10, help="Cap each client's training images (faster runs, or a small-data setting).")]
 TestPerClientOption = Annotated[int, typer.Option(
     "--test-per-client", min=10, help="Local test images per client (its own label distribution).")]
 PolicyRoundsOption = Annotated[int, typer.Option(
-    "--policy-rounds", min=0, help="Policy phase before the model-training rounds, on the proxy task (methods with a "
-                                   "policy: fedjigsaw, no-coretune, no-symbio; CoRe-Tune's critic trains during it).")]
+    "--policy-rounds", min=0, help="Policy phase before the model-training rounds, on the task data too (methods "
+                                   "with a policy: fedjigsaw, no-coretune, no-symbio; 0: the untrained policy, decoded "
+                                   "greedily).")]
 CriticWarmupOption = Annotated[int, typer.Option(
     "--critic-warmup", min=0, help="Policy-phase rounds the server's critic trains before its values drive the "
                                    "clients' advantages.")]
@@ -62,8 +66,9 @@ class LocalTraining:
 @option_group("Data")
 class SimData:
     non_iid: NonIidOption = D.non_iid
-    proxy_samples: ProxySamplesOption = D.proxy_samples
+    probe_samples: ProbeSamplesOption = D.probe_samples
     max_samples_per_client: MaxSamplesOption = D.max_samples_per_client
+    val_samples: ValSamplesOption = D.val_samples
     test_per_client: TestPerClientOption = D.test_per_client
     data_root: DataRootOption = D.data_root
 
@@ -183,7 +188,8 @@ class DeviceData:
     non_iid: NonIidOption = D.non_iid
     max_samples_per_client: MaxSamplesOption = D.max_samples_per_client
     test_per_client: TestPerClientOption = D.test_per_client
-    proxy_samples: ProxySamplesOption = D.proxy_samples
+    val_samples: ValSamplesOption = D.val_samples
+    probe_samples: ProbeSamplesOption = D.probe_samples
 
 
 @option_group("Policy")

@@ -2,12 +2,12 @@
 writes docs/fedjigsaw.md's generated section and docs/img/fedjigsaw-curves.png.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_fedjigsaw.py [--quick] [--jobs 2] [--seeds 3] [--rounds 40]
-        [--policy-rounds 20] [--samples 300] [--test-samples 300] [--proxy-samples 160] [--eval-every 4] [--out DIR]
+        [--policy-rounds 20] [--samples 300] [--test-samples 300] [--eval-every 4] [--small] [--out DIR]
         [--note TEXT] [--render]
 
 The sweep: Dirichlet(1.0) ("low non-IID") and Dirichlet(0.1) ("high non-IID") x the six methods of `aggregator
 jigsaw` x the seeds; 10 clients whose base architectures follow from their memory budgets, all active every round,
-as the paper's protocol, scaled to 2 cores: the methods with a policy first run the policy phase on the proxy task
+as the paper's protocol, scaled to 2 cores: the methods with a policy first run the policy phase on the task data
 (--policy-rounds, the critic's values counting after its warm-up), then every method trains --rounds rounds on its task
 shard (--samples images per client, 10% of them the reward's validation split), scored on --test-samples local test
 images per client drawn with its own label distribution, every --eval-every rounds. Resumable: every finished run is
@@ -59,11 +59,26 @@ class Budget:
     rounds: int = JigsawConfig.rounds  # model-training rounds
     policy_rounds: int = JigsawConfig.policy_rounds
     critic_warmup: int = JigsawConfig.critic_warmup
-    samples_per_client: int = 300
+    samples_per_client: int = 300  # training images per client
     test_per_client: int = 300
-    proxy_samples: int = JigsawConfig.proxy_samples
+    val_samples: int = JigsawConfig.val_samples  # held-out validation images per client (the reward)
     clients: int = JigsawConfig.clients
     eval_every: int = 4
+    local_epochs: int = JigsawConfig.local_epochs
+    batch_size: int = JigsawConfig.batch_size
+
+
+# the small-data setting of issue 43, where clients have too little data alone
+SMALL = Budget(rounds=8, policy_rounds=4, critic_warmup=1, samples_per_client=40, test_per_client=300, eval_every=0,
+               local_epochs=5, batch_size=16)
+SMALL_START, SMALL_END = "<!-- bench-fedjigsaw-small:start -->", "<!-- bench-fedjigsaw-small:end -->"
+# the small-data sweep's variants: a method, or a method with other settings (the untrained policy); the claim's
+# four over every seed first, the ablations after, so a sweep cut short still answers the claim
+VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "shared-chain": ("shared-chain", {}),
+            "random-chain": ("random-chain", {}), "untrained-policy": ("fedjigsaw", {"policy_rounds": 0}),
+            "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {})}
+CLAIMED = 4
+VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)"}
 
 
 @dataclass(frozen=True)
@@ -92,9 +107,9 @@ def summarise(sim: JigsawSimulator, rows: list[dict]) -> dict:
     decisions = [s for r in train for s in r["decision_seconds"]]
     changes = [r["chain_changes"] for r in train if "chain_changes" in r]
     final = [[d.split(":")[0] for d in arch] for arch in last["architectures"]]
-    blocks = [[k for k in chain[:-1]] for chain in final]  # the head is always the client's own
+    blocks = [chain[:-1] for chain in final]
     users: dict[str, set[int]] = {}
-    for c, chain in enumerate(blocks):
+    for c, chain in enumerate(final):
         for k in chain:
             users.setdefault(k, set()).add(c)
     return {
@@ -109,11 +124,15 @@ def summarise(sim: JigsawSimulator, rows: list[dict]) -> dict:
         "policy_update_seconds": _mean([r["policy_update_seconds"] for r in policy]),
         "critic_seconds": _mean([r["critic_seconds"] for r in policy if "critic_seconds" in r]),
         "peak_mib": {"mean": statistics.fmean(last["peak_mib"]), "max": max(last["peak_mib"])},
-        "policy_phase": [{"round": r["round"] + 1, "proxy_accuracy": statistics.fmean(r["val_accuracy"]),
+        "val_accuracy_spread": _mean([statistics.pstdev(r["val_accuracy"]) for r in policy]),
+        "policy_phase": [{"round": r["round"] + 1, "val_accuracy": statistics.fmean(r["val_accuracy"]),
                           "reward": statistics.fmean(r["reward"]), "advantage_abs": r["advantage_abs"],
                           "critic_abs_error": r.get("critic_abs_error"), "critic_warm": r.get("critic_warm")} for r in policy],
         "own_share": statistics.fmean(sum(k.startswith(f"c{c}.") for k in chain) / len(chain) for c, chain in enumerate(blocks)),
-        "users_per_module": statistics.fmean(len(u) for u in users.values()),
+        "users_per_module": statistics.fmean(len(u) for k, u in users.items() if k not in {ch[-1] for ch in final}),
+        "users_per_head": statistics.fmean(len(u) for k, u in users.items() if k in {ch[-1] for ch in final}),
+        "peer_heads": sum(not chain[-1].startswith(f"c{c}.") for c, chain in enumerate(final)),
+        "trainers_per_module": [r.get("trainers_per_module") for r in train],
         "bytes_per_round": {k: statistics.fmean(r["bytes"][k] for r in train) for k in train[0]["bytes"]},
         "architectures": [sim.fed.describe(c) for c in range(sim.cfg.clients)], "bases": [b.name for b in sim.bases],
         "budgets_mib": [x / 2**20 for x in sim.budgets], "widths": last.get("widths"),
@@ -125,10 +144,12 @@ def run_job(job: Job) -> dict:
     """Worker: one federation with one torch thread; the summary lands atomically in job.path."""
     torch.set_num_threads(1)
     b = job.budget
-    cfg = JigsawConfig(method=job.method, clients=b.clients, rounds=b.rounds, policy_rounds=b.policy_rounds,
-                       critic_warmup=b.critic_warmup, non_iid=SETTINGS[job.setting], seed=job.seed,
-                       max_samples_per_client=b.samples_per_client, test_per_client=b.test_per_client,
-                       proxy_samples=b.proxy_samples, eval_every=b.eval_every, out=str(Path(job.path).with_suffix("")))
+    method, overrides = VARIANTS.get(job.method, (job.method, {}))
+    settings = dict(clients=b.clients, rounds=b.rounds, policy_rounds=b.policy_rounds, critic_warmup=b.critic_warmup,
+                    non_iid=SETTINGS[job.setting], seed=job.seed, max_samples_per_client=b.samples_per_client,
+                    test_per_client=b.test_per_client, val_samples=b.val_samples, eval_every=b.eval_every,
+                    local_epochs=b.local_epochs, batch_size=b.batch_size, out=str(Path(job.path).with_suffix("")))
+    cfg = JigsawConfig(method=method, **{**settings, **overrides})
     sim = JigsawSimulator(cfg)
     res = sim.run()
     out = {"setting": job.setting, "method": job.method, "seed": job.seed, "budget": dataclasses.asdict(b),
@@ -366,9 +387,9 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, planned: 
              f"commit {commit_label()}; {len(results)} of {planned} planned runs finished, "
              f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.",
              f"Budget: {budget.clients} clients, seeds {', '.join(map(str, seeds))}; the methods with a policy first run {budget.policy_rounds} "
-             f"policy-phase rounds on the proxy task ({budget.proxy_samples} rotated images per client; the critic's "
+             f"policy-phase rounds on the task (rewarded on {budget.val_samples} held-out images per client; the critic's "
              f"values drive the advantages after {budget.critic_warmup}), then every method trains {budget.rounds} rounds "
-             f"on {budget.samples_per_client} task images per client (modules freshly initialised), scored every "
+             f"on {budget.samples_per_client} task images per client (modules carried over), scored every "
              f"{budget.eval_every} rounds on {budget.test_per_client} local test images per client.", "",
              "Table 1 (ours): mean local top-1 (%) ± standard deviation across the clients (as a fraction, as the "
              "paper), averaged over seeds; [lowest-highest seed mean]. *After aggregation*: each client's model with "
@@ -398,14 +419,14 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, planned: 
     lines += ["", "Module sharing, client by client (final chains, all seeds pooled): each client's accuracy minus its "
               "own under local-only (points), by whether its chain borrows blocks, and for chains with a block that "
               "another client's chain uses too (so Eq. 2 averages their copies).", "", *sharing_effect(groups)]
-    lines += ["", "Policy phase (FedJigsaw and its ablations, mean over seeds and clients): accuracy on the proxy "
-              "task's validation split, the critic's mean |V - return| and the mean |advantage|, over the first and "
-              "the last five rounds.", "",
-              "| setting | method | proxy accuracy, first 5 / last 5 | critic abs. error, first 5 / last 5 | "
+    lines += ["", "Policy phase (FedJigsaw and its ablations, mean over seeds and clients): accuracy on the held-out "
+              "validation split (the reward's Acc), the critic's mean |V - return| and the mean |advantage|, over the "
+              "first and the last five rounds.", "",
+              "| setting | method | validation accuracy, first 5 / last 5 | critic abs. error, first 5 / last 5 | "
               "abs. advantage, first 5 / last 5 |", "|---|---|---|---|---|"]
     for setting, method, runs in _groups(groups, lambda m: m.assemble):
         cells = [f"{_phase_mean(runs, key, slice(0, 5))} / {_phase_mean(runs, key, slice(-5, None))}"
-                 for key in ("proxy_accuracy", "critic_abs_error", "advantage_abs")]
+                 for key in ("val_accuracy", "critic_abs_error", "advantage_abs")]
         lines.append(f"| {SETTING_TITLES[setting]} | {TITLES[method]} | " + " | ".join(cells) + " |")
     lines += ["", "Table 2 (ours, the paper's columns): decision latency per client per round, measured inside the "
               "federations while the machine trained (model-training phase; policy phase in brackets), and the "
@@ -454,6 +475,70 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, planned: 
     return [*lines, ""]
 
 
+def small_report(results: list[dict], budget: Budget, planned: int, command: str, note: str) -> list[str]:
+    """The small-data section: each variant's mean and spread over the declared seeds, FedJigsaw against each other
+    variant seed by seed, and how many clients train each used module."""
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["seed"]):
+        groups.setdefault(r["method"], []).append(r)
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    seeds = sorted({r["seed"] for r in results})
+    lines = ["", f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), commit "
+             f"{commit_label()}; {len(results)} of {planned} planned runs finished, "
+             f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.",
+             f"Setting: Fashion-MNIST, Dir(1.0), {budget.clients} clients (CNN family, bases from their budgets), "
+             f"{budget.samples_per_client} training images per client, {budget.local_epochs} local epochs at batch "
+             f"{budget.batch_size}; the reward's validation split: {budget.val_samples} held-out images per client; "
+             f"{budget.policy_rounds} policy-phase rounds (the methods with a policy; critic values after "
+             f"{budget.critic_warmup}) then {budget.rounds} model-training rounds; scored on {budget.test_per_client} "
+             f"local test images per client after the last round. Seeds declared before running: "
+             f"{', '.join(map(str, range(max(seeds) + 1 if seeds else 0)))}.", "",
+             "| variant | mean local top-1 (%), mean over seeds | std over seeds | per seed | worst client, mean over seeds "
+             "| clients per used block | clients per used head | peer heads | min per run |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in VARIANTS:
+        runs = groups.get(name)
+        if not runs:
+            continue
+        means = [100 * r["mean"] for r in runs]
+        lines.append(f"| {VARIANT_TITLES[name]} | {statistics.fmean(means):.2f} | "
+                     f"{statistics.stdev(means) if len(means) > 1 else 0.0:.2f} | {', '.join(f'{m:.1f}' for m in means)} | "
+                     f"{statistics.fmean(100 * min(r['accuracy']) for r in runs):.1f} | "
+                     f"{statistics.fmean(r['users_per_module'] for r in runs):.2f} | "
+                     f"{statistics.fmean(r['users_per_head'] for r in runs):.2f} | "
+                     f"{statistics.fmean(r['peer_heads'] for r in runs):.1f} | "
+                     f"{statistics.fmean(r['seconds'] for r in runs) / 60:.1f} |")
+    lines += ["", "FedJigsaw against each other variant, seed by seed (same partition, same budgets): the difference "
+              "of the clients' mean accuracy, its mean and standard deviation over seeds, and whether the mean "
+              "difference is beyond the seed spread (the larger of the two variants' standard deviations over seeds).", "",
+              "| FedJigsaw vs | difference per seed (points) | mean | std | seed spread | beyond the spread? |",
+              "|---|---|---|---|---|---|"]
+    mine = {r["seed"]: 100 * r["mean"] for r in groups.get("fedjigsaw", [])}
+    for name in VARIANTS:
+        other = {r["seed"]: 100 * r["mean"] for r in groups.get(name, [])}
+        common = sorted(set(mine) & set(other))
+        if name == "fedjigsaw" or len(common) < 2:
+            continue
+        diffs = [mine[k] - other[k] for k in common]
+        spread = max(statistics.stdev(mine.values()), statistics.stdev(other.values()))
+        mean = statistics.fmean(diffs)
+        lines.append(f"| {VARIANT_TITLES[name]} | {', '.join(f'{d:+.1f}' for d in diffs)} | {mean:+.2f} | "
+                     f"{statistics.stdev(diffs):.2f} | {spread:.2f} | {'yes' if abs(mean) > spread else 'no'} "
+                     f"({'ahead' if mean > 0 else 'behind'}) |")
+    policy = [r for name in ("fedjigsaw", "no-coretune", "no-symbio") for r in groups.get(name, [])]
+    if policy:
+        acc = statistics.fmean(p["val_accuracy"] for r in policy for p in r["policy_phase"])
+        noise = (acc * (1 - acc) / budget.val_samples) ** 0.5
+        spread = statistics.fmean(r["val_accuracy_spread"] for r in policy)
+        lines += ["", f"The reward's sampling noise: at the policy phase's mean validation accuracy {acc:.3f}, "
+                  f"{budget.val_samples} images give a standard error of {noise:.3f}, against a spread of "
+                  f"{spread:.3f} (std across clients in a round, mean over rounds and runs)."]
+    trainers = [(name, [t for r in groups.get(name, []) for t in r["trainers_per_module"][-5:] if t]) for name in VARIANTS]
+    lines += ["", "Clients training each borrowed or own module in the last five model-training rounds (mean over the "
+              "modules trained in a round, runs pooled): " + "; ".join(
+                  f"{VARIANT_TITLES[n]} {statistics.fmean(ts):.2f}" for n, ts in trainers if ts) + "."]
+    return [*lines, ""]
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "_overhead":
         print(json.dumps(overhead(sys.argv[2])))
@@ -464,28 +549,38 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=Budget.rounds)
     ap.add_argument("--policy-rounds", type=int, default=Budget.policy_rounds)
-    ap.add_argument("--samples", type=int, default=Budget.samples_per_client, help="Task images per client (10% validation).")
+    ap.add_argument("--samples", type=int, default=Budget.samples_per_client, help="Training images per client.")
     ap.add_argument("--test-samples", type=int, default=Budget.test_per_client, help="Local test images per client.")
-    ap.add_argument("--proxy-samples", type=int, default=Budget.proxy_samples, help="Proxy-task images per client.")
+    ap.add_argument("--small", action="store_true", help="The small-data sweep (Dir(1.0), 40 images per client) into its "
+                                                         "own section of the doc.")
     ap.add_argument("--eval-every", type=int, default=Budget.eval_every, help="Model-training rounds between evaluations.")
     ap.add_argument("--render", action="store_true",
                     help="Write the doc from this budget's finished runs only (a sweep still running, or one cut short).")
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default="2 cores shared with other engineers' work", help="How the machine was used.")
     args = ap.parse_args()
+    if args.small:
+        budget, seeds = SMALL, args.seeds
+        out = ROOT / (args.out or "runs/bench-fedjigsaw-small")
+        groups = [list(VARIANTS)[:CLAIMED], list(VARIANTS)[CLAIMED:]]
+        jobs = [Job("dir-1.0", v, seed, str(out / f"{v}-seed{seed}.json"), budget)
+                for group in groups for seed in range(seeds) for v in group]
+        results = [r for j in jobs if (r := load_result(Path(j.path), budget))] if args.render else run_sweep(jobs, args.jobs, budget)
+        command = "benchmarks/bench_fedjigsaw.py " + shlex.join(sys.argv[1:])
+        write_section(DOC, SMALL_START, SMALL_END, small_report(results, budget, len(jobs), command, args.note))
+        return
     if args.quick:
-        budget = Budget(rounds=2, policy_rounds=2, critic_warmup=1, samples_per_client=60, test_per_client=100, proxy_samples=40,
-                        eval_every=1)
+        budget = Budget(rounds=2, policy_rounds=2, critic_warmup=1, samples_per_client=60, test_per_client=100,
+                        val_samples=40, eval_every=1)
         seeds, settings = 1, ["dir-1.0"]
         out, doc, img = ROOT / (args.out or "runs/bench-fedjigsaw-quick"), None, None
     else:
         budget = Budget(rounds=args.rounds, policy_rounds=args.policy_rounds, critic_warmup=min(Budget.critic_warmup, args.policy_rounds),
-                        samples_per_client=args.samples, test_per_client=args.test_samples, proxy_samples=args.proxy_samples,
-                        eval_every=args.eval_every)
+                        samples_per_client=args.samples, test_per_client=args.test_samples, eval_every=args.eval_every)
         seeds, settings = args.seeds, list(SETTINGS)
         # one directory per budget: a finished run is reused only by a sweep of the same budget
         out = ROOT / (args.out or f"runs/bench-fedjigsaw-p{budget.policy_rounds}-r{budget.rounds}-n{budget.samples_per_client}"
-                              f"-t{budget.test_per_client}-q{budget.proxy_samples}-e{budget.eval_every}")
+                              f"-t{budget.test_per_client}-v{budget.val_samples}-e{budget.eval_every}")
         doc, img = DOC, ROOT / "docs" / "img" / "fedjigsaw-curves.png"
     # the claims' methods over every seed first, the ablations after: a sweep cut short still answers the done-when
     claimed = ["fedjigsaw", *dict.fromkeys(other for _, other in CLAIMS)]

@@ -35,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows: dict[str, list[tuple[float, float, float]]] = {}
     for seed in args.seeds:
-        base = dict(clients=args.clients, rounds=args.rounds, policy_rounds=2, critic_warmup=1, proxy_samples=40,
+        base = dict(clients=args.clients, rounds=args.rounds, policy_rounds=2, critic_warmup=1,
                     max_samples_per_client=args.samples, test_per_client=200, eval_every=1, seed=seed)
         local = curves(JigsawConfig(method="local-only", **base))
         for screen in (False, True):

@@ -170,20 +170,15 @@ class BrokerExchange:
 
     # -- rounds ---------------------------------------------------------------------------------------
 
-    def begin_round(self, r: int, active: set[int], expected: int, grace_s: float,
-                    fresh: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, int]:
+    def begin_round(self, r: int, active: set[int], expected: int, grace_s: float) -> dict[str, int]:
         """Close the open round: wait up to `grace_s` for the `expected` copies peers said they sent, average
-        every borrowed module's copies (Eq. 2), then open round r (from `fresh` modules at the start of the
-        model-training phase) and answer the fetches held for it. Returns how many copies each module got."""
+        every borrowed module's copies (Eq. 2), then open round r and answer the fetches held for it. Returns
+        how many copies each module got."""
         deadline = self.clock() + grace_s
         with self.cond:
             while self.heard < expected and self.clock() < deadline:
                 self.cond.wait(min(0.2, max(0.0, deadline - self.clock())))
             counts = self._aggregate()
-            if fresh is not None:
-                self.store = fresh
-                if self.screen is not None:  # fresh modules: the proxy task's history says nothing about them
-                    self.screen = ReturnScreen(self.screen.cfg)
             self.round, self.active = r, set(active) | {self.me}
             self.sent_back, self.heard = [], 0
             self.arrived.clear()

@@ -7,8 +7,10 @@ the parameters of the modules it fetches; trained copies go back the same way); 
 during the policy phase comes as a `CriticAdvice`; its data come in as loaders. The simulator only
 orchestrates, and a device can drive the same step over a broker.
 
-Two phases, as the paper's schedule:
-- policy (`explore=True`): sample a chain at temperature 1, train and score it, report to the server, learn.
+Two phases, as the paper's schedule (Algorithm 2), both on the client's task data, the modules carried from one
+into the other:
+- policy (`explore=True`): sample a chain at temperature 1, train it on the task shard, score it on the held-out
+  validation split (the reward), report to the server, learn.
 - model training (`explore=False`): execution. The policy is frozen and decodes greedily (or at a low
   temperature). The client switches to the decoded chain only when the policy has preferred that same chain,
   under its observations of each round, by more than `switch_cost` nats for every round the current chain
@@ -17,12 +19,14 @@ Two phases, as the paper's schedule:
   most there, the more so the longer it was trained there; a round's preference can be noise (the accuracy
   the observations carry is scored on a few dozen validation images); and the observations of the modules a
   client stops using keep changing, so a frozen policy can come to prefer the old chain again.
-A client without a policy (`assemble=False`, local only) trains its base model every round.
+A client without a policy (`assemble=False`) trains a fixed chain every round: its base model (local only) or the
+chain it is given (the fixed-chain ablations).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,21 +82,35 @@ class StepResult:
     report: PolicyReport | None  # for the server, in the policy phase
 
 
+@torch.no_grad()
+def probe_feature(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    """E_data: a task-trained model's mean class probabilities on the shared probe images. A model trained on
+    skewed labels predicts its frequent classes more often, so clients with alike label skews get alike E_data."""
+    return model.eval()(probe).softmax(1).mean(0)
+
+
 def chain_keys(chain: list[ModuleMeta] | None) -> list[str]:
     return [m.key for m in chain] if chain else []
 
 
 class JigsawClient:
     def __init__(self, client: int, base: BaseArch, budget: float, data_feature: torch.Tensor, settings: ClientSettings,
-                 seed: int, assemble: bool = True) -> None:
+                 seed: int, assemble: bool = True, policy_seed: int | None = None,
+                 chain: Sequence[ModuleMeta] | None = None) -> None:
+        """`seed` drives the client's sampling; `policy_seed` (default `seed`) initialises its policy, so clients
+        given the same one start from the same policy; `chain` is the fixed chain of a client without a policy."""
+        fixed = list(chain) if chain is not None else base.metas(client)
         if peak_bytes(base.metas(client), base.input, settings.batch_size) > budget:
             raise ValueError(f"client {client}: its base model {base.name} does not fit its budget of {budget / 2**20:.1f} MiB")
+        if not assemble and peak_bytes(fixed, base.input, settings.batch_size) > budget:
+            raise ValueError(f"client {client}: the fixed chain does not fit its budget of {budget / 2**20:.1f} MiB")
         self.client, self.base, self.budget, self.settings = client, base, budget, settings
         self.data_feature = data_feature.float()
-        self.agent = PolicyAgent(len(data_feature), lr=settings.policy_lr, gamma=settings.gamma, tau=settings.tau, seed=seed) \
-            if assemble else None
+        self.agent = PolicyAgent(len(data_feature), lr=settings.policy_lr, gamma=settings.gamma, tau=settings.tau,
+                                 seed=seed if policy_seed is None else policy_seed) if assemble else None
         self.log = ObservationLog(settings.observation_decay)
-        self.chain: list[ModuleMeta] | None = None if assemble else base.metas(client)
+        self.chain: list[ModuleMeta] | None = None if assemble else fixed
+        self.prior_feature = torch.full((base.classes,), 1.0 / base.classes)  # E_data before this round (h_t's part)
         self.held = 0  # rounds the current chain has been trained
         self.left: set[tuple[str, ...]] = set()  # chains left in this phase: never taken again
         self.pending: tuple[tuple[str, ...], int] | None = None  # a chain the policy keeps preferring, for how many rounds
@@ -114,8 +132,8 @@ class JigsawClient:
         self.zoo = Zoo.build(own + peers, self.base.input, self.settings.batch_size, self.settings.max_blocks)
 
     def begin_model_training(self) -> None:
-        """Start of the model-training phase: the modules are fresh, so what was observed of them is void."""
-        self.log.clear()
+        """Start of the model-training phase: execution decodes a chain afresh; the modules and what the client
+        observed of them carry over (Algorithm 2 trains them on the task in both phases)."""
         if self.agent is not None:
             self.chain, self.held, self.pending = None, 0, None
             self.left.clear()
@@ -185,17 +203,19 @@ class JigsawClient:
         self.chain = chain
         fixed = fixed_bytes(self.base.input, s.batch_size)
         cap = (peak_bytes(chain, self.base.input, s.batch_size) - fixed) / (self.budget - fixed)
-        report = self._report(r, episode, accuracy, cap, model, probe) if explore and episode is not None else None
+        report = self._report(r, episode, accuracy, cap, res.num_samples, model, probe) \
+            if explore and episode is not None else None
         return StepResult(r, chain, changed, accuracy, res.loss, res.num_samples, cap, decision_s, model, episode, report)
 
-    @torch.no_grad()
-    def _report(self, r: int, episode: Episode, accuracy: float, cap: float, model: nn.Module,
+    def _report(self, r: int, episode: Episode, accuracy: float, cap: float, samples: int, model: nn.Module,
                 probe: torch.Tensor) -> PolicyReport:
-        """E_data (the trained model's mean output on the shared probe) and h_t per decision, for the server."""
-        feature = model.eval()(probe).softmax(1).mean(0)
-        obs = [observation(feature, st.state, self.settings.max_blocks).tolist() for st in episode.steps]
+        """For the server: the new E_data (for Exp) and h_t per decision, built from the E_data the client had
+        before this round (the critic's baseline must not see what the actions led to)."""
+        feature = probe_feature(model, probe)
+        obs = [observation(self.prior_feature, st.state, self.settings.max_blocks).tolist() for st in episode.steps]
+        self.prior_feature = feature
         return PolicyReport(federation=self.settings.federation, client=self.client, round=r, accuracy=accuracy,
-                            cap=min(cap, 100.0), data_feature=feature.tolist(),
+                            cap=min(cap, 100.0), samples=samples, data_feature=feature.tolist(),
                             chain=[(m.source, m.position) for m in episode.metas], observations=obs)
 
     # -- the policy's learning step -----------------------------------------------------------------
@@ -209,8 +229,8 @@ class JigsawClient:
                                    or (advice.values is not None and len(advice.values) != steps)):
             self.rejected += 1
             advice = None
-        exp = advice.exp if advice is not None else 0.0
+        exp, share = (advice.exp, advice.share) if advice is not None else (0.0, 0.0)
         values = advice.values if advice is not None else None
-        reward = terminal_reward(result.accuracy, exp, result.cap, self.settings.alpha, self.settings.beta)
+        reward = terminal_reward(result.accuracy, exp, result.cap, self.settings.alpha, self.settings.beta, share)
         loss, advantage = self.agent.update(result.episode, reward, values)
-        return {"reward": reward, "exp": exp, "actor_loss": loss, "advantage": advantage, "critic_values": values is not None}
+        return {"reward": reward, "exp": exp, "share": share, "actor_loss": loss, "advantage": advantage, "critic_values": values is not None}

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from nefl.jigsaw.coordination import JigsawHello, JigsawPlan, JigsawRound, Participant, Phase, RoundDone
 from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CoReTune, PolicyReport
 from nefl.jigsaw.methods import get_method
-from nefl.jigsaw.policy import TOKEN_FEATURES
 from nefl.jigsaw.sim import JigsawConfig
 from nefl.jigsaw.symbio import neighbours
 from nefl.jigsaw.zoo import load_base
@@ -47,8 +46,8 @@ class Coordinator:
     def __init__(self, cfg: JigsawConfig, federation: str, devices: int, signer: Signer, transport: Transport,
                  clock: Callable[[], float] = time.monotonic, on_row: Callable[[dict], None] | None = None) -> None:
         self.method = get_method(cfg.method)
-        if self.method.family != "modules":
-            raise ValueError(f"--method {cfg.method} trains width windows of one model: over MQTT, use fedjigsaw, "
+        if self.method.family != "modules" or (not self.method.assemble and self.method.fixed != "base"):
+            raise ValueError(f"--method {cfg.method} is an ablation of the simulator: over MQTT, use fedjigsaw, "
                              "no-coretune, no-symbio or local-only")
         self.cfg, self.devices, self.signer, self.transport, self.clock = cfg, devices, signer, transport, clock
         self.max_blocks = max(load_base(a).blocks for a in cfg.archs)  # an unknown architecture fails here, first
@@ -182,9 +181,7 @@ class Coordinator:
     def run(self, admit_timeout_s: float) -> dict[int, float]:
         """Admit, run every round, close; returns each device's final local test accuracy."""
         plan = self.admit(admit_timeout_s)
-        critic = CoReTune(plan.federation, self.classes + TOKEN_FEATURES + 1,
-                          plan.settings.alpha, plan.settings.beta, plan.settings.gamma, self.cfg.critic_warmup,
-                          seed=self.cfg.seed) if self.method.coretune and plan.policy_rounds else None
+        critic = self.cfg.coretune(plan.federation, self.classes) if self.method.coretune and plan.policy_rounds else None
         returns = [0] * len(plan.participants)
         for r in range(plan.policy_rounds + plan.rounds):
             phase: Phase = "policy" if r < plan.policy_rounds else "train"

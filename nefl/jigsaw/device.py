@@ -30,7 +30,7 @@ from nefl.jigsaw.client import JigsawClient, StepResult
 from nefl.jigsaw.coordination import MAX_PLAN_BYTES, JigsawHello, JigsawPlan, JigsawRound, RoundDone
 from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CriticAdvice
 from nefl.jigsaw.methods import get_method
-from nefl.jigsaw.shards import ClientShard, client_data, initial_modules, module_seed, probe_images
+from nefl.jigsaw.shards import ClientShard, client_data, initial_modules, module_seed
 from nefl.jigsaw.screen import ReturnScreen
 from nefl.jigsaw.symbio import ModuleFetch
 from nefl.jigsaw.zoo import BaseArch, base_for_budget, build_model, load_base
@@ -206,11 +206,10 @@ class JigsawDevice:
         bases = [load_base(a) for a in plan.archs]
         self.base = base = base_for_budget(bases, self.cfg.budget, plan.shards.batch_size)
         train, test = load_dataset(plan.dataset, self.cfg.data_root, train=True), load_dataset(plan.dataset, self.cfg.data_root, train=False)
-        data, proxy = client_data(train, test, plan.shards)
-        shard = ClientShard(me, data[me], train, test, proxy, plan.shards)
-        self.probe = probe_images(base.input, plan.shards)
+        data, self.probe = client_data(train, test, plan.shards)
+        shard = ClientShard(me, data[me], train, test, plan.shards)
         client = JigsawClient(me, base, self.cfg.budget, data[me].histogram, plan.settings,
-                              seed=plan.shards.seed * 1000 + me, assemble=method.assemble)
+                              seed=plan.shards.seed * 1000 + me, assemble=method.assemble, policy_seed=plan.shards.seed)
         peers = {p.index: Peer(p.index, p.client_id, parse_public_key(p.key)) for p in plan.participants}
         self.exchange = BrokerExchange(self.topics, me, peers, [list(n) for n in plan.links], self.signer, self.transport,
                                        self._initial(plan, me), self.cfg.chunk_bytes, plan.fetch_timeout_s, plan.norm_bound,
@@ -228,13 +227,12 @@ class JigsawDevice:
         return initial_modules(self.base.metas(me), module_seed(plan.shards.seed, me))
 
     def _open(self, rnd: JigsawRound, plan: JigsawPlan) -> None:
-        """Close the previous round as a source and open this one (fresh modules when model training starts)."""
+        """Close the previous round as a source and open this one."""
         assert self.exchange is not None
-        fresh = self._initial(plan, self.me) if plan.policy_rounds and rnd.round == plan.policy_rounds else None
         expected = rnd.returns[self.me] if self.me < len(rnd.returns) else 0
         # a source waits for late copies at most half as long as a borrower waits for a module, so that a borrower
         # asking it for the new round's module does not give up on it meanwhile
-        counts = self.exchange.begin_round(rnd.round, set(rnd.active), expected, plan.fetch_timeout_s / 2, fresh)
+        counts = self.exchange.begin_round(rnd.round, set(rnd.active), expected, plan.fetch_timeout_s / 2)
         if counts:
             log.info(f"round {rnd.round}: averaged {sum(counts.values())} copies of {len(counts)} of this device's modules")
 
@@ -262,7 +260,7 @@ class JigsawDevice:
             if client.chain is not None and any(m.source not in self.exchange.active for m in client.chain):
                 client.chain = None  # a module of the chain is out of reach: assemble anew from what is
             try:
-                result = client.step(rnd.round, shard.loaders(rnd.round, explore), self.exchange, train_cfg, self.probe,
+                result = client.step(rnd.round, shard.task(rnd.round), self.exchange, train_cfg, self.probe,
                                      explore=explore)
             except PeerUnavailable as e:
                 log.warning(f"round {rnd.round}: client {e.source} did not send a module in "

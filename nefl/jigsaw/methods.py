@@ -14,6 +14,7 @@ from typing import Literal
 from nefl.nested.profile import METHOD_NAMES as NEFL_METHOD_NAMES
 
 Family = Literal["modules", "widths"]
+Fixed = Literal["base", "shared", "random"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class JigsawMethod:
     assemble: bool = False  # AttenAssemble chooses the chain (policy phase, then execution); else the base model, fixed
     coretune: bool = False  # the server's critic and Exp during the policy phase
     rolling: bool = False  # widths: FedRolex's window rolling by one index per round (else HeteroFL's prefix)
+    fixed: Fixed = "base"  # modules without a policy: the chain every round (own base model, one shared, random)
 
 
 METHODS: dict[str, JigsawMethod] = {m.name: m for m in (
@@ -36,6 +38,11 @@ METHODS: dict[str, JigsawMethod] = {m.name: m for m in (
     JigsawMethod("no-symbio", "W/O SymbioArchitect", "modules", "FedJigsaw over the client's own modules only "
                  "(no sharing), with CoRe-Tune", assemble=True, coretune=True),
     JigsawMethod("local-only", "Local only", "modules", "each client trains its own base model alone"),
+    JigsawMethod("shared-chain", "One shared chain", "modules", "every client trains the same chain, head included: the "
+                 "smallest base model in the federation, from its first owner (Eq. 2 averages all copies)",
+                 share=True, fixed="shared"),
+    JigsawMethod("random-chain", "Random fixed chain", "modules", "each client draws one valid chain (head included) "
+                 "uniformly from its own and its neighbours' modules and keeps it", share=True, fixed="random"),
     JigsawMethod("pt-heterofl", "HeteroFL (PT)", "widths", "width prefix of the largest base architecture, "
                  "widest level that fits the budget"),
     JigsawMethod("pt-fedrolex", "FedRolex (PT)", "widths", "as pt-heterofl with the window rolling by one index "

@@ -5,9 +5,8 @@ in what the client has experienced of them, not only in their source id. The log
 records its own validation accuracy in the rounds it used a module, never leaves the device and never reads
 another client's state.
 
-Accuracy enters relative to the client's typical accuracy (the same moving average over all its rounds): the
-policy is trained in the policy phase on a proxy task whose accuracies are nothing like the task's
-(docs/fedjigsaw.md), and "this module did better than usual" means the same on both.
+Accuracy enters relative to the client's typical accuracy (the same moving average over all its rounds): clients'
+accuracies differ widely with their data, and "this module did better than usual" means the same for all.
 """
 
 from __future__ import annotations
@@ -59,7 +58,3 @@ class ObservationLog:
         age = max(0, round_index - rec.last_used)
         return [rec.accuracy - self.typical, 1.0, min(1.0, math.log1p(rec.uses) / saturate),
                 min(1.0, math.log1p(age) / saturate)]
-
-    def clear(self) -> None:
-        self.records.clear()
-        self.typical = None

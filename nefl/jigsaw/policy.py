@@ -11,6 +11,9 @@ binary code) plus what the client has observed of it (nefl.jigsaw.observations):
 their tokens whenever they differ in source or position, so a policy can prefer one source's block over
 another's of the same kind; with identical tokens it could only give them equal probability.
 
+The head is a choice too: after STOP the policy points at one of the heads that fit the last block's output, its
+own or a neighbour's (a step of its own, skipped when only one head fits), so clients can share a whole model.
+
 Two ways to decode: sampling at a temperature (the policy phase explores) and greedy (temperature 0,
 execution); `chain_log_prob` scores a given chain under the policy, for the switching rule.
 
@@ -124,12 +127,28 @@ def _decide(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor
     return cands, step, policy.logits(data, state, cand, mask)
 
 
+def _decide_head(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor,
+                 blocks: Sequence[ModuleMeta]) -> tuple[list[ModuleMeta], Step, torch.Tensor]:
+    """The heads that fit after `blocks` (STOP's follow-up decision), the step's inputs and its logits."""
+    heads = zoo.heads_for(blocks[-1].d_out)
+    state = torch.tensor([tokens(m) for m in blocks]).reshape(len(blocks), TOKEN_FEATURES)
+    cand = torch.tensor([tokens(m) for m in heads])
+    mask = torch.ones(len(heads), dtype=torch.bool)
+    return heads, Step(state, cand, mask, -1), policy.logits(data, state, cand, mask)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial((logits / temperature).softmax(0), 1, generator=generator))
+
+
 @torch.no_grad()
 def assemble(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor, budget: float, client: int,
              temperature: float = 1.0, generator: torch.Generator | None = None) -> Episode:
     """Run the policy until STOP, sampling at `temperature` (0: greedy); each step offers the zoo's valid
-    blocks plus STOP (masked when an assembly could not end here); the client's head (or a compatible
-    one) is appended on STOP."""
+    blocks plus STOP (masked when an assembly could not end here); after STOP it picks the head among those
+    that fit (a decision only when there are several)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     t0 = time.perf_counter()
@@ -137,25 +156,24 @@ def assemble(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tenso
     steps: list[Step] = []
     while True:
         cands, step, logits = _decide(policy, zoo, tokens, data, budget, client, chosen)
-        if temperature == 0:
-            a = int(logits.argmax())
-        else:
-            a = int(torch.multinomial((logits / temperature).softmax(0), 1, generator=generator))
-        step.action = a
+        step.action = _pick(logits, temperature, generator)
         steps.append(step)
-        if a == len(cands):
+        if step.action == len(cands):
             break
-        chosen.append(cands[a])
-    head = zoo.head_for(chosen[-1].d_out, client)
-    assert head is not None  # STOP is only valid where a head fits
+        chosen.append(cands[step.action])
+    heads, step, logits = _decide_head(policy, zoo, tokens, data, chosen)
+    if len(heads) > 1:
+        step.action = _pick(logits, temperature, generator)
+        steps.append(step)
+    head = heads[step.action] if len(heads) > 1 else heads[0]
     return Episode(data, steps, chosen + [head], time.perf_counter() - t0)
 
 
 @torch.no_grad()
 def chain_log_prob(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor, budget: float, client: int,
                    chain: Sequence[ModuleMeta]) -> float:
-    """log pi of assembling `chain` (its blocks, then STOP; the head follows from them), -inf when the
-    zoo's rule would not allow it under this budget."""
+    """log pi of assembling `chain` (its blocks, STOP, then its head), -inf when the zoo's rule would not
+    allow it under this budget."""
     blocks = [m for m in chain if m.kind != "head"]
     total = 0.0
     for t in range(len(blocks) + 1):
@@ -167,7 +185,10 @@ def chain_log_prob(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch
         if a is None:
             return -math.inf
         total += float(logits.log_softmax(0)[a])
-    return total
+    heads, _, logits = _decide_head(policy, zoo, tokens, data, blocks)
+    if chain[-1] not in heads:
+        return -math.inf
+    return total + (float(logits.log_softmax(0)[heads.index(chain[-1])]) if len(heads) > 1 else 0.0)
 
 
 def returns(reward: float, steps: int, gamma: float) -> list[float]:
@@ -175,9 +196,10 @@ def returns(reward: float, steps: int, gamma: float) -> list[float]:
     return [gamma ** (steps - t) * reward for t in range(1, steps + 1)]
 
 
-def terminal_reward(accuracy: float, exp: float, cap: float, alpha: float, beta: float) -> float:
-    """The paper's R = alpha Acc + (1 - alpha) Exp + beta Cap (Exp is 0 without the server)."""
-    return alpha * accuracy + (1 - alpha) * exp + beta * cap
+def terminal_reward(accuracy: float, exp: float, cap: float, alpha: float, beta: float, share: float = 0.0) -> float:
+    """The paper's R = alpha Acc + (1 - alpha) Exp + beta Cap, plus the co-training credit `share` (Exp and
+    share are 0 without the server; nefl.jigsaw.coretune.co_training_credit)."""
+    return alpha * accuracy + (1 - alpha) * exp + beta * cap + share
 
 
 def log_probs(policy: AttenAssemble, episode: Episode) -> torch.Tensor:

@@ -6,10 +6,12 @@ holds, and the two runs can be compared round by round. Each source also initial
 of its own (`initial_modules`), so no client needs to know the others' architectures to start as in the
 simulator.
 
-A client gets a Dirichlet label-skewed task shard (nefl.nested.data, as `aggregator simulate`) with a validation split
-for the reward, a local test set drawn from the test images with its shard's label distribution, and a proxy
-shard for the policy phase: training images set aside before partitioning (so no client's task data), each
-rotated by 0/90/180/270 degrees and labelled with its rotation, a task-agnostic pretext task.
+A client gets a Dirichlet label-skewed task shard (nefl.nested.data, as `aggregator simulate`): a held-out
+validation split of `val_samples` images for the policy's reward (taken before `max_samples_per_client` caps the
+training part, so a client with few training images still scores its reward on enough images), and a local test
+set drawn from the test images with its shard's label distribution. Every client also holds the same
+`probe_samples` unlabelled images, set aside before partitioning (nobody's task data): CoRe-Tune's E_data is a
+task-trained model's mean output on them, so it reflects the label skew the model learnt.
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     clients: int
     seed: int
     non_iid: float  # Dirichlet alpha of the label skew
-    max_samples_per_client: int | None
-    val_fraction: float
+    max_samples_per_client: int | None  # cap on the training part of a shard
+    val_samples: int  # held-out validation images per client (the reward), at most half its shard
     test_per_client: int
-    proxy_samples: int
-    probe_samples: int
+    probe_samples: int  # shared unlabelled images set aside before partitioning (E_data)
     batch_size: int
 
 
@@ -44,8 +45,6 @@ class ClientData:
     train: torch.Tensor
     val: torch.Tensor
     test: torch.Tensor
-    proxy_train: torch.Tensor  # indices into the proxy dataset
-    proxy_val: torch.Tensor
     histogram: torch.Tensor  # label distribution of the task shard: the policy's CLS input, never sent
 
 
@@ -62,37 +61,26 @@ def local_test_indices(test: ArrayDataset, train_labels: torch.Tensor, n: int, s
     return torch.cat(picked).sort().values
 
 
-def rotation_task(images: torch.Tensor, info, seed: int) -> ArrayDataset:
-    """The proxy: each image rotated by k x 90 degrees (k seeded) and labelled k, whatever it shows."""
-    k = torch.randint(4, (images.shape[0],), generator=torch.Generator().manual_seed(seed))
-    rotated = torch.stack([torch.rot90(img, int(r), dims=(1, 2)) for img, r in zip(images, k)])
-    return ArrayDataset(rotated.contiguous(), k.to(torch.int64), info)
-
-
-def client_data(train: ArrayDataset, test: ArrayDataset, cfg: ShardSpec) -> tuple[list[ClientData], ArrayDataset]:
-    """Per client its task, validation, local test and proxy indices; and the proxy dataset. The proxy images
-    are set aside (IID) before the Dirichlet partition of the rest, so they are nobody's task data."""
+def client_data(train: ArrayDataset, test: ArrayDataset, cfg: ShardSpec) -> tuple[list[ClientData], torch.Tensor]:
+    """Per client its training, validation and local test indices; and the shared probe images, set aside (IID)
+    before the Dirichlet partition of the rest, so they are nobody's task data."""
     gen = torch.Generator().manual_seed(cfg.seed * 31 + 5)
     order = torch.randperm(len(train), generator=gen)
-    n_proxy = cfg.clients * cfg.proxy_samples
-    pool, rest = order[:n_proxy].sort().values, order[n_proxy:].sort().values
-    proxy = rotation_task(train.images[pool], train.info, cfg.seed)
+    pool, rest = order[:cfg.probe_samples].sort().values, order[cfg.probe_samples:].sort().values
     parts = partition_dirichlet(train.labels[rest], cfg.clients, cfg.non_iid, cfg.seed)
     out = []
     for c, part in enumerate(parts):
         g = torch.Generator().manual_seed(cfg.seed * 7919 + c)
         part = rest[part[torch.randperm(part.numel(), generator=g)]]
+        n_val = max(1, min(cfg.val_samples, part.numel() // 2))
+        own = part[n_val:]
         if cfg.max_samples_per_client:
-            part = part[: cfg.max_samples_per_client]
-        n_val = max(1, int(part.numel() * cfg.val_fraction))
-        labels = train.labels[part]
+            own = own[: cfg.max_samples_per_client]
+        labels = train.labels[own]
         hist = torch.bincount(labels, minlength=train.info.num_classes).float()
-        mine = torch.arange(c * cfg.proxy_samples, (c + 1) * cfg.proxy_samples)
-        p_val = max(1, int(cfg.proxy_samples * cfg.val_fraction))
-        out.append(ClientData(part[n_val:].sort().values, part[:n_val].sort().values,
-                              local_test_indices(test, labels, cfg.test_per_client, cfg.seed * 104729 + c),
-                              mine[p_val:], mine[:p_val], hist / hist.sum()))
-    return out, proxy
+        out.append(ClientData(own.sort().values, part[:n_val].sort().values,
+                              local_test_indices(test, labels, cfg.test_per_client, cfg.seed * 104729 + c), hist / hist.sum()))
+    return out, torch.cat([x for x, _ in plain(train, pool)])  # normalised as the loaders normalise
 
 
 def device_budgets(bases: list[BaseArch], clients: int, batch_size: int, headroom: float, seed: int) -> list[float]:
@@ -105,8 +93,6 @@ def device_budgets(bases: list[BaseArch], clients: int, batch_size: int, headroo
     order = torch.randperm(clients, generator=torch.Generator().manual_seed(seed * 13 + 1)).tolist()
     return [spaced[i] for i in order]
 
-
-
 def module_seed(seed: int, client: int) -> int:
     return seed * 1_000_003 + 7919 * client + 1
 
@@ -117,18 +103,11 @@ def initial_modules(metas: list[ModuleMeta], seed: int) -> dict[str, dict[str, t
     return {m.key: module_state(build_module(m)) for m in metas}
 
 
-def probe_images(input_dims: tuple[int, int, int], spec: ShardSpec) -> torch.Tensor:
-    """The shared, task-agnostic noise images every client scores E_data on (the Exp term)."""
-    gen = torch.Generator().manual_seed(10_007 + spec.seed)
-    return torch.randn(spec.probe_samples, *input_dims, generator=gen)
-
-
 class ClientShard:
     """One client's loaders, seeded per round exactly as the simulator seeds them."""
 
-    def __init__(self, client: int, data: ClientData, train: ArrayDataset, test: ArrayDataset, proxy: ArrayDataset,
-                 spec: ShardSpec) -> None:
-        self.client, self.data, self.train, self.test, self.proxy, self.spec = client, data, train, test, proxy, spec
+    def __init__(self, client: int, data: ClientData, train: ArrayDataset, test: ArrayDataset, spec: ShardSpec) -> None:
+        self.client, self.data, self.train, self.test, self.spec = client, data, train, test, spec
 
     def _seed(self, r: int) -> int:
         return self.spec.seed * 1_000_003 + r * 1009 + self.client
@@ -141,14 +120,6 @@ class ClientShard:
         idx = self.data.train
         return Loaders(BatchLoader(self.train, idx, self.spec.batch_size, shuffle=True, augment=True, seed=self._seed(r),
                                    drop_last=idx.numel() >= self.spec.batch_size), plain(self.train, self.data.val))
-
-    def proxy_task(self, r: int) -> Loaders:
-        """No augmentation: a flip would change what a rotation looks like."""
-        return Loaders(BatchLoader(self.proxy, self.data.proxy_train, self.spec.batch_size, shuffle=True, augment=False,
-                                   seed=self._seed(r)), plain(self.proxy, self.data.proxy_val))
-
-    def loaders(self, r: int, policy_phase: bool) -> Loaders:
-        return self.proxy_task(r) if policy_phase else self.task(r)
 
     def own_train(self) -> BatchLoader:
         return plain(self.train, self.data.train)

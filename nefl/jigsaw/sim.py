@@ -9,10 +9,10 @@ Every client gets a memory budget (spread evenly between the smallest base archi
 fits in it, and its shard of the data (nefl/jigsaw/shards.py, which a device of `edge-client jigsaw` computes
 alike, so an MQTT run reproduces this one).
 
-The schedule is the paper's, scaled: methods with a policy first run `policy_rounds` rounds on the proxy shards
-(assemble by sampling, train, score, return modules, CoRe-Tune's server step, REINFORCE), then every method
-trains `rounds` rounds on its task shard from freshly initialised modules, the policies frozen and executed
-greedily with a switching cost. Evaluations score every client's current model on its local test set (BN
+The schedule is Algorithm 2's, scaled: methods with a policy first run `policy_rounds` rounds that assemble by
+sampling, train on the task shard, score on the held-out validation split (the reward), return the modules,
+CoRe-Tune's server step and REINFORCE; then every method trains `rounds` more rounds on its task shard, the
+modules carried over, the policies frozen and executed greedily with a switching cost. Evaluations score every client's current model on its local test set (BN
 statistics recomputed on its own task shard first, for every method alike) and report mean and std across clients.
 """
 
@@ -36,10 +36,10 @@ from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult
 from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CoReTune, CriticAdvice, PolicyReport
 from nefl.jigsaw.methods import JigsawMethod, get_method
 from nefl.jigsaw.policy import TOKEN_FEATURES
-from nefl.jigsaw.shards import ClientShard, ShardSpec, client_data, device_budgets, initial_modules, module_seed, probe_images
+from nefl.jigsaw.shards import ClientShard, ShardSpec, client_data, device_budgets, initial_modules, module_seed
 from nefl.jigsaw.screen import ReturnScreen
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, neighbours, state_bytes
-from nefl.jigsaw.zoo import ModuleMeta, base_for_budget, build_model, load_base, peak_bytes
+from nefl.jigsaw.zoo import ModuleMeta, Zoo, base_for_budget, build_model, load_base, peak_bytes, random_chain
 from nefl.nested.checkpoint import META_FILE, STATE_FILE, append_metrics
 from nefl.nested.data import get_dataset_info, load_dataset
 from nefl.nested.state import load_module_state, module_state
@@ -56,7 +56,7 @@ class JigsawConfig:
     archs: tuple[str, ...] = ("cnn-2", "cnn-3", "cnn-4", "cnn-6")  # the base architectures devices can get
     clients: int = 10
     rounds: int = 40  # model-training rounds, every method
-    policy_rounds: int = 20  # policy phase before them (methods with a policy), on the proxy shards
+    policy_rounds: int = 20  # policy phase before them (methods with a policy), on the task shards too
     critic_warmup: int = 6  # policy-phase rounds the critic trains before its values drive the advantage
     local_epochs: int = 1
     batch_size: int = 32
@@ -64,16 +64,17 @@ class JigsawConfig:
     milestones: tuple[float, ...] = ()  # lr x0.1 at these fractions of the model-training rounds; none, as the paper
     non_iid: float = 0.1  # Dirichlet alpha of the label skew
     seed: int = 0
-    max_samples_per_client: int | None = None
-    val_fraction: float = 0.1
+    max_samples_per_client: int | None = None  # cap on each client's training images
+    val_samples: int = 200  # held-out validation images per client: the reward (sampling noise <= 0.035 at 200)
     test_per_client: int = 500
-    proxy_samples: int = 160  # proxy images each client holds (rotation pretext task)
-    probe_samples: int = 64  # shared noise images for E_data (the Exp term)
+    probe_samples: int = 256  # shared unlabelled images set aside for E_data (the Exp term)
     topology: str = "full"
     neighbours_k: int = 2
     budget_headroom: float = 1.25  # budgets reach this x the largest base model's share of the peak estimate
     alpha: float | None = None  # reward weight of Acc; default as the paper: 0.9 high non-IID, 0.7 low
     beta: float = 0.1  # weight of the Cap (memory use) bonus
+    share_weight: float = 0.5  # weight of the co-training credit (nefl.jigsaw.coretune), full below scarce_samples
+    scarce_samples: int = 100  # training images under which a client gets the full co-training credit
     gamma: float = 0.95  # discount of the Monte-Carlo returns
     tau: float = 1.0  # pointer temperature
     policy_lr: float = 0.05  # Adam
@@ -96,14 +97,19 @@ class JigsawConfig:
 
     def shards(self) -> ShardSpec:
         return ShardSpec(clients=self.clients, seed=self.seed, non_iid=self.non_iid,
-                         max_samples_per_client=self.max_samples_per_client, val_fraction=self.val_fraction,
-                         test_per_client=self.test_per_client, proxy_samples=self.proxy_samples,
-                         probe_samples=self.probe_samples, batch_size=self.batch_size)
+                         max_samples_per_client=self.max_samples_per_client, val_samples=self.val_samples,
+                         test_per_client=self.test_per_client, probe_samples=self.probe_samples,
+                         batch_size=self.batch_size)
 
     def settings(self, max_blocks: int) -> ClientSettings:
         return ClientSettings(FEDERATION, max_blocks, self.batch_size, self.reward_alpha(), self.beta, self.gamma, self.tau,
                               self.policy_lr, self.execution_temperature, self.switch_cost, self.switch_patience,
                               self.observation_decay)
+
+    def coretune(self, federation: str, classes: int) -> CoReTune:
+        """CoRe-Tune's server step for this configuration (the simulator's and jigsaw-serve's alike)."""
+        return CoReTune(federation, classes + TOKEN_FEATURES + 1, self.reward_alpha(), self.beta, self.gamma,
+                        self.critic_warmup, self.share_weight, self.scarce_samples, seed=self.seed)
 
 
 @dataclass
@@ -178,16 +184,27 @@ class ModuleFederation:
         self.sim, self.method = sim, method
         self.max_blocks = max(load_base(a).blocks for a in cfg.archs)
         settings = cfg.settings(self.max_blocks)
-        self.clients = [JigsawClient(c, sim.bases[c], sim.budgets[c], sim.data[c].histogram, settings,
-                                     seed=cfg.seed * 1000 + c, assemble=method.assemble) for c in range(cfg.clients)]
         self.links = neighbours(cfg.clients, cfg.topology, cfg.neighbours_k, cfg.seed) if method.share \
             else [[] for _ in range(cfg.clients)]
-        self.exchange = self._fresh_exchange()
-        classes = sim.train.info.num_classes
-        self.server = CoReTune(FEDERATION, classes + TOKEN_FEATURES + 1, cfg.reward_alpha(), cfg.beta, cfg.gamma,
-                               cfg.critic_warmup, seed=cfg.seed) if method.coretune else None
+        self.clients = [JigsawClient(c, sim.bases[c], sim.budgets[c], sim.data[c].histogram, settings,
+                                     seed=cfg.seed * 1000 + c, assemble=method.assemble, policy_seed=cfg.seed,
+                                     chain=None if method.assemble else self._fixed_chain(c)) for c in range(cfg.clients)]
+        self.exchange = self._initial_exchange()
+        self.server = cfg.coretune(FEDERATION, sim.train.info.num_classes) if method.coretune else None
 
-    def _fresh_exchange(self) -> InProcessExchange:
+    def _fixed_chain(self, c: int) -> list[ModuleMeta]:
+        """Client c's chain under a method without a policy (JigsawMethod.fixed)."""
+        bases, cfg = self.sim.bases, self.cfg
+        if self.method.fixed == "shared":
+            owner = min(range(cfg.clients), key=lambda j: (peak_bytes(bases[j].metas(j), self.sim.input, cfg.batch_size), j))
+            return bases[owner].metas(owner)
+        if self.method.fixed == "random":
+            visible = bases[c].metas(c) + [m for j in self.links[c] for m in bases[j].metas(j)]
+            zoo = Zoo.build(visible, self.sim.input, cfg.batch_size, self.max_blocks)
+            return random_chain(zoo, self.sim.budgets[c], torch.Generator().manual_seed(cfg.seed * 1000 + c))
+        return bases[c].metas(c)
+
+    def _initial_exchange(self) -> InProcessExchange:
         """Every source's modules at their (seeded) initial parameters; every client announces and connects."""
         store = {k: v for c, b in enumerate(self.sim.bases) for k, v in initial_modules(b.metas(c), module_seed(self.cfg.seed, c)).items()}
         exchange = InProcessExchange(FEDERATION, store, self.links, self.cfg.norm_bound,
@@ -207,8 +224,7 @@ class ModuleFederation:
         return self.exchange
 
     def begin_model_training(self) -> None:
-        """The modules start fresh (the proxy task's parameters are not carried over); the policies stay."""
-        self.exchange = self._fresh_exchange()
+        """The policies freeze; the modules, trained on the task in the policy phase, carry over."""
         for client in self.clients:
             client.begin_model_training()
 
@@ -223,11 +239,13 @@ class ModuleFederation:
                 "decision_seconds": [r.decision_seconds for r in results],
                 "peak_mib": [peak_bytes(r.chain, self.sim.input, self.cfg.batch_size) / 2**20 for r in results],
                 "cap": [r.cap for r in results], "modules_returned": len(borrowed),
+                "trainers_per_module": statistics.fmean(borrowed.values()) if borrowed else 0.0,
+                "modules_co_trained": sum(n > 1 for n in borrowed.values()),
                 "bytes": {**moved, "whole_models": whole}, "rejected": dict(self.exchange.rejected)}
 
     def policy_round(self, r: int, train_cfg: TrainConfig) -> dict:
         sim = self.sim
-        results = [client.step(r, sim.proxy_loaders(c, r), self.exchange, train_cfg, sim.probe, explore=True)
+        results = [client.step(r, sim.task_loaders(c, r), self.exchange, train_cfg, sim.probe, explore=True)
                    for c, client in enumerate(self.clients)]
         row = self._round_row(results)
         advice: list[CriticAdvice | None] = [None] * len(results)
@@ -240,7 +258,7 @@ class ModuleFederation:
         t0 = time.perf_counter()
         learned = [client.learn(res, adv) for client, res, adv in zip(self.clients, results, advice)]
         row["policy_update_seconds"] = (time.perf_counter() - t0) / len(results)
-        row.update({k: [x[k] for x in learned] for k in ("reward", "exp")},
+        row.update({k: [x[k] for x in learned] for k in ("reward", "exp", "share")},
                    actor_loss=statistics.fmean(x["actor_loss"] for x in learned),
                    advantage=statistics.fmean(x["advantage"] for x in learned),
                    advantage_abs=statistics.fmean(abs(x["advantage"]) for x in learned))
@@ -343,11 +361,10 @@ class JigsawSimulator:
         self.bases = [base_for_budget(self.bases_available, b, cfg.batch_size) for b in self.budgets]
         self.train = load_dataset(cfg.dataset, cfg.data_root, train=True)
         self.test = load_dataset(cfg.dataset, cfg.data_root, train=False)
-        self.data, self.proxy = client_data(self.train, self.test, cfg.shards())
-        self.shards = [ClientShard(c, d, self.train, self.test, self.proxy, cfg.shards()) for c, d in enumerate(self.data)]
+        self.data, self.probe = client_data(self.train, self.test, cfg.shards())
+        self.shards = [ClientShard(c, d, self.train, self.test, cfg.shards()) for c, d in enumerate(self.data)]
         self.train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                      milestones=tuple(cfg.milestones))
-        self.probe = probe_images(self.input, cfg.shards())
         self.fed: ModuleFederation | WidthFederation = (ModuleFederation(self, self.method) if self.method.family == "modules"
                                                         else WidthFederation(self, self.method))
 
@@ -357,9 +374,6 @@ class JigsawSimulator:
 
     def task_loaders(self, c: int, r: int) -> Loaders:
         return self.shards[c].task(r)
-
-    def proxy_loaders(self, c: int, r: int) -> Loaders:
-        return self.shards[c].proxy_task(r)
 
     def evaluate(self) -> list[float]:
         accs = []

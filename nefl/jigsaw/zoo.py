@@ -249,11 +249,10 @@ class Zoo:
     def _dims(modules: Sequence[ModuleMeta], input_dims: Dims) -> set[Dims]:
         return {input_dims} | {m.d_in for m in modules} | {m.d_out for m in modules}
 
-    def head_for(self, dims: Dims, source: int) -> ModuleMeta | None:
-        """The head appended on STOP: the client's own when it fits, else the cheapest that does."""
-        heads = [m for m in self.modules if m.kind == "head" and m.d_in == dims]
-        own = [m for m in heads if m.source == source]
-        return (own or sorted(heads, key=lambda m: marginal_bytes(m, self.batch_size)) or [None])[0]
+    def heads_for(self, dims: Dims) -> list[ModuleMeta]:
+        """The heads that can close an assembly ending at `dims`, the client's own and its neighbours' alike
+        (all cost the same: same dims, same parameters), in zoo order."""
+        return [m for m in self.modules if m.kind == "head" and m.d_in == dims]
 
     def valid_actions(self, chosen: Sequence[ModuleMeta], budget: float) -> tuple[list[int], bool]:
         """Indices into `modules` of the blocks that may come next, and whether STOP may: not placed yet, d_in
@@ -277,6 +276,19 @@ class Zoo:
     def smallest_peak(self) -> float:
         """The least training memory any valid assembly needs (inf when none exists)."""
         return fixed_bytes(self.input, self.batch_size) + self.finish[self.max_blocks].get(self.input, math.inf)
+
+
+def random_chain(zoo: Zoo, budget: float, generator: torch.Generator) -> list[ModuleMeta]:
+    """A chain drawn uniformly step by step from the valid actions (blocks and STOP), then a uniform head:
+    the random fixed-chain ablation."""
+    chosen: list[ModuleMeta] = []
+    while True:
+        valid, stop = zoo.valid_actions(chosen, budget)
+        a = int(torch.randint(len(valid) + stop, (1,), generator=generator))
+        if a == len(valid):
+            heads = zoo.heads_for(chosen[-1].d_out)
+            return chosen + [heads[int(torch.randint(len(heads), (1,), generator=generator))]]
+        chosen.append(zoo.modules[valid[a]])
 
 
 def module_state_of(model: nn.Sequential, index: int) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ def _jigsaw(out: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_fedjigsaw_gets_every_client_above_chance_on_fashion_mnist(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _jigsaw(out, "--rounds", "3", "--policy-rounds", "2", "--critic-warmup", "1", "--proxy-samples", "40",
+    proc = _jigsaw(out, "--rounds", "3", "--policy-rounds", "2", "--critic-warmup", "1", "--val-samples", "40",
                    "--eval-every", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

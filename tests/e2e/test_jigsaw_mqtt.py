@@ -24,7 +24,7 @@ from tests.harness.procs import Procs, finish, free_port, needs_mosquitto, wait_
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = JigsawConfig(archs=("cnn-2", "cnn-3"), clients=4, rounds=2, policy_rounds=1, critic_warmup=0,
-                   max_samples_per_client=160, test_per_client=40, proxy_samples=40, eval_every=0, seed=3)
+                   max_samples_per_client=160, val_samples=40, probe_samples=32, test_per_client=40, eval_every=0, seed=3)
 FEDERATION = "jig"
 
 
@@ -44,7 +44,8 @@ def start_federation(procs: Procs, tmp: Path, cfg: JigsawConfig, fetch_timeout: 
                                 "--archs", ",".join(cfg.archs), "--rounds", str(cfg.rounds),
                                 "--policy-rounds", str(cfg.policy_rounds), "--critic-warmup", str(cfg.critic_warmup),
                                 "--max-samples-per-client", str(cfg.max_samples_per_client),
-                                "--test-per-client", str(cfg.test_per_client), "--proxy-samples", str(cfg.proxy_samples),
+                                "--test-per-client", str(cfg.test_per_client), "--val-samples", str(cfg.val_samples),
+                                "--probe-samples", str(cfg.probe_samples),
                                 "--seed", str(cfg.seed), "--fetch-timeout", str(fetch_timeout),
                                 "--round-timeout", str(round_timeout), "--join-wait", "120", "--out", str(tmp / "run")])
     for i, b in enumerate(budgets(cfg)):

@@ -16,16 +16,16 @@ from hypothesis import strategies as st
 from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator, device_budgets
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
 from nefl.nested.data import DATASETS, ArrayDataset
-from nefl.jigsaw.coretune import CriticAdvice, PolicyReport
+from nefl.jigsaw.coretune import CriticAdvice, PolicyReport, arch_features, co_training_credit, observation
 from nefl.jigsaw.methods import METHODS, get_method
-from nefl.jigsaw.policy import chain_log_prob, tokens_for
+from nefl.jigsaw.policy import assemble, chain_log_prob, log_probs, tokens_for
 from nefl.jigsaw.shards import ClientData, ClientShard, ShardSpec
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import ModuleMeta, base_for_budget, build_module, fixed_bytes, load_base, peak_bytes
 from nefl.protocol.messages import MessageError
 from nefl.nested.profile import METHOD_NAMES
 from nefl.nested.state import module_state
-from nefl.nested.train import TrainConfig
+from nefl.nested.train import TrainConfig, evaluate
 
 torch.set_num_threads(1)
 SETTINGS = ClientSettings("fed", max_blocks=7, batch_size=8, alpha=0.9, beta=0.1, gamma=0.95, tau=1.0, policy_lr=0.05,
@@ -83,7 +83,7 @@ def test_a_client_step_goes_through_the_exchange_and_returns_every_module_to_its
     res = clients[0].step(0, _loaders(0), exchange, TrainConfig(lr=0.05, batch_size=8), probe, explore=True)
     keys = chain_keys(res.chain)
     assert [k for c, k in exchange.fetched] == keys == [k for c, k, _ in exchange.returned]
-    assert keys[-1] == "c0.m3"  # its own head (CNN-2: two convs, an FC layer, the head)
+    assert res.chain[-1].kind == "head"  # its own or a neighbour's
     assert {m.source for m in clients[0].zoo.modules} == {0, 1, 2}  # its candidates: its own and its neighbours' modules
     for (_, key, state), m in zip(exchange.returned, res.chain):
         assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in module_state(build_module(m)).items()}
@@ -196,7 +196,7 @@ def test_a_method_name_means_one_algorithm_across_commands() -> None:
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_runs_its_phases_on_real_data(method: str) -> None:
     cfg = JigsawConfig(method=method, clients=3, rounds=2, policy_rounds=2, critic_warmup=1, max_samples_per_client=48,
-                       test_per_client=30, proxy_samples=24, probe_samples=4, non_iid=1.0, eval_every=1)
+                       test_per_client=30, val_samples=20, probe_samples=4, non_iid=1.0, eval_every=1)
     sim = JigsawSimulator(cfg)
     res = sim.run()
     m = get_method(method)
@@ -214,7 +214,11 @@ def test_every_method_runs_its_phases_on_real_data(method: str) -> None:
     if not m.share:
         assert not borrowed
     if not m.assemble:
-        assert [d.split(":")[0] for d in res.architectures[0]] == [x.key for x in sim.bases[0].metas(0)]
+        chains = [[d.split(":")[0] for d in arch] for arch in res.architectures]
+        if m.fixed == "base":
+            assert chains[0] == [x.key for x in sim.bases[0].metas(0)]
+        if m.fixed == "shared":  # the smallest base model, head included, for everyone
+            assert chains[0] == chains[1] == chains[2] and len({k.split(".")[0] for k in chains[0]}) == 1
         return
     policy_rows = res.rounds[:2]
     assert all(len(r["reward"]) == 3 for r in policy_rows)
@@ -231,8 +235,106 @@ def test_a_task_round_trains_on_full_batches_only_and_on_something_when_the_shar
     info = DATASETS["fashion-mnist"]
     ds = ArrayDataset(torch.zeros(images, *info.shape, dtype=torch.uint8), torch.zeros(images, dtype=torch.long), info)
     idx = torch.arange(images)
-    spec = ShardSpec(clients=1, seed=0, non_iid=0.1, max_samples_per_client=None, val_fraction=0.1, test_per_client=1,
-                     proxy_samples=0, probe_samples=1, batch_size=32)
-    shard = ClientShard(0, ClientData(idx, idx[:1], idx[:1], idx[:0], idx[:0], torch.ones(10)), ds, ds, ds, spec)
+    spec = ShardSpec(clients=1, seed=0, non_iid=0.1, max_samples_per_client=None, val_samples=1, test_per_client=1,
+                     probe_samples=1, batch_size=32)
+    shard = ClientShard(0, ClientData(idx, idx[:1], idx[:1], torch.ones(10)), ds, ds, spec)
     sizes = [len(y) for _, y in shard.task(3).train]
     assert sizes == ([32] * (images // 32) if images >= 32 else [images])
+
+
+# -- Algorithm 2's schedule, the critic's inputs, shared heads and co-training ---------------------------
+
+def test_the_critic_sees_only_what_existed_before_the_action() -> None:
+    """h_t is the E_data the client had before the round and the tokens of the prefix it had assembled: the same
+    whatever the round's training made of the chain and whatever it chose after step t; the new E_data (for
+    Exp) becomes the next round's h_t."""
+    reports = []
+    for seed in (0, 1):  # the same chain, trained on different data: different models
+        clients, exchange = _federation()
+        before = clients[0].prior_feature.clone()
+        res = clients[0].step(0, _loaders(seed), exchange, TrainConfig(lr=0.05, batch_size=8), torch.randn(4, 1, 28, 28),
+                              explore=True)
+        reports.append(res.report)
+        for t, step in enumerate(res.episode.steps):
+            prefix = [m for m in res.chain if m.kind != "head"][:t]
+            assert step.state.shape[0] == len(prefix)  # only what was assembled before decision t
+            assert res.report.observations[t] == pytest.approx(observation(before, step.state, SETTINGS.max_blocks).tolist())
+        assert torch.allclose(clients[0].prior_feature, torch.tensor(res.report.data_feature))
+    assert reports[0].chain == reports[1].chain and reports[0].observations == reports[1].observations
+    assert reports[0].data_feature != reports[1].data_feature
+
+
+def test_a_neighbours_head_can_be_chosen_and_is_scored_as_a_decision() -> None:
+    clients, _ = _federation()  # CNN-2, 3, 4: every head reads the same 128 features
+    cl = clients[0]
+    tokens = tokens_for(cl.client, cl.log, 0)
+    episodes = [assemble(cl.agent.policy, cl.zoo, tokens, cl.data_feature, cl.budget, 0, 1.0, cl.generator) for _ in range(60)]
+    assert {ep.metas[-1].source for ep in episodes} == {0, 1, 2}
+    for ep in episodes[:5]:
+        assert len(ep.steps) == len(ep.metas) + 1  # blocks, STOP, the head
+        want = float(log_probs(cl.agent.policy, ep).sum().detach())
+        assert chain_log_prob(cl.agent.policy, cl.zoo, tokens, cl.data_feature, cl.budget, 0, ep.metas) == pytest.approx(want, abs=1e-4)
+
+
+def test_the_co_training_credit_grows_with_overlap_and_with_scarce_data() -> None:
+    chains = [[(0, 0), (0, 1)], [(0, 0), (0, 1)], [(2, 0), (2, 1)]]
+    credit = co_training_credit(arch_features(chains), [40, 400, 40], weight=0.5, scarce_samples=100)
+    assert credit[0] == pytest.approx(0.5 * 0.5)  # same chain as one of two others, full weight below 100 images
+    assert credit[1] == pytest.approx(0.5 * 0.25 * 0.5)  # same overlap, 4x the scarce count: a quarter of it
+    assert credit[2] == 0.0  # shares nothing
+    assert co_training_credit(arch_features(chains), [40] * 3, weight=0.0, scarce_samples=100) == [0.0] * 3
+
+
+def _small_sim(method: str, **kw) -> JigsawSimulator:
+    cfg = {"clients": 3, "rounds": 1, "policy_rounds": 2, "critic_warmup": 1, "max_samples_per_client": 48,
+           "test_per_client": 30, "val_samples": 30, "probe_samples": 16, "non_iid": 1.0, "eval_every": 1}
+    return JigsawSimulator(JigsawConfig(method=method, **{**cfg, **kw}))
+
+
+def test_the_policy_phase_trains_on_the_task_is_rewarded_on_held_out_task_data_and_keeps_the_modules() -> None:
+    sim = _small_sim("fedjigsaw")
+    fed = sim.fed
+    asked = []
+    task = sim.task_loaders
+    sim.task_loaders = lambda c, r: asked.append((c, r)) or task(c, r)
+    seen: list[StepResult] = []
+    step = JigsawClient.step
+    for cl in fed.clients:
+        cl.step = lambda *a, _cl=cl, **k: seen.append(step(_cl, *a, **k)) or seen[-1]
+    row = fed.policy_round(0, sim.train_cfg)
+    assert asked == [(c, 0) for c in range(3)]  # every client trains on its task shard
+    for c, res in enumerate(seen):
+        val = sim.shards[c].task(0).val
+        assert len(sim.data[c].val) == 30 and not set(sim.data[c].val.tolist()) & set(sim.data[c].train.tolist())
+        assert res.accuracy == pytest.approx(evaluate(res.model, val)[0])  # scored on its held-out task images
+        assert row["reward"][c] == pytest.approx(0.7 * res.accuracy + 0.3 * row["exp"][c] + 0.1 * res.cap + row["share"][c])
+    store = {k: {n: v.clone() for n, v in st.items()} for k, st in fed.exchange.store.items()}
+    fed.begin_model_training()
+    assert all(torch.equal(store[k][n], v) for k, st in fed.exchange.store.items() for n, v in st.items())
+
+
+def test_eq2_averages_every_copy_of_a_chain_all_clients_train() -> None:
+    sim = _small_sim("shared-chain")
+    fed = sim.fed
+    copies: dict[str, list[dict]] = {}
+    give_back = fed.exchange.give_back
+    fed.exchange.give_back = lambda msg, st: copies.setdefault(f"c{msg.source}.m{msg.position}", []).append(st) or give_back(msg, st)
+    row = fed.train_round(0, 0, sim.train_cfg, lambda c, m: None)
+    chain = [m.key for m in fed.chain(0)]
+    assert row["trainers_per_module"] == 3 and row["modules_co_trained"] == len(chain) == len(copies)
+    for key in chain:
+        assert len(copies[key]) == 3
+        for name, value in fed.exchange.store[key].items():
+            assert torch.allclose(value.float(), torch.stack([c[name].float() for c in copies[key]]).mean(0), atol=1e-6)
+
+
+def test_e_data_reflects_each_clients_label_skew() -> None:
+    """E_data, from the task-trained model on the shared probe images, is closer to the client's own label
+    distribution than to any other client's: Exp sees data similarity."""
+    sim = _small_sim("fedjigsaw", local_epochs=3, non_iid=0.1)
+    for r in range(2):
+        sim.fed.policy_round(r, sim.train_cfg)
+    hist = torch.stack([d.histogram for d in sim.data])
+    feats = torch.stack([cl.prior_feature for cl in sim.fed.clients])
+    sim_matrix = torch.nn.functional.normalize(feats, dim=1) @ torch.nn.functional.normalize(hist, dim=1).T
+    assert sim_matrix.argmax(1).tolist() == [0, 1, 2], sim_matrix

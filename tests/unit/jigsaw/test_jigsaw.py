@@ -108,7 +108,8 @@ def test_assembly_never_mismatches_dims_and_never_exceeds_the_budget(ints, sourc
         assert ep.metas[0].d_in == (1, 8, 8)
         assert len(ep.metas) - 1 <= max_blocks
         assert peak_bytes(ep.metas, (1, 8, 8), 16) <= budget
-        assert len(ep.steps) == len(ep.metas)  # one decision per block, plus STOP
+        several_heads = len(zoo.heads_for(ep.metas[-2].d_out)) > 1
+        assert len(ep.steps) == len(ep.metas) + several_heads  # one decision per block, STOP, the head if there is a choice
         assert len({m.key for m in ep.metas[:-1]}) == len(ep.metas) - 1  # no module placed twice
     model = build_model(ep.metas)
     assert model(torch.zeros(1, 1, 8, 8)).shape == (1, 10)
@@ -144,7 +145,7 @@ def test_valid_actions_are_exactly_the_blocks_some_complete_chain_within_budget_
 
     def chains(prefix: list[ModuleMeta]):
         current = prefix[-1].d_out if prefix else (1, 8, 8)
-        head = zoo.head_for(current, 0)
+        head = (zoo.heads_for(current) or [None])[0]
         if prefix and head is not None and peak_bytes(prefix + [head], (1, 8, 8), 16) <= budget:
             yield prefix
         if len(prefix) < max_blocks:
@@ -294,8 +295,7 @@ def test_observations_say_how_a_module_did_when_used_how_often_and_how_long_ago(
     assert log.features("c1.m0", 5)[0] == pytest.approx(0.6 - 0.4)  # better than usual on any accuracy scale
     assert log.features("c2.m1", 10)[3] > log.features("c2.m1", 4)[3] > 0  # older, larger
     assert log.features("c1.m0", 4)[2] > log.features("c2.m1", 4)[2]  # used more often
-    log.clear()
-    assert log.features("c1.m0", 4) == [0.0, 0.0, 0.0, 1.0]
+    assert log.features("c9.m0", 4) == [0.0, 0.0, 0.0, 1.0]  # never used
 
 
 def test_reinforce_learns_to_prefer_one_source_over_an_identical_module_of_another() -> None:
@@ -498,7 +498,7 @@ def test_critic_handles_episodes_of_different_lengths_and_learns_their_returns()
 def _report(client: int, r: int, steps: int, seed: int) -> PolicyReport:
     g = torch.Generator().manual_seed(seed)
     obs = torch.rand(steps, 10 + TOKEN_FEATURES + 1, generator=g)
-    return PolicyReport(federation="fed", client=client, round=r, accuracy=float(torch.rand(1, generator=g)), cap=0.5,
+    return PolicyReport(federation="fed", client=client, round=r, accuracy=float(torch.rand(1, generator=g)), cap=0.5, samples=40,
                         data_feature=torch.rand(10, generator=g).tolist(), chain=[(client, 0), ((client + 1) % 3, 1), (client, 2)],
                         observations=obs.tolist())
 
