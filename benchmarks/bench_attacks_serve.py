@@ -97,23 +97,28 @@ class SnapshotKeeper:
         return sorted(p for p in self.keep.iterdir() if p.is_dir()) if self.keep.exists() else []
 
 
-def backdoor_success(snapshots: list[Path]) -> dict[int, list[float]]:
-    """Per committed round: each submodel's share of triggered test images it calls the backdoor's target."""
+def scores(snapshots: list[Path], backdoor: bool) -> dict[str, dict[int, list[float]]]:
+    """Per committed round: each submodel's top-1 on the evaluation images and, for a backdoor, its share of triggered
+    test images (not of the target class) it calls the target."""
     torch.set_num_threads(1)
-    test = triggered_test(load_dataset("fashion-mnist", train=False), BACKDOOR_TARGET)
-    out: dict[int, list[float]] = {}
-    evaluator = None
+    test = load_dataset("fashion-mnist", train=False)
+    sets = {"accuracy": test, **({"backdoor": triggered_test(test, BACKDOOR_TARGET)} if backdoor else {})}
+    out: dict[str, dict[int, list[float]]] = {key: {} for key in sets}
+    evaluators: dict[str, Evaluator] = {}
     for snap in snapshots:
         ck = load_checkpoint(snap)
-        evaluator = evaluator or Evaluator.for_dataset(ck.layout, "fashion-mnist", EVAL_SAMPLES, test=test)
-        out[int(ck.meta["round"])] = [round(a, 4) for a in evaluator.accuracy(ck.state, threads=1)]
+        for key, data in sets.items():
+            if key not in evaluators:
+                evaluators[key] = Evaluator.for_dataset(ck.layout, "fashion-mnist", EVAL_SAMPLES, test=data)
+            out[key][int(ck.meta["round"])] = [round(a, 4) for a in evaluators[key].accuracy(ck.state, threads=1)]
     return out
 
 
 def federation(rounds: int, attack: tuple[str, str, int] | None, work: Path, rule: list[str]) -> dict:
     """One federation: mosquitto, serve (its defaults, plus `rule`: the options that choose another aggregation
     rule), two honest joins and, if given, the (kind, scale, first round) device (kind `honest`: a plain join). Its
-    metrics lines, and for a backdoor each round's attack success."""
+    metrics lines and, where its rounds' checkpoints were kept (the honest control, backdoors), every round's top-1
+    and backdoor success."""
     run = Run(work)
     keeper = None
     try:
@@ -134,25 +139,27 @@ def federation(rounds: int, attack: tuple[str, str, int] | None, work: Path, rul
             device = (["-c", "from edge_client.cli import app; app()"] if kind == "honest"
                       else ["-m", "tests.harness.attack_device", kind, scale, str(first)])
             run.start("evil", [PY, *device, *join, "--client-id", "evil", "--partition", "3/8"])
-            if kind == "honest" or kind in BACKDOORS:  # the control's success rate is the backdoor's baseline
-                keeper = SnapshotKeeper(work / "run", work / "keep")
+            keeper = SnapshotKeeper(work / "run", work / "keep")
         run.finish(agg, 120 * rounds + 300)  # room for a loaded 2-core machine's slow rounds
     finally:
         run.stop()
         snapshots = keeper.stop() if keeper is not None else []
     lines = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"metrics": lines, "backdoor": backdoor_success(snapshots) if snapshots else {}}
+    backdoor = attack is not None and attack[0] in ("honest", *BACKDOORS)  # the control's rate is the baseline
+    return {"metrics": lines, **(scores(snapshots, backdoor) if snapshots else {})}
 
 
 def saved_run(path: Path) -> dict:
-    """A saved federation: its metrics lines and backdoor success (older files hold only the lines)."""
+    """A saved federation: its metrics lines and per-round scores (older files hold only the lines)."""
     data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else {"metrics": data, "backdoor": {}}
+    return data if isinstance(data, dict) else {"metrics": data}
 
 
-def evaluated(lines: list[dict]) -> dict[int, list[float]]:
-    """Round -> top-1 per submodel, for the rounds that were scored."""
-    return {m["round"]: m["accuracy"] for m in lines if m["round"] >= 1 and m.get("accuracy")}
+def evaluated(run: dict) -> dict[int, list[float]]:
+    """Round -> top-1 per submodel: every round's checkpoint where they were kept, else the rounds serve scored."""
+    if run.get("accuracy"):
+        return {int(r): a for r, a in run["accuracy"].items()}
+    return {m["round"]: m["accuracy"] for m in run["metrics"] if m["round"] >= 1 and m.get("accuracy")}
 
 
 def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> int:
@@ -165,12 +172,13 @@ def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> in
 
 
 def summary(name: str, run: dict, control: dict, after: int) -> dict:
-    lines, base = run["metrics"], control["metrics"]
-    rounds = [m for m in lines if m["round"] >= 1]
-    last, ctl = rounds[-1]["accuracy"], base[-1]["accuracy"]
+    rounds = [m for m in run["metrics"] if m["round"] >= 1 and "reported" in m]  # not the background scores' lines
+    served = {m["round"]: m["accuracy"] for m in run["metrics"] if m.get("accuracy")}
+    base = {m["round"]: m["accuracy"] for m in control["metrics"] if m.get("accuracy")}
+    last, ctl = served[max(served)], base[max(base)]  # the final scores, on the whole test split
     honest = {"c1", "c2"}
     evil = [m for m in rounds if "evil" in m.get("participants", [])]
-    ours, theirs = evaluated(lines), evaluated(base)
+    ours, theirs = evaluated(run), evaluated(control)
     gaps = {r: round(max(b - a for a, b in zip(ours[r], theirs[r])), 4) for r in ours if r in theirs}
     backdoor = {int(r): v for r, v in run.get("backdoor", {}).items()}
     return {
