@@ -5,8 +5,8 @@ before it is uploaded, from a given round on.
     python -m tests.harness.attack_device KIND SCALE FROM_ROUND join --broker ... (the usual join arguments)
 
 SCALE `default` takes the kind's default. What a device knows of the round: its own delta, the weights it was
-sent, and the last global step (its weights now minus those of its previous task, when that was the same
-submodel), which ALIE, min-max, min-sum and adaptive take as the honest updates; adaptive asks the kit's aggregation
+sent, and the last global step (its weights now minus those of its previous task, where both cover a tensor),
+which ALIE, min-max, min-sum and adaptive take as the honest updates; adaptive asks the kit's aggregation
 with `serve`'s defaults and a seed of its own (the server's secret draws are not known to it). Data attacks
 (label-flip, the backdoors) train on the device's own shard poisoned from FROM_ROUND on.
 """
@@ -31,20 +31,30 @@ class Attacker:
 
     def __init__(self, attack: Attack, first: int) -> None:
         self.attack, self.first = attack, first
-        self.previous: Delta | None = None  # the weights of its previous task
+        self.previous: tuple[int, Delta] | None = None  # the submodel and weights of its previous task
         self.poisoned = False
 
-    def last_step(self, start: Delta) -> list[Delta]:
-        """The last global step, if its previous task was the same submodel (same shapes)."""
-        prev = self.previous
-        if prev is None or prev.keys() != start.keys() or any(prev[n].shape != t.shape for n, t in start.items()):
+    def last_step(self, k: int, start: Delta, delta: Delta, per_submodel: frozenset[str]) -> list[Delta]:
+        """The last global step where it can tell it: on each tensor's part that both tasks' weights cover (a
+        per-submodel tensor only when both were submodel k); elsewhere its own delta, which adds no spread."""
+        if self.previous is None:
             return []
-        return [{n: t - prev[n] for n, t in start.items()}]
+        pk, prev = self.previous
+        step = {}
+        for name, now in start.items():
+            out = delta[name].clone()
+            before = prev.get(name)
+            if before is not None and before.dim() == now.dim() and (name not in per_submodel or pk == k):
+                common = tuple(slice(0, min(a, b)) for a, b in zip(now.shape, before.shape))
+                out[common] = now[common] - before[common]
+            step[name] = out
+        return [step]
 
     def knowledge(self, layout: Layout, k: int, index: int, delta: Delta, start: Delta) -> Knowledge:
-        honest = [delta, *self.last_step(start)]
+        per_submodel = frozenset(layout.inconsistent)
+        honest = [delta, *self.last_step(k, start, delta, per_submodel)]
         oracle = device_oracle(layout, k, start, honest, index, ORACLE_SEED) if self.attack.kind == "adaptive" else None
-        return Knowledge(honest, per_submodel=frozenset(layout.inconsistent), oracle=oracle)
+        return Knowledge(honest, per_submodel=per_submodel, oracle=oracle)
 
     def poison_data(self, dev: device.LocalDevice, layout: Layout) -> None:
         """From now on the device trains on its shard poisoned (flipped labels, or triggered images)."""
@@ -61,7 +71,7 @@ class Attacker:
             if task.round >= self.first:
                 known = self.knowledge(layout, task.submodel, task.round, res.delta, start)
                 res.delta = craft(self.attack, res.delta, {n: start[n] for n in res.delta}, known)
-            self.previous = {n: t.clone() for n, t in start.items()}
+            self.previous = (task.submodel, {n: t.clone() for n, t in start.items()})
             return res
         return hostile
 

@@ -30,15 +30,25 @@ def test_it_attacks_from_its_first_round_with_what_it_knows() -> None:
     assert all(torch.equal(first.delta[n], delta[n]) for n in delta)  # honest before round 2
     start = weights(1)
     second = hostile(None, LAYOUT, task(2), start, 10.0)
-    step = {n: start[n] - weights(0)[n] for n in start}
+    step = {n: start[n] - weights(0)[n] for n in start}  # the same submodel twice: the whole step
     expected = craft(Attack("alie"), delta, start, Knowledge([delta, step]))
     assert all(torch.allclose(second.delta[n], expected[n]) for n in delta)
 
 
-def test_no_last_step_across_submodels() -> None:
+def test_the_last_step_is_taken_where_both_tasks_cover_it() -> None:
     attacker = Attacker(Attack("min-max"), first=1)
-    attacker.previous = GlobalState.init(LAYOUT, 0).extract(LAYOUT, 0)
-    assert attacker.last_step(weights(0)) == []  # another submodel's shapes: no step to learn from
-    attacker.previous = weights(0)
-    (step,) = attacker.last_step(weights(1))
-    assert all(torch.equal(step[n], weights(1)[n] - weights(0)[n]) for n in step)
+    inconsistent = frozenset(LAYOUT.inconsistent)
+    small = GlobalState.init(LAYOUT, 0).extract(LAYOUT, 0)
+    attacker.previous = (0, small)
+    start = weights(1)
+    delta = {n: torch.full_like(t, 0.5) for n, t in start.items()}
+    (step,) = attacker.last_step(K, start, delta, inconsistent)
+    for n, t in step.items():
+        if n in inconsistent:  # another submodel's own tensor: no step to learn from
+            assert torch.equal(t, delta[n])
+        else:
+            common = tuple(slice(0, d) for d in small[n].shape)
+            assert torch.equal(t[common], start[n][common] - small[n][common])
+            outside = torch.ones_like(t, dtype=torch.bool)
+            outside[common] = False
+            assert torch.all(t[outside] == 0.5)  # beyond the smaller task: its own delta
