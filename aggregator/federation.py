@@ -167,9 +167,12 @@ class Federation:
     # -- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint's metadata needs, besides the weights, to resume this federation: the adaptive bound's
-        history, the step bound's, the committed updates per submodel (under the meta keys older checkpoints use)."""
+        history, the step bound's and the tensor sizes', the committed updates per submodel (under the meta keys
+        older checkpoints use)."""
+        sizes = self.aggregator.sizes
         return {"update_guard": self.guard.state_dict(),
                 **({"step_bound": self.steps.state_dict()} if self.steps is not None else {}),
+                **({"tensor_sizes": sizes.state_dict()} if sizes is not None else {}),
                 UPDATES_TOTAL_KEY: list(self.trained_updates)}
 
     def load_state_dict(self, meta: Mapping[str, Any]) -> None:
@@ -180,6 +183,8 @@ class Federation:
             self.guard.load_state_dict(meta["update_guard"])
         if "step_bound" in meta and self.steps is not None:
             self.steps.load_state_dict(meta["step_bound"])
+        if "tensor_sizes" in meta and self.aggregator.sizes is not None:
+            self.aggregator.sizes.load_state_dict(meta["tensor_sizes"])
 
     def _update_counts(self, counts: Sequence[int]) -> list[int]:
         if len(counts) != self.layout.num_submodels:

@@ -16,6 +16,7 @@ from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.coverage import Sketch, pairwise_cosines, shared_core
 from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
 from nefl.aggregation.robust import update_norm
+from nefl.aggregation.tensor_screen import Sizes, TensorSizes, add_noise, clip_factors, clipped_norm, measure
 from nefl.nested.state import GlobalState
 
 
@@ -43,14 +44,23 @@ class Screened(RoundAggregate):
     sketch per update). Later ones are judged in batches of up to `hold`, so that one product with the recent
     sketches scores a batch: reading 256 sketches (4 MiB) costs more than the arithmetic, and done per update
     it would be the largest single cost of a worker's update. With fewer than `min_cover` updates
-    in the round there is no majority and nothing is screened."""
+    in the round there is no majority and nothing is dropped or clipped as a whole.
+
+    Every named tensor of a kept update is also judged on its own size (nefl/aggregation/tensor_screen.py): one
+    above `tensor_clip` x its reference (the round's median per-element size of that tensor and its history) is
+    scaled to that bound before the whole-update clip, which then measures what is left; in rounds of any size,
+    from the history where the round is too thin. A per-submodel tensor's copy that fewer than `min_cover` of the
+    round's updates carry is left to the step bound at commit, whole: neither clipped here nor counted in the
+    whole-update clip (a submodel's running statistics, first trained or repaired after a bad round, are most of
+    an honest update's norm and would have the rest of it scaled down)."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
     def __init__(self, inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
-                 assignments: Mapping[str, int], seed: int) -> None:
+                 assignments: Mapping[str, int], seed: int, sizes: TensorSizes) -> None:
         super().__init__(inner.layout, inner.weighting)
-        self.inner, self.cfg, self.weight_norm = inner, cfg, weight_norm
+        self.inner, self.cfg, self.weight_norm, self.sizes = inner, cfg, weight_norm, sizes
+        self.noise = torch.Generator().manual_seed(seed ^ 0x5EED)  # tensor noise: the round's seed, apart from the sketch's
         self.name = inner.name
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
@@ -74,7 +84,10 @@ class Screened(RoundAggregate):
         self.arrivals: dict[int, tuple[int, np.ndarray, float]] = {}
         self.streaming = False  # the first `hold` were judged: the rest are judged each as of its arrival
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
-        self.clipped: dict[str, float] = {}  # client -> the factor its update was scaled by
+        self.clipped: dict[str, float] = {}  # client -> the factor its update's norm was scaled by to the size bound
+        self.own: dict[int, Sizes] = {}  # sketch i (pending) -> its update's tensor sizes
+        self.references: dict[int, dict[str, float]] = {}  # sketch i (pending, streaming) -> its references on arrival
+        self.tensors_clipped: dict[str, int] = {}  # client -> how many of its tensors were scaled to their bound
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
         self.judged = self.agreed = 0  # voters judged, and those that reached `min_agree`
 
@@ -85,6 +98,10 @@ class Screened(RoundAggregate):
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
         ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
         i = self._row()
+        self.own[i] = own = measure(delta)
+        self.sizes.add(k, own)
+        if self.streaming:
+            self.references[i] = self.sizes.bounds(k, own)
         self.sketch.into(delta, self._sketch_rows[i])
         self.ratio_of[i] = ratio
         bisect.insort(self._sorted, ratio)
@@ -248,16 +265,30 @@ class Screened(RoundAggregate):
         for h, i, ratio in pending:
             self.arrivals.pop(i, None)
             self.medians.pop(i, None)
+            own = self.own.pop(i)
+            references = self.references.pop(i, None) or self.sizes.bounds(h.k, own)
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"
                 continue
-            delta, bound = h.delta, limit
-            if ratio > bound and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
+            factors = clip_factors(own, references, self.cfg.tensor_clip)
+            if factors:
+                self.tensors_clipped[h.client] = len(factors)
+            # the whole-update clip measures and scales what the step bound does not judge alone (its thin copies)
+            whole = {n: size for n, size in own.items()
+                     if n not in self.sizes.per_submodel or math.isfinite(references[n])}
+            norm = max(self.weight_norm(h.k), 1e-12)
+            left = clipped_norm(whole, factors) / norm
+            bound = limit
+            if left > bound and i in short:  # outsized and unconfirmed: nothing speaks for more than the median
                 bound = median_ratio
-            if ratio > bound:
-                self.clipped[h.client] = factor = bound / ratio
-                delta = {name: t.mul_(factor) for name, t in delta.items()}
-            self.inner.add_validated(h.k, delta, h.samples, client=h.client, owned=True)
+            if left > bound:
+                self.clipped[h.client] = bound * norm / clipped_norm(whole, {})  # the tensors' clips included
+                factors = {name: factors.get(name, 1.0) * bound / left for name in whole}
+            for name, f in factors.items():
+                h.delta[name].mul_(f)
+            if self.cfg.tensor_noise > 0:
+                add_noise(h.delta, references, self.cfg.tensor_noise, self.noise)
+            self.inner.add_validated(h.k, h.delta, h.samples, client=h.client, owned=True)
 
     @property
     def held_bytes(self) -> int:
@@ -275,6 +306,7 @@ class Screened(RoundAggregate):
     def facts(self) -> dict[str, Any]:
         clipped = {c: round(f, 4) for c, f in sorted(self.clipped.items())}
         return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
+                **({"tensors_clipped": dict(sorted(self.tensors_clipped.items()))} if self.tensors_clipped else {}),
                 **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {})}
 
 
@@ -298,7 +330,8 @@ class ScreenedSums(Screened):
 
 
 def screened(inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
-             assignments: Mapping[str, int], seed: int) -> Screened:
-    """The centre check in front of `inner`, Mergeable when `inner` is."""
+             assignments: Mapping[str, int], seed: int, sizes: TensorSizes) -> Screened:
+    """The centre check in front of `inner`, Mergeable when `inner` is; `sizes`: the round's tensor sizes, judged
+    against the history they were begun from."""
     cls = ScreenedSums if isinstance(inner, Mergeable) else Screened
-    return cls(inner, cfg, weight_norm, assignments, seed)
+    return cls(inner, cfg, weight_norm, assignments, seed, sizes)

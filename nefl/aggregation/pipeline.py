@@ -2,9 +2,10 @@
 passed intake and a committed state, in the order it acts.
 
 1. the update bound (`guard`: norm bound, fixed, relative or adaptive; clip or reject), per update at intake;
-2. the centre check in front of the rule the config names in nefl/aggregation/registry.py (`begin_round`);
-3. at commit: DP noise on the sums (Mergeable rules), finalize, the step bound on per-submodel tensors and thin
-   cells (with the centre check), and the state check (finite, within max_weight_abs) (`commit`).
+2. the centre check in front of the rule the config names in nefl/aggregation/registry.py, with every tensor of an
+   update judged by its size against the round's and its history's (`begin_round`);
+3. at commit: DP noise on the sums (Mergeable rules), finalize, the step bound on every tensor (with the centre
+   check), the state check (finite, within max_weight_abs), and the tensor sizes' history (`commit`).
 
 `serve`, its workers and coordinator, and `simulate` all hold one through aggregator/federation.py.
 """
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
-from nefl.aggregation.centre_check import screened
+from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
+from nefl.aggregation.tensor_screen import SizeHistory
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import DEFAULT_MAX_ABS
 
@@ -72,6 +74,8 @@ class Pipeline:
         self.reference, self.seed, self.secret = reference, seed, secret
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self.steps = StepBound(layout, cfg) if cfg.centre_check else None
+        self.sizes = SizeHistory(sorted(set(layout.global_shapes) - layout.inconsistent - layout.local),
+                                                 frozenset(layout.inconsistent), cfg) if cfg.centre_check else None
         self.noise = torch.Generator()
         if robustness.dp_seed is None:
             self.noise.seed()
@@ -96,7 +100,7 @@ class Pipeline:
         if not self.cfg.centre_check:
             return inner
         weight_norm = weight_norm or functools.cache(lambda k: reference_norm(state, self.layout, k))  # once a round
-        return screened(inner, self.cfg, weight_norm, assignments, seed)
+        return screened(inner, self.cfg, weight_norm, assignments, seed, self.sizes.begin())
 
     def round_seed(self, index: int) -> int:
         """Round `index`'s draws: keyed BLAKE2b of the round under the secret (63 bits), else from the seed."""
@@ -116,4 +120,6 @@ class Pipeline:
         problem = check_state(candidate, rb.max_weight_abs)
         if problem is None and self.steps is not None:
             self.steps.commit()
+            if isinstance(agg, Screened):
+                self.sizes.commit(agg.sizes)
         return Commit(candidate if problem is None else None, problem, bounded)

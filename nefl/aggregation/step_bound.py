@@ -1,5 +1,5 @@
-"""A per-tensor bound on the committed step of the per-submodel tensors (batch norm, step sizes) and of
-the shared tensors' thinly covered cells.
+"""A per-tensor bound on the committed step of every tensor: the per-submodel tensors (batch norm, step sizes)
+and each cell of the shared tensors.
 
 A submodel's inconsistent tensors are averaged over that submodel's updates only, so in a round of a
 few devices on several submodels each copy is moved by a single update: no vote or statistic can judge
@@ -32,7 +32,9 @@ contains it, so in a round of three the largest submodel's outer ring is moved b
 covered by fewer than `peers` updates has its committed step's RMS bounded by `k` x the median of a pool:
 the same tensor's cells this round covered by at least `WELL` updates (averages no lone update decides)
 and the tensor's cell history, one entry per round that moved a well-covered cell, that round's median
-over them. Cells covered by `peers` or more are left as the rule made them. Coverage counts the updates
+over them. Cells covered by `peers` or more (the classifier's bias, the shared core) are bounded by `k` x the
+median of that history alone, so no round moves any tensor far and a bad commit is repaired at that pace by
+honest rounds; warm-up as above, no bound until the history holds `peers` entries. Coverage counts the updates
 the rule was given (`RoundAggregate.updates`): a rule that drops one counts it still, so a cell it left to
 one update may count as two.
 """
@@ -173,8 +175,44 @@ def _cell_rows(layout: Layout, name: str, cells_: list[tuple[list[Box], list[int
     return row, ids.reshape(-1, row)[:, 0].clone()
 
 
+class _Anchor:
+    """Per copy of a per-submodel tensor, the element-wise median of its last `window` committed values: where a
+    repair may take it back to. A copy moved by one update has no peers that repair it in step with it, so a bad
+    value that got through would otherwise come back at k x its peers' step a round, however far it went; a
+    step that leaves the copy no farther from its anchor than it was (RMS, log space for running variances) is
+    kept whole. One committed bad value does not move a median of the window; an attacker can use the allowance
+    only to move a copy within the distance the honest rounds put between it and its anchor, and a copy on its way
+    back does not move the anchor."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.past: dict[tuple[int, str], deque[torch.Tensor]] = {}  # per copy (submodel, name): its recorded values
+        self._medians: dict[tuple[int, str], torch.Tensor] = {}
+
+    def record(self, inconsistent: list[dict[str, torch.Tensor]], names: list[str],
+               repairing: set[tuple[int, str]]) -> None:
+        """A committed state's copies join their windows, but for those `repairing` (kept whole by `closer`): the
+        anchor stays where it was until they are back."""
+        for k, copy in enumerate(inconsistent):
+            for n in names:
+                if n in copy and (k, n) not in repairing:
+                    self.past.setdefault((k, n), deque(maxlen=self.window)).append(copy[n].clone())
+        self._medians = {}
+
+    def closer(self, name: str, k: int, old: torch.Tensor, new: torch.Tensor) -> bool:
+        """Whether `new` is no farther from copy (k, name)'s anchor than `old` (False without one)."""
+        key = (k, name)
+        if key not in self._medians:
+            if key not in self.past:
+                return False
+            self._medians[key] = torch.stack(list(self.past[key])).median(0).values
+        anchor = self._medians[key]
+        return rms(_step(name, anchor, new)) <= rms(_step(name, anchor, old))
+
+
 class StepBound:
-    """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies)."""
+    """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies), and the copies'
+    anchors."""
 
     def __init__(self, layout: Layout, cfg: AggregationConfig) -> None:
         self.names = sorted(layout.inconsistent - layout.local)
@@ -184,6 +222,9 @@ class StepBound:
         self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in [*self.names, *self.cells]}
         self._pending: dict[str, float] = {}  # this round's medians, for the history once the round commits
         self._copies, self._cells = _Copies(layout, self.names), _Cells(layout, self.cells)
+        self.anchor = _Anchor(self.window)
+        self._candidate: list[dict[str, torch.Tensor]] = []  # the round's bounded copies, recorded once committed
+        self._repairing: set[tuple[int, str]] = set()  # the round's copies kept whole on their way back to the anchor
 
     def limit(self, name: str, sizes: list[float]) -> float:
         """k x the median of this round's copies' sizes and the tensor's history; inf during warm-up."""
@@ -196,7 +237,7 @@ class StepBound:
         each submodel were scaled down (a cell counts for the largest submodel covering it). A positive
         tensor's copy is also rebuilt from its log step when a value went non-positive or non-finite."""
         bounded: dict[int, int] = {}
-        self._pending = {}
+        self._pending, self._repairing = {}, set()
         sizes = self._cells.measure(old.consistent, new.consistent)
         for name, cells_ in self.cells.items():
             first = self._cells.first[name]
@@ -212,7 +253,10 @@ class StepBound:
             limit = self.limit(name, finite)
             for i, k in copies:
                 size = sizes[i]
-                if size > limit or not math.isfinite(size) or invalid[i]:
+                if size > limit and math.isfinite(size) and not invalid[i] and self.anchor.closer(
+                        name, k, old.inconsistent[k][name], new.inconsistent[k][name]):
+                    self._repairing.add((k, name))
+                elif size > limit or not math.isfinite(size) or invalid[i]:
                     o = old.inconsistent[k][name]
                     step = torch.nan_to_num(_step(name, o, new.inconsistent[k][name]), nan=0.0, posinf=0.0, neginf=0.0)
                     size = rms(step)
@@ -222,22 +266,25 @@ class StepBound:
                     new.inconsistent[k][name] = _apply(name, o, step)
             if len(finite) >= self.peers:
                 self._pending[name] = statistics.median(finite)
+        self._candidate = new.inconsistent
         return bounded
 
     def _bound_cells(self, name: str, cells_: list[tuple[list[Box], list[int]]], sizes: list[float],
                      old: torch.Tensor, new: torch.Tensor, updates: list[int]) -> list[int]:
         """Scale each thin cell's step in `new` (in place) to k x the median of the well-covered cells and
-        history (`sizes`: the cells' step sizes); returns the largest covering submodel of each cell scaled down."""
+        history, and each cell covered by `peers` or more to k x the median of the history alone (`sizes`: the
+        cells' step sizes); returns the largest covering submodel of each cell scaled down."""
         moved = []
         for (boxes, ks), size in zip(cells_, sizes):
             cover = sum(updates[k] for k in ks)
             if cover > 0 and size > 0:
                 moved.append((boxes, ks, cover, size))
         well = [size for _, _, cover, size in moved if cover >= WELL and math.isfinite(size)]
-        limit = self.limit(name, well)
+        thin, own = self.limit(name, well), self.limit(name, [])
         out = []
         for boxes, ks, cover, size in moved:
-            if cover < self.peers and size > limit:
+            limit = thin if cover < self.peers else own
+            if size > limit:
                 for b in boxes:
                     step = torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0)
                     new[b] = _apply(name, old[b], step * (limit / size))
@@ -247,21 +294,29 @@ class StepBound:
         return out
 
     def commit(self) -> None:
-        """The round's state was committed: its medians (rounds with enough copies) join the history."""
+        """The round's state was committed: its medians (rounds with enough copies) join the history, its copies
+        the anchors' window."""
         for name, size in self._pending.items():
             self.history[name].append(size)
         self._pending = {}
+        self.anchor.record(self._candidate, self.names, self._repairing)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": {n: list(h) for n, h in self.history.items() if h}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resumed server keeps its bounds; refuses a history that is not finite sizes per known tensor."""
-        history = state.get("history") if isinstance(state, dict) else None
-        if not isinstance(history, dict) or not all(
-                n in self.history and isinstance(h, list) and all(type(x) in (int, float) and math.isfinite(x) and x >= 0
-                                                                  for x in h) for n, h in history.items()):
-            raise ValueError("the checkpoint's step-bound history is not finite step sizes per per-submodel tensor: "
-                             "resume with the profile the checkpoint was written with")
-        for n, h in history.items():
-            self.history[n] = deque((float(x) for x in h), maxlen=self.window)
+        load_history(self.history, state, "step-bound")
+
+
+def load_history(history: dict[str, deque[float]], state: dict[str, Any], what: str) -> None:
+    """Per-tensor size histories (`history`, each deque keeps its maxlen) from a checkpoint's `state`; refuses one
+    that is not finite sizes >= 0 per tensor `history` knows."""
+    saved = state.get("history") if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or not all(
+            n in history and isinstance(h, list) and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in h)
+            for n, h in saved.items()):
+        raise ValueError(f"the checkpoint's {what} history is not finite sizes per known tensor: "
+                         "resume with the profile the checkpoint was written with")
+    for n, h in saved.items():
+        history[n] = deque((float(x) for x in h), maxlen=history[n].maxlen)

@@ -131,7 +131,7 @@ def test_a_federation_resumes_from_its_checkpoint_meta() -> None:
     for i in (1, 2):
         _round(fed, i)
     saved = json.loads(json.dumps(fed.state_dict()))
-    assert set(saved) == {"update_guard", "step_bound", UPDATES_TOTAL_KEY} and saved[UPDATES_TOTAL_KEY] == [1, 1, 1, 1, 0]
+    assert set(saved) == {"update_guard", "step_bound", "tensor_sizes", UPDATES_TOTAL_KEY} and saved[UPDATES_TOTAL_KEY] == [1, 1, 1, 1, 0]
     resumed = _federation(per_round=2)
     resumed.load_state_dict({"round": 2, **saved})
     assert resumed.state_dict() == saved and resumed.trained_updates == [1, 1, 1, 1, 0]
