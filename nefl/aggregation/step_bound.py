@@ -33,8 +33,10 @@ covered by fewer than `peers` updates has its committed step's RMS bounded by `k
 the same tensor's cells this round covered by at least `WELL` updates (averages no lone update decides)
 and the tensor's cell history, one entry per round that moved a well-covered cell, that round's median
 over them. Cells covered by `peers` or more (the classifier's bias, the shared core) are bounded by `k` x the
-median of that history alone, so no round moves any tensor far and a bad commit is repaired at that pace by
-honest rounds; warm-up as above, no bound until the history holds `peers` entries. Coverage counts the updates
+median of that history alone, so no round moves any tensor far; warm-up as above, no bound until the history
+holds `peers` entries. The history is measured before bounding, so honest rounds that all propose larger steps
+(repairing a bad commit) bring the bound along within half a window; a per-submodel copy, which only its own
+submodel's updates repair, may always step back toward its anchor (`_Anchor`). Coverage counts the updates
 the rule was given (`RoundAggregate.updates`): a rule that drops one counts it still, so a cell it left to
 one update may count as two.
 """

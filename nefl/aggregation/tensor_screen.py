@@ -30,8 +30,10 @@ al. 2019; FLAME's adaptive clipping). Optional server-side Gaussian noise (`tens
 element, after clipping) is the weak DP of the same paper; off by default.
 
 Cost per update: one batched norm over its tensors and, per tensor, an insertion into a sorted list and a median
-over the round's sizes and history (Python, O(updates) per tensor); memory: one float per tensor and update of the
-round (0.5 KiB per resnet20 update beside its 16 KiB sketch), and `step_window` floats per tensor across rounds.
+over the round's sizes and history (Python, O(updates) per tensor); memory: one Python float per tensor and update of
+the round (about 4 KiB per resnet20 update beside its 16 KiB sketch), and `step_window` floats per tensor across
+rounds. The history moves on where rounds commit (the server, the coordinator of workers); a worker's screen judges
+from its round alone.
 """
 
 from __future__ import annotations
