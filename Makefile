@@ -76,10 +76,10 @@ bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRo
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_fedjigsaw.py
 
-bench-robust: env system-deps  ## every aggregation rule against 7 poisoning attacks at 0-30% attackers, IID and Dir(0.5), and its cost -> docs/security.md
+bench-robust: env system-deps  ## every aggregation rule against issue 20 and issue 41 poisoning attacks at 0-30% attackers, IID and Dir(0.5), seeds 0-2, and its cost -> docs/security.md
 	$(PY) benchmarks/bench_robust.py
 
-bench-attacks-serve: env system-deps  ## the robustness issue's three attacks over `aggregator serve` with real processes on mosquitto -> docs/security.md
+bench-attacks-serve: env system-deps  ## issue 20 and issue 41 attacks over `aggregator serve` with real processes on mosquitto -> docs/security.md
 	$(PY) benchmarks/bench_attacks_serve.py
 
 bench-control-plane: env system-deps  ## issue 21's control-plane attacks (forged workers, floods, replays) with real processes -> docs/security.md

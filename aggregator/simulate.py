@@ -27,7 +27,9 @@ from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
-from nefl.aggregation.attacks import Attack, craft, poison_dataset, triggered_test
+from nefl.aggregation.attack_oracle import PipelineOracle
+from nefl.aggregation.attacks import Attack, Knowledge, craft, poison_dataset, triggered_test
+from nefl.aggregation.pipeline import Pipeline
 from nefl.nested.data import ArrayDataset, load_dataset
 from nefl.nested.methods import Method
 from nefl.nested.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed
@@ -180,7 +182,7 @@ class Simulator(RoundTransport):
         self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.reference)
         self.evaluator = server.evaluator(self.test, self.device)
         self.backdoor = None
-        if cfg.attack is not None and cfg.attack.kind == "backdoor":
+        if cfg.attack is not None and cfg.attack.backdoor:
             self.backdoor = server.evaluator(triggered_test(self.test, cfg.attack.target), self.device)
         self._round: dict[str, Any] = {}
 
@@ -190,16 +192,18 @@ class Simulator(RoundTransport):
 
     # -- the transport: every participant trains here ------------------------------------------
     def collect(self, fed: Federation, index: int) -> None:
-        """Train every participant (honest first: the omniscient ALIE attacker sees their updates),
-        turn the attackers' into attacks, and hand all of them to the Federation in id order."""
+        """Train every participant, turn the attackers' into attacks (the omniscient ones see the honest updates), and hand all of them to the Federation in id order."""
         t0 = time.perf_counter()
         train_cfg = self.train_cfg.for_round(index - 1, self.cfg.rounds)
         trained: dict[str, tuple[int, Any]] = {}
         for cid, k in sorted(fed.round.assignments.items()):
             trained[cid] = (k, self._train(cid, k, index, train_cfg))
+        # every attack crafted before any update is accepted: the aggregate may scale what it was given in place
+        uploads = {cid: self._attack(cid, k, res.delta, trained) if cid in self.attackers else res.delta
+                   for cid, (k, res) in sorted(trained.items())}
         rejected: Counter[str] = Counter()
         for cid, (k, res) in sorted(trained.items()):
-            delta = self._attack(cid, k, res.delta, trained) if cid in self.attackers else res.delta
+            delta = uploads[cid]
             update = Update(cid, index, k, res.num_samples, delta, sum(t.numel() * t.element_size() for t in delta.values()),
                             {"loss": res.loss, "train_acc": res.accuracy, "train_s": res.seconds})
             try:
@@ -227,7 +231,17 @@ class Simulator(RoundTransport):
         honest = [res.delta for c, (kk, res) in sorted(trained.items()) if kk == k and c not in self.attackers]
         weights = self.fed.state.extract(self.layout, k)
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_000_003 + self.client_index[cid] + 131 * len(trained))
-        return craft(self.cfg.attack, delta, weights, honest, len(trained), len(self.attackers & set(trained)), gen)
+        known = Knowledge(honest, len(trained), len(self.attackers & set(trained)), frozenset(self.layout.inconsistent),
+                          self._oracle(k, trained) if self.cfg.attack.kind == "adaptive" else None, gen)
+        return craft(self.cfg.attack, delta, weights, known)
+
+    def _oracle(self, k: int, trained: dict) -> PipelineOracle:
+        """The adaptive attacker's oracle: the federation's own rule and seed (the simulator's draws are public) over
+        this round's honest updates, all submodels."""
+        p = self.fed.aggregator
+        honest = [(kk, res.delta) for c, (kk, res) in sorted(trained.items()) if c not in self.attackers]
+        return PipelineOracle(Pipeline(p.layout, p.robustness, p.weighting, p.reference, p.seed, p.secret), self.fed.state,
+                              honest, k, self.fed.round.index)
 
     def round_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
         return self._round

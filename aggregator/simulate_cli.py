@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import typer
 from rich.console import Console
@@ -19,7 +19,8 @@ from nefl.nested.profile import ProfileError
 from nefl.support.cli_options import BatchSizeOption, DataRootOption, LocalEpochsOption, OutOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
-from nefl.support.settings import Attack, TrainConfig, Weighting
+from nefl.support.settings import (ATTACK_SCALES, DEFAULT_ATTACK_SCALE, Attack, AttackName, Direction, TrainConfig,
+                                   Weighting)
 
 console = Console(stderr=True)
 
@@ -51,12 +52,17 @@ class SimEval:
 @option_group("Attack (docs/security.md)")
 class AttackOptions:
     attack: Annotated[Optional[str], typer.Option(
-        help="What the hostile clients do: sign-flip, scaled-flip, neg-weights, noise, label-flip, backdoor or alie "
-             "(docs/security.md).")] = None
+        help="What the hostile clients do: " + ", ".join(get_args(AttackName)) + " (docs/security.md).")] = None
     attackers: Annotated[float, typer.Option(min=0, max=1, help="With --attack: the share of clients that are hostile.")] = 0.2
-    attack_scale: Annotated[float, typer.Option(
+    attack_scale: Annotated[Optional[float], typer.Option(
         min=0, help="scaled-flip: -SCALE x the honest delta; neg-weights: -SCALE x the weights; noise: SCALE x the "
-                    "honest norm.")] = Attack.scale
+                    "honest norm; bias-push: the upload's norm, SCALE x the honest; bn-poison: per-submodel tensors "
+                    "moved by -SCALE x themselves; boosted-backdoor: SCALE x its delta; layer-local: the poison's norm, "
+                    f"SCALE x the honest. Default: {', '.join(f'{k} {v}' for k, v in ATTACK_SCALES.items())}, else "
+                    f"{DEFAULT_ATTACK_SCALE}.")] = None
+    attack_direction: Annotated[str, typer.Option(
+        help="min-max, min-sum, adaptive: the perturbation's direction, " + ", ".join(get_args(Direction)) + ".")
+    ] = Attack.direction
 
 
 @grouped
@@ -96,7 +102,8 @@ def simulate_command(
     if threads:
         torch.set_num_threads(threads)
     try:
-        attack = Attack(hostile.attack, hostile.attack_scale) if hostile.attack else None
+        attack = (Attack(hostile.attack, hostile.attack_scale, direction=hostile.attack_direction)
+                  if hostile.attack else None)
         # the groups' fields are SimConfig's, by name
         cfg = SimConfig(profile, method, clients=clients, per_round=per_round, rounds=rounds, seed=seed, out=out,
                         device=device, assignment=assignment, **asdict(data), **asdict(training), **asdict(evaluation),

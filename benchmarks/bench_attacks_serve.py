@@ -1,18 +1,25 @@
-"""The robustness issue's three attacks, rerun over `aggregator serve` with real processes on mosquitto,
+"""The robustness issues' attacks, rerun over `aggregator serve` with real processes on mosquitto,
 under the default configuration: two honest `edge-client join`s plus one real join that attacks with its
-own device key (tests/harness/attack_device.py), against the same two honest devices alone. Writes the
-`bench-attacks-serve` section of docs/security.md.
+own device key (tests/harness/attack_device.py), against a control without the attack. Writes a section of
+docs/security.md (`--section`, default `bench-attacks-serve`).
 
-    PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 10] [--late-rounds 24] [--aggregator RULE ...]
-        [--runs RUN ...] [--note TEXT]
+    PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 12] [--late-rounds 24] [--aggregator RULE ...]
+        [--runs RUN ...] [--out DIR] [--section NAME] [--note TEXT]
 
 Every run uses `serve`'s defaults; `--aggregator default fltrust ...` measures other rules too, each against its
 own controls. Each federation's metrics are saved under --out (RULE/RUN.json); `--runs` reruns only those
 (a row needs its control: `--runs control neg-weights`), the others' saved metrics make the rest of the table.
 
+Issue 20's attacks, against `control` (the two honest devices alone):
   scaled-flip   -9 x its honest delta from round 1 (inside the 10 x weight-norm bound)
   neg-weights   -9 x the weights it was sent (norm 9 x the weight norm) from round 1
   late-start    -9 x its honest delta from round 12, after the adaptive bound's warm-up (the ratchet)
+Issue 41's, from round 1 with each attack's default scale (nefl/aggregation/attacks.py), against `honest-3` (the
+third device honest, as issue 41 measures): bias-push, bn-poison, layer-local, boosted-backdoor, alie, min-max,
+min-sum and adaptive. Reported: each submodel's top-1 at every round serve scored against the control's at that
+round (the control's every checkpoint is scored), and for the backdoor (and the control) the share of triggered test
+images (not of the target class) each submodel calls the target, at every round (each round's committed checkpoint
+is copied as it appears).
 """
 
 from __future__ import annotations
@@ -21,28 +28,102 @@ import argparse
 import datetime
 import json
 import platform
+import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import torch
 
 from bench_scale import Run, free_port  # benchmarks/ is the script directory, on sys.path
 from provenance import commit_label, cpu_name, load_average, write_section
 
+from aggregator.evaluation import Evaluator
+from nefl.aggregation.attacks import triggered_test
+from nefl.nested.checkpoint import load_checkpoint
+from nefl.nested.data import load_dataset
 from nefl.support.fsio import atomic_write_text
+from nefl.support.settings import BACKDOORS, Attack
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "security.md"
-START, END = "<!-- bench-attacks-serve:start -->", "<!-- bench-attacks-serve:end -->"
 PROFILE = "resnet8-fmnist-w"
 PY = sys.executable
-ATTACKS = {"scaled-flip": "control", "neg-weights": "control", "late-start": "control-long"}  # run -> its control
-RUNS = ("control", "scaled-flip", "neg-weights", "control-long", "late-start")
+EVAL_SAMPLES = 2000
+NEW_ATTACKS = ("bias-push", "bn-poison", "layer-local", "boosted-backdoor", "alie", "min-max", "min-sum", "adaptive")
+# run -> its control; the honest third's row shows what the defence does to it (drops, clips, backdoor baseline)
+ATTACKS = {"scaled-flip": "control", "neg-weights": "control", "late-start": "control-long", "honest-3": "honest-3",
+           **{a: "honest-3" for a in NEW_ATTACKS}}
+RUNS = ("control", "scaled-flip", "neg-weights", "control-long", "late-start", "honest-3", *NEW_ATTACKS)
+BACKDOOR_TARGET = Attack("backdoor").target
 
 
-def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: list[str]) -> list[dict]:
+def attack_of(name: str, rounds: int) -> tuple[str, str, int] | None:
+    """A run's attacking device: (kind, scale, first round), None for a control, `honest` for the honest third."""
+    if name in NEW_ATTACKS:
+        return name, "default", 1
+    if name == "honest-3":
+        return "honest", "default", 1
+    return {"scaled-flip": ("scaled-flip", "9", 1), "neg-weights": ("neg-weights", "9", 1),
+            "late-start": ("scaled-flip", "9", rounds // 2)}.get(name)
+
+
+class SnapshotKeeper:
+    """Copies each committed checkpoint of a running serve (its CURRENT pointer) to keep/ROUND, so that every round's
+    model can be scored afterwards (serve keeps the last two)."""
+
+    def __init__(self, run_dir: Path, keep: Path) -> None:
+        self.run_dir, self.keep = run_dir, keep
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        seen = None
+        while not self.done.wait(0.3):
+            try:
+                name = (self.run_dir / "CURRENT").read_text().strip()
+                if name != seen:
+                    target = self.keep / name
+                    shutil.copytree(self.run_dir / "checkpoints" / name, target / "checkpoints" / name)
+                    (target / "CURRENT").write_text(name + "\n")
+                    seen = name
+            except (FileNotFoundError, FileExistsError, shutil.Error):
+                pass  # not written yet, or replaced while copied: the next poll tries again
+
+    def stop(self) -> list[Path]:
+        self.done.set()
+        self.thread.join()
+        return sorted(p for p in self.keep.iterdir() if p.is_dir()) if self.keep.exists() else []
+
+
+def scores(snapshots: list[Path], accuracy: bool) -> dict[str, dict[int, list[float]]]:
+    """Per committed round: each submodel's share of triggered test images (not of the target class) it calls the
+    backdoor's target and, with `accuracy` (the control: the attacked runs are compared with it at the rounds serve
+    scored), its top-1 on the evaluation images."""
+    torch.set_num_threads(1)
+    test = load_dataset("fashion-mnist", train=False)
+    sets = {**({"accuracy": test} if accuracy else {}), "backdoor": triggered_test(test, BACKDOOR_TARGET)}
+    out: dict[str, dict[int, list[float]]] = {key: {} for key in sets}
+    evaluators: dict[str, Evaluator] = {}
+    for snap in snapshots:
+        ck = load_checkpoint(snap)
+        for key, data in sets.items():
+            if key not in evaluators:
+                evaluators[key] = Evaluator.for_dataset(ck.layout, "fashion-mnist", EVAL_SAMPLES, test=data)
+            out[key][int(ck.meta["round"])] = [round(a, 4) for a in evaluators[key].accuracy(ck.state, threads=1)]
+    return out
+
+
+def federation(rounds: int, attack: tuple[str, str, int] | None, work: Path, rule: list[str]) -> dict:
     """One federation: mosquitto, serve (its defaults, plus `rule`: the options that choose another aggregation
-    rule), two honest joins and, if given, the (kind, first round) attacker."""
+    rule), two honest joins and, if given, the (kind, scale, first round) device (kind `honest`: a plain join). Its
+    metrics lines and, where its rounds' checkpoints were kept (the honest control, backdoors), every round's backdoor
+    success and the control's top-1."""
     run = Run(work)
+    keeper = None
     try:
         port = free_port()
         run.mosquitto(port)
@@ -50,20 +131,38 @@ def federation(rounds: int, attack: tuple[str, int] | None, work: Path, rule: li
         agg = run.start("agg", [PY, "-c", "from aggregator.cli import app; app()", "serve", "--profile", PROFILE,
                                 "--broker", broker, "--federation", "b", "--rounds", str(rounds), "--clients-per-round", "3",
                                 "--min-clients", "2", "--round-timeout", "90", "--join-wait", "15",
-                                "--eval-dataset", "fashion-mnist", "--eval-samples", "2000", "--checkpoint-dir", str(work / "run"),
-                                *rule])
+                                "--eval-dataset", "fashion-mnist", "--eval-samples", str(EVAL_SAMPLES),
+                                "--checkpoint-dir", str(work / "run"), *rule])
         join = ["join", "--broker", broker, "--federation", "b", "--threads", "1", "--max-samples", "300", "--no-calibrate"]
         for i in (1, 2):
             run.start(f"c{i}", [PY, "-c", "from edge_client.cli import app; app()", *join, "--client-id", f"c{i}",
                                 "--partition", f"{i}/8"])
         if attack is not None:
-            kind, first = attack
-            run.start("evil", [PY, "-m", "tests.harness.attack_device", kind, "9", str(first), *join, "--client-id", "evil",
-                               "--partition", "3/8"])
+            kind, scale, first = attack
+            device = (["-c", "from edge_client.cli import app; app()"] if kind == "honest"
+                      else ["-m", "tests.harness.attack_device", kind, scale, str(first)])
+            run.start("evil", [PY, *device, *join, "--client-id", "evil", "--partition", "3/8"])
+            if kind == "honest" or kind in BACKDOORS:  # the control's backdoor success is the baseline
+                keeper = SnapshotKeeper(work / "run", work / "keep")
         run.finish(agg, 120 * rounds + 300)  # room for a loaded 2-core machine's slow rounds
     finally:
         run.stop()
-    return [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        snapshots = keeper.stop() if keeper is not None else []
+    lines = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"metrics": lines, **(scores(snapshots, attack[0] == "honest") if snapshots else {})}
+
+
+def saved_run(path: Path) -> dict:
+    """A saved federation: its metrics lines and per-round scores (older files hold only the lines)."""
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {"metrics": data}
+
+
+def evaluated(run: dict) -> dict[int, list[float]]:
+    """Round -> top-1 per submodel: every round's checkpoint where they were kept, else the rounds serve scored."""
+    if run.get("accuracy"):
+        return {int(r): a for r, a in run["accuracy"].items()}
+    return {m["round"]: m["accuracy"] for m in run["metrics"] if m["round"] >= 1 and m.get("accuracy")}
 
 
 def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> int:
@@ -75,14 +174,22 @@ def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> in
     return sum(n for k, n in m.get("steps_bounded", {}).items() if k in mine)
 
 
-def summary(name: str, lines: list[dict], control: list[dict]) -> dict:
-    rounds = [m for m in lines if m["round"] >= 1]
-    last, base = rounds[-1]["accuracy"], control[-1]["accuracy"]
+def summary(name: str, run: dict, control: dict, after: int) -> dict:
+    rounds = [m for m in run["metrics"] if m["round"] >= 1 and "reported" in m]  # not the background scores' lines
+    served = {m["round"]: m["accuracy"] for m in run["metrics"] if m.get("accuracy")}
+    base = {m["round"]: m["accuracy"] for m in control["metrics"] if m.get("accuracy")}
+    last, ctl = served[max(served)], base[max(base)]  # the final scores, on the whole test split
     honest = {"c1", "c2"}
     evil = [m for m in rounds if "evil" in m.get("participants", [])]
+    ours, theirs = evaluated(run), evaluated(control)
+    gaps = {r: round(max(b - a for a, b in zip(ours[r], theirs[r])), 4) for r in ours if r in theirs}
+    backdoor = {int(r): v for r, v in run.get("backdoor", {}).items()}
     return {
-        "name": name, "rounds": len(rounds), "accuracy": last, "control": base,
-        "worst_gap": max(b - a for a, b in zip(last, base)),
+        "name": name, "rounds": len(rounds), "accuracy": last, "control": ctl,
+        "worst_gap": max(b - a for a, b in zip(last, ctl)),
+        "gaps": gaps, "worst_gap_after": max((g for r, g in gaps.items() if r > after), default=None),
+        "backdoor": backdoor, "backdoor_max": max((max(v) for v in backdoor.values()), default=None),
+        "backdoor_last": backdoor[max(backdoor)] if backdoor else None,
         "honest_missing": sum(len(honest - set(m["reported"])) for m in rounds),
         "honest_dropped": sum(len(honest & set(m.get("dropped", {}))) for m in rounds),
         "evil_sent": sum("evil" in m["reported"] for m in evil),
@@ -95,29 +202,45 @@ def summary(name: str, lines: list[dict], control: list[dict]) -> dict:
     }
 
 
-def write_doc(rows: list[dict], note: str) -> None:
+def write_doc(rows: list[dict], note: str, section: str, after: int) -> None:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = ["", f"Generated by `benchmarks/bench_attacks_serve.py` on {when}, commit {commit_label()}, {cpu_name()} "
                         f"({platform.machine()}), load average {load_average()}. {note}".strip(), "",
              f"{PROFILE}, `aggregator serve` with its defaults on mosquitto, 3 participants a round (coverage assignment), "
-             "2,000 evaluation images; two honest `edge-client join`s (300 images each) and one attacking join.", "",
-             "| run | rounds | final top-1 per submodel | control (honest only) | largest drop vs control | honest updates "
-             "missing / dropped | attacker updates: sent / dropped / clipped | tensors step-bounded: attacker's / honest-only "
-             "submodels | rejections | mean round s |",
+             f"{EVAL_SAMPLES:,} evaluation images; two honest `edge-client join`s (300 images each) and one attacking join "
+             "(control: issue 20's attacks, the two honest devices alone; issue 41's, the third device honest).", "",
+             "| run | rounds | final top-1 per submodel | control | largest drop vs control: final / any evaluated round "
+             f"after round {after} | honest updates missing / dropped | attacker updates: sent / dropped / clipped | "
+             "tensors step-bounded: attacker's / honest-only submodels | rejections | mean round s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["accuracy"])
         ctl = " ".join(f"{a:.2f}" for a in r["control"])
-        lines.append(f"| {r['name']} | {r['rounds']} | {acc} | {ctl} | {r['worst_gap']:+.3f} | {r['honest_missing']} / "
-                     f"{r['honest_dropped']} | {r['evil_sent']} / {r['evil_dropped']} / {r['evil_clipped']} | "
-                     f"{r.get('evil_bounded', 0)} / {r.get('honest_bounded', 0)} | {r['rejected']} | "
+        later = "-" if r.get("worst_gap_after") is None else f"{r['worst_gap_after']:+.3f}"
+        lines.append(f"| {r['name']} | {r['rounds']} | {acc} | {ctl} | {r['worst_gap']:+.3f} / {later} | "
+                     f"{r['honest_missing']} / {r['honest_dropped']} | {r['evil_sent']} / {r['evil_dropped']} / "
+                     f"{r['evil_clipped']} | {r.get('evil_bounded', 0)} / {r.get('honest_bounded', 0)} | {r['rejected']} | "
                      f"{r['round_s']:.1f} |")
-    write_section(DOC, START, END, [*lines, ""])
+    gapped = [r for r in rows if r.get("gaps")]
+    if gapped:
+        rounds = sorted({g for r in gapped for g in r["gaps"]})
+        lines += ["", "Largest drop of any submodel's top-1 below the control's, at every evaluated round:", "",
+                  "| run | " + " | ".join(f"r{g}" for g in rounds) + " |", "|---|" + "---|" * len(rounds)]
+        lines += [f"| {r['name']} | " + " | ".join(f"{r['gaps'][g]:+.2f}" if g in r["gaps"] else "-" for g in rounds) + " |"
+                  for r in gapped]
+    doors = [r for r in rows if r.get("backdoor")]
+    if doors:
+        lines += ["", "Backdoor success per submodel (triggered test images not of the target class that it calls the "
+                      "target), at the final round, and the largest over every round's committed model:", "",
+                  "| run | final, per submodel | largest in any round |", "|---|---|---|"]
+        lines += [f"| {r['name']} | {' '.join(f'{a:.3f}' for a in r['backdoor_last'])} | {r['backdoor_max']:.3f} |"
+                  for r in doors]
+    write_section(DOC, f"<!-- {section}:start -->", f"<!-- {section}:end -->", [*lines, ""])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--late-rounds", type=int, default=24)
     ap.add_argument("--aggregator", nargs="+", default=["default"], help="the rules measured: default (serve's "
                     "defaults) or an --aggregator name (without the centre check; fltrust: root data from the evaluation "
@@ -125,6 +248,8 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", choices=RUNS, default=list(RUNS),
                     help="the federations to (re)run (none: only rewrite the table from the saved metrics)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attacks-serve"), help="saved metrics")
+    ap.add_argument("--section", default="bench-attacks-serve", help="the generated section of docs/security.md")
+    ap.add_argument("--after", type=int, default=3, help="the drop vs control is judged at evaluated rounds after this")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="nefl-attacks-"))
@@ -135,18 +260,19 @@ def main() -> None:
         saved.mkdir(parents=True, exist_ok=True)
         for name in args.runs:
             rounds = args.late_rounds if name in ("control-long", "late-start") else args.rounds
-            attack = {"scaled-flip": ("scaled-flip", 1), "neg-weights": ("neg-weights", 1),
-                      "late-start": ("scaled-flip", args.late_rounds // 2)}.get(name)
             work = scratch / rule / name
             work.mkdir(parents=True)
             print(f"{rule} {name}: {rounds} rounds in {work}", flush=True)
-            atomic_write_text(saved / f"{name}.json", json.dumps(federation(rounds, attack, work, options)))
-        runs = {n: json.loads((saved / f"{n}.json").read_text()) for n in RUNS if (saved / f"{n}.json").exists()}
-        rows += [summary(f"{n} ({rule})", runs[n], runs[control]) for n, control in ATTACKS.items()
+            t0 = time.monotonic()
+            result = federation(rounds, attack_of(name, rounds), work, options)
+            atomic_write_text(saved / f"{name}.json", json.dumps(result))
+            print(f"{rule} {name}: {time.monotonic() - t0:.0f} s", flush=True)
+        runs = {n: saved_run(saved / f"{n}.json") for n in RUNS if (saved / f"{n}.json").exists()}
+        rows += [summary(f"{n} ({rule})", runs[n], runs[control], args.after) for n, control in ATTACKS.items()
                  if n in runs and control in runs]
     for r in rows:
         print(json.dumps(r))
-    write_doc(rows, args.note)
+    write_doc(rows, args.note, args.section, args.after)
 
 
 if __name__ == "__main__":

@@ -81,27 +81,50 @@ DEFAULT_ROOT_SAMPLES = 256
 DEFAULT_EVAL_SAMPLES = 1000
 
 # Poisoning attacks of the simulator's attack suite (nefl/aggregation/attacks.py mounts them)
-AttackName = Literal["sign-flip", "scaled-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie"]
-DATA_ATTACKS = ("label-flip", "backdoor")
+AttackName = Literal["sign-flip", "scaled-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie", "bias-push",
+                     "bn-poison", "boosted-backdoor", "layer-local", "min-max", "min-sum", "adaptive"]
+DATA_ATTACKS = ("label-flip", "backdoor", "boosted-backdoor")  # trained on poisoned data
+BACKDOORS = ("backdoor", "boosted-backdoor")  # trained on triggered images: measured by their attack success
+# Perturbation directions of min-max, min-sum and adaptive (Shejwalkar & Houmansadr, NDSS 2021): the inverse unit
+# mean of the honest updates, their inverse coordinate-wise standard deviation, or the inverse sign of their mean
+Direction = Literal["unit-mean", "std", "sign"]
+# each attack's `scale` unless one is given: the sizes of docs/security.md's measurements (issue 41's for the new ones)
+ATTACK_SCALES: dict[str, float] = {"bias-push": 2.7, "bn-poison": 2.0, "boosted-backdoor": 2.5, "layer-local": 2.0}
+DEFAULT_ATTACK_SCALE = 9.0
 
 
 @dataclass(frozen=True)
 class Attack:
     kind: AttackName
-    scale: float = 9.0  # scaled-flip: -scale x the honest delta; neg-weights: norm scale x the weights'; noise: x the honest norm
-    target: int = 0  # backdoor: the class a triggered image should become
+    # scaled-flip: -scale x the honest delta; neg-weights: norm scale x the weights'; noise: x the honest norm;
+    # bias-push: the upload's norm, x the honest one; bn-poison: per-submodel tensors moved by -scale x their weights
+    # (running variances x (1 + scale)); boosted-backdoor: x its trained delta; layer-local: the poison's norm, x the
+    # honest delta's. None: the kind's ATTACK_SCALES entry, else DEFAULT_ATTACK_SCALE
+    scale: float | None = None
+    target: int = 0  # backdoor, bias-push: the class a triggered image (every image) should become
     poison: float = 0.5  # backdoor: the share of the attacker's images that carry the trigger
+    direction: Direction = "unit-mean"  # min-max, min-sum, adaptive: the perturbation's direction
+    tolerance: float = 0.01  # min-max, min-sum, adaptive: the binary search stops when gamma is known to this (relative)
 
     def __post_init__(self) -> None:
         check_choice(AttackName, self.kind, "attack")
+        check_choice(Direction, self.direction, "attack direction")
+        if self.scale is None:
+            object.__setattr__(self, "scale", ATTACK_SCALES.get(self.kind, DEFAULT_ATTACK_SCALE))
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"attack scale must be a positive finite number, got {self.scale}")
         if not 0 < self.poison <= 1:
             raise ValueError(f"poison share must be in (0, 1], got {self.poison}")
+        if not 0 < self.tolerance < 1:
+            raise ValueError(f"attack tolerance must be in (0, 1), got {self.tolerance}")
 
     @property
     def on_data(self) -> bool:
         return self.kind in DATA_ATTACKS
+
+    @property
+    def backdoor(self) -> bool:
+        return self.kind in BACKDOORS
 
 
 PAPER_WINDOW = 2  # the paper's tier t chooses among submodels t-2 .. t+2 (assignment "paper", simulated tiers)
