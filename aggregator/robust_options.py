@@ -54,7 +54,8 @@ RootData = Annotated[Optional[str], typer.Option(
                         "dataset; its root images are left out of evaluation).")]
 TensorClip = Annotated[float, typer.Option(
     "--tensor-clip", min=1, help="Centre check: scale each named tensor of an update down to this x its reference "
-                                 "per-element size (the round's median size of that tensor and its history).")]
+                                 "per-element size (the median over the round's updates carrying that tensor and its "
+                                 "history).")]
 TensorNoise = Annotated[float, typer.Option(
     "--tensor-noise", min=0, help="Centre check: Gaussian noise on each kept update after the per-tensor clip, std = "
                                   "this x its tensor's reference per-element size; 0 turns it off.")]
