@@ -167,8 +167,8 @@ class Federation:
     # -- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint's metadata needs, besides the weights, to resume this federation: the adaptive bound's
-        history, the step bound's and the tensor sizes', the committed updates per submodel (under the meta keys
-        older checkpoints use)."""
+        history, the step bound's (with its anchors) and the tensor sizes', the committed updates per submodel (under
+        the meta keys older checkpoints use)."""
         sizes = self.aggregator.sizes
         return {"update_guard": self.guard.state_dict(),
                 **({"step_bound": self.steps.state_dict()} if self.steps is not None else {}),

@@ -52,6 +52,13 @@ MaxNormRatio = Annotated[float, typer.Option(
 RootData = Annotated[Optional[str], typer.Option(
     "--root-data", help="fltrust: the dataset whose test split holds the server's root set (default: the evaluation "
                         "dataset; its root images are left out of evaluation).")]
+TensorClip = Annotated[float, typer.Option(
+    "--tensor-clip", min=1, help="Centre check: scale each named tensor of an update down to this x its reference "
+                                 "per-element size (the median over the round's updates carrying that tensor and its "
+                                 "history).")]
+TensorNoise = Annotated[float, typer.Option(
+    "--tensor-noise", min=0, help="Centre check: Gaussian noise on each kept update after the per-tensor clip, std = "
+                                  "this x its tensor's reference per-element size; 0 turns it off.")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
 
 
@@ -68,6 +75,8 @@ class RobustnessOptions:
     centre_check: CentreCheck = None
     min_agree: MinAgree = _A.min_agree
     max_norm_ratio: MaxNormRatio = _A.max_norm_ratio
+    tensor_clip: TensorClip = _A.tensor_clip
+    tensor_noise: TensorNoise = _A.tensor_noise
     root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
     def robustness(self) -> Robustness:
@@ -82,5 +91,6 @@ class RobustnessOptions:
         bound = NormBound(max_norm=self.max_update_norm or None, relative=self.update_norm_relative or None,
                           adaptive_k=self.update_norm_k or None, mode="clip" if self.clip else "reject")
         agg = AggregationConfig(rule=self.aggregator, trim=self.trim, centre_check=centre_check,
-                                min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio)
+                                min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio,
+                                tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise)
         return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

@@ -43,6 +43,8 @@ one update may count as two.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import math
 import statistics
@@ -211,6 +213,29 @@ class _Anchor:
         anchor = self._medians[key]
         return rms(_step(name, anchor, new)) <= rms(_step(name, anchor, old))
 
+    def state_dict(self) -> list[list[Any]]:
+        """Per copy, [submodel, name, its recorded values oldest first as base64 float32 (the model's dtype)]: the
+        checkpoint's metadata is JSON."""
+        return [[k, n, [base64.b64encode(v.to(torch.float32).contiguous().numpy().tobytes()).decode() for v in past]]
+                for (k, n), past in sorted(self.past.items())]
+
+    def load_state_dict(self, saved: Any, shapes: dict[tuple[int, str], torch.Size]) -> None:
+        """The windows of a saved `state_dict`; refuses one that is not finite values of a known copy's shape
+        (`shapes`: each copy's)."""
+        past: dict[tuple[int, str], deque[torch.Tensor]] = {}
+        try:
+            for k, n, values in saved:
+                shape = shapes[k, n]
+                window = [torch.frombuffer(bytearray(base64.b64decode(v, validate=True)), dtype=torch.float32)
+                          .reshape(shape) for v in values]
+                if not all(bool(t.isfinite().all()) for t in window):
+                    raise ValueError
+                past[k, n] = deque(window, maxlen=self.window)
+        except (TypeError, ValueError, KeyError, RuntimeError, binascii.Error):
+            raise ValueError("the checkpoint's step-bound anchors are not finite values per known copy: resume with "
+                             "the profile the checkpoint was written with") from None
+        self.past, self._medians = past, {}
+
 
 class StepBound:
     """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies), and the copies'
@@ -225,6 +250,7 @@ class StepBound:
         self._pending: dict[str, float] = {}  # this round's medians, for the history once the round commits
         self._copies, self._cells = _Copies(layout, self.names), _Cells(layout, self.cells)
         self.anchor = _Anchor(self.window)
+        self._shapes = {(k, n): s[n] for n in self.names for k, s in enumerate(layout.sub_shapes) if n in s}
         self._candidate: list[dict[str, torch.Tensor]] = []  # the round's bounded copies, recorded once committed
         self._repairing: set[tuple[int, str]] = set()  # the round's copies kept whole on their way back to the anchor
 
@@ -304,11 +330,14 @@ class StepBound:
         self.anchor.record(self._candidate, self.names, self._repairing)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {n: list(h) for n, h in self.history.items() if h}}
+        return {"history": {n: list(h) for n, h in self.history.items() if h}, "anchors": self.anchor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A resumed server keeps its bounds; refuses a history that is not finite sizes per known tensor."""
+        """A resumed server keeps its bounds and anchors (a checkpoint without anchors leaves them empty, to be
+        rebuilt over the next rounds); refuses a history that is not finite sizes per known tensor, or anchors that
+        are not finite values per known copy."""
         load_history(self.history, state, "step-bound")
+        self.anchor.load_state_dict(state.get("anchors", []), self._shapes)
 
 
 def load_history(history: dict[str, deque[float]], state: dict[str, Any], what: str) -> None:

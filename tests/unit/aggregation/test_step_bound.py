@@ -4,7 +4,9 @@ ratchet it."""
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import math
 import random
 import statistics
@@ -129,6 +131,37 @@ def test_history_survives_a_restart_and_a_corrupt_one_is_refused() -> None:
     for bad in ({"history": {"nope": [1.0]}}, {"history": {next(iter(bound.history)): [math.nan]}}, [1.0]):
         with pytest.raises(ValueError, match="step-bound history"):
             again.load_state_dict(bad)
+
+
+def test_anchors_survive_a_restart_and_corrupt_ones_are_refused() -> None:
+    """The copies' anchor windows round-trip through the checkpoint's JSON metadata value for value, and a resumed
+    bound keeps whole the same repairing steps; a checkpoint without anchors (older) leaves them empty."""
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    bound, gen = StepBound(layout, CFG), torch.Generator().manual_seed(4)
+    for _ in range(CFG.step_window + 2):
+        new = moved(layout, state, [0, 1, 2], gen, [0.01, 0.02, 0.03])
+        bound.apply(state, new, [1] * layout.num_submodels)
+        bound.commit()
+        state = new
+    again = StepBound(layout, CFG)
+    again.load_state_dict(json.loads(json.dumps(bound.state_dict())))
+    assert again.anchor.past.keys() == bound.anchor.past.keys() and len(bound.anchor.past) == len(state.inconsistent[0]) * 3
+    assert all(len(w) == CFG.step_window and all(torch.equal(a, b) for a, b in zip(w, bound.anchor.past[key]))
+               for key, w in again.anchor.past.items())
+    gamma, _ = gamma_and_var(layout)
+    far = state.inconsistent[2][gamma] + 1.0
+    back = (far + bound.anchor.past[2, gamma][-1]) / 2
+    assert again.anchor.closer(gamma, 2, far, back) and bound.anchor.closer(gamma, 2, far, back)
+    older = StepBound(layout, CFG)
+    older.load_state_dict({"history": bound.state_dict()["history"]})
+    assert not older.anchor.past
+    good = bound.state_dict()
+    k, name, values = good["anchors"][0]
+    for anchors in ([[k, "nope", values]], [[k, name, values[:1] + ["AAAA"]]], [[k, name, [
+            base64.b64encode(torch.full_like(state.inconsistent[k][name], math.nan).numpy().tobytes()).decode()]]], "x"):
+        with pytest.raises(ValueError, match="step-bound anchors"):
+            again.load_state_dict({**good, "anchors": anchors})
 
 
 @pytest.mark.parametrize("centre_check", [True, False])
