@@ -128,6 +128,7 @@ def jigsaw_command(
     poisoning: SimAttack,
 ) -> None:
     """Simulate FedJigsaw (clients assemble models from shared modules) or a baseline; print local accuracy per client.
+
     With --out, metrics.jsonl, config.json and the final checkpoint are written there."""
     err = console(stderr=True)
     try:
@@ -239,6 +240,7 @@ def jigsaw_serve_command(
     logs: LogOptions,
 ) -> None:
     """Coordinate FedJigsaw devices over MQTT: rounds, topology, phase and the CoRe-Tune critic; no central model.
+
     With --out, metrics.jsonl (one row per round) and final.json are written there."""
     import logging
     import threading

@@ -89,8 +89,9 @@ def simulate_command(
     hostile: AttackOptions,
     fleet: FleetOptions,
 ) -> None:
-    """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy; with --out,
-    metrics.jsonl, config.json and the final checkpoint are written there."""
+    """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy.
+
+    With --out, metrics.jsonl, config.json and the final checkpoint are written there."""
     with full_install_required("aggregator simulate"):  # here, not at the top: `simulate --help` needs no torch
         import torch
 

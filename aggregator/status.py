@@ -86,7 +86,9 @@ def status_command(
     access: BrokerOptions,
     logs: LogOptions,
 ) -> None:
-    """Show a federation's live state (round, clients, rejections, accuracy); --json prints the raw status JSON."""
+    """Show a federation's live state (round, clients, rejections, accuracy).
+
+    With --json, the raw status JSON is printed."""
     from aggregator.control_plane import STATUS_FILE  # here, not at the top: `status --help` needs no torch
     from nefl.nested.checkpoint import read_metrics
 

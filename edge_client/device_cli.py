@@ -57,7 +57,9 @@ def probe_command(
     as_json: JsonOption = False,
     interval: float = typer.Option(0.5, min=0.0, help=f"Seconds over which CPU utilisation is sampled (under {MIN_WINDOW_S:g} s: unknown)."),
 ) -> None:
-    """Print one snapshot of memory, CPU/GPU load, thermals, throttling and battery (--json: as JSON)."""
+    """Print one snapshot of memory, CPU/GPU load, thermals, throttling and battery.
+
+    With --json, the snapshot is printed as JSON."""
     snap = sample_snapshot(interval)
     if as_json:
         print(json.dumps(snap.to_dict(), indent=1))

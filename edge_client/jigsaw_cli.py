@@ -43,8 +43,9 @@ def jigsaw_command(
     member: Membership,
     logs: LogOptions,
 ) -> None:
-    """Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them. The
-    coordinator's plan names the dataset (under --data-root) and this device's shard of it; with --out, the final
+    """Take part in a FedJigsaw federation: assemble a model from neighbours' modules, train it, return them.
+
+    The coordinator's plan names the dataset (under --data-root) and this device's shard of it; with --out, the final
     chain's parameters are written there (final.safetensors)."""
     with full_install_required("edge-client jigsaw"):
         import torch

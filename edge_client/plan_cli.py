@@ -93,8 +93,9 @@ def plan_command(
     device: str = typer.Option("cpu", help="torch device the costs are measured on: cpu, or cuda (Jetson / GPU)."),
     as_json: JsonOption = False,
 ) -> None:
-    """Show each submodel's cost on this device now, whether it fits, and which one would train (--json: the costs
-    and the selection as JSON)."""
+    """Show each submodel's cost on this device now, whether it fits, and which one would train.
+
+    With --json, the costs and the selection are printed as JSON."""
     with full_install_required("edge-client plan"):  # here, not at the top: `plan --help` needs no torch
         import torch
 
