@@ -34,19 +34,19 @@ A row or tensor above `tensor_clip` x its reference is scaled to that bound (per
 Sun et al. 2019; FLAME's adaptive clipping). Optional server-side Gaussian noise (`tensor_noise` x the reference
 per element, after clipping) is the weak DP of the same paper; off by default.
 
-Cost per update: one batched norm per tensor (over its rows) and, per key, an insertion into a sorted list and a
-median over the round's sizes and history (Python, O(updates) per key: up to 897 keys per resnet20-fmnist-w
-update, 804 shared rows and 93 per-submodel tensors); memory: one Python float per key and update of the round, and
-`step_window` floats per shared row across rounds. The history moves on where rounds commit (the server, the
+Cost per update: one batched norm per tensor (over its rows) and, per key, insertions into two sorted lists (the
+round's sizes; the round's and the history's) and a lookup of the median (Python: up to 897 keys per
+resnet20-fmnist-w update, 804 shared rows and 93 per-submodel tensors); memory: two Python floats per key and update
+of the round, and `step_window` floats per shared row across rounds. The history moves on where rounds commit (the server, the
 coordinator of workers); a worker's screen judges from its round alone.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -66,10 +66,11 @@ def row_count(name: str, shape: Sequence[int], per_submodel: frozenset[str]) -> 
     return 0 if name in per_submodel or not len(shape) else int(shape[0])
 
 
-def keys_of(name: str, shape: Sequence[int], per_submodel: frozenset[str]) -> list[Key]:
+@functools.lru_cache(maxsize=4096)  # a model's few hundred tensors and upload shapes, measured every update
+def keys_of(name: str, shape: tuple[int, ...], per_submodel: frozenset[str]) -> tuple[Key, ...]:
     """A tensor's keys: one per row (row_count), or one (-1) for a tensor measured whole."""
     rows = row_count(name, shape, per_submodel)
-    return [(name, r) for r in range(rows)] if rows else [(name, -1)]
+    return tuple((name, r) for r in range(rows)) if rows else ((name, -1),)
 
 
 def measure(delta: Mapping[str, torch.Tensor], per_submodel: frozenset[str]) -> Sizes:
@@ -86,10 +87,16 @@ def measure(delta: Mapping[str, torch.Tensor], per_submodel: frozenset[str]) -> 
     at = 0
     for name, r in zip(names, rows):
         per = delta[name].numel() / (r or 1)  # elements per row
-        for key, norm in zip(keys_of(name, delta[name].shape, per_submodel), norms[at:at + (r or 1)]):
+        for key, norm in zip(keys_of(name, tuple(delta[name].shape), per_submodel), norms[at:at + (r or 1)]):
             sizes[key] = (norm / math.sqrt(per), norm * norm)
         at += r or 1
     return sizes
+
+
+def sorted_median(values: Sequence[float]) -> float:
+    """The median of sorted `values`, the mean of the middle two for an even count (as statistics.median)."""
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
 
 
 class TensorSizes:
@@ -98,10 +105,12 @@ class TensorSizes:
 
     def __init__(self, history: Mapping[Key, Iterable[float]], per_submodel: frozenset[str],
                  cfg: AggregationConfig) -> None:
-        self.history = {key: list(h) for key, h in history.items()}
+        self.history = {key: sorted(h) for key, h in history.items()}
         self.per_submodel, self.cfg = per_submodel, cfg
         # per (key, submodel or -1 if shared): sizes so far, sorted
         self.values: dict[tuple[Key, int], list[float]] = {}
+        # per shared key: its sizes so far and its history, sorted (a well-covered row's median is one lookup)
+        self.pools: dict[Key, list[float]] = {}
 
     def _slot(self, key: Key, k: int) -> tuple[Key, int]:
         return key, k if key[0] in self.per_submodel else -1
@@ -109,19 +118,24 @@ class TensorSizes:
     def add(self, k: int, sizes: Sizes) -> None:
         """One update's (of submodel k) sizes join the round's."""
         for key, (size, _) in sizes.items():
-            bisect.insort(self.values.setdefault(self._slot(key, k), []), size)
+            slot = self._slot(key, k)
+            bisect.insort(self.values.setdefault(slot, []), size)
+            if slot[1] < 0:
+                if key not in self.pools:
+                    self.pools[key] = list(self.history.get(key, ()))
+                bisect.insort(self.pools[key], size)
 
     def reference(self, key: Key, k: int, own: float) -> float:
         """The size row or tensor `key` of an update of submodel k of size `own` (already added) is judged against;
         inf where this check leaves it to the step bound (a thin per-submodel copy) or in warm-up."""
         values, least = self.values.get(self._slot(key, k), []), self.cfg.min_cover
         if key[0] in self.per_submodel:
-            return statistics.median(values) if len(values) >= least else math.inf
+            return sorted_median(values) if len(values) >= least else math.inf
+        pool = self.pools.get(key) or self.history.get(key, [])
         if len(values) < least:  # thin: the others and the history, never itself (as many others as well covered)
-            i = bisect.bisect_left(values, own)
-            values, least = values[:i] + values[i + 1:], least - 1
-        pool = [*values, *self.history.get(key, ())]
-        return statistics.median(pool) if len(pool) >= least else math.inf
+            i = bisect.bisect_left(pool, own)
+            pool, least = pool[:i] + pool[i + 1:], least - 1
+        return sorted_median(pool) if len(pool) >= least else math.inf
 
     def bounds(self, k: int, sizes: Sizes) -> dict[Key, float]:
         """Per key of an update of submodel k (its `sizes`, added), its reference."""
@@ -129,8 +143,7 @@ class TensorSizes:
 
     def medians(self) -> dict[Key, float]:
         """The round's median size of each shared row at least `min_cover` updates carried: its history entries."""
-        return {key: statistics.median(v) for (key, k), v in self.values.items()
-                if k < 0 and len(v) >= self.cfg.min_cover}
+        return {key: sorted_median(v) for (key, k), v in self.values.items() if k < 0 and len(v) >= self.cfg.min_cover}
 
 
 def clip_factors(sizes: Sizes, references: Mapping[Key, float], clip: float) -> dict[Key, float]:
@@ -183,7 +196,7 @@ class SizeHistory:
     def __init__(self, shapes: Mapping[str, Sequence[int]], per_submodel: frozenset[str],
                  cfg: AggregationConfig) -> None:
         self.cfg, self.per_submodel = cfg, per_submodel
-        self.keys = {n: keys_of(n, s, frozenset()) for n, s in shapes.items()}
+        self.keys = {n: keys_of(n, tuple(s), frozenset()) for n, s in shapes.items()}
         self.history: dict[Key, deque[float]] = {key: deque(maxlen=cfg.step_window)
                                                  for keys in self.keys.values() for key in keys}
 

@@ -189,13 +189,12 @@ def test_a_thin_row_is_judged_by_its_peers_and_history_never_by_itself() -> None
     assert sizes.reference(T, 0, 5.0) == pytest.approx(0.035)
     assert sizes.reference(("t", 1), 0, 1.0) == math.inf  # another row: its own sizes and history, none yet
     assert TensorSizes({}, frozenset(), cfg).reference(T, 0, 1.0) == math.inf  # warm-up: nothing to judge by
-    thin = TensorSizes({}, frozenset(), cfg)
-    for k, size in enumerate((1.0, 2.0)):
-        thin.add(k, {T: (size, size * size)})
-    assert thin.reference(T, 0, 1.0) == math.inf  # two, no history: one other is no centre
-    assert TensorSizes({T: [3.0]}, frozenset(), cfg).values == {}
-    thin.history[T] = [3.0]
-    assert thin.reference(T, 0, 1.0) == 2.5  # the other and the history
+    for history, want in (({}, math.inf), ({T: [3.0]}, 2.5)):  # two, no history: one other is no centre
+        thin = TensorSizes(history, frozenset(), cfg)
+        assert thin.values == {}
+        for k, size in enumerate((1.0, 2.0)):
+            thin.add(k, {T: (size, size * size)})
+        assert thin.reference(T, 0, 1.0) == want  # with a history: the other and the history
     for k in (0, 0, 0, 1):  # a per-submodel tensor: by the copies of its own submodel, once 3 carry it
         sizes.add(k, {BN: (float(k + 1), 1.0)})
     assert sizes.reference(BN, 0, 1.0) == 1.0 and sizes.reference(BN, 1, 2.0) == math.inf
