@@ -16,7 +16,7 @@ from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.coverage import Sketch, pairwise_cosines, shared_core
 from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
 from nefl.aggregation.robust import update_norm
-from nefl.aggregation.tensor_screen import Key, Sizes, TensorSizes, add_noise, clip_factors, clipped_norm, measure, scale
+from nefl.aggregation.tensor_screen import Sizes, TensorSizes, add_noise, clip_factors, clipped_norm, measure
 from nefl.nested.state import GlobalState
 
 
@@ -46,10 +46,9 @@ class Screened(RoundAggregate):
     it would be the largest single cost of a worker's update. With fewer than `min_cover` updates
     in the round there is no majority and nothing is dropped or clipped as a whole.
 
-    Every row of a shared tensor (each element of a 1-D one) and every per-submodel tensor of a kept update is also
-    judged on its own size (nefl/aggregation/tensor_screen.py): one above `tensor_clip` x its reference (the round's
-    median per-element size of that row and its history) is scaled to that bound before the whole-update clip,
-    which then measures what is left; in rounds of any size,
+    Every named tensor of a kept update is also judged on its own size (nefl/aggregation/tensor_screen.py): one
+    above `tensor_clip` x its reference (the round's median per-element size of that tensor and its history) is
+    scaled to that bound before the whole-update clip, which then measures what is left; in rounds of any size,
     from the history where the round is too thin. A per-submodel tensor's copy that fewer than `min_cover` of the
     round's updates carry is left to the step bound at commit, whole: neither clipped here nor counted in the
     whole-update clip (a submodel's running statistics, first trained or repaired after a bad round, are most of
@@ -87,8 +86,8 @@ class Screened(RoundAggregate):
         self.pending: list[tuple[Held, int, float]] = []  # (update, index of its sketch, relative norm)
         self.clipped: dict[str, float] = {}  # client -> the factor its update's norm was scaled by to the size bound
         self.own: dict[int, Sizes] = {}  # sketch i (pending) -> its update's tensor sizes
-        self.references: dict[int, dict[Key, float]] = {}  # sketch i (pending, streaming) -> its references on arrival
-        self.tensors_clipped: dict[str, int] = {}  # client -> how many of its rows and tensors were scaled to their bound
+        self.references: dict[int, dict[str, float]] = {}  # sketch i (pending, streaming) -> its references on arrival
+        self.tensors_clipped: dict[str, int] = {}  # client -> how many of its tensors were scaled to their bound
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
         self.judged = self.agreed = 0  # voters judged, and those that reached `min_agree`
 
@@ -99,7 +98,7 @@ class Screened(RoundAggregate):
         delta = delta if owned else {n: t.to(torch.float32, copy=True) for n, t in delta.items()}
         ratio = update_norm(delta) / max(self.weight_norm(k), 1e-12)
         i = self._row()
-        self.own[i] = own = measure(delta, self.sizes.per_submodel)
+        self.own[i] = own = measure(delta)
         self.sizes.add(k, own)
         if self.streaming:
             self.references[i] = self.sizes.bounds(k, own)
@@ -275,8 +274,8 @@ class Screened(RoundAggregate):
             if factors:
                 self.tensors_clipped[h.client] = len(factors)
             # the whole-update clip measures and scales what the step bound does not judge alone (its thin copies)
-            whole = {key: size for key, size in own.items()
-                     if key[0] not in self.sizes.per_submodel or math.isfinite(references[key])}
+            whole = {n: size for n, size in own.items()
+                     if n not in self.sizes.per_submodel or math.isfinite(references[n])}
             norm = max(self.weight_norm(h.k), 1e-12)
             left = clipped_norm(whole, factors) / norm
             bound = limit
@@ -284,8 +283,9 @@ class Screened(RoundAggregate):
                 bound = median_ratio
             if left > bound:
                 self.clipped[h.client] = bound * norm / clipped_norm(whole, {})  # the tensors' clips included
-                factors = {key: factors.get(key, 1.0) * bound / left for key in whole}
-            scale(h.delta, factors)
+                factors = {name: factors.get(name, 1.0) * bound / left for name in whole}
+            for name, f in factors.items():
+                h.delta[name].mul_(f)
             if self.cfg.tensor_noise > 0:
                 add_noise(h.delta, references, self.cfg.tensor_noise, self.noise)
             self.inner.add_validated(h.k, h.delta, h.samples, client=h.client, owned=True)

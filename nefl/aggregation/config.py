@@ -37,9 +37,8 @@ class AggregationConfig:
     # with the centre check: a per-submodel tensor's step at most step_k x the median of its peers' and history's
     step_k: float = 3.0
     step_window: int = 8  # rounds of a tensor's history the step bound and the tensor screen remember
-    # with the centre check: each row of a shared tensor (element of a 1-D one) and each per-submodel tensor of an update
-    # at most tensor_clip x its reference per-element size (the round's median over the updates carrying it and its
-    # history; nefl/aggregation/tensor_screen.py)
+    # with the centre check: each named tensor of an update at most tensor_clip x its reference per-element size (the
+    # round's median over the updates carrying it and its history; nefl/aggregation/tensor_screen.py)
     tensor_clip: float = 3.0
     tensor_noise: float = 0.0  # Gaussian noise on each kept update after clipping: std = this x its tensor's reference
 

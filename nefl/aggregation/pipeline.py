@@ -74,9 +74,8 @@ class Pipeline:
         self.reference, self.seed, self.secret = reference, seed, secret
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self.steps = StepBound(layout, cfg) if cfg.centre_check else None
-        shared = sorted(set(layout.global_shapes) - layout.inconsistent - layout.local)
-        self.sizes = SizeHistory({n: layout.global_shapes[n] for n in shared}, frozenset(layout.inconsistent),
-                                 cfg) if cfg.centre_check else None
+        self.sizes = SizeHistory(sorted(set(layout.global_shapes) - layout.inconsistent - layout.local),
+                                                 frozenset(layout.inconsistent), cfg) if cfg.centre_check else None
         self.noise = torch.Generator()
         if robustness.dp_seed is None:
             self.noise.seed()

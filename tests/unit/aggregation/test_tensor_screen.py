@@ -27,21 +27,13 @@ def rms(t: torch.Tensor) -> float:
     return math.sqrt(sum(float(x) ** 2 for x in t.reshape(-1)) / t.numel())
 
 
-def rows_of(name: str, t: torch.Tensor, layout: Layout) -> list[tuple[int, torch.Tensor]]:
-    """A tensor's units by the definition: each row (index along dim 0, an element of a 1-D tensor) of a shared
-    tensor, the whole of a per-submodel one or a scalar (row -1)."""
-    if name in layout.inconsistent or t.dim() == 0:
-        return [(-1, t)]
-    return list(enumerate(t))
-
-
-def brute_references(layout: Layout, ups: list[tuple[int, dict]], history: dict[tuple[str, int], list[float]],
-                     hold: int, min_cover: int) -> list[dict[tuple[str, int], float]]:
-    """Per update and row (or whole per-submodel tensor), its reference by the definition, over the updates judged
-    with it (the first `hold` together, each later one with those before it and itself): a per-submodel tensor, the
-    median of its copy's sizes in the updates of its submodel once `min_cover` carry it (else none); a shared row,
-    the median of its sizes in the updates that carry that row and the history once `min_cover` carry it, else of
-    the others' and the history once they are `min_cover` - 1; none in warm-up."""
+def brute_references(layout: Layout, ups: list[tuple[int, dict]], history: dict[str, list[float]], hold: int,
+                     min_cover: int) -> list[dict[str, float]]:
+    """Per update and tensor, its reference by the definition, over the updates judged with it (the first `hold`
+    together, each later one with those before it and itself): a per-submodel tensor, the median of its copy's
+    sizes in the updates of its submodel once `min_cover` carry it (else none); a shared one, the median of its sizes
+    in the updates that carry it and the history once `min_cover` carry it, else of the others' and the history
+    once they are `min_cover` - 1; none in warm-up."""
     out = []
     for i, (k, delta) in enumerate(ups):
         seen = ups[:max(hold, i + 1)]
@@ -51,38 +43,23 @@ def brute_references(layout: Layout, ups: list[tuple[int, dict]], history: dict[
                 continue
             if name in layout.inconsistent:
                 values = [rms(d[name]) for kk, d in seen if kk == k]
-                refs[name, -1] = statistics.median(values) if len(values) >= min_cover else math.inf
+                refs[name] = statistics.median(values) if len(values) >= min_cover else math.inf
                 continue
-            for r, row in rows_of(name, t, layout):
-                values = [rms(d[name] if r < 0 else d[name][r]) for _, d in seen if name in d and (r < 0 or len(d[name]) > r)]
-                least = min_cover
-                if len(values) < min_cover:
-                    values.remove(rms(row))
-                    least -= 1
-                pool = values + history.get((name, r), [])
-                refs[name, r] = statistics.median(pool) if len(pool) >= least else math.inf
+            values, least = [rms(d[name]) for _, d in seen if name in d], min_cover
+            if len(values) < min_cover:
+                values.remove(rms(t))
+                least -= 1
+            pool = values + history.get(name, [])
+            refs[name] = statistics.median(pool) if len(pool) >= least else math.inf
         out.append(refs)
-    return out
-
-
-def brute_clip(layout: Layout, delta: dict[str, torch.Tensor], ref: dict[tuple[str, int], float],
-               clip: float) -> dict[str, torch.Tensor]:
-    """Each row (or whole per-submodel tensor) above `clip` x its reference scaled to it."""
-    out = {}
-    for name, t in delta.items():
-        if not t.numel():
-            out[name] = t
-            continue
-        rows = [row * min(1.0, clip * ref[name, r] / rms(row)) if rms(row) > 0 else row for r, row in rows_of(name, t, layout)]
-        out[name] = rows[0] if name in layout.inconsistent or t.dim() == 0 else torch.stack(rows)
     return out
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_per_tensor_clip_matches_brute_force(seed: int) -> None:
-    """Random ladders, rounds of 1-9 updates at random scales with random tensors and rows blown up, a random
-    history per row, the first `hold` judged together and the rest on arrival: each shared row and per-submodel
-    tensor above c x its reference is scaled to it, then NeFedAvg, element by element."""
+    """Random ladders, rounds of 1-7 updates at random scales with random tensors blown up, a random history, the
+    first `hold` judged together and the rest on arrival: each tensor above c x its reference is scaled to it,
+    then NeFedAvg, element by element."""
     rng = random.Random(seed)
     layout = Layout.build(random_ladder(rng, n=4))
     cfg = AggregationConfig(hold=rng.choice([1, 3, 8]), tensor_clip=rng.choice([1.5, 3.0]), **SIZE_ONLY)
@@ -94,15 +71,17 @@ def test_the_per_tensor_clip_matches_brute_force(seed: int) -> None:
         delta = {n: torch.randn(s, generator=gen) * scale for n, s in layout.upload_shapes(k).items()}
         for n in rng.sample(sorted(delta), 3):
             delta[n] *= rng.choice([10.0, 100.0])
-        row = rng.choice([n for n, t in delta.items() if t.dim() and n not in layout.inconsistent])
-        delta[row][rng.randrange(len(delta[row]))] *= 30.0  # one row's energy concentrated
         ups.append((k, delta))
     pipeline = Pipeline(layout, Robustness(aggregation=cfg))
     history = {n: [rng.choice([0.01, 0.03]) for _ in range(rng.randint(0, 4))] for n in pipeline.sizes.history}
-    for key, h in history.items():
-        pipeline.sizes.history[key].extend(h)
+    for n, h in history.items():
+        pipeline.sizes.history[n].extend(h)
     refs = brute_references(layout, ups, history, min(cfg.hold, len(ups)), cfg.min_cover)
-    want = [(k, brute_clip(layout, delta, ref, cfg.tensor_clip), 1) for (k, delta), ref in zip(ups, refs)]
+    want = []
+    for (k, delta), ref in zip(ups, refs):
+        clipped = {n: t * min(1.0, cfg.tensor_clip * ref[n] / rms(t)) if t.numel() and rms(t) > 0 else t
+                   for n, t in delta.items()}
+        want.append((k, clipped, 1))
     agg = pipeline.begin_round(state, {f"c{i}": k for i, (k, _) in enumerate(ups)}, 1)
     for i, (k, delta) in enumerate(ups):
         agg.add(k, {n: t.clone() for n, t in delta.items()}, client=f"c{i}")
@@ -175,58 +154,48 @@ def test_one_poisoned_tensor_in_an_honest_update_is_bounded_in_that_tensor(poiso
         assert committed_step(layout, state, commit.state, name) <= cfg.tensor_clip * largest * (1 + 1e-4)
 
 
-T, BN = ("t", 0), ("bn", -1)  # a shared tensor's row 0, a per-submodel tensor measured whole
-
-
-def test_a_thin_row_is_judged_by_its_peers_and_history_never_by_itself() -> None:
+def test_a_thin_tensor_is_judged_by_its_peers_and_history_never_by_itself() -> None:
     cfg = AggregationConfig()
-    sizes = TensorSizes({T: [0.01, 0.02, 0.03]}, frozenset({"bn"}), cfg)
-    sizes.add(0, {T: (5.0, 25.0)})  # alone on it this round
-    assert sizes.reference(T, 0, 5.0) == 0.02
-    sizes.add(1, {T: (0.04, 0.0016)})  # two: still thin, each judged by the other and the history
-    assert sizes.reference(T, 0, 5.0) == pytest.approx(0.025) and sizes.reference(T, 1, 0.04) == pytest.approx(0.025)
-    sizes.add(2, {T: (0.05, 0.0025)})  # three carry it: the round's median with its own, and the history
-    assert sizes.reference(T, 0, 5.0) == pytest.approx(0.035)
-    assert sizes.reference(("t", 1), 0, 1.0) == math.inf  # another row: its own sizes and history, none yet
-    assert TensorSizes({}, frozenset(), cfg).reference(T, 0, 1.0) == math.inf  # warm-up: nothing to judge by
-    for history, want in (({}, math.inf), ({T: [3.0]}, 2.5)):  # two, no history: one other is no centre
-        thin = TensorSizes(history, frozenset(), cfg)
-        assert thin.values == {}
-        for k, size in enumerate((1.0, 2.0)):
-            thin.add(k, {T: (size, size * size)})
-        assert thin.reference(T, 0, 1.0) == want  # with a history: the other and the history
+    sizes = TensorSizes({"t": [0.01, 0.02, 0.03]}, frozenset({"bn"}), cfg)
+    sizes.add(0, {"t": (5.0, 25.0)})  # alone on it this round
+    assert sizes.reference("t", 0, 5.0) == 0.02
+    sizes.add(1, {"t": (0.04, 0.0016)})  # two: still thin, each judged by the other and the history
+    assert sizes.reference("t", 0, 5.0) == pytest.approx(0.025) and sizes.reference("t", 1, 0.04) == pytest.approx(0.025)
+    sizes.add(2, {"t": (0.05, 0.0025)})  # three carry it: the round's median with its own, and the history
+    assert sizes.reference("t", 0, 5.0) == pytest.approx(0.035)
+    assert TensorSizes({}, frozenset(), cfg).reference("t", 0, 1.0) == math.inf  # warm-up: nothing to judge by
+    thin = TensorSizes({}, frozenset(), cfg)
+    for k, size in enumerate((1.0, 2.0)):
+        thin.add(k, {"t": (size, size * size)})
+    assert thin.reference("t", 0, 1.0) == math.inf  # two, no history: one other is no centre
+    assert TensorSizes({"t": [3.0]}, frozenset(), cfg).values == {}
+    thin.history["t"] = [3.0]
+    assert thin.reference("t", 0, 1.0) == 2.5  # the other and the history
     for k in (0, 0, 0, 1):  # a per-submodel tensor: by the copies of its own submodel, once 3 carry it
-        sizes.add(k, {BN: (float(k + 1), 1.0)})
-    assert sizes.reference(BN, 0, 1.0) == 1.0 and sizes.reference(BN, 1, 2.0) == math.inf
+        sizes.add(k, {"bn": (float(k + 1), 1.0)})
+    assert sizes.reference("bn", 0, 1.0) == 1.0 and sizes.reference("bn", 1, 2.0) == math.inf
 
 
-def test_the_history_takes_only_rows_with_enough_copies_and_survives_a_checkpoint() -> None:
+def test_the_history_takes_only_rounds_with_enough_copies_and_survives_a_checkpoint() -> None:
     cfg = AggregationConfig()
-    history = SizeHistory({"a": (2, 3), "b": (1,)}, frozenset(), cfg)
+    history = SizeHistory(["a", "b"], frozenset(), cfg)
     sizes = history.begin()
     for k, a in enumerate((1.0, 2.0, 30.0)):
-        sizes.add(k, {("a", 0): (a, a * a)})
-    sizes.add(0, {("a", 1): (100.0, 1e4), ("b", 0): (100.0, 1e4)})  # a lone copy never enters the history
+        sizes.add(k, {"a": (a, a * a)})
+    sizes.add(0, {"b": (100.0, 1e4)})  # a lone copy never enters the history
     history.commit(sizes)
-    assert list(history.history["a", 0]) == [2.0] and not history.history["a", 1] and not history.history["b", 0]
-    assert history.state_dict() == {"rows": {"a": [[2.0], []]}}
-    again = SizeHistory({"a": (2, 3), "b": (1,)}, frozenset(), cfg)
+    assert list(history.history["a"]) == [2.0] and not history.history["b"]
+    again = SizeHistory(["a", "b"], frozenset(), cfg)
     again.load_state_dict(history.state_dict())
     assert again.history == history.history
-    again.load_state_dict({"history": {"a": [1.0]}})  # per tensor, as written before rows: left as it was
-    assert again.history == history.history
-    for bad in ({"rows": {"nope": [[1.0]]}}, {"rows": {"a": [[math.inf], []]}}, {"rows": {"a": [[1.0]]}}, [1.0]):
+    for bad in ({"history": {"nope": [1.0]}}, {"history": {"a": [math.inf]}}, [1.0]):
         with pytest.raises(ValueError, match="tensor-size history"):
             again.load_state_dict(bad)
 
 
-def test_measure_is_the_per_element_rms_and_squared_norm_per_row() -> None:
-    t = torch.tensor([[3.0, 4.0], [0.0, 1.0]])
-    got = measure({"t": t, "b": torch.tensor([-2.0]), "bn": t, "empty": torch.zeros(0)}, frozenset({"bn"}))
-    assert got == {("t", 0): (pytest.approx(5 / math.sqrt(2)), pytest.approx(25.0)),
-                   ("t", 1): (pytest.approx(1 / math.sqrt(2)), pytest.approx(1.0)),
-                   ("b", 0): (pytest.approx(2.0), pytest.approx(4.0)),
-                   ("bn", -1): (pytest.approx(math.sqrt(26 / 4)), pytest.approx(26.0))}
+def test_measure_is_the_per_element_rms_and_squared_norm() -> None:
+    t = torch.tensor([[3.0, 4.0]])
+    assert measure({"t": t, "empty": torch.zeros(0)}) == {"t": (pytest.approx(5 / math.sqrt(2)), pytest.approx(25.0))}
 
 
 def target_round(layout: Layout, pipeline: Pipeline, state: GlobalState, target: GlobalState, gen: torch.Generator,
