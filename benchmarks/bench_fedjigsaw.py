@@ -375,17 +375,22 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f}"
 
 
+def measured_line(command: str, note: str, results: list[dict], planned: int) -> str:
+    """A generated section's provenance: when, by which command, on what machine and commit, how many runs."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), commit "
+            f"{commit_label()}; {len(results)} of {planned} planned runs finished, "
+            f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.")
+
+
 def report(results: list[dict], overheads: list[dict], budget: Budget, planned: int, command: str,
            img: Path, img_link: str, note: str) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         groups.setdefault((r["setting"], r["method"]), []).append(r)
     plot(groups, img)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     seeds = sorted({r["seed"] for r in results})
-    lines = ["", f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), "
-             f"commit {commit_label()}; {len(results)} of {planned} planned runs finished, "
-             f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.",
+    lines = ["", measured_line(command, note, results, planned),
              f"Budget: {budget.clients} clients, seeds {', '.join(map(str, seeds))}; the methods with a policy first run {budget.policy_rounds} "
              f"policy-phase rounds on the task (rewarded on {budget.val_samples} held-out images per client; the critic's "
              f"values drive the advantages after {budget.critic_warmup}), then every method trains {budget.rounds} rounds "
@@ -481,11 +486,8 @@ def small_report(results: list[dict], budget: Budget, planned: int, command: str
     groups: dict[str, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         groups.setdefault(r["method"], []).append(r)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     seeds = sorted({r["seed"] for r in results})
-    lines = ["", f"Measured {now} by `{command}` on {cpu_name()} ({note}; load {load_average()} at the end), commit "
-             f"{commit_label()}; {len(results)} of {planned} planned runs finished, "
-             f"{sum(r['seconds'] for r in results) / 60:.0f} min of run time summed over them.",
+    lines = ["", measured_line(command, note, results, planned),
              f"Setting: Fashion-MNIST, Dir(1.0), {budget.clients} clients (CNN family, bases from their budgets), "
              f"{budget.samples_per_client} training images per client, {budget.local_epochs} local epochs at batch "
              f"{budget.batch_size}; the reward's validation split: {budget.val_samples} held-out images per client; "
