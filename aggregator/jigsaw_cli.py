@@ -15,8 +15,9 @@ from rich.table import Table
 
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedHostOption, EmbeddedPortOption
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, KeyDirOption, LocalEpochsOption,
-                                      LogOptions, OutOption, RoundTimeoutOption, ThreadsOption)
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, FederationOption, KeyDirOption,
+                                      LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, NonIidOption, OutOption,
+                                      RoundTimeoutOption, SeedOption, ThreadsOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
@@ -36,16 +37,12 @@ def _archs(names: str) -> tuple[str, ...]:
 ArchsOption = Annotated[str, typer.Option(
     "--archs", help="Base architectures (names from profiles/jigsaw or TOML paths, comma-separated); each client takes "
                     "the largest its memory budget fits.")]
-NonIidOption = Annotated[float, typer.Option(
-    "--non-iid", min=1e-6, help="Dirichlet alpha of the clients' label skew (0.1 high, 1.0 low).")]
 ProbeSamplesOption = Annotated[int, typer.Option(
     "--probe-samples", min=1, help="Shared unlabelled images set aside from the training images before partitioning: "
                                    "E_data for CoRe-Tune's Exp.")]
 ValSamplesOption = Annotated[int, typer.Option(
     "--val-samples", min=1, help="Held-out validation images per client (the policy's reward), at most half its "
                                  "shard.")]
-MaxSamplesOption = Annotated[Optional[int], typer.Option(
-    "--max-samples-per-client", min=10, help="Cap each client's training images (faster runs, or a small-data setting).")]
 TestPerClientOption = Annotated[int, typer.Option(
     "--test-per-client", min=10, help="Local test images per client (its own label distribution).")]
 PolicyRoundsOption = Annotated[int, typer.Option(
@@ -65,9 +62,9 @@ class LocalTraining:
 
 @option_group("Data")
 class SimData:
-    non_iid: NonIidOption = D.non_iid
+    non_iid: NonIidOption() = D.non_iid
     probe_samples: ProbeSamplesOption = D.probe_samples
-    max_samples_per_client: MaxSamplesOption = D.max_samples_per_client
+    max_samples_per_client: MaxSamplesOption() = D.max_samples_per_client
     val_samples: ValSamplesOption = D.val_samples
     test_per_client: TestPerClientOption = D.test_per_client
     data_root: DataRootOption = D.data_root
@@ -113,11 +110,11 @@ def jigsaw_command(
     archs: ArchsOption = ",".join(D.archs),
     clients: int = typer.Option(D.clients, min=2, help="Clients (all active every round, as the paper)."),
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds (every method)."),
-    lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate of the local models (constant, as the FedJigsaw paper)."),
+    lr: LrOption("SGD learning rate of the local models (constant, as the FedJigsaw paper).") = D.lr,
     budget_headroom: float = typer.Option(D.budget_headroom, min=1.0, help="Device memory budgets reach this x the "
                                           "largest base model's share of the training-peak estimate."),
     eval_every: int = typer.Option(D.eval_every, min=0, help="Evaluate every N model-training rounds (always after the last)."),
-    seed: int = typer.Option(D.seed, help="Seed for init, budgets, partitions, policies and augmentation."),
+    seed: SeedOption("Seed for init, budgets, partitions, policies and augmentation.") = D.seed,
     out: OutOption = D.out,
     threads: ThreadsOption = None,
     *,
@@ -186,8 +183,8 @@ def jigsaw_command(
 @option_group("Data")
 class DeviceData:
     dataset: Annotated[str, typer.Option(help="Dataset the devices shard (each holds its own copy).")] = D.dataset
-    non_iid: NonIidOption = D.non_iid
-    max_samples_per_client: MaxSamplesOption = D.max_samples_per_client
+    non_iid: NonIidOption() = D.non_iid
+    max_samples_per_client: MaxSamplesOption() = D.max_samples_per_client
     test_per_client: TestPerClientOption = D.test_per_client
     val_samples: ValSamplesOption = D.val_samples
     probe_samples: ProbeSamplesOption = D.probe_samples
@@ -220,12 +217,12 @@ class Embedded:
 def jigsaw_serve_command(
     devices: int = typer.Option(..., min=2, help="Devices to wait for (`edge-client jigsaw`); numbered by client id."),
     broker: BrokerOrEmbeddedOption = None,
-    federation: str = typer.Option("default", help="Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME)."),
+    federation: FederationOption("Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME).") = "default",
     method: str = typer.Option(D.method, help="fedjigsaw, no-coretune, no-symbio or local-only."),
     archs: ArchsOption = ",".join(D.archs),
     rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds."),
-    lr: float = typer.Option(D.lr, min=0.0, help="SGD learning rate."),
-    seed: int = typer.Option(D.seed, help="Seed of shards, module init, policies and topology."),
+    lr: LrOption() = D.lr,
+    seed: SeedOption("Seed of shards, module init, policies and topology.") = D.seed,
     out: OutOption = None,
     http: Optional[str] = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT)."),
     key_dir: KeyDirOption = None,

@@ -18,7 +18,8 @@ from typing import Annotated, Optional
 import typer
 
 from aggregator.keys import KeyDir
-from nefl.support.cli_options import BrokerOptions, ChunkKibOption, FederationOption, KeyDirOption, LogOptions
+from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, FederationOption, KeyDirOption, LogOptions,
+                                      SeedOption, ServerKeyOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.heap import freeze_startup
 from nefl.support.logs import setup_logging
@@ -36,9 +37,8 @@ log = logging.getLogger("aggregator.worker")
 class WorkerKeys:
     """The coordinator's key a worker or relay checks, and its own."""
 
-    server_key: Annotated[Optional[str], typer.Option(
-        envvar="NEFL_SERVER_KEY", help="The coordinator's public key (`aggregator key`): round plans not signed by it "
-                                       "are refused.")] = None
+    server_key: ServerKeyOption("The coordinator's public key (`aggregator key`): round plans not signed by it are "
+                                "refused.") = None
     key: Annotated[Optional[Path], typer.Option(
         help="This worker's or relay's signing key (created 0600 if missing) [default: "
              "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")] = None
@@ -65,9 +65,9 @@ def own_key(federation: str, me: str, keys: WorkerKeys) -> Signer:
 
 @grouped
 def worker_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT of the coordinator's broker (it must support shared "
-                                         "subscriptions: mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
-    federation: FederationOption = "default",
+    broker: BrokerOption("mqtt://HOST:PORT of the coordinator's broker (it must support shared subscriptions: "
+                         "mosquitto 2.x, EMQX, HiveMQ, VerneMQ)."),
+    federation: FederationOption() = "default",
     worker_id: str = typer.Option(None, help="This worker's id (default: worker-HOSTNAME-PID)."),
     group: str = typer.Option(WORKER_GROUP, help="Shared-subscription group: the broker spreads updates over its members. On "
                               "a broker that devices reach, make it a secret (a device in the group takes away its "
@@ -94,7 +94,7 @@ def relay_command(
     site_broker: str = typer.Option(..., help="mqtt://HOST:PORT of the site's broker, where its devices connect."),
     upstream: str = typer.Option(..., help="mqtt(s)://HOST:PORT of the coordinator's broker (`aggregator serve`); the "
                                  "credential and TLS options below are for this one."),
-    federation: FederationOption = "default",
+    federation: FederationOption() = "default",
     relay_id: str = typer.Option(None, help="This relay's id (default: relay-HOSTNAME)."),
     *,
     keys: WorkerKeys,
@@ -130,8 +130,8 @@ def _run_shards(argvs: list[list[str]]) -> int:
 
 @grouped
 def loadtest_command(
-    broker: str = typer.Option(..., help="mqtt://HOST:PORT the aggregator (and its workers) use."),
-    federation: FederationOption = "default",
+    broker: BrokerOption("mqtt://HOST:PORT the aggregator (and its workers) use."),
+    federation: FederationOption() = "default",
     profile: str = typer.Option("resnet20-fmnist-w", help="The coordinator's profile (deltas must fit its submodels)."),
     devices: int = typer.Option(100, min=1, help="Simulated devices, one MQTT connection each."),
     procs: int = typer.Option(1, min=1, help="Processes to spread the devices over."),
@@ -143,7 +143,7 @@ def loadtest_command(
     pool: int = typer.Option(0, min=0, help="Draw deltas from this many cached variants per submodel (0: a fresh "
                              "delta per device and round, costlier to generate)."),
     prefix: str = typer.Option("sim", help="Device ids are PREFIX00000, PREFIX00001, ..."),
-    seed: int = typer.Option(0, help="Seed of the deltas (with client id and round)."),
+    seed: SeedOption("Seed of the deltas (with client id and round).") = 0,
     duration: float = typer.Option(600.0, min=1, help="Stop after this many seconds even if the federation goes on."),
     shard: str = typer.Option(None, hidden=True, help="I/P: run only devices i with i mod P == I (set for child processes)."),
     enroll: bool = typer.Option(False, "--enroll", help="Enrol the devices' keys (derived from --seed and their ids, so "

@@ -25,7 +25,7 @@ from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
 from aggregator.run_options import RunSpec
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, ChunkKibOption, DataRootOption, FederationOption,
+from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, LrOption, SeedOption, ChunkKibOption, DataRootOption, FederationOption,
                                       KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, RoundTimeoutOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
@@ -52,8 +52,7 @@ EmbeddedPortOption = Annotated[int, typer.Option(min=0, help="Port of the embedd
 EmbeddedHostOption = Annotated[str, typer.Option(
     "--embedded-host", help="Address the embedded broker listens on (0.0.0.0: every interface, so devices on other "
                             "machines can join; then secure it: docs/security.md).")]
-BrokerOrEmbeddedOption = Annotated[Optional[str], typer.Option(
-    "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker.")]
+BrokerOrEmbeddedOption = BrokerOption("mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker.")
 
 
 @option_group("Rounds")
@@ -69,7 +68,7 @@ class RoundOptions:
 @option_group("Local training")
 class ServeTraining:
     local_epochs: LocalEpochsOption = TrainConfig.local_epochs
-    lr: Annotated[float, typer.Option(help="Base learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
+    lr: LrOption("Base learning rate (its schedule: --lr-schedule).") = TrainConfig.lr
     batch_size: BatchSizeOption = TrainConfig.batch_size
 
 
@@ -139,11 +138,11 @@ class WorkerOptions:
 def serve_command(
     profile: str = typer.Option("resnet20-fmnist-w", help="Profile name or TOML path (the submodel ladder)."),
     broker: BrokerOrEmbeddedOption = None,
-    federation: FederationOption = "default",
+    federation: FederationOption() = "default",
     checkpoint_dir: str = typer.Option(None, help="Checkpoint + metrics.jsonl directory (default: runs/FEDERATION)."),
     resume: bool = typer.Option(False, help="Continue from the checkpoint in --checkpoint-dir."),
     chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
-    seed: int = typer.Option(0, help="Seed of the initial weights and of participant sampling."),
+    seed: SeedOption("Seed of the initial weights and of participant sampling.") = 0,
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
                                           "announced: coverage (every submodel each round when the pool allows), "

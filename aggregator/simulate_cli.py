@@ -16,7 +16,8 @@ from aggregator.assignment import Assignment
 from aggregator.fleet_cli import FleetOptions, fleet_robustness, fleet_simulator, report_fleet
 from aggregator.run_options import RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import BatchSizeOption, DataRootOption, LocalEpochsOption, OutOption, ThreadsOption
+from nefl.support.cli_options import (BatchSizeOption, DataRootOption, LocalEpochsOption, LrOption, MaxSamplesOption, NonIidOption,
+                                      OutOption, SeedOption, ThreadsOption)
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.settings import (ATTACK_SCALES, DEFAULT_ATTACK_SCALE, Attack, AttackName, Direction, TrainConfig,
@@ -28,8 +29,8 @@ console = Console(stderr=True)
 @option_group("Data")
 class SimData:
     dataset: Annotated[Optional[str], typer.Option(help="Dataset (default: the profile's), e.g. fashion-mnist.")] = None
-    non_iid: Annotated[Optional[float], typer.Option(help="Dirichlet alpha for label skew (omit for IID).")] = None
-    max_samples_per_client: Annotated[Optional[int], typer.Option(min=1, help="Cap each client's data (faster runs).")] = None
+    non_iid: NonIidOption("Dirichlet alpha of the clients' label skew (0.1 high, 1.0 low; omit for IID).") = None
+    max_samples_per_client: MaxSamplesOption() = None
     data_root: DataRootOption = None
 
 
@@ -37,7 +38,7 @@ class SimData:
 class SimTraining:
     local_epochs: LocalEpochsOption = TrainConfig.local_epochs
     batch_size: BatchSizeOption = TrainConfig.batch_size
-    lr: Annotated[float, typer.Option(help="SGD learning rate (its schedule: --lr-schedule).")] = TrainConfig.lr
+    lr: LrOption("SGD learning rate (its schedule: --lr-schedule).") = TrainConfig.lr
     weighting: Annotated[Weighting, typer.Option(help="uniform (as the paper) or samples.")] = "uniform"
 
 
@@ -72,7 +73,7 @@ def simulate_command(
     clients: int = typer.Option(20, min=1, help="Clients in the federation (split into equal tiers)."),
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
     rounds: int = typer.Option(30, min=1, help="Communication rounds."),
-    seed: int = typer.Option(0, help="Seed for init, partitions, sampling and augmentation."),
+    seed: SeedOption("Seed for init, partitions, sampling and augmentation.") = 0,
     out: OutOption = None,
     threads: ThreadsOption = None,
     device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),

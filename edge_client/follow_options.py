@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nefl.support.cli_options import BrokerOptions
+from nefl.support.cli_options import BrokerOptions, FederationOption, ServerKeyOption
 from nefl.support.option_groups import option_group
 
 
@@ -18,11 +18,9 @@ class FollowOptions:
     follow: Annotated[Optional[str], typer.Option(
         help="mqtt://HOST:PORT of a federation's broker: take the models its aggregator rolls out (`aggregator "
              "publish`), swapping them in while serving. docs/deploy.md")] = None
-    federation: Annotated[str, typer.Option(help="With --follow: the federation (topics nefl/NAME/).")] = "default"
-    server_key: Annotated[Optional[str], typer.Option(
-        envvar="NEFL_SERVER_KEY", help="With --follow: the aggregator's public key (`aggregator key` prints it) or a "
-                                       "file holding it; default: the key `edge-client join` pinned for this "
-                                       "broker.")] = None
+    federation: FederationOption("With --follow: the federation (topics nefl/NAME/).") = "default"
+    server_key: ServerKeyOption("With --follow: the aggregator's public key (`aggregator key` prints it) or a file "
+                                "holding it; default: the key `edge-client join` pinned for this broker.") = None
     client_id: Annotated[Optional[str], typer.Option(
         help="With --follow: this device's id in rollout reports and canary lists (default: edge-HOSTNAME).")] = None
     device_key: Annotated[Optional[Path], typer.Option(

@@ -17,7 +17,7 @@ import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
 from edge_client.join import DeviceKeyOption, Membership
-from nefl.support.cli_options import DataRootOption, LogOptions, OutOption, ThreadsOption
+from nefl.support.cli_options import DataRootOption, LogOptions, OutOption, ServerKeyOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import setup_logging
 from nefl.support.option_groups import grouped
@@ -33,9 +33,8 @@ def jigsaw_command(
     memory_budget: str = typer.Option(None, help="Memory this device may train in, e.g. 40MB (default: what the probe "
                                       "reads as available); the largest base architecture that fits is its model."),
     data_root: DataRootOption = None,
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
-                                   help="The coordinator's public key (`aggregator key` prints it) or a file holding it; "
-                                        "without it the first plan that lists this device is trusted, with a warning."),
+    server_key: ServerKeyOption("The coordinator's public key (`aggregator key` prints it) or a file holding it; "
+                                "without it the first plan that lists this device is trusted, with a warning.") = None,
     device_key: DeviceKeyOption = None,
     out: OutOption = None,
     threads: ThreadsOption = None,

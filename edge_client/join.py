@@ -26,7 +26,7 @@ import typer
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.plan_cli import CacheDirOption, CalibrateOption, CpuBudgetOption, RecalibrateOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.support.cli_options import (BrokerOptions, BrokerUrlOption, ChunkKibOption, DataRootOption, LogOptions,
+from nefl.support.cli_options import (BrokerOptions, BrokerOption, FederationOption, SeedOption, ServerKeyOption, ChunkKibOption, DataRootOption, LogOptions,
                                       ThreadsOption)
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
@@ -91,10 +91,10 @@ def _no_server(agent: Agent, conn: Connection, settings: BrokerSettings) -> str:
 class Membership:
     """Which federation a device takes part in, as whom, over which broker (`join` and `jigsaw`)."""
 
-    broker: BrokerUrlOption
+    broker: BrokerOption()
     client_id: Annotated[Optional[str], typer.Option(
         help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID).")] = None
-    federation: Annotated[str, typer.Option(help="Federation name (topic prefix nefl/NAME/).")] = "default"
+    federation: FederationOption("Federation name (topic prefix nefl/NAME/).") = "default"
     chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024
     mqtt: BrokerOptions = field(default_factory=BrokerOptions)
 
@@ -142,10 +142,9 @@ class DeviceOptions:
 def join_command(
     fp16: bool = typer.Option(False, help="Upload deltas as fp16 (half the bytes)."),
     threads: ThreadsOption = None,
-    seed: int = typer.Option(0, help="Seed of local shuffling and augmentation."),
-    server_key: str = typer.Option(None, envvar="NEFL_SERVER_KEY",
-                                   help="The aggregator's public key (`aggregator key` prints it) or a file holding it; "
-                                        "without it the first key seen is trusted and remembered, with a warning."),
+    seed: SeedOption("Seed of local shuffling and augmentation.") = 0,
+    server_key: ServerKeyOption("The aggregator's public key (`aggregator key` prints it) or a file holding it; "
+                                "without it the first key seen is trusted and remembered, with a warning.") = None,
     device_key: DeviceKeyOption = None,
     join_token: str = typer.Option(None, envvar="NEFL_JOIN_TOKEN", help="The one-time token `aggregator enroll "
                                    "CLIENT_ID` printed: enrols this device's key and tells it the server key."),

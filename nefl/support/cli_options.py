@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from nefl.support.logs import LogFormat, LogLevel
-from nefl.support.option_groups import option_group
+from nefl.support.option_groups import SharedOption, option_group
 
 ENV_USERNAME, ENV_PASSWORD, ENV_CA_CERT = "NEFL_MQTT_USERNAME", "NEFL_MQTT_PASSWORD", "NEFL_CA_CERT"
 
@@ -37,9 +37,17 @@ class BrokerOptions:
 
 
 # options of the same meaning in several commands (each command gives its own default)
-FederationOption = Annotated[str, typer.Option("--federation", help="Federation name: the MQTT topic prefix nefl/NAME/.")]
-BrokerUrlOption = Annotated[str, typer.Option(
-    "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")]
+FederationOption = SharedOption(str, "--federation", help="Federation name: the MQTT topic prefix nefl/NAME/.")
+# required where a command gives no default
+BrokerOption = SharedOption(Optional[str], "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")
+SeedOption = SharedOption(int, "--seed", help="Seed of this command's random draws.")
+LrOption = SharedOption(float, "--lr", min=0.0, help="SGD learning rate.")
+ServerKeyOption = SharedOption(Optional[str], "--server-key", envvar="NEFL_SERVER_KEY",
+                               help="The aggregator's public key (`aggregator key` prints it) or a file holding it.")
+NonIidOption = SharedOption(Optional[float], "--non-iid", min=1e-6,
+                            help="Dirichlet alpha of the clients' label skew (0.1 high, 1.0 low).")
+MaxSamplesOption = SharedOption(Optional[int], "--max-samples-per-client", min=1,
+                                help="Cap each client's training images (faster runs, or a small-data setting).")
 DataRootOption = Annotated[Optional[str], typer.Option(
     "--data-root", help="Dataset directory, torchvision's layout (default $NEFL_DATA_ROOT or ~/.cache/nefl/data).")]
 # what a command writes there, and what it prints, its own description says
@@ -61,7 +69,7 @@ KeyDirOption = Annotated[Optional[str], typer.Option(
 class KeyOptions:
     """Where a federation's keys and enrolment journal are: KEY_DIR/FEDERATION."""
 
-    federation: Annotated[str, typer.Option(help="Federation name (its keys live in KEY_DIR/FEDERATION).")] = "default"
+    federation: FederationOption("Federation name (its keys live in KEY_DIR/FEDERATION).") = "default"
     key_dir: KeyDirOption = None
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from copy import copy
 from typing import Annotated, Any, TypeVar
 
+import typer
 from typer.models import OptionInfo, ParameterInfo
 
 T = TypeVar("T")
@@ -32,6 +33,25 @@ def option_group(panel: str | None = None) -> Callable[[type[T]], type[T]]:
         return group
 
     return make
+
+
+class SharedOption:
+    """One option several commands take, declared once: its flag, type, constraints and environment variable.
+    A command declares `seed: SeedOption("Seed of the deltas.") = Config.seed`: the call is the Annotated type,
+    the help (what the option means to that command) its one parameter, the default its config's."""
+
+    def __init__(self, kind: Any, flag: str, *, help: str, **settings: Any) -> None:
+        self.kind, self.flag, self.help, self.settings = kind, flag, help, settings
+
+    def __call__(self, help: str | None = None) -> Any:
+        info = typer.Option(self.flag, help=help or self.help, **self.settings)
+        info.declaration = self  # type: ignore[attr-defined]  # which declaration made it (`declaration_of`)
+        return Annotated[self.kind, info]
+
+
+def declaration_of(info: ParameterInfo) -> object:
+    """What declared an option: its SharedOption, or the typer.Option itself."""
+    return getattr(info, "declaration", info)
 
 
 def is_group(annotation: Any) -> bool:
@@ -107,7 +127,8 @@ def grouped(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def declarations(command: Callable[..., Any]) -> Iterator[tuple[str, ParameterInfo]]:
     """(option name, the typer.Option or Argument that declares it) for each option a command takes, groups'
-    included: one object per declaration, shared by every command that uses that declaration."""
+    included: one object per declaration, shared by every command that uses that declaration, except a
+    SharedOption's, made per use and naming it (`declaration_of`)."""
     target = inspect.unwrap(command)
     hints = typing.get_type_hints(target, include_extras=True)
 

@@ -1,9 +1,9 @@
 """Every command of the four command lines: a short parameter list, and each option declared once.
 
-An option is its flag and its help: the same flag with another help (`--seed` of a load test and of a
-simulation) is another option, declared where its command is. The same option in several commands
-must come from one declaration (a shared Annotated type, a module constant or an option group's field,
-nefl/support/option_groups.py), so its default, constraints and help cannot drift apart.
+A flag is declared once: the commands that take it share one declaration (a shared Annotated type, an
+option group's field, or a SharedOption whose help each command words for itself, nefl/support/option_groups.py),
+so its type, constraints and environment variable cannot drift apart. PER_COMMAND lists the flags that are
+still declared in each command that takes them; a flag with one declaration leaves the list, none joins it.
 """
 
 from __future__ import annotations
@@ -11,15 +11,23 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import typer
+from typer.models import OptionInfo
 from typer import _click as click
 
-from nefl.support.option_groups import declarations
+from nefl.support.option_groups import declaration_of, declarations
 
 APPS = ("nefl.cli", "aggregator.cli", "edge_client.cli", "export.cli")
 MAX_PARAMETERS = 20
+# flags still declared in each command that takes them (the same help there is still one declaration, below)
+PER_COMMAND = frozenset({
+    "--assignment", "--attack", "--attackers", "--checkpoint-dir", "--client-id", "--clients", "--dataset", "--device",
+    "--device-key", "--devices", "--eval-every", "--eval-samples", "--final-eval-samples", "--follower", "--http",
+    "--include-untrained", "--init-from", "--join-wait", "--key", "--max-submodel", "--memory-budget", "--method",
+    "--models", "--profile", "--rounds", "--threads", "--worker", "--workers"})
 
 
 def _commands(group: object, path: str) -> list[tuple[str, object]]:
@@ -51,17 +59,33 @@ def test_a_command_function_takes_at_most_20_parameters(name: str, command: obje
     assert len(declared) <= MAX_PARAMETERS, f"{name}: {len(declared)} parameters; group its options"
 
 
-def test_each_option_is_declared_once() -> None:
-    sites: dict[tuple, set[int]] = defaultdict(set)
-    users: dict[tuple, set[str]] = defaultdict(set)
+def _declared_twice(key: Callable[[object, object], list]) -> dict[object, list[str]]:
+    """Keys (of a click option and its typer declaration) that more than one declaration makes, and their commands.
+    Declarations are held by identity, and held: a per-call object's id could be reused by the next one."""
+    sites: dict[object, dict[int, object]] = defaultdict(dict)
+    users: dict[object, set[str]] = defaultdict(set)
     for name, command in ALL:
         params = {p.name: p for p in command.params}
         declared = dict(declarations(command.callback))
         assert set(declared) == set(params) - {"help"}, name  # every option of the command is checked
         for param_name, info in declared.items():
             p = params[param_name]
-            key = (tuple(p.opts + p.secondary_opts), info.help)
-            sites[key].add(id(info))
-            users[key].add(name)
-    twice = {key[0]: sorted(users[key]) for key, ids in sites.items() if len(ids) > 1}
+            if isinstance(info, OptionInfo):  # an argument has no flag: its position is its command's
+                for k in key(p, info):
+                    source = declaration_of(info)
+                    sites[k][id(source)] = source
+                    users[k].add(name)
+    return {k: sorted(users[k]) for k, found in sites.items() if len(found) > 1}
+
+
+def test_each_flag_is_declared_once() -> None:
+    twice = _declared_twice(lambda p, _: p.opts + p.secondary_opts)
+    again = {flag: users for flag, users in twice.items() if flag not in PER_COMMAND}
+    assert not again, f"declared more than once (share one declaration): {again}"
+    assert PER_COMMAND <= set(twice), f"declared once now, strike from PER_COMMAND: {sorted(PER_COMMAND - set(twice))}"
+
+
+def test_each_option_is_declared_once() -> None:
+    """The same flag with the same help is one declaration, PER_COMMAND's flags included."""
+    twice = _declared_twice(lambda p, info: [(tuple(p.opts + p.secondary_opts), info.help)])
     assert not twice, f"declared more than once (share one declaration): {twice}"
