@@ -22,10 +22,11 @@ import torch
 
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
 from aggregator.rejected import Rejected
-from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, UpdateError, Weighting
+from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, Weighting
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.aggregation.robust import UpdateGuard, UpdateRejected, reference_norm
 from nefl.aggregation.step_bound import StepBound
+from nefl.aggregation.update_check import UpdateError, check_update
 from nefl.nested.checkpoint import UPDATES_TOTAL_KEY
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import byte_view
@@ -343,7 +344,7 @@ class Federation:
             raise Rejected("bad_samples", f"sample count {u.samples}")
         try:
             # the wire decoder proved every value finite; the norm bound would refuse NaN/inf anyway
-            self.agg.check_shapes(k, u.delta)
+            check_update(self.layout, k, u.delta, values=False)
             delta, norm, clipped = self.guard.check(k, u.delta, self.weight_norm(k))
             if self.defer_direct:
                 self.round.deferred[u.client] = (k, delta, u.samples)

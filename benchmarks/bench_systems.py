@@ -51,6 +51,7 @@ from nefl.nested.state import GlobalState, Layout
 from nefl.nested.tensors import ring
 from nefl.protocol.topics import Topics
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
+from nefl.aggregation.update_check import check_update
 from nefl.protocol.signing import Signer, parse_public_key, verify
 from nefl.protocol.wire import DEFAULT_CHUNK_BYTES, Reassembler, encode, split_chunk
 
@@ -143,7 +144,7 @@ def server_average(layout: Layout, state: GlobalState, updates: Iterable[tuple[i
     values finite, so only names and shapes are checked, and the just-decoded tensors are handed over."""
     agg = NeFedAvg(layout, "uniform")
     for k, d in updates:
-        agg.check_shapes(k, d)
+        check_update(layout, k, d, values=False)
         agg.add_validated(k, d, owned=True)
     return agg.finalize(state)
 
@@ -519,7 +520,7 @@ def report_aggregation(r: dict) -> list[str]:
         "interleaved within each repeat, every call on freshly allocated updates (allocation not timed).",
         "",
         "- **NeFedAvg, server path**: what `aggregator serve` runs per update (aggregator/federation.py): "
-        "`check_shapes` (names, shapes, dtype; the wire decoder has already proven every value finite, and the "
+        "`check_update` (names, shapes, dtype; the wire decoder has already proven every value finite, and the "
         "norm bound refuses NaN/inf too) and `add_validated(owned=True)` (the just-decoded tensors are handed "
         "over: a submodel's first update becomes its group sum without a copy), then `finalize`.",
         "- **NeFedAvg.add**: the library call on untrusted tensors: names, shapes, dtype and a finite-value scan "
@@ -655,7 +656,6 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
     device_key = parse_public_key(device.public_text)
     guard = UpdateGuard(NormBound(), layout.num_submodels)
     ref = reference_norm(state, layout, k)
-    agg = NeFedAvg(layout)
     repeats = max(3, s.repeats)
     task = progress.add_task("trust boundary checks", total=7)
 
@@ -670,8 +670,8 @@ def bench_trust(s: Settings, progress: Progress) -> dict:
             timed(lambda: verify(split_chunk(msgs[0])[0], device_key)),
         "reassembly (includes the header parse): each chunk's BLAKE3 Merkle proof, one copy into place, "
         "safetensors decode, dtype + finite": timed(lambda: reassemble(msgs)),
-        "names/shapes against the submodel (NeFedAvg.check_shapes; row 3 proved the values finite)":
-            timed(lambda: agg.check_shapes(k, delta)),
+        "names/shapes against the submodel (check_update; row 3 proved the values finite)":
+            timed(lambda: check_update(layout, k, delta, values=False)),
         "update norm bound (UpdateGuard.check)": timed(lambda: guard.check(k, delta, ref)),
         "reference weight norm (once per submodel per round)": timed(lambda: reference_norm(state, layout, k)),
         "commit check of the new state (once per round)": timed(lambda: check_state(state, 1e6)),

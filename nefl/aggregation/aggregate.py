@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from nefl.aggregation.config import AggregationConfig
-from nefl.nested.state import GlobalState, Layout, tensor_mismatch
-from nefl.nested.tensors import Tiled, first_non_finite
+from nefl.aggregation.update_check import UpdateError, check_update
+from nefl.nested.state import GlobalState, Layout
 from nefl.support.choices import check_choice
 from nefl.support.settings import Weighting
 
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 ReferenceUpdate = Callable[[GlobalState, int, int], dict[str, torch.Tensor]]
 # per dimension of a global tensor: the indices a part covers (a slice, an index tensor, or None = all)
 Window = tuple[slice | torch.Tensor | None, ...]
-
-
-class UpdateError(ValueError):
-    """An update that does not fit its submodel (names, shapes, dtype or values)."""
 
 
 def _indices(size: int, w: slice | torch.Tensor | None) -> torch.Tensor:
@@ -113,40 +109,17 @@ class RoundAggregate(ABC):
         """The rule's aggregate of a round (what nefl/aggregation/registry.py's factory names is asked for)."""
         return cls(ctx.layout, ctx.weighting)
 
-    def validate(self, k: int, delta: dict[str, torch.Tensor]) -> None:
-        """Reject anything that is not exactly submodel k's upload, before touching the sums."""
-        self.check_shapes(k, delta)
-        bad = first_non_finite(delta)
-        if bad is not None:
-            raise UpdateError(f"{bad}: non-finite values")
-
-    def check_shapes(self, k: int, delta: dict[str, torch.Tensor]) -> None:
-        """`validate` without the value scan, for tensors whose values were already proven finite
-        (the wire decoder checks every payload it decodes)."""
-        self._check_open()
-        if not 0 <= k < self.layout.num_submodels:
-            raise UpdateError(f"submodel index {k} out of range 0..{self.layout.num_submodels - 1}")
-        if isinstance(delta, Tiled):  # off the wire: float32 views, their layout judged once per header
-            problem = self.layout.tiling_mismatch(k, delta.tiling)
-            if problem:
-                raise UpdateError(problem)
-            return
-        problem = tensor_mismatch(delta, self.layout.upload_shapes(k), f"submodel {k + 1}")
-        if problem:
-            raise UpdateError(problem)
-        for n, t in delta.items():
-            if not t.is_floating_point():
-                raise UpdateError(f"{n}: dtype {t.dtype} is not floating point")
-
     def add(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
             owned: bool = False) -> None:
-        self.validate(k, delta)
+        """An update from a caller without an intake (tests, an attack's search): intake's check, then the rule."""
+        self._check_open()
+        check_update(self.layout, k, delta)
         self.add_validated(k, delta, num_samples, client=client, owned=owned)
 
     @abstractmethod
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:
-        """`add` for a caller that ran `validate` itself. owned=True hands the tensors over (an update
+        """An update intake checked (nefl/aggregation/update_check.py). owned=True hands the tensors over (an update
         just decoded off the wire, dropped after this call): the aggregate may keep or sum into them."""
 
     @abstractmethod

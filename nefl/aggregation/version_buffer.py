@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nefl.aggregation.aggregate import UpdateError, update_weight
+from nefl.aggregation.aggregate import update_weight
 from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.aggregation.robust import UpdateRejected, reference_norm
 from nefl.aggregation.staleness import StalenessConfig
+from nefl.aggregation.update_check import UpdateError, check_update
 from nefl.nested.state import GlobalState
 
 
@@ -88,7 +89,7 @@ class VersionBuffer:
         if reason is not None:
             return Offer(tau, reason)
         try:
-            self._agg.validate(k, delta)
+            check_update(self.pipeline.layout, k, delta)
             w = update_weight(self.pipeline.weighting, samples)
         except UpdateError:
             return Offer(tau, "invalid")
