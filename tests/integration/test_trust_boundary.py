@@ -29,16 +29,12 @@ from nefl.nested.state import GlobalState, Layout
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import encode
 from tests.harness.agent_fakes import FakeServer, make_agent
+from tests.harness.hostile import HOSTILE, hostile_payload, mutate
 
 PROFILE = "resnet8-fmnist-w"
 T = Topics("t")
 fuzz = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
-    max_leaves=30,
-)
 KILLERS = [  # each ended the aggregator or a client before the strict loader
     b'{"v":2,"samples":1,"max_submodel":Infinity}',
     b"[" * 2000 + b"]" * 2000,
@@ -48,13 +44,6 @@ KILLERS = [  # each ended the aggregator or a client before the strict loader
     b"",
     b"\x00" * 70000,
 ]
-
-
-def mutate(data: st.DataObject, raw: bytes) -> bytes:
-    out = bytearray(raw)
-    for _ in range(data.draw(st.integers(1, 6))):
-        out[data.draw(st.integers(0, len(out) - 1))] = data.draw(st.integers(0, 255))
-    return bytes(out)
 
 
 # -- server -------------------------------------------------------------------------------------------
@@ -156,15 +145,9 @@ def test_server_handle_never_raises(server, data):
                                        T.update("intruder"), "nefl/t/announce/a/b", "nefl/t/update/", "x/y",
                                        T.sent("raw"), T.resend("raw"), T.decline("raw"), *(T.worker(w, k) for w in ("w1", "w2")
                                                                         for k in ("status", "receipt", "summary", "partial"))]))
-    kind = data.draw(st.sampled_from(["bytes", "json", "worker-signed-json", "announce", "status", "update", "receipt",
-                                      "decline"]))
-    if kind == "bytes":
-        payload = data.draw(st.binary(max_size=3000))
-    elif kind == "json":
-        payload = json.dumps(data.draw(json_values)).encode()
-    elif kind == "worker-signed-json":  # validly signed by the authorised worker, hostile body
-        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
-        payload = WORKER.sign(json.dumps({"v": VERSION, **value}).encode())
+    kind = data.draw(st.sampled_from([*HOSTILE, "announce", "status", "update", "receipt", "decline"]))
+    if kind in HOSTILE:  # signed-json: by the authorised worker
+        payload = hostile_payload(data, kind, WORKER.sign)
     elif kind == "receipt":
         rc = Receipt(run=server.link.run_id, round=1, client="raw", outcome="accepted", samples=10, norm=1.0)
         body = ReceiptBatch(receipts=[rc] * data.draw(st.integers(1, 3))).to_json()
@@ -320,14 +303,9 @@ def test_an_earlier_runs_end_replayed_does_not_end_a_fresh_device(tmp_path):
 @given(data=st.data())
 def test_agent_dispatch_never_raises(agent, server_side, data):
     topic = data.draw(st.sampled_from([T.control, T.server_status, T.task("c1"), T.model_chunk(0, 0), T.task("c2"), "x"]))
-    kind = data.draw(st.sampled_from(["bytes", "json", "signed-json", "task", "status", "model"]))
-    if kind == "bytes":
-        payload = data.draw(st.binary(max_size=3000))
-    elif kind == "json":
-        payload = json.dumps(data.draw(json_values)).encode()
-    elif kind == "signed-json":  # validly signed by the pinned key, hostile body
-        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
-        payload = server_side.signer.sign(json.dumps({"v": VERSION, **value}).encode())
+    kind = data.draw(st.sampled_from([*HOSTILE, "task", "status", "model"]))
+    if kind in HOSTILE:  # signed-json: by the pinned key
+        payload = hostile_payload(data, kind, server_side.signer.sign)
     elif kind == "task":
         payload = mutate(data, server_side.task(seq=50))
     elif kind == "status":
@@ -345,14 +323,9 @@ def test_agent_dispatch_never_raises(agent, server_side, data):
 def test_the_refusal_handler_never_raises_and_stops_only_on_a_final_refusal_of_our_key(agent, server_side, data):
     mine = agent.cfg.device_key.public_text
     agent.refused = None  # the agent lives across examples
-    kind = data.draw(st.sampled_from(["bytes", "json", "signed-json", "mutated", "signed-refusal"]))
-    if kind == "bytes":
-        payload = data.draw(st.binary(max_size=3000))
-    elif kind == "json":
-        payload = json.dumps(data.draw(json_values)).encode()
-    elif kind == "signed-json":  # validly signed by the pinned key, hostile body
-        value = data.draw(st.dictionaries(st.text(max_size=10), json_values, min_size=1, max_size=5))
-        payload = server_side.signer.sign(json.dumps({"v": VERSION, "type": "announce_refusal", **value}).encode())
+    kind = data.draw(st.sampled_from([*HOSTILE, "mutated", "signed-refusal"]))
+    if kind in HOSTILE:  # signed-json: by the pinned key, as a refusal
+        payload = hostile_payload(data, kind, server_side.signer.sign, type="announce_refusal")
     elif kind == "mutated":
         payload = mutate(data, server_side.refusal("revoked", key=mine, seq=50))
     else:  # validly signed, any reason, key and hint
