@@ -66,14 +66,13 @@ class Screened(RoundAggregate):
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
         self._strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
-        # row i: update i's sketch, its norm and relative norm; rows grow by doubling, so a vote is one product with a
-        # slice, not a stack, and nothing about an earlier update is recomputed
+        # row i: update i's sketch, its norm and relative norm, in numpy (a vote's few small operations cost less than
+        # torch's dispatch); rows grow by doubling, so a vote is one product with a slice, not a stack, and nothing
+        # about an earlier update is recomputed
         rows = max(1, min(len(assignments), self.compare + 1))
-        self.sketches = torch.empty(rows, self.sketch.size)
-        self._sketch_rows = self.sketches.numpy()  # the same memory, for numpy's writes of each arrival's sketch
-        self.norms = torch.empty(rows)
-        self._norm_rows = self.norms.numpy()
-        self.ratio_of = np.empty(rows)  # float64; numpy: a vote's few small operations cost less than torch's dispatch
+        self.sketches = np.empty((rows, self.sketch.size), dtype=np.float32)
+        self.norms = np.empty(rows, dtype=np.float32)
+        self.ratio_of = np.empty(rows)  # float64
         self._sorted: list[float] = []  # the relative norms so far, sorted: the median as each update arrives
         self.medians: dict[int, float] = {}  # sketch i (pending) -> the median relative norm as of its arrival
         self.count = 0  # sketches held
@@ -102,7 +101,7 @@ class Screened(RoundAggregate):
         self.sizes.add(k, own)
         if self.streaming:
             self.references[i] = self.sizes.bounds(k, own)
-        self.sketch.into(delta, self._sketch_rows[i])
+        self.sketch.into(delta, self.sketches[i])
         self.ratio_of[i] = ratio
         bisect.insort(self._sorted, ratio)
         self.medians[i] = self.median_ratio()
@@ -132,7 +131,7 @@ class Screened(RoundAggregate):
         if first == n:
             return
         lo = max(0, first - self.compare)
-        sketches, norms = self._sketch_rows, self._norms()
+        sketches, norms = self.sketches, self._norms()
         cos = pairwise_cosines(sketches[lo:n], norms[lo:n], sketches[first:n], norms[first:n])
         for b, i in enumerate(range(first, n)):
             a = max(0, i - self.compare)
@@ -146,45 +145,44 @@ class Screened(RoundAggregate):
         """The sketches' norms, those of the sketches added since the last call in one batched call (a call per
         arrival would cost as much in dispatch as its norm's arithmetic)."""
         if self._normed < self.count:
-            torch.linalg.vector_norm(self.sketches[self._normed:self.count], dim=1, out=self.norms[self._normed:self.count])
+            new = slice(self._normed, self.count)  # torch's norm (as the sketches' were always taken), on numpy's memory
+            torch.linalg.vector_norm(torch.from_numpy(self.sketches[new]), dim=1, out=torch.from_numpy(self.norms[new]))
             self._normed = self.count
-        return self._norm_rows
+        return self.norms
 
-    def _others(self, i: int) -> torch.Tensor:
+    def _others(self, i: int) -> np.ndarray:
         """The indices of the sketches sketch i is compared with: the `compare` most recent, not itself."""
         n = self.count
         lo = max(0, n - self.compare - 1)
         lo += i < lo  # i is not among the most recent: the `compare` before the newest
-        others = torch.arange(lo, n)
+        others = np.arange(lo, n)
         return others[others != i]
 
     def _row(self) -> int:
         """The index of a new sketch's row, the rows doubled when full."""
-        if self.count == len(self.ratio_of):  # numpy's len: torch's is a Python-level call
+        if self.count == len(self.ratio_of):
             grow = max(1, self.count)
-            self.sketches = torch.cat([self.sketches, torch.empty_like(self.sketches[:grow])])
-            self._sketch_rows = self.sketches.numpy()
-            self.norms = torch.cat([self.norms, torch.empty_like(self.norms[:grow])])
-            self._norm_rows = self.norms.numpy()
+            self.sketches = np.concatenate([self.sketches, np.empty_like(self.sketches[:grow])])
+            self.norms = np.concatenate([self.norms, np.empty_like(self.norms[:grow])])
             self.ratio_of = np.concatenate([self.ratio_of, np.empty(grow)])
         self.count += 1
         return self.count - 1
 
-    def cosines(self, i: int, others: torch.Tensor) -> np.ndarray:
+    def cosines(self, i: int, others: np.ndarray) -> np.ndarray:
         """Sketch i's cosines with `others` (ascending: a run of recent rows, less at most one): one product with
         the rows' span, a view (gathering 256 rows first copied 4 MiB per update, more than the product)."""
         if not len(others):
             return np.empty(0, dtype=np.float32)
         lo, hi = int(others[0]), int(others[-1]) + 1
-        sketches, norms = self._sketch_rows, self._norms()
-        return pairwise_cosines(sketches[lo:hi], norms[lo:hi], sketches[i:i + 1], norms[i:i + 1])[(others - lo).numpy(), 0]
+        sketches, norms = self.sketches, self._norms()
+        return pairwise_cosines(sketches[lo:hi], norms[lo:hi], sketches[i:i + 1], norms[i:i + 1])[others - lo, 0]
 
-    def compared(self, i: int) -> tuple[torch.Tensor, np.ndarray]:
+    def compared(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """The others sketch i is compared with now and its cosines with them: those of its arrival while it is the
         newest (one product, not two)."""
         if i == self.count - 1 and i in self.arrivals:
             a, cos, _ = self.arrivals[i]
-            return torch.arange(a, i), cos
+            return np.arange(a, i), cos
         others = self._others(i)
         return others, self.cosines(i, others)
 
@@ -198,7 +196,7 @@ class Screened(RoundAggregate):
         above it is already an outlier, and a large flip's chance cosine with one of two weakly aligned honest
         updates must not outvote the other (docs/security.md, "Robust aggregation over nested submodels")."""
         others, cos = self.compared(i)
-        return self._share(self.ratio_of[others.numpy()], cos, self.voter_limit() if limit is None else limit, self.margin)
+        return self._share(self.ratio_of[others], cos, self.voter_limit() if limit is None else limit, self.margin)
 
     @staticmethod
     def _share(ratios: np.ndarray, cos: np.ndarray, limit: float, margin: float) -> float:
@@ -293,7 +291,7 @@ class Screened(RoundAggregate):
     @property
     def held_bytes(self) -> int:
         return (self.inner.held_bytes + tensor_bytes(t for h, _, _ in self.pending for t in h.delta.values())
-                + tensor_bytes([self.sketches[:self.count]]))
+                + self.sketches[:self.count].nbytes)
 
     def finalize(self, state: GlobalState) -> GlobalState:
         self._check_open()

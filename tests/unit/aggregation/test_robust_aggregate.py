@@ -444,7 +444,7 @@ def test_the_vote_counts_the_recent_others_as_the_definition_does() -> None:
         w = 2 * float(torch.rand(1, generator=g)) - 1  # margin; every seventh outsized, left out of the vote
         size = 20.0 if m % 7 == 6 else 1.0
         agg.add_validated(0, {n: size * (w * t + torch.randn(t.shape, generator=g)) for n, t in base.items()}, client=c)
-        rows, n = agg.sketches[:agg.count], agg.count
+        rows, n = torch.from_numpy(agg.sketches[:agg.count]), agg.count
         cos = lambda x, y: float(x @ y) / float(x.norm() * y.norm())  # noqa: E731
         strongest = max([0.0] + [cos(rows[m], rows[j]) for m in range(n) for j in range(max(0, m - agg.compare), m)])
         margin = min(3 / math.sqrt(64), 0.5 * strongest)
