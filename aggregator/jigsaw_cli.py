@@ -16,8 +16,8 @@ from rich.table import Table
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedHostOption, EmbeddedPortOption
 from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, FederationOption, KeyDirOption,
-                                      LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, NonIidOption, OutOption,
-                                      RoundTimeoutOption, SeedOption, ThreadsOption)
+                                      EvalEveryOption, HttpOption, LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, NonIidOption, OutOption,
+                                      RoundsOption, RoundTimeoutOption, SeedOption, ThreadsOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
@@ -109,14 +109,14 @@ def jigsaw_command(
     dataset: str = typer.Option(D.dataset, help="Dataset (cnn-* architectures: 28x28; vgg-*: 32x32, e.g. cifar10)."),
     archs: ArchsOption = ",".join(D.archs),
     clients: int = typer.Option(D.clients, min=2, help="Clients (all active every round, as the paper)."),
-    rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds (every method)."),
+    rounds: RoundsOption("Model-training rounds (every method).") = D.rounds,
     lr: LrOption("SGD learning rate of the local models (constant, as the FedJigsaw paper).") = D.lr,
     budget_headroom: float = typer.Option(D.budget_headroom, min=1.0, help="Device memory budgets reach this x the "
                                           "largest base model's share of the training-peak estimate."),
-    eval_every: int = typer.Option(D.eval_every, min=0, help="Evaluate every N model-training rounds (always after the last)."),
+    eval_every: EvalEveryOption("Evaluate every N model-training rounds (always after the last).") = D.eval_every,
     seed: SeedOption("Seed for init, budgets, partitions, policies and augmentation.") = D.seed,
     out: OutOption = D.out,
-    threads: ThreadsOption = None,
+    threads: ThreadsOption() = None,
     *,
     data: SimData,
     local: LocalTraining,
@@ -220,11 +220,11 @@ def jigsaw_serve_command(
     federation: FederationOption("Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME).") = "default",
     method: str = typer.Option(D.method, help="fedjigsaw, no-coretune, no-symbio or local-only."),
     archs: ArchsOption = ",".join(D.archs),
-    rounds: int = typer.Option(D.rounds, min=1, help="Model-training rounds."),
+    rounds: RoundsOption("Model-training rounds.") = D.rounds,
     lr: LrOption() = D.lr,
     seed: SeedOption("Seed of shards, module init, policies and topology.") = D.seed,
     out: OutOption = None,
-    http: Optional[str] = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT)."),
+    http: HttpOption() = None,
     key_dir: KeyDirOption = None,
     *,
     data: DeviceData,

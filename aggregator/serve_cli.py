@@ -25,8 +25,10 @@ from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
 from aggregator.run_options import RunSpec
-from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, LrOption, SeedOption, ChunkKibOption, DataRootOption, FederationOption,
-                                      KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, RoundTimeoutOption)
+from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, ChunkKibOption, DataRootOption,
+                                      EvalSamplesOption, FederationOption, FinalEvalSamplesOption, HttpOption,
+                                      InitFromOption, KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, LrOption,
+                                      RoundsOption, RoundTimeoutOption, SeedOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
 from nefl.support.listen import check_bindable, is_loopback, parse_listen
@@ -57,7 +59,7 @@ BrokerOrEmbeddedOption = BrokerOption("mqtt://HOST:PORT or mqtts://HOST:PORT; om
 
 @option_group("Rounds")
 class RoundOptions:
-    rounds: Annotated[int, typer.Option(min=1, help="Rounds to run (in total, counting resumed ones).")] = 10
+    rounds: RoundsOption("Rounds to run (in total, counting resumed ones).") = 10
     clients_per_round: Annotated[int, typer.Option(min=1, help="Participants per round, among connected clients.")] = 10
     min_clients: Annotated[int, typer.Option(min=1, help="Quorum: updates needed for a round to change the model.")] = 1
     round_timeout: RoundTimeoutOption = 120.0
@@ -76,12 +78,10 @@ class ServeTraining:
 class ServeEval:
     eval_dataset: Annotated[Optional[str], typer.Option(
         help="Evaluate every submodel on this dataset's test split after each round.")] = None
-    eval_samples: Annotated[int, typer.Option(
-        min=1, help="Score each round on the first N test images (beside the next round; the last round: see "
-                    "--final-eval-samples).")] = DEFAULT_EVAL_SAMPLES
-    final_eval_samples: Annotated[Optional[int], typer.Option(
-        min=1, help="Score the last round on the first N test images (default: the whole test split); the run "
-                    "ends when it is scored.")] = None
+    eval_samples: EvalSamplesOption("Score each round on the first N test images (beside the next round; the last "
+                                    "round: see --final-eval-samples).") = DEFAULT_EVAL_SAMPLES
+    final_eval_samples: FinalEvalSamplesOption("Score the last round on the first N test images (default: the whole "
+                                               "test split); the run ends when it is scored.") = None
     data_root: DataRootOption = None
     root_data: ro.RootData = None
 
@@ -112,9 +112,8 @@ class EnrolmentOptions:
 
 @option_group("Dashboard and metrics")
 class HttpOptions:
-    http: Annotated[Optional[str], typer.Option(
-        help="Serve the dashboard (/), /api/state and Prometheus /metrics on HOST:PORT (a bare PORT is "
-             "127.0.0.1:PORT); off by default. docs/operations.md")] = None
+    http: HttpOption("Serve the dashboard (/), /api/state and Prometheus /metrics on HOST:PORT (a bare PORT is "
+                     "127.0.0.1:PORT); off by default. docs/operations.md") = None
     http_token: Annotated[Optional[str], typer.Option(
         envvar="NEFL_HTTP_TOKEN", help="Token the --http data needs (Bearer header or ?token=); required when --http is "
                                        "not a loopback address.")] = None
@@ -147,9 +146,7 @@ def serve_command(
     assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
                                           "announced: coverage (every submodel each round when the pool allows), "
                                           "largest (the bound), or paper (tier t picks among t-2..t+2)."),
-    init_from: str = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, loaded "
-                                  "with weights_only=True, or .safetensors) of the profile's architecture "
-                                  "(docs/architectures.md). Ignored with --resume."),
+    init_from: InitFromOption(InitFromOption.help + " Ignored with --resume.") = None,
     *,
     plan: RoundOptions,
     training: ServeTraining,

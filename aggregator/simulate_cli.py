@@ -16,8 +16,9 @@ from aggregator.assignment import Assignment
 from aggregator.fleet_cli import FleetOptions, fleet_robustness, fleet_simulator, report_fleet
 from aggregator.run_options import RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import (BatchSizeOption, DataRootOption, LocalEpochsOption, LrOption, MaxSamplesOption, NonIidOption,
-                                      OutOption, SeedOption, ThreadsOption)
+from nefl.support.cli_options import (BatchSizeOption, DataRootOption, EvalEveryOption, EvalSamplesOption,
+                                      FinalEvalSamplesOption, InitFromOption, LocalEpochsOption, LrOption, MaxSamplesOption,
+                                      NonIidOption, OutOption, RoundsOption, SeedOption, ThreadsOption, TorchDeviceOption)
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.settings import (ATTACK_SCALES, DEFAULT_ATTACK_SCALE, Attack, AttackName, Direction, TrainConfig,
@@ -44,10 +45,9 @@ class SimTraining:
 
 @option_group("Evaluation")
 class SimEval:
-    eval_every: Annotated[int, typer.Option(min=0, help="Evaluate every N rounds (always after the last).")] = 5
-    eval_samples: Annotated[int, typer.Option(min=1, help="Test images for intermediate evaluations.")] = 2000
-    final_eval_samples: Annotated[Optional[int], typer.Option(
-        min=1, help="Test images for the last evaluation (default: all).")] = None
+    eval_every: EvalEveryOption() = 5
+    eval_samples: EvalSamplesOption("Test images for intermediate evaluations.") = 2000
+    final_eval_samples: FinalEvalSamplesOption() = None
 
 
 @option_group("Attack (docs/security.md)")
@@ -72,16 +72,14 @@ def simulate_command(
     method: Optional[str] = typer.Option(None, help="nefl | nefl-nl | fjord | heterofl | depthfl (default: the profile's)."),
     clients: int = typer.Option(20, min=1, help="Clients in the federation (split into equal tiers)."),
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
-    rounds: int = typer.Option(30, min=1, help="Communication rounds."),
+    rounds: RoundsOption("Communication rounds.") = 30,
     seed: SeedOption("Seed for init, partitions, sampling and augmentation.") = 0,
     out: OutOption = None,
-    threads: ThreadsOption = None,
-    device: str = typer.Option("cpu", help="torch device for training and evaluation: cpu, cuda, cuda:N or mps."),
+    threads: ThreadsOption() = None,
+    device: TorchDeviceOption("torch device for training and evaluation: cpu, cuda, cuda:N or mps.") = "cpu",
     assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
                                           "(every submodel trained each round when the pool allows) or largest."),
-    init_from: Optional[str] = typer.Option(None, help="Start from pretrained weights: a torchvision state dict (.pth, "
-                                            "loaded with weights_only=True, or .safetensors) of the profile's "
-                                            "architecture (docs/architectures.md)."),
+    init_from: InitFromOption() = None,
     *,
     data: SimData,
     training: SimTraining,

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from edge_client.follow_options import FollowOptions
+from nefl.support.cli_options import IncludeUntrainedOption, MemoryBudgetOption, ThreadsOption
 from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, REQUEST_TIMEOUT_S, WORKERS, make_server
 from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ModelsError, Probe
 from edge_client.serving import Active, Serving
@@ -36,12 +37,10 @@ class RuntimeOptions:
     latency_budget_ms: Annotated[float, typer.Option(
         min=0.0, help="Per-request latency budget; the runtime picks the largest submodel predicted to meet it under "
                       "the current load.")] = 20.0
-    threads: Annotated[Optional[int], typer.Option(
-        min=1, help="onnxruntime intra-op threads (default: half the cores).")] = None
+    threads: ThreadsOption("onnxruntime intra-op threads (default: half the cores).") = None
     precision: Annotated[str, typer.Option(help="fp32, or int8 when exported with --quantize int8.")] = "fp32"
-    include_untrained: Annotated[bool, typer.Option(
-        "--include-untrained", help="Also use submodels the export records as never trained or no better than chance "
-                                    "(skipped by default, with a warning).")] = False
+    include_untrained: IncludeUntrainedOption("Also use submodels the export records as never trained or no better "
+                                              "than chance (skipped by default, with a warning).") = False
 
 
 def _runtime(models: Path, options: RuntimeOptions, probe: Probe | None = None) -> AdaptiveRuntime:
@@ -95,9 +94,8 @@ def serve_command(
                                    "beyond this the server answers 503 at once."),
     request_timeout: float = typer.Option(REQUEST_TIMEOUT_S, "--request-timeout", min=0.001, help="Seconds a client "
                                           "has to send the whole request (headers and body)."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Emulate a device with this much free "
-                                                "memory (e.g. 300MB): the submodel choice per request, and which "
-                                                "submodels --follow fetches, see at most this much."),
+    memory_budget: MemoryBudgetOption("Emulate a device with this much free memory (e.g. 300MB): the submodel choice "
+                                      "per request, and which submodels --follow fetches, see at most this much.") = None,
     *,
     runtime_options: RuntimeOptions,
     following: FollowOptions,

@@ -17,7 +17,7 @@ import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
 from edge_client.join import DeviceKeyOption, Membership
-from nefl.support.cli_options import DataRootOption, LogOptions, OutOption, ServerKeyOption, ThreadsOption
+from nefl.support.cli_options import DataRootOption, LogOptions, MemoryBudgetOption, OutOption, ServerKeyOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import setup_logging
 from nefl.support.option_groups import grouped
@@ -30,14 +30,14 @@ log = logging.getLogger(__name__)
 
 @grouped
 def jigsaw_command(
-    memory_budget: str = typer.Option(None, help="Memory this device may train in, e.g. 40MB (default: what the probe "
-                                      "reads as available); the largest base architecture that fits is its model."),
+    memory_budget: MemoryBudgetOption("Memory this device may train in, e.g. 40MB (default: what the probe reads as "
+                                      "available); the largest base architecture that fits is its model.") = None,
     data_root: DataRootOption = None,
     server_key: ServerKeyOption("The coordinator's public key (`aggregator key` prints it) or a file holding it; "
                                 "without it the first plan that lists this device is trusted, with a warning.") = None,
     device_key: DeviceKeyOption = None,
     out: OutOption = None,
-    threads: ThreadsOption = None,
+    threads: ThreadsOption() = None,
     *,
     member: Membership,
     logs: LogOptions,

@@ -26,8 +26,9 @@ import typer
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.plan_cli import CacheDirOption, CalibrateOption, CpuBudgetOption, RecalibrateOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.support.cli_options import (BrokerOptions, BrokerOption, FederationOption, SeedOption, ServerKeyOption, ChunkKibOption, DataRootOption, LogOptions,
-                                      ThreadsOption)
+from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, DataRootOption, FederationOption, HttpOption,
+                                      LogOptions, MemoryBudgetOption, SeedOption, ServerKeyOption, ThreadsOption,
+                                      TorchDeviceOption)
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
 from nefl.support.listen import check_bindable, parse_listen
@@ -127,29 +128,29 @@ class DeviceOptions:
     max_submodel: Annotated[int, typer.Option(
         min=1, help="Cap on the submodel (1-based) this device trains; below it, each round picks the largest that "
                     "fits memory and deadline.")] = 1000
-    memory_budget: Annotated[Optional[str], typer.Option(
-        help="Select submodels as if only this much memory were free, e.g. 300MB (emulation for selection only: the "
-             "process is not limited, and its resident memory includes torch, the data and the model, often 800 MB "
-             "or more).")] = None
+    memory_budget: MemoryBudgetOption(
+        "Select submodels as if only this much memory were free, e.g. 300MB (emulation for selection only: the "
+        "process is not limited, and its resident memory includes torch, the data and the model, often 800 MB "
+        "or more).") = None
     cpu_budget: CpuBudgetOption = None
     calibrate_costs: CalibrateOption = True
     recalibrate: RecalibrateOption = False
     cache_dir: CacheDirOption = CALIBRATION_DIR
-    device: Annotated[str, typer.Option(help="torch device to train on: cpu, or cuda on a Jetson / GPU machine.")] = "cpu"
+    device: TorchDeviceOption("torch device to train on: cpu, or cuda on a Jetson / GPU machine.") = "cpu"
 
 
 @grouped
 def join_command(
     fp16: bool = typer.Option(False, help="Upload deltas as fp16 (half the bytes)."),
-    threads: ThreadsOption = None,
+    threads: ThreadsOption() = None,
     seed: SeedOption("Seed of local shuffling and augmentation.") = 0,
     server_key: ServerKeyOption("The aggregator's public key (`aggregator key` prints it) or a file holding it; "
                                 "without it the first key seen is trusted and remembered, with a warning.") = None,
     device_key: DeviceKeyOption = None,
     join_token: str = typer.Option(None, envvar="NEFL_JOIN_TOKEN", help="The one-time token `aggregator enroll "
                                    "CLIENT_ID` printed: enrols this device's key and tells it the server key."),
-    http: str = typer.Option(None, help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe "
-                             "readings, the selection and its binding limit, step time, upload bytes."),
+    http: HttpOption("Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe readings, the "
+                     "selection and its binding limit, step time, upload bytes.") = None,
     *,
     member: Membership,
     data: DataOptions,

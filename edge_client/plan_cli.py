@@ -21,7 +21,7 @@ from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
 from nefl.nested.profile import ProfileError, load_profile
-from nefl.support.cli_options import BatchSizeOption, JsonOption, ThreadsOption
+from nefl.support.cli_options import BatchSizeOption, JsonOption, MemoryBudgetOption, ThreadsOption, TorchDeviceOption
 from nefl.support.extras import full_install_required
 from nefl.support.settings import TrainConfig
 
@@ -82,15 +82,15 @@ def plan_command(
     epochs: int = typer.Option(5, min=1, help="Local epochs per round."),
     deadline: Optional[float] = typer.Option(None, min=0.0, help="Round deadline for local training, seconds."),
     max_submodel: Optional[int] = typer.Option(None, min=1, help="Never train a submodel above this number."),
-    memory_budget: Optional[str] = typer.Option(None, help="Emulate a device with this much free memory, e.g. 300MB."),
+    memory_budget: MemoryBudgetOption() = None,
     cpu_budget: CpuBudgetOption = None,
     safety_margin: float = typer.Option(DEFAULT_SAFETY_MARGIN, min=0.0, max=0.9, help="Fraction of available memory left free."),
     hot_limit: float = typer.Option(HOT_LIMIT_C, help="A thermal zone at or above this (C) counts as throttled."),
-    threads: ThreadsOption = None,
+    threads: ThreadsOption() = None,
     calibrate_costs: CalibrateOption = True,
     recalibrate: RecalibrateOption = False,
     cache_dir: CacheDirOption = CALIBRATION_DIR,
-    device: str = typer.Option("cpu", help="torch device the costs are measured on: cpu, or cuda (Jetson / GPU)."),
+    device: TorchDeviceOption("torch device the costs are measured on: cpu, or cuda (Jetson / GPU).") = "cpu",
     as_json: JsonOption = False,
 ) -> None:
     """Show each submodel's cost on this device now, whether it fits, and which one would train.

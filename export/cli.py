@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from nefl.support.cli_options import DataRootOption, LogOptions, OutOption
+from nefl.support.cli_options import DataRootOption, IncludeUntrainedOption, LogOptions, OutOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import progress, setup_logging
 from nefl.support.option_groups import grouped
@@ -39,8 +39,8 @@ def onnx_command(
                                         "and their accuracy delta on the test split."),
     data_root: DataRootOption = None,
     submodels: str | None = typer.Option(None, "--submodels", help="Only these submodels, 1-based, e.g. '1,3,5'."),
-    include_untrained: bool = typer.Option(False, "--include-untrained", help="Also export submodels the checkpoint "
-                                           "records as never trained or no better than chance (skipped by default)."),
+    include_untrained: IncludeUntrainedOption("Also export submodels the checkpoint records as never trained or no "
+                                              "better than chance (skipped by default).") = False,
     *,
     logs: LogOptions,
 ) -> None:

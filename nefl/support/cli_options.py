@@ -50,6 +50,20 @@ MaxSamplesOption = SharedOption(Optional[int], "--max-samples-per-client", min=1
                                 help="Cap each client's training images (faster runs, or a small-data setting).")
 DataRootOption = Annotated[Optional[str], typer.Option(
     "--data-root", help="Dataset directory, torchvision's layout (default $NEFL_DATA_ROOT or ~/.cache/nefl/data).")]
+RoundsOption = SharedOption(int, "--rounds", min=1, help="Rounds to run.")
+EvalEveryOption = SharedOption(int, "--eval-every", min=0, help="Evaluate every N rounds (always after the last).")
+EvalSamplesOption = SharedOption(int, "--eval-samples", min=1, help="Test images of each evaluation.")
+FinalEvalSamplesOption = SharedOption(Optional[int], "--final-eval-samples", min=1,
+                                      help="Test images of the last evaluation (default: all).")
+InitFromOption = SharedOption(Optional[str], "--init-from", help=(
+    "Start from pretrained weights: a torchvision state dict (.pth, loaded with weights_only=True, or .safetensors) of "
+    "the profile's architecture (docs/architectures.md)."))
+TorchDeviceOption = SharedOption(str, "--device", help="torch device: cpu, cuda, cuda:N or mps.")
+MemoryBudgetOption = SharedOption(Optional[str], "--memory-budget",
+                                  help="Emulate a device with this much free memory, e.g. 300MB.")
+HttpOption = SharedOption(Optional[str], "--http", help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT).")
+IncludeUntrainedOption = SharedOption(bool, "--include-untrained", help=(
+    "Also use submodels the export records as never trained or no better than chance (skipped by default)."))
 # what a command writes there, and what it prints, its own description says
 OutOption = Annotated[Optional[str], typer.Option("--out", help="Directory this command writes its results into.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the output as JSON instead of text.")]
@@ -79,7 +93,7 @@ ScheduleOption = Annotated[str, typer.Option(
                           "cosine decay to 0 over the rounds (its pretrained-ViT protocol).")]
 WarmupOption = Annotated[int, typer.Option("--warmup-rounds", min=0, help="Rounds of linear lr warmup before the schedule.")]
 
-ThreadsOption = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch CPU threads (default: torch's choice).")]
+ThreadsOption = SharedOption(Optional[int], "--threads", min=1, help="torch CPU threads (default: torch's choice).")
 LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", case_sensitive=False, help="Least severe events logged.")]
 LogFormatOption = Annotated[LogFormat, typer.Option(
     "--log-format", help="plain: a readable line per event; json: one object per line (time, level, logger, msg, "

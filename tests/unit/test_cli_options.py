@@ -24,10 +24,9 @@ APPS = ("nefl.cli", "aggregator.cli", "edge_client.cli", "export.cli")
 MAX_PARAMETERS = 20
 # flags still declared in each command that takes them (the same help there is still one declaration, below)
 PER_COMMAND = frozenset({
-    "--assignment", "--attack", "--attackers", "--checkpoint-dir", "--client-id", "--clients", "--dataset", "--device",
-    "--device-key", "--devices", "--eval-every", "--eval-samples", "--final-eval-samples", "--follower", "--http",
-    "--include-untrained", "--init-from", "--join-wait", "--key", "--max-submodel", "--memory-budget", "--method",
-    "--models", "--profile", "--rounds", "--threads", "--worker", "--workers"})
+    "--assignment", "--attack", "--attackers", "--checkpoint-dir", "--client-id", "--clients", "--dataset",
+    "--device-key", "--devices", "--follower", "--join-wait", "--key", "--max-submodel", "--method", "--models",
+    "--profile", "--worker", "--workers"})
 
 
 def _commands(group: object, path: str) -> list[tuple[str, object]]:
