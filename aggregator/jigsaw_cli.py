@@ -15,8 +15,8 @@ from rich.table import Table
 
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedHostOption, EmbeddedPortOption
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, FederationOption, KeyDirOption,
-                                      EvalEveryOption, HttpOption, LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, NonIidOption, OutOption,
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, DatasetOption, FederationOption, KeyDirOption,
+                                      EvalEveryOption, HttpOption, LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, MethodOption, NonIidOption, OutOption,
                                       RoundsOption, RoundTimeoutOption, SeedOption, ThreadsOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
@@ -105,8 +105,8 @@ class SimAttack:
 
 @grouped
 def jigsaw_command(
-    method: str = typer.Option(D.method, help=" | ".join(f"{m.name} ({m.summary})" for m in METHODS.values()) + "."),
-    dataset: str = typer.Option(D.dataset, help="Dataset (cnn-* architectures: 28x28; vgg-*: 32x32, e.g. cifar10)."),
+    method: MethodOption(" | ".join(f"{m.name} ({m.summary})" for m in METHODS.values()) + ".") = D.method,
+    dataset: DatasetOption("Dataset (cnn-* architectures: 28x28; vgg-*: 32x32, e.g. cifar10).") = D.dataset,
     archs: ArchsOption = ",".join(D.archs),
     clients: int = typer.Option(D.clients, min=2, help="Clients (all active every round, as the paper)."),
     rounds: RoundsOption("Model-training rounds (every method).") = D.rounds,
@@ -182,7 +182,7 @@ def jigsaw_command(
 
 @option_group("Data")
 class DeviceData:
-    dataset: Annotated[str, typer.Option(help="Dataset the devices shard (each holds its own copy).")] = D.dataset
+    dataset: DatasetOption("Dataset the devices shard (each holds its own copy).") = D.dataset
     non_iid: NonIidOption() = D.non_iid
     max_samples_per_client: MaxSamplesOption() = D.max_samples_per_client
     test_per_client: TestPerClientOption = D.test_per_client
@@ -218,7 +218,7 @@ def jigsaw_serve_command(
     devices: int = typer.Option(..., min=2, help="Devices to wait for (`edge-client jigsaw`); numbered by client id."),
     broker: BrokerOrEmbeddedOption = None,
     federation: FederationOption("Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME).") = "default",
-    method: str = typer.Option(D.method, help="fedjigsaw, no-coretune, no-symbio or local-only."),
+    method: MethodOption("fedjigsaw, no-coretune, no-symbio or local-only.") = D.method,
     archs: ArchsOption = ",".join(D.archs),
     rounds: RoundsOption("Model-training rounds.") = D.rounds,
     lr: LrOption() = D.lr,

@@ -49,7 +49,7 @@ from aggregator.keys import KeyDir
 from aggregator.deploy import (DeployError, ReleaseRecord, RolloutState, build_release, file_messages, load_state,
                                manifest_digest, migrate_state, retired_topics, save_state, state_path)
 from aggregator.enrolment import Enrolment
-from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, FederationOption, JsonOption,
+from nefl.support.cli_options import (BrokerOption, BrokerOptions, CheckpointDirOption, ChunkKibOption, FederationOption, JsonOption,
                                       KeyDirOption, LogFormatOption, LogLevelOption, LogOptions)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.logs import console, progress, setup_logging
@@ -410,9 +410,9 @@ class FederationOptions:
 
     broker: BrokerOption()
     federation: FederationOption() = "default"
-    checkpoint_dir: Annotated[Optional[str], typer.Option(
-        help="The federation's run directory: a server key or rollout state an older version kept there is moved "
-             "to the key directory (default: runs/FEDERATION).")] = None
+    checkpoint_dir: CheckpointDirOption("The federation's run directory: a server key or rollout state an older "
+                                        "version kept there is moved to the key directory (default: "
+                                        "runs/FEDERATION).") = None
     key_dir: KeyDirOption = None
     state_dir: Annotated[Optional[str], typer.Option(
         help="Where the rollout's state lives (default: KEY_DIR/FEDERATION/rollout, one history per "

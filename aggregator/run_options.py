@@ -7,10 +7,16 @@ from __future__ import annotations
 
 from dataclasses import field
 
+from aggregator.assignment import Assignment
 from aggregator.robust_options import RobustnessOptions
 from nefl.support.cli_options import ScheduleOption, WarmupOption
-from nefl.support.option_groups import option_group
+from nefl.support.option_groups import SharedOption, option_group
 from nefl.support.settings import TrainConfig
+
+# both commands' --assignment; each gives its default
+AssignmentOption = SharedOption(Assignment, "--assignment", help=(
+    "Which submodel a participant trains within the bound it announced: coverage (every submodel each round when the "
+    "pool allows), largest (the bound), or paper (tier t picks among t-2..t+2)."))
 
 
 @option_group("Learning-rate schedule")

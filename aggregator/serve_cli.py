@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from aggregator.assignment import Assignment
 from aggregator.broker import BrokerKind, embedded_broker
 from aggregator import robust_options as ro
 from aggregator.enrolment import EnrolmentPolicy
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
-from aggregator.run_options import RunSpec
-from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, ChunkKibOption, DataRootOption,
+from aggregator.run_options import AssignmentOption, RunSpec
+from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, CheckpointDirOption, ChunkKibOption, DataRootOption,
                                       EvalSamplesOption, FederationOption, FinalEvalSamplesOption, HttpOption,
                                       InitFromOption, KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, LrOption,
                                       RoundsOption, RoundTimeoutOption, SeedOption)
@@ -138,14 +137,12 @@ def serve_command(
     profile: str = typer.Option("resnet20-fmnist-w", help="Profile name or TOML path (the submodel ladder)."),
     broker: BrokerOrEmbeddedOption = None,
     federation: FederationOption() = "default",
-    checkpoint_dir: str = typer.Option(None, help="Checkpoint + metrics.jsonl directory (default: runs/FEDERATION)."),
+    checkpoint_dir: CheckpointDirOption("Checkpoint + metrics.jsonl directory (default: runs/FEDERATION).") = None,
     resume: bool = typer.Option(False, help="Continue from the checkpoint in --checkpoint-dir."),
     chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
     seed: SeedOption("Seed of the initial weights and of participant sampling.") = 0,
     dp_delta: float = typer.Option(1e-5, min=0, max=1, help="The delta of the reported (epsilon, delta)-DP."),
-    assignment: Assignment = typer.Option("coverage", help="Which submodel a participant trains within the bound it "
-                                          "announced: coverage (every submodel each round when the pool allows), "
-                                          "largest (the bound), or paper (tier t picks among t-2..t+2)."),
+    assignment: AssignmentOption() = "coverage",
     init_from: InitFromOption(InitFromOption.help + " Ignored with --resume.") = None,
     *,
     plan: RoundOptions,
@@ -278,8 +275,8 @@ def _linger(web: DashboardServer | None, seconds: float) -> None:
 
 @grouped
 def key_command(
-    checkpoint_dir: str = typer.Option(None, help="A run directory where an older version kept server.key: the key is "
-                                       "moved into the key directory first."),
+    checkpoint_dir: CheckpointDirOption("A run directory where an older version kept server.key: the key is moved "
+                                        "into the key directory first.") = None,
     *,
     keys: KeyOptions,
 ) -> None:

@@ -12,12 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from aggregator.assignment import Assignment
 from aggregator.fleet_cli import FleetOptions, fleet_robustness, fleet_simulator, report_fleet
-from aggregator.run_options import RunSpec
+from aggregator.run_options import AssignmentOption, RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import (BatchSizeOption, DataRootOption, EvalEveryOption, EvalSamplesOption,
-                                      FinalEvalSamplesOption, InitFromOption, LocalEpochsOption, LrOption, MaxSamplesOption,
+from nefl.support.cli_options import (BatchSizeOption, DataRootOption, DatasetOption, EvalEveryOption, EvalSamplesOption,
+                                      FinalEvalSamplesOption, InitFromOption, LocalEpochsOption, LrOption, MaxSamplesOption, MethodOption,
                                       NonIidOption, OutOption, RoundsOption, SeedOption, ThreadsOption, TorchDeviceOption)
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
@@ -29,7 +28,7 @@ console = Console(stderr=True)
 
 @option_group("Data")
 class SimData:
-    dataset: Annotated[Optional[str], typer.Option(help="Dataset (default: the profile's), e.g. fashion-mnist.")] = None
+    dataset: DatasetOption("Dataset (default: the profile's), e.g. fashion-mnist.") = None
     non_iid: NonIidOption("Dirichlet alpha of the clients' label skew (0.1 high, 1.0 low; omit for IID).") = None
     max_samples_per_client: MaxSamplesOption() = None
     data_root: DataRootOption = None
@@ -69,7 +68,7 @@ class AttackOptions:
 @grouped
 def simulate_command(
     profile: str = typer.Option(..., help="Profile name (see `nefl profile list`) or path to a TOML ladder."),
-    method: Optional[str] = typer.Option(None, help="nefl | nefl-nl | fjord | heterofl | depthfl (default: the profile's)."),
+    method: MethodOption("nefl | nefl-nl | fjord | heterofl | depthfl (default: the profile's).") = None,
     clients: int = typer.Option(20, min=1, help="Clients in the federation (split into equal tiers)."),
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
     rounds: RoundsOption("Communication rounds.") = 30,
@@ -77,8 +76,7 @@ def simulate_command(
     out: OutOption = None,
     threads: ThreadsOption() = None,
     device: TorchDeviceOption("torch device for training and evaluation: cpu, cuda, cuda:N or mps.") = "cpu",
-    assignment: Assignment = typer.Option("paper", help="paper (tier t picks among submodels t-2..t+2), coverage "
-                                          "(every submodel trained each round when the pool allows) or largest."),
+    assignment: AssignmentOption() = "paper",
     init_from: InitFromOption() = None,
     *,
     data: SimData,

@@ -19,7 +19,7 @@ import paho.mqtt.client as mqtt
 import typer
 from rich.table import Table
 
-from nefl.support.cli_options import BrokerOption, BrokerOptions, FederationOption, JsonOption, LogOptions
+from nefl.support.cli_options import BrokerOption, BrokerOptions, CheckpointDirOption, FederationOption, JsonOption, LogOptions
 from nefl.support.option_groups import grouped
 from nefl.support.logs import console, setup_logging
 from nefl.protocol.messages import MAX_STATUS_BYTES, MessageError, ServerStatus
@@ -79,7 +79,7 @@ def show(status: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
 def status_command(
     broker: BrokerOption("Read the retained status from this broker (mqtt://HOST:PORT).") = None,
     federation: FederationOption() = "default",
-    checkpoint_dir: str = typer.Option(None, help="Read status.json and metrics.jsonl here (default runs/FEDERATION)."),
+    checkpoint_dir: CheckpointDirOption("Read status.json and metrics.jsonl here (default runs/FEDERATION).") = None,
     timeout: float = typer.Option(5.0, help="Seconds to wait for the retained status."),
     as_json: JsonOption = False,
     *,

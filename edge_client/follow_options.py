@@ -4,12 +4,11 @@ imports the MQTT client: `serve --help` and a server that does not follow never 
 from __future__ import annotations
 
 from dataclasses import field
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from nefl.support.cli_options import BrokerOptions, FederationOption, ServerKeyOption
+from nefl.support.cli_options import BrokerOptions, ClientIdOption, DeviceKeyOption, FederationOption, ServerKeyOption
 from nefl.support.option_groups import option_group
 
 
@@ -21,10 +20,9 @@ class FollowOptions:
     federation: FederationOption("With --follow: the federation (topics nefl/NAME/).") = "default"
     server_key: ServerKeyOption("With --follow: the aggregator's public key (`aggregator key` prints it) or a file "
                                 "holding it; default: the key `edge-client join` pinned for this broker.") = None
-    client_id: Annotated[Optional[str], typer.Option(
-        help="With --follow: this device's id in rollout reports and canary lists (default: edge-HOSTNAME).")] = None
-    device_key: Annotated[Optional[Path], typer.Option(
-        help="With --follow: the key reports are signed with (default: the one `edge-client join` uses for "
-             "--client-id).")] = None
+    client_id: ClientIdOption("With --follow: this device's id in rollout reports and canary lists (default: "
+                              "edge-HOSTNAME).") = None
+    device_key: DeviceKeyOption("With --follow: the key reports are signed with (default: the one `edge-client join` "
+                                "uses for --client-id).") = None
     keep_free: Annotated[str, typer.Option(help="With --follow: disk space a download must leave free.")] = "64MiB"
     mqtt: BrokerOptions = field(default_factory=BrokerOptions)

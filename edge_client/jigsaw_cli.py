@@ -16,8 +16,8 @@ from pathlib import Path
 import typer
 
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for
-from edge_client.join import DeviceKeyOption, Membership
-from nefl.support.cli_options import DataRootOption, LogOptions, MemoryBudgetOption, OutOption, ServerKeyOption, ThreadsOption
+from edge_client.join import Membership
+from nefl.support.cli_options import DataRootOption, DeviceKeyOption, LogOptions, MemoryBudgetOption, OutOption, ServerKeyOption, ThreadsOption
 from nefl.support.extras import full_install_required
 from nefl.support.logs import setup_logging
 from nefl.support.option_groups import grouped
@@ -35,7 +35,7 @@ def jigsaw_command(
     data_root: DataRootOption = None,
     server_key: ServerKeyOption("The coordinator's public key (`aggregator key` prints it) or a file holding it; "
                                 "without it the first plan that lists this device is trusted, with a warning.") = None,
-    device_key: DeviceKeyOption = None,
+    device_key: DeviceKeyOption() = None,
     out: OutOption = None,
     threads: ThreadsOption() = None,
     *,

@@ -18,7 +18,6 @@ import socket
 import sys
 import time
 from dataclasses import asdict, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -26,7 +25,8 @@ import typer
 from edge_client.cache import CALIBRATION_DIR
 from edge_client.plan_cli import CacheDirOption, CalibrateOption, CpuBudgetOption, RecalibrateOption
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
-from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, DataRootOption, FederationOption, HttpOption,
+from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, ClientIdOption, DataRootOption, DatasetOption,
+                                      DeviceKeyOption, FederationOption, HttpOption,
                                       LogOptions, MemoryBudgetOption, SeedOption, ServerKeyOption, ThreadsOption,
                                       TorchDeviceOption)
 from nefl.support.extras import full_install_required
@@ -93,8 +93,7 @@ class Membership:
     """Which federation a device takes part in, as whom, over which broker (`join` and `jigsaw`)."""
 
     broker: BrokerOption()
-    client_id: Annotated[Optional[str], typer.Option(
-        help="Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID).")] = None
+    client_id: ClientIdOption("Unique id (letters, digits, _ . -; default: edge-HOSTNAME-PID).") = None
     federation: FederationOption("Federation name (topic prefix nefl/NAME/).") = "default"
     chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024
     mqtt: BrokerOptions = field(default_factory=BrokerOptions)
@@ -107,7 +106,7 @@ class Membership:
 
 @option_group("Training data")
 class DataOptions:
-    dataset: Annotated[str, typer.Option(help="Training dataset (its class names are the labels).")] = "fashion-mnist"
+    dataset: DatasetOption("Training dataset (its class names are the labels).") = "fashion-mnist"
     partition: Annotated[str, typer.Option(help="This client's IID shard I/N of the training data.")] = "1/1"
     data_root: DataRootOption = None
     data_dir: Annotated[Optional[str], typer.Option(
@@ -117,10 +116,6 @@ class DataOptions:
         min=1, help="Use at most N samples of the shard (quick tests, demos).")] = None
 
 
-DeviceKeyOption = Annotated[Optional[Path], typer.Option(
-    "--device-key", help="This device's signing key (created 0600 if missing) [default: "
-                         "$NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the aggregator (or, in FedJigsaw, each peer) "
-                         "checks what it sends against it.")]
 
 
 @option_group("What this device trains")
@@ -146,7 +141,7 @@ def join_command(
     seed: SeedOption("Seed of local shuffling and augmentation.") = 0,
     server_key: ServerKeyOption("The aggregator's public key (`aggregator key` prints it) or a file holding it; "
                                 "without it the first key seen is trusted and remembered, with a warning.") = None,
-    device_key: DeviceKeyOption = None,
+    device_key: DeviceKeyOption() = None,
     join_token: str = typer.Option(None, envvar="NEFL_JOIN_TOKEN", help="The one-time token `aggregator enroll "
                                    "CLIENT_ID` printed: enrols this device's key and tells it the server key."),
     http: HttpOption("Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT): probe readings, the "

@@ -21,7 +21,7 @@ from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
 from nefl.nested.profile import ProfileError, load_profile
-from nefl.support.cli_options import BatchSizeOption, JsonOption, MemoryBudgetOption, ThreadsOption, TorchDeviceOption
+from nefl.support.cli_options import BatchSizeOption, JsonOption, MemoryBudgetOption, MethodOption, ThreadsOption, TorchDeviceOption
 from nefl.support.extras import full_install_required
 from nefl.support.settings import TrainConfig
 
@@ -76,7 +76,7 @@ def _plan_table(table: CostTable, sel: Selection) -> Table:
 
 def plan_command(
     profile: str = typer.Option(..., "--profile", "-p", help="Profile name (see `nefl profile list`) or TOML path."),
-    method: Optional[str] = typer.Option(None, help="Method preset; default: the profile's."),
+    method: MethodOption() = None,
     batch_size: BatchSizeOption = TrainConfig.batch_size,
     samples: int = typer.Option(600, min=1, help="Local training samples per round."),
     epochs: int = typer.Option(5, min=1, help="Local epochs per round."),

@@ -11,7 +11,7 @@ import nefl.nested.profile
 from nefl.nested.cost import full_cost, submodel_cost
 from nefl.nested.methods import METHODS, apply_method, get_method
 from nefl.nested.profile import ProfileError, list_profiles, load_profile
-from nefl.support.cli_options import LogOptions
+from nefl.support.cli_options import LogOptions, MethodOption
 from nefl.support.logs import console, setup_logging
 from nefl.support.option_groups import grouped
 
@@ -48,7 +48,7 @@ def list_command(*, logs: LogOptions) -> None:
 @grouped
 def show_command(
     profile: str = typer.Argument(..., help="Profile name or path to a TOML file."),
-    method: str = typer.Option(None, help=f"Show the ladder a method derives: {', '.join(METHODS)}."),
+    method: MethodOption(f"Show the ladder a method derives: {', '.join(METHODS)}.") = None,
     *,
     logs: LogOptions,
 ) -> None:

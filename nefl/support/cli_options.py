@@ -8,6 +8,7 @@ torch nor paho, so the small inference install's commands can use it too.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -64,6 +65,14 @@ MemoryBudgetOption = SharedOption(Optional[str], "--memory-budget",
 HttpOption = SharedOption(Optional[str], "--http", help="Serve Prometheus /metrics on HOST:PORT (a bare PORT is 127.0.0.1:PORT).")
 IncludeUntrainedOption = SharedOption(bool, "--include-untrained", help=(
     "Also use submodels the export records as never trained or no better than chance (skipped by default)."))
+CheckpointDirOption = SharedOption(Optional[str], "--checkpoint-dir",
+                                   help="The federation's run directory (default: runs/FEDERATION).")
+DatasetOption = SharedOption(Optional[str], "--dataset", help="Dataset, e.g. fashion-mnist or cifar10.")
+MethodOption = SharedOption(Optional[str], "--method", help="Method preset (default: the profile's).")
+ClientIdOption = SharedOption(Optional[str], "--client-id", help="This device's id (letters, digits, _ . -).")
+DeviceKeyOption = SharedOption(Optional[Path], "--device-key", help=(
+    "This device's signing key (created 0600 if missing) [default: $NEFL_CACHE_DIR/device-keys/CLIENT_ID.key]; the "
+    "aggregator (or, in FedJigsaw, each peer) checks what it sends against it."))
 # what a command writes there, and what it prints, its own description says
 OutOption = Annotated[Optional[str], typer.Option("--out", help="Directory this command writes its results into.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the output as JSON instead of text.")]
