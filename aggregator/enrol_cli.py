@@ -16,8 +16,11 @@ from nefl.protocol.signing import KeyFileError, parse_public_key
 from nefl.protocol.tokens import new_token
 from nefl.protocol.topics import check_name
 from nefl.support.cli_options import KeyOptions
-from nefl.support.option_groups import grouped
+from nefl.support.option_groups import SharedOption, grouped
 
+# enroll's and revoke's: which kind of key the command is about (neither: a device's)
+WorkerFlag = SharedOption(bool, "--worker", help="An aggregator worker's or site relay's key, not a device's.")
+FollowerFlag = SharedOption(bool, "--follower", help="A rollout follower's key, not a device's.")
 
 def _key_dir(keys: KeyOptions, client: str) -> KeyDir:
     try:
@@ -33,9 +36,9 @@ def enroll_command(
     client_id: str = typer.Argument(..., help="The device's --client-id (or, with --worker, the worker's or relay's id)."),
     key: str = typer.Option(None, "--key", help="Enrol this public key now instead of printing a join token (a device "
                             "whose key you know; required for --worker: what `aggregator worker --print-key` prints)."),
-    worker: bool = typer.Option(False, "--worker", help="Authorise an aggregator worker or site relay, not a device."),
-    follower: bool = typer.Option(False, "--follower", help="Enrol a device that only follows model rollouts "
-                                  "(`edge-client serve --follow`): its reports count, it never trains; needs --key."),
+    worker: WorkerFlag("Authorise an aggregator worker or site relay, not a device.") = False,
+    follower: FollowerFlag("Enrol a device that only follows model rollouts (`edge-client serve --follow`): its "
+                           "reports count, it never trains; needs --key.") = False,
     valid_hours: float = typer.Option(EnrolmentPolicy.token_ttl_s / 3600, "--valid-hours", min=0.01,
                                       help="How long the join token may be used."),
     *,
@@ -69,8 +72,8 @@ def enroll_command(
 @grouped
 def revoke_command(
     client_id: str = typer.Argument(..., help="The device's (or, with --worker, the worker's) id."),
-    worker: bool = typer.Option(False, "--worker", help="Revoke a worker's or relay's key, not a device's."),
-    follower: bool = typer.Option(False, "--follower", help="Revoke a rollout follower's key, not a device's."),
+    worker: WorkerFlag("Revoke a worker's or relay's key, not a device's.") = False,
+    follower: FollowerFlag("Revoke a rollout follower's key, not a device's.") = False,
     *,
     where: KeyOptions,
 ) -> None:

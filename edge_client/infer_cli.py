@@ -18,6 +18,7 @@ from rich.console import Console
 
 from edge_client.follow_options import FollowOptions
 from nefl.support.cli_options import IncludeUntrainedOption, MemoryBudgetOption, ThreadsOption
+from nefl.support.option_groups import SharedOption
 from edge_client.http_api import MAX_BODY_BYTES, MAX_IMAGE_PIXELS, QUEUE_SIZE, REQUEST_TIMEOUT_S, WORKERS, make_server
 from edge_client.runtime import AdaptiveRuntime, ExternalLoadProbe, ImageError, ModelsError, Probe
 from edge_client.serving import Active, Serving
@@ -53,11 +54,15 @@ def _runtime(models: Path, options: RuntimeOptions, probe: Probe | None = None) 
         raise typer.Exit(2) from None
 
 
+# required where a command gives no default
+ModelsOption = SharedOption(Optional[Path], "--models", help="Export directory with manifest.json (from `nefl-export onnx`).")
+
+
 @grouped
 def infer_command(
     images: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="PNG/JPEG files to classify."),
-    models: Path = typer.Option(..., help="Export directory with manifest.json (from `nefl-export onnx`), or a "
-                                "directory `serve --follow` keeps (its current version is used)."),
+    models: ModelsOption("Export directory with manifest.json (from `nefl-export onnx`), or a directory `serve "
+                         "--follow` keeps (its current version is used).") = ...,
     *,
     runtime_options: RuntimeOptions,
 ) -> None:
@@ -81,9 +86,8 @@ def infer_command(
 
 @grouped
 def serve_command(
-    models: Optional[Path] = typer.Option(None, help="Export directory with manifest.json (from `nefl-export "
-                                          "onnx`); with --follow, the directory the followed versions are kept in "
-                                          "(default: $NEFL_CACHE_DIR/deploy/FEDERATION)."),
+    models: ModelsOption("Export directory with manifest.json (from `nefl-export onnx`); with --follow, the "
+                         "directory the followed versions are kept in (default: $NEFL_CACHE_DIR/deploy/FEDERATION).") = None,
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="TCP port (0: any free)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes it to the network."),
     max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", min=1, help="Largest accepted upload."),

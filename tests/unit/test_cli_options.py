@@ -23,8 +23,8 @@ from nefl.support.option_groups import declaration_of, declarations
 APPS = ("nefl.cli", "aggregator.cli", "edge_client.cli", "export.cli")
 MAX_PARAMETERS = 20
 # flags still declared in each command that takes them (the same help there is still one declaration, below)
-PER_COMMAND = frozenset({"--attack", "--attackers", "--clients", "--devices", "--follower", "--join-wait", "--key",
-                         "--max-submodel", "--models", "--profile", "--worker", "--workers"})
+PER_COMMAND = frozenset({"--attack", "--attackers", "--clients", "--devices", "--join-wait", "--key", "--max-submodel",
+                         "--profile", "--workers"})
 
 
 def _commands(group: object, path: str) -> list[tuple[str, object]]:
