@@ -184,13 +184,19 @@ class RoundDriver:
         if rb.dp_noise_multiplier > 0:
             q = min(1.0, fed.clients_per_round / max(1, len(fed.clients)))
             facts["dp_epsilon"] = DPAccountant(rb.dp_noise_multiplier, q, plan.dp_delta).epsilon(index)
+        return self.record(index, facts, opened.started)
+
+    def record(self, index: int, facts: dict[str, Any], started: float) -> dict[str, Any]:
+        """Evaluate (or start evaluating), checkpoint and record the state committed as round (or buffered mode's
+        version) `index`, with its `facts`; `started`: when it began (monotonic). Returns the facts."""
+        fed, plan = self.fed, self.plan
         last = index == plan.rounds
         due = self.evaluator is not None and (last or (plan.eval_every and index % plan.eval_every == 0))
         samples = (plan.final_eval_samples or plan.eval_samples) if last else plan.eval_samples
         if due and not self.background:
             self.transport.evaluating()
             facts.update(self._scores(samples))
-        facts["wall_s"] = round(time.monotonic() - opened.started, 3)  # up to the commit: the saved line and the appended one agree
+        facts["wall_s"] = round(time.monotonic() - started, 3)  # up to the commit: the saved line and the appended one agree
         t_ckpt = time.perf_counter()
         if self.checkpoint_dir is not None:
             save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,
