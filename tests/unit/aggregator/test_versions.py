@@ -183,3 +183,22 @@ def test_state_dict_resumes_version_coverage_and_task_numbers_with_an_empty_buff
     again = Versions(v.fed, v.cfg, meta["version"], 4, meta["coverage_given"], meta["next_task"])
     assert (again.version, again.given, len(again.buffer)) == (1, v.given, 0)
     assert again.issue("a").number == 3
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--aggregator", "median"], "buffered mode weighs each by its staleness"),
+    (["--centre-check"], "the centre check votes among a round's participants"),
+    (["--dp-noise-multiplier", "1.0", "--max-update-norm", "1", "--clip"], "DP noise's accountant assumes sampled rounds"),
+    (["--workers", "2"], "--workers/--remote-workers split a round's updates"),
+    (["--assignment", "largest"], "buffered mode gives each task by its own coverage rule"),
+])
+def test_serve_refuses_what_buffered_mode_cannot_run_in_one_line_and_exit_2(tmp_path, args, says) -> None:
+    from typer.testing import CliRunner
+
+    from aggregator.cli import app
+    result = CliRunner().invoke(app, ["serve", "--profile", "resnet8-fmnist-w", "--mode", "buffered", "--checkpoint-dir",
+                                      str(tmp_path / "run"), "--broker", "mqtt://127.0.0.1:1", *args])
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.output.splitlines() if x.strip()]
+    assert line.startswith("error: --mode buffered refuses this: ") and says in line, line
+    assert not (tmp_path / "run").exists()  # refused before anything was started or written
