@@ -123,9 +123,8 @@ class BufferedServer(Server):
 
     def _transport(self, enrol: Enrolment, keys: DeviceKeys, resends: Resends, start: Start,
                    train_cfg: TrainConfig) -> MqttTransport:
-        meta = start.meta
-        self.versions = Versions(self.fed, self.cfg.staleness, start.next_round - 1, self.cfg.coverage_lag,
-                                 meta.get("coverage_given"), int(meta.get("next_task", 1)))
+        self.versions = Versions.resumed(self.fed, self.cfg.staleness, start.next_round - 1, self.cfg.coverage_lag,
+                                         start.meta)
         self.control.take_decline = self.versions.decline
         transport = BufferedTransport(self.cfg, self.fed, self.link, self.topics, self.control, enrol, keys, resends,
                                       self.observer, start.profile, train_cfg, self.pump, start.next_round)

@@ -34,6 +34,10 @@ from nefl.protocol.wire import ChunkHeader
 log = logging.getLogger(__name__)
 
 OPEN_PER_CLIENT = 8  # a device's newest tasks whose updates are still taken (it answers one at a time)
+# a resumed run numbers its tasks from the checkpoint's next number plus this: an update of a task the run before
+# gave after its last commit never answers one of the new run's (each commit is checkpointed, and a version sees at
+# most K updates taken, one task per device at a time and a refusal or decline per task, far fewer than this)
+RESUME_TASK_GAP = 100_000
 
 
 @dataclass(frozen=True)
@@ -184,3 +188,11 @@ class Versions:
         run starts with an empty one, and the devices whose updates it held train again)."""
         return {"mode": "buffered", "version": self.version, "coverage_given": list(self.given),
                 "next_task": self.next_task}
+
+    @classmethod
+    def resumed(cls, fed: Federation, cfg: StalenessConfig, version: int, coverage_lag: int,
+                meta: dict[str, Any]) -> Versions:
+        """From a checkpoint's metadata (`state_dict`'s keys; an empty buffer), or fresh at `version` without them."""
+        if meta.get("mode") != "buffered":
+            return cls(fed, cfg, version, coverage_lag)
+        return cls(fed, cfg, version, coverage_lag, meta.get("coverage_given"), int(meta["next_task"]) + RESUME_TASK_GAP)

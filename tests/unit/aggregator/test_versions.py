@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aggregator.federation import Federation, Rejected, Update
-from aggregator.versions import OPEN_PER_CLIENT, Versions
+from aggregator.versions import OPEN_PER_CLIENT, RESUME_TASK_GAP, Versions
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.pipeline import Robustness
 from nefl.aggregation.robust import NormBound
@@ -180,9 +180,11 @@ def test_state_dict_resumes_version_coverage_and_task_numbers_with_an_empty_buff
     _answer(v, "b")  # buffered, then "the server stops"
     meta = v.state_dict()
     assert meta == {"mode": "buffered", "version": 1, "coverage_given": v.given, "next_task": 3}
-    again = Versions(v.fed, v.cfg, meta["version"], 4, meta["coverage_given"], meta["next_task"])
+    again = Versions.resumed(v.fed, v.cfg, meta["version"], 4, meta)
     assert (again.version, again.given, len(again.buffer)) == (1, v.given, 0)
-    assert again.issue("a").number == 3
+    assert again.issue("a").number == 3 + RESUME_TASK_GAP  # the run before may have given 3, 4, ... after its commit
+    fresh = Versions.resumed(v.fed, v.cfg, 0, 4, {})
+    assert (fresh.version, fresh.next_task) == (0, 1)
 
 
 @pytest.mark.parametrize("args, says", [
