@@ -22,6 +22,12 @@ def buffered_args(port: int, versions: int, task_s: float, k: int = 3, wait_for_
             "--mode", "buffered", "--buffer-size", str(k), "--min-clients", str(wait_for_devices), "--join-wait", "5"]
 
 
+def task_bound_s() -> float:
+    """--round-timeout, the bound on one task: 64 samples at batch 16 are 4 steps of at most the full model, and the
+    bound scales with this machine's speed now (it is shared); it never ends an honest device's task here."""
+    return max(60.0, 40 * step_seconds_now() * 4)
+
+
 def committed_versions(tmp) -> dict[int, dict]:
     return {v: m for v, m in metrics(tmp).items() if v >= 1}
 
@@ -30,13 +36,8 @@ def committed_versions(tmp) -> dict[int, dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_buffered_serve_commits_versions_with_every_device(procs, tmp_path):
-    # 64 samples at batch 16: 4 steps of at most the full model a task; the bound on one task scales with this
-    # machine's speed now (it is shared), and is never what ends a task of an honest device here
-    step = step_seconds_now()
-    task_s = max(60.0, 40 * step * 4)
-    port = free_port()
+    task_s, port, versions = task_bound_s(), free_port(), 6
     procs.mosquitto(port)
-    versions = 6
     procs.aggregator("agg", buffered_args(port, versions, task_s))
     for i, sub in enumerate((1, 2, 4), start=1):
         procs.client(f"c{i}", f"mqtt://127.0.0.1:{port}", client_args(i, 64, sub))
@@ -80,9 +81,7 @@ def contributions(tmp, first: int = 1) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_buffered_serve_survives_a_device_killed_mid_task_a_server_restart_and_a_busy_device(procs, tmp_path):
-    step = step_seconds_now()
-    task_s = max(60.0, 40 * step * 4)
-    port, versions = free_port(), 14
+    task_s, port, versions = task_bound_s(), free_port(), 14
     broker = f"mqtt://127.0.0.1:{port}"
     procs.mosquitto(port)
     # the resumed server waits for the two survivors (c3's retained announce outlives it)
