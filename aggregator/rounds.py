@@ -203,8 +203,10 @@ class RoundDriver:
                             {"round": index, "rounds": plan.rounds, "federation": fed.name, "accuracy": self.accuracy,
                              "state_sha256": self.digest(), **fed.state_dict(), **self.meta()},
                             metrics=facts)
-            append_metrics(self.metrics_dir, facts)
+            # on disk now: a stop that lands while the line is appended (after it is readable, before its fsync
+            # returns) names this round, whose line --resume restores anyway
             self.checkpointed = index
+            append_metrics(self.metrics_dir, facts)
         self.transport.recorded(facts, time.perf_counter() - t_ckpt)
         if due and self.background:
             self._evaluate_later(index, samples)

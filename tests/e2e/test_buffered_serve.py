@@ -58,7 +58,10 @@ def test_buffered_serve_commits_versions_with_every_device(procs, tmp_path):
         for c in line["clients"].values():
             if c["client"] == "c1":
                 assert c["submodel"] == 1
-    assert all(n > 0 for n in lines[versions]["updates_per_submodel_total"][:4]), lines[versions]["updates_per_submodel_total"]
+    given = {int(k) for k in re.findall(r"task \d+: c\d trains submodel (\d+)", procs.log("agg"))}
+    assert given == {1, 2, 3, 4}, given  # submodel 3 is nobody's bound: c3 gets it once it went 4 versions untasked
+    totals = lines[versions]["updates_per_submodel_total"]
+    assert all(totals[k] > 0 for k in (0, 1, 3)), totals  # whether submodel 3's update lands by version 6 is timing
     ckpt = load_checkpoint(tmp_path / "run", load_profile(PROFILE))
     assert ckpt.meta["mode"] == "buffered" and ckpt.meta["version"] == versions == ckpt.meta["round"]
     for i in (1, 2, 3):
