@@ -54,6 +54,7 @@ class ControlPlane:
         self._status_at = 0.0  # monotonic time of the last published status
         self._status_every, self._status_file, self._progress = status_every, out / STATUS_FILE, progress
         self.refusals = RefusalLimit()
+        self.take_decline = fed.decline  # what a verified decline settles: the open round's task (buffered: its own)
         # what every status repeats: the run, its profile and its training settings
         self._fixed = dict(federation=fed.name, run=link.run_id, rounds=rounds, profile=profile.to_dict(),
                            method=fed.layout.method.name, profile_hash=fed.layout.profile.hash,
@@ -208,7 +209,7 @@ class ControlPlane:
         if msg.federation != self.fed.name or msg.run != self.link.run_id:
             raise Rejected("stale_decline", f"decline for {msg.federation}/{msg.run}, this is "
                                             f"{self.fed.name}/{self.link.run_id}")
-        self.fed.decline(client, msg)
+        self.take_decline(client, msg)
         self.link.retain(self.topics.task(client))  # its task is settled
         log.info(f"round {msg.round}: {client} declined submodel {msg.submodel + 1} ({msg.reason or 'no reason given'}); "
                  "the round no longer waits for it", extra={"round": msg.round, "client": client})

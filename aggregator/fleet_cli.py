@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from aggregator.fleet import FleetConfig, FleetMode
+from aggregator.fleet import FleetConfig
+from aggregator.staleness_options import BufferSizeOption, MaxStalenessOption, ModeOption, StalenessExponentOption
 from aggregator.robust_options import RobustnessOptions
 from nefl.aggregation.staleness import StalenessConfig
 from nefl.support.option_groups import option_group
@@ -27,21 +28,18 @@ _F, _S = FleetConfig(), StalenessConfig()
 
 @option_group("Emulated fleet: buffered asynchronous or synchronous, in simulated time (docs/results.md)")
 class FleetOptions:
-    mode: Annotated[Optional[FleetMode], typer.Option(
-        help="buffered (a version whenever K updates arrive, each weighted by its staleness) or sync (rounds wait for "
+    mode: ModeOption("buffered (a version whenever K updates arrive, each weighted by its staleness) or sync (rounds wait for "
              "the slowest or the deadline) on an emulated fleet of mixed speeds, --per-round devices training at once; "
-             "omit for the paper's rounds.")] = None
+             "omit for the paper's rounds.") = None
     slowest: Annotated[float, typer.Option(min=1, help="The slowest device's step time, in the fastest's.")] = _F.slowest
     budget: Annotated[float, typer.Option(
         min=0, help="A task's time budget, in full-model tasks of the fastest device.")] = _F.budget
     vanish: Annotated[float, typer.Option(min=0, max=0.99, help="The chance a device vanishes during a task.")] = _F.vanish
     time_budget_s: Annotated[float, typer.Option(min=1, help="Simulated seconds the run lasts.")] = _F.time_budget_s
     eval_every_s: Annotated[float, typer.Option(min=1, help="Evaluate every N simulated seconds.")] = _F.eval_every_s
-    buffer_size: Annotated[int, typer.Option(min=1, help="buffered: updates per committed version (K).")] = _S.buffer_size
-    staleness_exponent: Annotated[float, typer.Option(
-        min=0, help="buffered: an update tau versions old counts (1 + tau)^-a (0.5: FedBuff's; 0: alike).")] = _S.exponent
-    max_staleness: Annotated[int, typer.Option(
-        min=0, help="buffered: updates more versions old than this are refused (stale).")] = _S.max_staleness
+    buffer_size: BufferSizeOption = _S.buffer_size
+    staleness_exponent: StalenessExponentOption = _S.exponent
+    max_staleness: MaxStalenessOption = _S.max_staleness
     commit_after_s: Annotated[Optional[float], typer.Option(
         min=0, help="buffered: commit a partial buffer once its oldest update waited this long (simulated s).")] = None
 

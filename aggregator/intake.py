@@ -14,12 +14,24 @@ the chunk's proof, which is not held against the participant.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from aggregator.federation import Federation, Rejected, Update
+from aggregator.federation import Rejected, Update
 from nefl.protocol.signing import parse_public_key
-from nefl.protocol.wire import PAYLOAD_REASONS, Assembled, Chunk, Reassembler, WireError
+from nefl.protocol.wire import PAYLOAD_REASONS, Assembled, Chunk, ChunkHeader, Reassembler, WireError
+
+
+class UpdateEngine(Protocol):
+    """What judges an update after the wire: a round (aggregator/federation.py Federation) or buffered mode's
+    versions (aggregator/versions.py Versions)."""
+
+    def check_header(self, topic_client: str, header: ChunkHeader) -> int: ...
+
+    def refused(self, client: str, index: int, reason: str) -> None: ...
+
+    def accept(self, u: Update) -> None: ...
 
 class DeviceKeys:
     """Parsed device public keys, by their text: each key is parsed once, not once per chunk."""
@@ -37,7 +49,7 @@ class DeviceKeys:
         return self._parsed[text]
 
 
-def take_update(fed: Federation, reasm: Reassembler, keys: DeviceKeys, client: str, payload: bytes,
+def take_update(fed: UpdateEngine, reasm: Reassembler, keys: DeviceKeys, client: str, payload: bytes,
                 max_message: int) -> Assembled | None:
     """Feed one chunk from `update/{client}`; the verified update once its last chunk arrived (already
     folded into `fed`'s aggregate), else None. A refused header raises only on chunk 0, so an update
@@ -59,7 +71,7 @@ def take_update(fed: Federation, reasm: Reassembler, keys: DeviceKeys, client: s
         raise
 
 
-def _judge(fed: Federation, reasm: Reassembler, client: str, chunk: Chunk) -> Assembled | None:
+def _judge(fed: UpdateEngine, reasm: Reassembler, client: str, chunk: Chunk) -> Assembled | None:
     try:
         fed.check_header(client, chunk.header)
     except Rejected:

@@ -35,6 +35,7 @@ MAX_ROUNDS = 500  # rounds kept for the dashboard's charts
 DETAILED_ROUNDS = 30  # the latest rounds sent with their per-client maps; older ones as counts only
 SERVER_STATES = ["waiting", "training", "evaluating", "finished", "offline"]
 ROUND_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -77,6 +78,8 @@ class RoundRow(msgspec.Struct, kw_only=True):
     bytes_out: int = 0
     rejected: dict[str, int] = {}
     wall_s: float | None = None
+    mode: str = "sync"  # buffered: the row is a committed version (`round` is its number)
+    staleness: list[int] = []  # buffered: each committed update's staleness (versions behind), in arrival order
 
 
 class DashboardState(msgspec.Struct, kw_only=True, tag="dashboard_state", tag_field="type"):
@@ -137,7 +140,10 @@ class ServerMetrics:
                              "federation's life (resumed runs included).", ["submodel"], registry=r)
         self.starving = Gauge("nefl_submodel_rounds_since_update", "Consecutive closed rounds in which the submodel "
                               "received no committed update (high: it is starving).", ["submodel"], registry=r)
-        self.round = Gauge("nefl_round", "The open round, or the last closed one.", registry=r)
+        self.round = Gauge("nefl_round", "The open round, or the last closed one (buffered mode: the newest version).",
+                           registry=r)
+        self.staleness = Histogram("nefl_update_staleness", "Buffered mode: versions between a committed update's base "
+                                   "and the version it was committed into.", buckets=STALENESS_BUCKETS, registry=r)
         self.state = Enum("nefl_server_state", "What the server is doing.", states=SERVER_STATES, registry=r)
         for k in self.submodels:  # every submodel's series exists from the start: a zero is a fact too
             self.participants.labels(k)
@@ -217,6 +223,13 @@ class Observer:
                 if c in self._devices:
                     self._devices[c].assigned, self._devices[c].assigned_round = k + 1, index
 
+    def task_given(self, client: str, submodel: int, version: int) -> None:
+        """Buffered mode: a device got a task of 0-based `submodel` from `version`."""
+        self.metrics.participants.labels(str(submodel + 1)).inc()
+        with self._lock:
+            if client in self._devices:
+                self._devices[client].assigned, self._devices[client].assigned_round = submodel + 1, version
+
     def update_accepted(self, client: str) -> None:
         """An update folded into the open round: the round's progress on the page (counted at close)."""
         with self._lock:
@@ -261,6 +274,8 @@ class Observer:
                 m.aggregate_seconds.observe(line["aggregate_s"])
             for k, n in enumerate(line.get("updates_per_submodel", [])):
                 m.updates.labels(str(k + 1)).inc(n)
+            for tau in line.get("staleness", []) if line.get("committed") else []:
+                m.staleness.observe(tau)
             for k, n in enumerate(line.get("updates_per_submodel_total", [])):
                 m.trained.labels(str(k + 1)).set(n)
             m.declined.inc(len(line.get("declined", {})))
@@ -324,6 +339,8 @@ def _round_row(line: Mapping[str, Any], row: RoundRow) -> RoundRow:
     row.bytes_in, row.bytes_out = int(line.get("bytes_in", 0)), int(line.get("bytes_out", 0))
     row.rejected = dict(line.get("rejected") or {})
     row.wall_s = line.get("wall_s")
+    row.mode = str(line.get("mode", "sync"))
+    row.staleness = [int(t) for t in line.get("staleness", [])]
     return row
 
 

@@ -184,21 +184,29 @@ class RoundDriver:
         if rb.dp_noise_multiplier > 0:
             q = min(1.0, fed.clients_per_round / max(1, len(fed.clients)))
             facts["dp_epsilon"] = DPAccountant(rb.dp_noise_multiplier, q, plan.dp_delta).epsilon(index)
+        return self.record(index, facts, opened.started)
+
+    def record(self, index: int, facts: dict[str, Any], started: float) -> dict[str, Any]:
+        """Evaluate (or start evaluating), checkpoint and record the state committed as round (or buffered mode's
+        version) `index`, with its `facts`; `started`: when it began (monotonic). Returns the facts."""
+        fed, plan = self.fed, self.plan
         last = index == plan.rounds
         due = self.evaluator is not None and (last or (plan.eval_every and index % plan.eval_every == 0))
         samples = (plan.final_eval_samples or plan.eval_samples) if last else plan.eval_samples
         if due and not self.background:
             self.transport.evaluating()
             facts.update(self._scores(samples))
-        facts["wall_s"] = round(time.monotonic() - opened.started, 3)  # up to the commit: the saved line and the appended one agree
+        facts["wall_s"] = round(time.monotonic() - started, 3)  # up to the commit: the saved line and the appended one agree
         t_ckpt = time.perf_counter()
         if self.checkpoint_dir is not None:
             save_checkpoint(self.checkpoint_dir, fed.state, fed.layout,
                             {"round": index, "rounds": plan.rounds, "federation": fed.name, "accuracy": self.accuracy,
                              "state_sha256": self.digest(), **fed.state_dict(), **self.meta()},
                             metrics=facts)
-            append_metrics(self.metrics_dir, facts)
+            # on disk now: a stop that lands while the line is appended (after it is readable, before its fsync
+            # returns) names this round, whose line --resume restores anyway
             self.checkpointed = index
+            append_metrics(self.metrics_dir, facts)
         self.transport.recorded(facts, time.perf_counter() - t_ckpt)
         if due and self.background:
             self._evaluate_later(index, samples)

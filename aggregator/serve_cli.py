@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, field
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -21,9 +21,12 @@ import typer
 from aggregator.broker import BrokerKind, embedded_broker
 from aggregator import robust_options as ro
 from aggregator.enrolment import EnrolmentPolicy
+from aggregator.fleet_cli import fleet_robustness
 from aggregator.keys import KeyDir
 from aggregator.resends import Resends
 from aggregator.run_options import AssignmentOption, RunSpec
+from aggregator.staleness_options import BufferSizeOption, MaxStalenessOption, ModeOption, StalenessExponentOption
+from nefl.aggregation.staleness import StalenessConfig
 from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, CheckpointDirOption, ChunkKibOption, DataRootOption,
                                       EvalSamplesOption, FederationOption, FinalEvalSamplesOption, HttpOption,
                                       InitFromOption, KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, LrOption,
@@ -56,6 +59,25 @@ EmbeddedHostOption = Annotated[str, typer.Option(
 BrokerOrEmbeddedOption = BrokerOption("mqtt://HOST:PORT or mqtts://HOST:PORT; omit to start an embedded broker.")
 
 
+_S = StalenessConfig()
+
+
+@option_group("Buffered mode (docs/operations.md)")
+class VersionOptions:
+    mode: ModeOption("sync: rounds that wait for their participants or the deadline; buffered: every device trains whenever it "
+             "can on the newest version, and a version is committed whenever K updates arrived (--rounds counts "
+             "versions, --round-timeout bounds one task, --min-clients devices are waited for at the start).") = "sync"
+    buffer_size: BufferSizeOption = _S.buffer_size
+    staleness_exponent: StalenessExponentOption = _S.exponent
+    max_staleness: MaxStalenessOption = _S.max_staleness
+    commit_after: Annotated[Optional[float], typer.Option(
+        min=0.1, help="buffered: commit a partial buffer once its oldest update waited this many seconds.")] = None
+
+    def staleness(self) -> StalenessConfig:
+        return StalenessConfig(buffer_size=self.buffer_size, exponent=self.staleness_exponent,
+                               max_staleness=self.max_staleness, commit_after_s=self.commit_after)
+
+
 @option_group("Rounds")
 class RoundOptions:
     rounds: RoundsOption("Rounds to run (in total, counting resumed ones).") = 10
@@ -64,6 +86,12 @@ class RoundOptions:
     round_timeout: RoundTimeoutOption = 120.0
     join_wait: Annotated[float, typer.Option(min=0, help="Once a first client is ready, seconds to wait for "
                                                          "--clients-per-round before starting with --min-clients.")] = 10.0
+    versions: VersionOptions = field(default_factory=VersionOptions)
+
+    def serve_fields(self) -> dict:
+        """ServeConfig's fields of this group, by name."""
+        fields = {k: v for k, v in asdict(self).items() if k != "versions"}
+        return {**fields, "mode": self.versions.mode, "staleness": self.versions.staleness()}
 
 
 @option_group("Local training")
@@ -160,7 +188,9 @@ def serve_command(
     with full_install_required("aggregator serve"):  # here, not at the top: `serve --help` needs none of them
         from aggregator.enrolment import Enrolment
         from aggregator.rollout import RolloutWatcher
+        from aggregator.buffered_serve import BufferedServer, buffered_refusal_line
         from aggregator.server import ServeConfig, Server, load_start
+        from nefl.aggregation.version_buffer import buffered_refusal
         from aggregator.web import TokenRequired, start_http
         from aggregator.worker import local_worker_ids, start_local_workers
         from nefl.nested.checkpoint import CheckpointError
@@ -170,13 +200,19 @@ def serve_command(
     stop_on_sigterm()
     http, rule, dp_noise = dashboard.http, run.robust.aggregator, run.robust.dp_noise_multiplier
     try:
-        robust = run.robust.robustness()
+        # buffered: the centre check is off unless asked for (then refused below: it votes among a round's updates)
+        robust = fleet_robustness(run.robust) if plan.versions.mode == "buffered" else run.robust.robustness()
         if (scale.workers or scale.remote_workers) and not robust.aggregation.mergeable:
             raise ValueError(f"--aggregator {rule} needs every update of a round in this process, and workers "
                              "split them: drop --workers/--remote-workers, or use nefedavg (its centre check runs in each worker)")
         if robust.aggregation.spec.root_data and not (evaluation.root_data or evaluation.eval_dataset):
             raise ValueError(f"--aggregator {rule} needs the server's root set: give --root-data DATASET or --eval-dataset")
         run.check()  # a bad schedule fails here, in one line
+        if plan.versions.mode == "buffered":
+            refused = buffered_refusal(robust) or buffered_refusal_line(scale.workers, scale.remote_workers, assignment)
+            if refused:
+                raise ValueError(f"--mode buffered refuses this: {refused}")
+            plan.versions.staleness()  # a bad buffer setting fails here
         if dp_noise > 0:
             DPAccountant(dp_noise, 1.0, dp_delta).epsilon(1)  # fails now, not after round 1, without dp-accounting
         listen = parse_listen(http) if http else None
@@ -196,13 +232,16 @@ def serve_command(
     # the groups' fields are ServeConfig's, by name
     cfg = ServeConfig(profile=profile, federation=federation, checkpoint_dir=checkpoint_dir or f"runs/{federation}",
                       resume=resume, chunk_bytes=chunk_kib * 1024, seed=seed, dp_delta=dp_delta, assignment=assignment,
-                      init_from=init_from, **asdict(plan), **asdict(training), **asdict(evaluation), **asdict(scale),
+                      init_from=init_from, **plan.serve_fields(), **asdict(training), **asdict(evaluation), **asdict(scale),
                       lr_schedule=run.lr_schedule, warmup_rounds=run.warmup_rounds, robustness=robust,
                       root_samples=run.robust.root_samples, resend_after=trust.resend_after,
                       enrolment=EnrolmentPolicy(open=trust.open_enrolment, require_device_keys=trust.require_device_keys))
     try:
         Topics(federation)
         start = load_start(cfg)
+        if cfg.resume and start.meta.get("mode", "sync") != cfg.mode:
+            raise ValueError(f"the checkpoint in {cfg.checkpoint_dir} is of --mode {start.meta.get('mode', 'sync')}, "
+                             f"this is --mode {cfg.mode}: resume it in its own mode")
         keys = KeyDir(federation, trust.key_dir)
         signer = keys.server_signer(cfg.checkpoint_dir)
         if start.next_round > cfg.rounds:
@@ -212,7 +251,8 @@ def serve_command(
         enrolment.local_workers = {w: keys.worker_signer(w).public_text for w in local_worker_ids(cfg.workers, federation)}
         incarnation = keys.next_incarnation()
         settings = parse_broker(broker or embedded.url, *mqtt.credentials)
-        server = Server(cfg, settings, start, signer, enrolment, incarnation, keys.rule_secret())  # a missing --eval-dataset fails here, first
+        server = (BufferedServer if cfg.mode == "buffered" else Server)(cfg, settings, start, signer, enrolment,
+                                                                        incarnation, keys.rule_secret())  # a missing --eval-dataset fails here, first
         if embedded is not None:
             embedded.start()
             log.info(f"started embedded MQTT broker on {embedded.url} ({embedded.name}); clients join with "

@@ -27,12 +27,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aggregator.assignment import Assignment
 from aggregator.control_plane import ControlPlane
 from aggregator.enrolment import Enrolment, EnrolmentPolicy
 from aggregator.evaluation import Evaluator
+from aggregator.fleet import FleetConfig
 from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, RoundState, state_digest
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.link import Link
@@ -41,6 +42,7 @@ from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
+from nefl.aggregation.staleness import StalenessConfig
 from nefl.nested.checkpoint import (METRICS_FILE, CheckpointError, has_checkpoint, load_checkpoint, read_metrics,
                                     recovery_hint, replay_metrics)
 from nefl.nested.data import load_dataset
@@ -48,7 +50,7 @@ from nefl.nested.profile import Profile, load_profile
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.train import TrainConfig
 from nefl.support.settings import DEFAULT_EVAL_SAMPLES
-from nefl.protocol.messages import Control, MessageError, Task, TrainingSettings
+from nefl.protocol.messages import VERSION, Control, MessageError, Task, TrainingSettings
 from nefl.protocol.mqtt import QOS, BrokerSettings
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
@@ -93,6 +95,11 @@ class ServeConfig:
     worker_timeout: float = 30.0  # seconds a round close waits for the online workers' partials
     root_data: str | None = None  # FLTrust's root set: this dataset's test split (default: eval_dataset)
     root_samples: int = DEFAULT_ROOT_SAMPLES
+    # sync: rounds; buffered: a version whenever the buffer holds K updates (aggregator/buffered_serve.py), and
+    # `rounds` counts versions
+    mode: Literal["sync", "buffered"] = "sync"
+    staleness: StalenessConfig = StalenessConfig()
+    coverage_lag: int = FleetConfig.coverage_lag  # buffered: a submodel untasked this many versions goes to the next able device
 
 
 @dataclass
@@ -189,7 +196,7 @@ class MqttTransport(RoundTransport):
     def _task(self, index: int, k: int, resend: bool = False) -> bytes:
         model = self._published[k]
         return self.link.signer.sign(Task(
-            federation=self.fed.name, run=self.link.run_id, round=index, submodel=k,
+            v=VERSION, federation=self.fed.name, run=self.link.run_id, round=index, submodel=k,
             lr=self.train_cfg.lr_at(index - 1, self.cfg.rounds), epochs=self.cfg.local_epochs,
             batch_size=self.cfg.batch_size, profile_hash=self.fed.layout.profile.hash, deadline_s=self.cfg.round_timeout,
             chunks=len(model.messages), model_digest=model.header.digest, model_bytes=model.header.size, resend=resend,
@@ -329,14 +336,24 @@ class Server:
         self.control = ControlPlane(self.fed, self.link, self.topics, enrol, keys, self.observer, resends, start.profile,
                                     training, cfg.rounds, cfg.status_every, out,
                                     progress=lambda: (self.rounds.next_round - 1, self.driver.accuracy))
-        self.rounds = MqttTransport(cfg, self.fed, self.link, self.topics, self.control, enrol, keys, resends,
-                                    self.observer, start.profile, train_cfg, self.pump, next_round)
+        self.rounds = self._transport(enrol, keys, resends, start, train_cfg)
         self._housekept = 0.0  # monotonic time of the last housekeeping
         plan = RunPlan(cfg.rounds, eval_samples=cfg.eval_samples,
                        final_eval_samples=cfg.final_eval_samples or (len(evaluator.test) if evaluator else None),
                        dp_delta=cfg.dp_delta, background_eval=True)
         self.driver = RoundDriver(self.fed, self.rounds, plan, evaluator, out, checkpointed=next_round - 1,
-                                  meta=lambda: {"enrolment": enrol.state_dict(), "incarnation": incarnation})
+                                  meta=lambda: {"enrolment": enrol.state_dict(), "incarnation": incarnation,
+                                                **self._meta()})
+
+    def _transport(self, enrol: Enrolment, keys: DeviceKeys, resends: Resends, start: Start,
+                   train_cfg: TrainConfig) -> MqttTransport:
+        """The rounds over MQTT (buffered mode's server gives its own)."""
+        return MqttTransport(self.cfg, self.fed, self.link, self.topics, self.control, enrol, keys, resends,
+                             self.observer, start.profile, train_cfg, self.pump, start.next_round)
+
+    def _meta(self) -> dict[str, Any]:
+        """What the checkpoint keeps of this server's mode besides the federation (buffered mode: its version)."""
+        return {}
 
     # -- inbound (main thread) ------------------------------------------------------------------
     def pump(self, until: float) -> None:
@@ -361,8 +378,12 @@ class Server:
             else:
                 self.handle(topic, payload)
                 idle = IDLE_S[0]
-            if self.fed.round is not None and self.fed.complete():  # also when quiet: a grace period may end
+            if self._can_close():  # also when quiet: a grace period may end
                 return
+
+    def _can_close(self) -> bool:
+        """What ends `pump` before its time: the open round can close."""
+        return self.fed.round is not None and self.fed.complete()
 
     def handle(self, topic: str, payload: bytes) -> None:
         """The trust boundary: whatever arrives, a rejection is counted and the loop goes on."""
@@ -448,12 +469,16 @@ class Server:
         for index in range(self.rounds.next_round, self.cfg.rounds + 1):
             self.wait_for_clients()
             self.driver.run_round(index)
+        self.finish_evaluations()
+        self.finish()
+
+    def finish_evaluations(self) -> None:
+        """The last scores, with the inbox still served."""
         if self.driver.evaluating():
             self.control.publish_status("evaluating")
         while self.driver.evaluating():  # the last round's scores, with the inbox still served
             self.pump(time.monotonic() + 0.5)
             self.driver.poll()
-        self.finish()
 
     def finish(self) -> None:
         end = Control(federation=self.cfg.federation, run=self.link.run_id, event="end", **self.link.stamp())
@@ -465,7 +490,8 @@ class Server:
         except (RuntimeError, ValueError):
             pass  # broker gone at the very end: the checkpoint and metrics are already on disk
         self.link.conn.stop()  # a disconnect we ask for, not a lost connection
-        log.info(f"federation {self.cfg.federation!r} finished after round {self.cfg.rounds}")
+        log.info(f"federation {self.cfg.federation!r} finished after {'version' if self.cfg.mode == 'buffered' else 'round'} "
+                 f"{self.cfg.rounds}")
 
 
 def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tuple[Evaluator | None, RootUpdates | None]:

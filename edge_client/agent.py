@@ -33,7 +33,8 @@ from edge_client.device import Device
 from edge_client.select import Selection
 from nefl.support.fsio import atomic_write_text
 from nefl.protocol.messages import (FINAL_REFUSALS, MAX_STATUS_BYTES, Announce, AnnounceRefusal, Control, Decline,
-                                   MessageError, Sent, ServerStatus, Stamped, Task, TrainingSettings, refusal_hint)
+                                   MessageError, Sent, ServerStatus, Stamped, Task, TrainingSettings, UpdateRefusal,
+                                   message_type, refusal_hint)
 from nefl.protocol.mqtt import Transport
 from nefl.nested.profile import ProfileError, parse_profile
 from nefl.protocol.signing import (KeyPin, Signer, parse_public_key, public_key_arg, split_signed, status_message, verify,
@@ -64,12 +65,18 @@ class AgentConfig:
     join_token: str | None = None  # `aggregator enroll`'s one-time token: enrols the device key, names the server key
     run_file: Path | None = None  # the newest run incarnation seen, per server key (older runs are refused)
     replan_s: float = REPLAN_S
+    task_budget_s: float | None = None  # buffered mode: seconds one task may take here (None: the server's task bound)
 
 
 def model_bytes_bound(layout: Layout, k: int) -> int:
     """Most bytes an honest fp32 safetensors payload of submodel k's weights can take."""
     shapes = layout.sub_shapes[k]
     return 4 * sum(s.numel() for s in shapes.values()) + 256 * len(shapes) + 4096
+
+
+def _label(task: Task) -> str:
+    """How the device's log names a task: its round, or in buffered mode its number and base version."""
+    return f"task {task.round} (version {task.version})" if task.mode == "buffered" else f"round {task.round}"
 
 
 class Agent:
@@ -98,6 +105,7 @@ class Agent:
         self.foreign_key: str | None = None  # a status signed by another key than the pinned one arrived
         self.held: dict[str, bytes] = {}  # signed messages that arrived before the status they depend on
         self.task: Task | None = None
+        self.buffered = False  # the newest task came from a buffered-mode server (no rounds: its own time budget)
         self.task_since = 0.0
         self.last_task: tuple[str, int] = ("", 0)  # (server run id, round) of the last task taken
         self.last_upload: tuple[tuple[str, int], list[bytes]] = (("", 0), [])  # kept for a resend after a broker restart
@@ -109,6 +117,7 @@ class Agent:
         self.refused: str | None = None  # why the server refused this device for good (join then exits)
         self.said_refused = ""  # the reason of the last refusal logged (a retry under it is not logged again)
         self.dropped: Counter[str] = Counter()
+        self.updates_refused: Counter[str] = Counter()  # buffered mode: this device's updates the server did not take
         self.session = secrets.token_hex(4)  # announces are numbered within it (Announce.seq)
         self.seq = 0
         self.planned_at = -float("inf")
@@ -149,7 +158,11 @@ class Agent:
         elif topic == self.topics.task(self.cfg.client_id):
             self._on_signed(topic, payload, Task, self._take_task)
         elif topic == self.topics.refusal(self.cfg.client_id):
-            self._on_signed(topic, payload, AnnounceRefusal, self._on_refusal)
+            parts = split_signed(payload)
+            if parts is not None and message_type(parts[0]) == "update_refusal":
+                self._on_signed(topic, payload, UpdateRefusal, self._on_update_refusal)
+            else:
+                self._on_signed(topic, payload, AnnounceRefusal, self._on_refusal)
         elif self.model_sub is not None and topic.startswith(self.topics.model_all(self.model_sub)[:-1]):
             self._on_model_chunk(payload)
 
@@ -370,6 +383,30 @@ class Agent:
                         + ("" if trusted else " (a server whose key this device has not pinned: not obeyed)"),
                         extra={"reason": msg.reason})
 
+    def _on_update_refusal(self, msg: UpdateRefusal) -> None:
+        """Buffered mode: the server did not take this device's update of a task, and says why (its next task
+        comes anyway); counted, and logged once per reason and then at 2, 4, 8, ... of it."""
+        if msg.client != self.cfg.client_id:
+            raise MessageError("client_mismatch", f"refusal of {msg.client!r} on {self.cfg.client_id!r}'s topic")
+        self.updates_refused[msg.reason] += 1
+        n = self.updates_refused[msg.reason]
+        if n & (n - 1) == 0:
+            log.warning(f"task {msg.round}: the server refused this device's update of submodel {msg.submodel + 1} "
+                        f"({msg.reason}; trained from version {msg.version}, the newest is {msg.current}; {n} so far)",
+                        extra={"round": msg.round, "submodel": msg.submodel + 1, "reason": msg.reason})
+
+    def _task_time(self, task: Task) -> float:
+        """Seconds this task may take: the round's deadline (sync), or this device's own budget within the server's
+        bound (buffered)."""
+        own = self.cfg.task_budget_s
+        return min(own, task.deadline_s) if task.mode == "buffered" and own is not None else task.deadline_s
+
+    def _idle_time(self) -> float:
+        """The task time an idle device plans for: the server's round timeout, or in buffered mode (its last task's)
+        this device's own budget within it."""
+        own, bound = self.cfg.task_budget_s, self.training.round_timeout
+        return min(own, bound) if self.buffered and own is not None else bound
+
     def _take_task(self, task: Task) -> None:
         """Remember a new task and subscribe to its submodel's (retained) weights, or decline it."""
         r, k = task.round, task.submodel
@@ -395,9 +432,10 @@ class Agent:
         # a task is kept unless the device truly cannot train it now: no hysteresis margin for k. One at or
         # below the announced bound, with the round time the bound was planned for, is a promise: training fits
         # itself to the time left, so only memory that is no longer there breaks it
-        promised = k < self.promised and task.deadline_s >= self.promised_deadline
+        time_s, self.buffered = self._task_time(task), task.mode == "buffered"
+        promised = k < self.promised and time_s >= self.promised_deadline
         current = self.selection.index if self.selection is not None and self.selection.index is not None else -1
-        self.plan(task.deadline_s, hold=max(current, k))
+        self.plan(time_s, hold=max(current, k))
         if self._cannot_keep(k) if promised else not self._allows(k):
             why = f"--max-submodel {self.cfg.max_submodel}" if self.selection is None else self.selection.reason
             self._decline(task, f"submodel {k + 1} does not fit now ({why})")
@@ -405,7 +443,7 @@ class Agent:
         self.task, self.task_since, self.weights = task, self.clock(), None
         # buffer exactly one honest copy of the weights, for as long as the round may last
         room = task.model_bytes + MAX_HEADER_BYTES + 8  # one message may carry the whole payload
-        self.models_in = Reassembler(max_bytes=room, max_buffered=task.model_bytes, timeout_s=task.deadline_s)
+        self.models_in = Reassembler(max_bytes=room, max_buffered=task.model_bytes, timeout_s=time_s)
         if self.model_sub is not None and self.model_sub != k:
             self.transport.unsubscribe(self.topics.model_all(self.model_sub))
         self.model_sub = k
@@ -428,7 +466,7 @@ class Agent:
         if task is None or self.weights is not None:
             return
         h = parse_chunk(payload).header  # checked before a byte is buffered: forged chunks cost nothing
-        if h.kind != "model" or (h.round, h.submodel, h.digest) != (task.round, task.submodel, task.model_digest):
+        if h.kind != "model" or (h.round, h.submodel, h.digest) != (task.model_round, task.submodel, task.model_digest):
             raise MessageError("model_mismatch", f"weights for round {h.round} submodel {h.submodel + 1} "
                                                  f"do not match the signed task")
         done = self.models_in.feed(payload)
@@ -474,7 +512,7 @@ class Agent:
             return False
         if hold is None and self.selection is not None:
             hold = -1 if self.selection.index is None else self.selection.index
-        self._planned_deadline = deadline_s or self.training.round_timeout
+        self._planned_deadline = deadline_s or self._idle_time()
         budget = self._planned_deadline * (1 - UPLOAD_SHARE)
         sel = self.device.plan(self.layout, self.training, budget, self.cfg.max_submodel, hold)
         self.planned_at = self.clock()
@@ -509,8 +547,8 @@ class Agent:
             if self.clock() - self.planned_at >= self.cfg.replan_s:
                 self.plan()
             return
-        elapsed = self.clock() - self.task_since
-        if elapsed > task.deadline_s:
+        elapsed, time_s = self.clock() - self.task_since, self._task_time(task)
+        if elapsed > time_s:
             log.warning(f"round {task.round}: weights did not arrive before the deadline; skipping",
                         extra={"round": task.round, "submodel": task.submodel + 1, "reason": "deadline"})
             self.task, self.last_task = None, (task.run, task.round)
@@ -519,7 +557,7 @@ class Agent:
             return
         self.task, self.last_task = None, (task.run, task.round)
         weights, self.weights = self.weights, None
-        self._train_and_upload(task, weights, (task.deadline_s - elapsed) * (1 - UPLOAD_SHARE))
+        self._train_and_upload(task, weights, (time_s - elapsed) * (1 - UPLOAD_SHARE))
 
     def _train_and_upload(self, task: Task, start: dict[str, torch.Tensor], budget_s: float) -> None:
         r, k = task.round, task.submodel
@@ -543,7 +581,7 @@ class Agent:
         self.last_upload = (self.last_task, msgs)
         self._notify_sent(task, header.digest)
         cut = f", {res.metrics['steps']} steps (time budget {budget_s:.0f}s)" if res.metrics.get("budget_cut") else ""
-        log.info(f"round {r}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s{cut} "
+        log.info(f"{_label(task)}: trained submodel {k + 1} on {res.num_samples} samples in {res.seconds:.1f}s{cut} "
                  f"(loss {res.loss:.3f}), uploading {sum(map(len, msgs))} bytes in {len(msgs)} chunks",
                  extra={"round": r, "submodel": k + 1})
         self.plan()  # the next round's choice, from the device's state now

@@ -132,6 +132,9 @@ class DeviceOptions:
     recalibrate: RecalibrateOption = False
     cache_dir: CacheDirOption = CALIBRATION_DIR
     device: TorchDeviceOption("torch device to train on: cpu, or cuda on a Jetson / GPU machine.") = "cpu"
+    task_budget: Annotated[Optional[float], typer.Option(
+        min=0.1, help="Buffered mode (`aggregator serve --mode buffered`): seconds one task may take on this device; it "
+                      "trains the largest submodel that fits them (default: the server's task bound, --round-timeout).")] = None
 
 
 @grouped
@@ -188,7 +191,7 @@ def join_command(
                                          seed, limits.device, limits.recalibrate, limits.cache_dir))
         pin = pin_file_for(PIN_DIR, federation, settings.host, settings.port)
         cfg = AgentConfig(cid, federation, limits.max_submodel, fp16, member.chunk_kib * 1024, server_key, pin, signer,
-                          join_token, run_file_for(pin))
+                          join_token, run_file_for(pin), task_budget_s=limits.task_budget)
         conn = Connection(settings, cid, Topics(federation).status(cid), lambda seq: status_message(signer, "offline", seq),
                           log)
         transport, dev = (conn.client, local) if listen is None else \

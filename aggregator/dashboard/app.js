@@ -134,11 +134,13 @@ function drawRounds(state) {
   const rows = state.rounds_history.filter((r) => r.round >= 1).slice(-30).reverse().map((r) => {
     const n = r.participants;
     const declined = Object.entries(r.declined);
-    const closed = r.reports >= n ? "all reported"
+    const buffered = r.mode === "buffered";  // a committed version: its updates' staleness, no deadline
+    const closed = buffered ? `version ${r.round}: staleness ${r.staleness.join(", ") || "-"}`
+      : r.reports >= n ? "all reported"
       : r.went_offline.length ? `without ${r.went_offline.join(", ")} (offline)` : "at its deadline";
-    return el("tr", { "data-round": r.round },
-      el("td", {}, r.round), el("td", {}, clock(r.opened)), el("td", {}, r.wall_s != null ? `${r.wall_s} s` + (r.deadline_s ? ` (deadline ${r.deadline_s} s)` : "") : "-"),
-      el("td", {}, closed), el("td", {}, `${r.reports}/${n}`),
+    return el("tr", { "data-round": r.round, "data-staleness": buffered ? r.staleness.join(",") : "" },
+      el("td", {}, buffered ? `v${r.round}` : r.round), el("td", {}, clock(r.opened)), el("td", {}, r.wall_s != null ? `${r.wall_s} s` + (r.deadline_s ? ` (deadline ${r.deadline_s} s)` : "") : "-"),
+      el("td", {}, closed), el("td", {}, buffered ? `${r.staleness.length} (${r.reports} devices)` : `${r.reports}/${n}`),
       el("td", { class: "reason" }, declined.length ? declined.map(([c, why]) => `${c}: ${why}`).join("; ")
         : r.declines ? `${r.declines}` : "-"),
       el("td", {}, r.updates_per_submodel.join(" / ") || "-"), yes(r.quorum), yes(r.committed));

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -29,6 +29,9 @@ VERSION = 2  # 2: digests (the Merkle root of wire v2, nefl/protocol/wire.py) wh
 # a message whose own layout changed says so in its `v` (its default), and the loader checks that, not VERSION:
 # 3: a release names each file by the Merkle root of its wire chunks where 2 listed a sha256 per chunk
 RELEASE_VERSION = 3
+# 3: a task says its federation's mode ("sync" rounds, or "buffered" versions: docs/operations.md) and, buffered, the
+# model version it trains from; a sync server still sends version 2 tasks, which this build reads too
+TASK_VERSION = 3
 MAX_CONTROL_BYTES = 16 * 1024  # announce, client status, task, control
 MAX_STATUS_BYTES = 256 * 1024  # the server status carries the profile and capped client lists
 MAX_DEPTH = 16  # the deepest honest message (a server status with its profile) nests 5 levels
@@ -68,6 +71,7 @@ class Message(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=F
     """Base of every control message: the wire version first, checked before anything else."""
 
     v: int = VERSION
+    also_reads: ClassVar[frozenset[int]] = frozenset()  # older wire versions of this message it still decodes
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -174,10 +178,18 @@ class Stamped(Message, frozen=True, kw_only=True):
         return self.incarnation, self.seq
 
 
-class Task(Stamped, frozen=True, tag="task", tag_field="type"):
+class Task(Stamped, frozen=True, kw_only=True, tag="task", tag_field="type"):
     """Server -> one client, retained, signed: train `submodel` (0-based) of `round` from the weights
     whose chunks hash to `model_digest` (the Merkle root of nefl/protocol/wire.py). `resend`: the server got no update
-    for this task although the device said it sent one: publish it again on `resend/{client}`."""
+    for this task although the device said it sent one: publish it again on `resend/{client}`.
+
+    Version TASK_VERSION adds `mode` and `version`. Buffered ("buffered"): `round` numbers the task (the update names
+    it), `version` is the model version whose weights it trains from (the model chunks carry it as their round),
+    and `deadline_s` is the longest a task may take; the device trains for its own time budget within it. A sync
+    server sends version 2 tasks (no mode: sync), so devices of an older build keep working with it."""
+
+    v: int = TASK_VERSION
+    also_reads: ClassVar[frozenset[int]] = frozenset({VERSION})
 
     federation: Name
     run: Name
@@ -192,6 +204,13 @@ class Task(Stamped, frozen=True, tag="task", tag_field="type"):
     model_digest: Hex64
     model_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
     resend: bool = False
+    mode: Literal["sync", "buffered"] = "sync"
+    version: Round = 0  # buffered: the model version the task trains from
+
+    @property
+    def model_round(self) -> int:
+        """The round its weights' chunks carry: the round (sync), the model version (buffered)."""
+        return self.version if self.mode == "buffered" else self.round
 
 
 class Control(Stamped, frozen=True, tag="control", tag_field="type"):
@@ -214,6 +233,33 @@ class AnnounceRefusal(Stamped, frozen=True, tag="announce_refusal", tag_field="t
     reason: Name
     key: KeyText = ""
     hint: Reason = ""
+
+
+class UpdateRefusal(Stamped, frozen=True, tag="update_refusal", tag_field="type"):
+    """Server -> one client on its refusal topic, signed, buffered mode: its update for task `round` (trained from
+    model `version`, submodel 0-based) was not taken, for `reason` ("stale": more versions behind than the bound,
+    "unassigned", "norm-bound", ...; docs/operations.md); `current`: the server's version then."""
+
+    client: Name
+    federation: Name
+    run: Name
+    round: Round
+    submodel: Submodel
+    version: Round
+    current: Round
+    reason: Name
+
+
+class _Tagged(msgspec.Struct):
+    type: str = ""
+
+
+def message_type(body: bytes) -> str:
+    """The `type` tag of a JSON message body ("" when it has none or is no JSON object): which class decodes it."""
+    try:
+        return msgspec.json.decode(body, type=_Tagged).type
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return ""
 
 
 # what the device's operator should do about each refused announce, by reason ({client}: the device's id)
@@ -304,7 +350,7 @@ def decode(payload: bytes, cls: type[T], max_bytes: int = MAX_CONTROL_BYTES) -> 
         raise MessageError("malformed_json", f"{kind}: {_short(e)}") from None
     except (msgspec.ValidationError, RecursionError) as e:
         raise MessageError("malformed_json", f"{kind}: no integer wire version 'v' ({_short(e)})") from None
-    if head.v != (expected := wire_version(cls)):
+    if head.v != (expected := wire_version(cls)) and head.v not in cls.also_reads:
         raise MessageError("bad_version", f"{kind} message of wire version {head.v}, this build speaks {expected}")
     try:
         return msgspec.json.decode(payload, type=cls)

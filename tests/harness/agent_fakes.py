@@ -14,7 +14,7 @@ from nefl.nested.profile import load_profile
 from nefl.nested.state import Layout
 from nefl.nested.train import OutOfTime, TrainResult
 from nefl.protocol.messages import (AnnounceRefusal, Control, DeviceSummary, ServerStatus, Task, TrainingSettings,
-                                   refusal_hint)
+                                   UpdateRefusal, refusal_hint)
 from nefl.protocol.signing import Signer
 from nefl.protocol.topics import Topics
 from nefl.protocol.wire import Encoded, encode
@@ -95,6 +95,11 @@ class FakeServer:
         args = dict(client="c1", federation="t", run=self.run, reason=reason, key=key, hint=refusal_hint(reason, "c1"),
                     **self.stamp())
         return self.signer.sign(AnnounceRefusal(**{**args, **kw}).to_json())
+
+    def update_refusal(self, reason: str, **kw) -> bytes:
+        args = dict(client="c1", federation="t", run=self.run, round=7, submodel=0, version=1, current=20,
+                    reason=reason, **self.stamp())
+        return self.signer.sign(UpdateRefusal(**{**args, **kw}).to_json())
 
     def weights(self, k: int = 0, round: int = 1, scale: float = 0.0) -> list[bytes]:
         return self.model(k, round, scale).messages

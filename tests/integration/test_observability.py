@@ -116,6 +116,23 @@ def test_dashboard_state_after_a_scripted_round():
     assert state.rejected_total == {"stale_round": 2, "malformed_header": 1}
 
 
+def test_buffered_versions_show_their_staleness_on_the_dashboard_and_in_prometheus():
+    obs = Observer("t", "resnet20-fmnist-w", 3, rounds=5, round_timeout=60)
+    obs.client_changed(info("c1", 2))
+    obs.task_given("c1", 1, 4)
+    obs.metrics_line(round_line(5, [1, 1, 0], mode="buffered", version=5, staleness=[0, 2], reported=["c1"]))
+    obs.metrics_line(round_line(6, [1, 0, 0], committed=False, mode="buffered", version=6, staleness=[9]))
+    r = obs.metrics.registry
+    assert value(r, "nefl_update_staleness_count") == 2 and value(r, "nefl_update_staleness_sum") == 2
+    assert value(r, "nefl_update_staleness_bucket", le="1.0") == 1  # an uncommitted buffer's staleness is not counted
+    assert value(r, "nefl_participants_total", submodel="2") == 1
+    state = msgspec.json.decode(obs.snapshot_json(), type=DashboardState)
+    row = state.rounds_history[0]
+    assert (row.round, row.mode, row.staleness, row.reports) == (5, "buffered", [0, 2], 1)
+    (device,) = state.devices
+    assert (device.assigned, device.assigned_round) == (2, 4)  # its task: submodel 2 from version 4
+
+
 def test_a_device_that_reports_every_round_is_seen_every_round(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr("aggregator.metrics.time.time", lambda: now[0])

@@ -10,7 +10,7 @@ from edge_client.select import Fit, Selection
 from nefl.protocol.messages import Announce, ClientStatus, Decline, Sent
 from nefl.protocol.mqtt import BrokerSettings
 from nefl.protocol.signing import Signer, parse_public_key, split_signed, status_message, verify
-from nefl.protocol.wire import Reassembler, split_chunk
+from nefl.protocol.wire import Reassembler, parse_chunk, split_chunk
 from tests.harness.agent_fakes import FakeDevice, FakeServer, FakeTransport, T, make_agent
 
 
@@ -306,3 +306,42 @@ def test_a_promised_task_is_trained_even_when_the_deadline_binds_for_every_submo
         agent.dispatch(T.model_chunk(0, 0), m)
     agent.tick()
     assert [(r, k) for r, k, _ in device.trained] == [(1, 0)] and declines(transport) == []
+
+
+def test_a_buffered_task_trains_from_the_version_it_names_within_the_devices_own_budget(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    agent, transport, device = make_agent(tmp_path, server, clock=clock, task_budget_s=20.0)
+    agent.dispatch(T.task("c1"), server.task(k=1, round=42, mode="buffered", version=5))
+    for m in server.weights(k=1, round=4):  # the version before: not what the signed task names
+        agent.dispatch(T.model_chunk(1, 0), m)
+    assert agent.dropped["model_mismatch"] == 1
+    for m in server.weights(k=1, round=5):
+        agent.dispatch(T.model_chunk(1, 0), m)
+    agent.tick()
+    ((number, k, budget),) = device.trained
+    assert (number, k) == (42, 1) and 0 < budget <= 20 * 0.8  # its own 20 s, not the server's 60 s bound
+    header = parse_chunk(transport.on(T.update("c1"))[0]).header
+    assert (header.round, header.submodel) == (42, 1)  # the update names its task; the server knows its version
+
+
+def test_a_buffered_task_beyond_the_devices_budget_waits_no_longer_than_it(tmp_path):
+    server, clock = FakeServer(tmp_path / "s"), Clock()
+    agent, _, device = make_agent(tmp_path, server, clock=clock, task_budget_s=20.0)
+    agent.dispatch(T.task("c1"), server.task(k=0, round=3, mode="buffered", version=1))
+    clock.now += 21
+    agent.tick()
+    assert agent.task is None and device.trained == []
+
+
+def test_an_update_refusal_is_heard_and_counted_not_obeyed_beyond_that(tmp_path, caplog):
+    server = FakeServer(tmp_path / "s")
+    agent, _, _ = make_agent(tmp_path, server)
+    agent.dispatch(T.refusal("c1"), server.update_refusal("stale"))
+    agent.dispatch(T.refusal("c1"), server.update_refusal("stale"))
+    assert agent.updates_refused == {"stale": 2} and agent.refused is None
+    assert "stale; trained from version 1, the newest is 20" in caplog.text
+    agent.dispatch(T.refusal("c1"), server.update_refusal("stale", client="c2"))
+    assert agent.dropped["client_mismatch"] == 1
+    other = FakeServer(tmp_path / "other")  # a refusal not signed by the pinned key is dropped
+    agent.dispatch(T.refusal("c1"), other.update_refusal("stale"))
+    assert agent.updates_refused == {"stale": 2} and sum(agent.dropped.values()) == 2

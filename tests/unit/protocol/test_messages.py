@@ -10,8 +10,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nefl.protocol.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, Announce, ClientStatus, Control, MessageError, ServerStatus,
-                           Task, nesting_depth)
+from nefl.protocol.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, TASK_VERSION, VERSION, Announce, AnnounceRefusal,
+                                   ClientStatus, Control, MessageError, ServerStatus, Task, UpdateRefusal, message_type,
+                                   nesting_depth)
 from nefl.protocol.signing import KeyPin, Signer, parse_public_key, split_signed, verify
 
 TASK = Task(federation="f", run="r1", round=3, submodel=1, lr=0.1, epochs=1, batch_size=32, profile_hash="abc",
@@ -22,6 +23,8 @@ MESSAGES = [
     TASK,
     Control(federation="f", run="r1", event="end"),
     ServerStatus(state="training", federation="f", run="r1", round=2, rounds=5, profile={"name": "x", "submodels": [{}]}),
+    msgspec.structs.replace(TASK, mode="buffered", version=7),
+    UpdateRefusal(client="c1", federation="f", run="r1", round=9, submodel=0, version=1, current=20, reason="stale"),
 ]
 
 # hostile JSON: any nesting of any JSON value, including the constants Python's json would accept
@@ -57,6 +60,34 @@ def test_each_kind_of_bad_announce_has_its_reason(payload, reason):
     with pytest.raises(MessageError) as e:
         Announce.from_json(payload)
     assert e.value.reason == reason
+
+
+def test_a_task_of_wire_version_2_is_read_as_a_sync_task_and_other_versions_are_refused():
+    body = json.loads(TASK.to_json())
+    assert body["v"] == TASK_VERSION == 3
+    old = {k: v for k, v in body.items() if k not in ("mode", "version")} | {"v": VERSION}  # what a sync server sends
+    task = Task.from_json(json.dumps(old).encode())
+    assert (task.mode, task.model_round) == ("sync", 3)
+    assert msgspec.structs.replace(TASK, mode="buffered", version=7).model_round == 7
+    for v in (1, 4):
+        with pytest.raises(MessageError) as e:
+            Task.from_json(json.dumps({**body, "v": v}).encode())
+        assert e.value.reason == "bad_version"
+    with pytest.raises(MessageError) as e:
+        Control.from_json(json.dumps({**json.loads(Control(federation="f", run="r", event="end").to_json()), "v": 3}).encode())
+    assert e.value.reason == "bad_version"  # only a message that says so reads another version
+    with pytest.raises(MessageError) as e:
+        Task.from_json(json.dumps({**body, "mode": "async"}).encode())
+    assert e.value.reason == "invalid_task"
+
+
+def test_message_type_tells_the_refusals_apart():
+    refusal = AnnounceRefusal(client="c", federation="f", run="r", reason="revoked")
+    assert message_type(refusal.to_json()) == "announce_refusal"
+    assert message_type(UpdateRefusal(client="c", federation="f", run="r", round=1, submodel=0, version=0, current=0,
+                                      reason="stale").to_json()) == "update_refusal"
+    for junk in (b"", b"[1]", b"{", b'{"type": 3}', b"\xff"):
+        assert message_type(junk) == ""
 
 
 def test_task_ranges_are_checked():
