@@ -85,7 +85,7 @@ def batched_train(model: nn.Module, start: dict[str, torch.Tensor], loaders: Seq
             x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
             loss, hits = losses_of(params, state, x, y)
             leaves = list(params.values())
-            grads = torch.autograd.grad(loss.sum(), leaves)
+            grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True, materialize_grads=True)
             with torch.no_grad():
                 bufs = _sgd_step(leaves, list(grads), bufs, config)
             loss_sum += loss.detach().double() * y.shape[1]
