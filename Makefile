@@ -6,7 +6,7 @@ FLOWER_VENV ?= .venv-flower
 FLOWER_PY := $(FLOWER_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env env-flower wheel system-deps test test-extended test-all test-under-load test-fast demo demo-fedjigsaw bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower lint clean
+.PHONY: env env-flower wheel system-deps test test-extended test-all test-under-load test-fast demo demo-fedjigsaw bench-systems bench-ingest bench-scale bench-observability bench-accuracy bench-fedjigsaw bench-robust bench-attacks-serve bench-control-plane bench-flower bench-sim lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -71,6 +71,9 @@ bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_accuracy.py
 	$(PY) benchmarks/bench_accuracy.py --families
+
+bench-sim: env system-deps  ## the simulator's rounds per second and time outside training: main's code vs this tree's one-by-one and --batch-clients paths on one seeded run (about 6 minutes on 2 cores; DEVICE=cuda on a GPU), the paper protocol's estimated time -> docs/benchmarks.md
+	$(PY) benchmarks/bench_sim.py --device $(or $(DEVICE),cpu)
 
 bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRolex and its ablations on Fashion-MNIST, about 4 h on 2 free cores at the default budget, resumable -> docs/fedjigsaw.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'

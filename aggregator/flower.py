@@ -275,7 +275,8 @@ def round_metrics(facts: Mapping[str, Any]) -> MetricRecord:
 
 
 # -- the ServerApp: run config -> strategy --------------------------------------------------------
-_SIM_KEYS = {f.name for f in dataclasses.fields(SimConfig)} - {"robustness", "attack", "attackers"}
+# batch_clients and bf16 are the in-process simulator's: Flower's nodes train one client each
+_SIM_KEYS = {f.name for f in dataclasses.fields(SimConfig)} - {"robustness", "attack", "attackers", "batch_clients", "bf16"}
 _FLOWER_KEYS = {f.name for f in dataclasses.fields(FlowerSettings)}
 _AGGREGATION_KEYS = {"aggregator": "rule", "centre_check": "centre_check"}
 

@@ -14,7 +14,7 @@ import json
 import math
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,12 +30,13 @@ from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.attack_oracle import PipelineOracle
 from nefl.aggregation.attacks import Attack, Knowledge, craft, poison_dataset, triggered_test
 from nefl.aggregation.pipeline import Pipeline
-from nefl.nested.data import ArrayDataset, load_dataset
+from nefl.nested.data import ArrayDataset, BatchLoader, load_dataset
 from nefl.nested.methods import Method
 from nefl.nested.population import client_batches, client_ids, partitions, tier_bound, tier_of, train_seed
 from nefl.nested.profile import load_profile
 from nefl.nested.state import GlobalState, Layout
-from nefl.nested.train import TrainConfig, local_train
+from nefl.nested.batched import batched_train
+from nefl.nested.train import TrainConfig, TrainResult, local_train
 from nefl.protocol.messages import Announce
 
 FEDERATION = "simulation"
@@ -70,6 +71,8 @@ class SimConfig:
     root_samples: int = DEFAULT_ROOT_SAMPLES  # FLTrust's root set: the last test images (left out of evaluation)
     attack: Attack | None = None  # what the hostile clients do
     attackers: float = 0.0  # the share of clients that are hostile (a seeded draw)
+    batch_clients: bool = False  # clients of one submodel and sample count trained together (nefl/nested/batched.py)
+    bf16: bool = False  # bfloat16 autocast for local training
 
 
 @dataclass
@@ -195,9 +198,7 @@ class Simulator(RoundTransport):
         """Train every participant, turn the attackers' into attacks (the omniscient ones see the honest updates), and hand all of them to the Federation in id order."""
         t0 = time.perf_counter()
         train_cfg = self.train_cfg.for_round(index - 1, self.cfg.rounds)
-        trained: dict[str, tuple[int, Any]] = {}
-        for cid, k in sorted(fed.round.assignments.items()):
-            trained[cid] = (k, self._train(cid, k, index, train_cfg))
+        trained = self._train_all(fed.round.assignments, index, train_cfg)
         # every attack crafted before any update is accepted: the aggregate may scale what it was given in place
         uploads = {cid: self._attack(cid, k, res.delta, trained) if cid in self.attackers else res.delta
                    for cid, (k, res) in sorted(trained.items())}
@@ -215,17 +216,37 @@ class Simulator(RoundTransport):
                        "train_loss": statistics.fmean(res.loss for _, res in trained.values()),
                        "attackers": sorted(self.attackers & set(trained))}
 
-    def _train(self, cid: str, k: int, index: int, train_cfg: TrainConfig):
+    def _train_all(self, assignments: dict[str, int], index: int,
+                   train_cfg: TrainConfig) -> dict[str, tuple[int, TrainResult]]:
+        """Every participant's (submodel, training result), in id order: one after the other, or with
+        `batch_clients` the clients of one submodel and sample count together (their batches have one size)."""
+        loaders = {cid: self._loader(cid, index) for cid in assignments}
+        groups: dict[object, list[str]] = defaultdict(list)
+        for cid, k in sorted(assignments.items()):
+            groups[(k, loaders[cid].num_samples) if self.cfg.batch_clients else cid].append(cid)
+        trained: dict[str, tuple[int, TrainResult]] = {}
+        autocast = torch.bfloat16 if self.cfg.bf16 else None
+        for cids in groups.values():
+            k = assignments[cids[0]]
+            start, upload = self.fed.state.extract(self.layout, k), self.layout.upload_shapes(k)
+            if len(cids) == 1:
+                results = [local_train(self.modules[k], start, loaders[cids[0]], train_cfg, upload=upload,
+                                       device=self.device, autocast=autocast)]
+            else:
+                results = batched_train(self.modules[k], start, [loaders[c] for c in cids], train_cfg, upload=list(upload),
+                                        device=self.device, autocast=autocast)
+            trained.update((c, (k, r)) for c, r in zip(cids, results))
+        return dict(sorted(trained.items()))
+
+    def _loader(self, cid: str, index: int) -> BatchLoader:
+        """The client's batches of round `index` (its poisoned copy of them when it attacks the data)."""
         c = self.client_index[cid]
         attack = self.cfg.attack
         seed = train_seed(self.cfg.seed, index, c)
         if cid in self.attackers and attack.on_data:
             data = poison_dataset(self.train, self.parts[c], attack, self.layout.profile.num_classes, seed)
-            loader = client_batches(data, None, self.cfg.batch_size, seed)
-        else:
-            loader = client_batches(self.train, self.parts[c], self.cfg.batch_size, seed)
-        return local_train(self.modules[k], self.fed.state.extract(self.layout, k), loader, train_cfg,
-                           upload=self.layout.upload_shapes(k), device=self.device)
+            return client_batches(data, None, self.cfg.batch_size, seed)
+        return client_batches(self.train, self.parts[c], self.cfg.batch_size, seed)
 
     def _attack(self, cid: str, k: int, delta: dict[str, torch.Tensor], trained: dict) -> dict[str, torch.Tensor]:
         honest = [res.delta for c, (kk, res) in sorted(trained.items()) if kk == k and c not in self.attackers]

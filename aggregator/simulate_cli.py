@@ -49,6 +49,14 @@ class SimEval:
     final_eval_samples: FinalEvalSamplesOption() = None
 
 
+@option_group("Speed")
+class SimSpeed:
+    batch_clients: Annotated[bool, typer.Option(
+        help="Train the clients of one submodel and sample count together (torch.func.vmap): for GPUs; the same "
+             "results up to float order; on a CPU no faster (`make bench-sim`).")] = False
+    bf16: Annotated[bool, typer.Option(help="bfloat16 autocast for local training (GPUs with bfloat16).")] = False
+
+
 @option_group("Attack (docs/security.md)")
 class AttackOptions:
     attack: Annotated[Optional[str], typer.Option(
@@ -85,6 +93,7 @@ def simulate_command(
     evaluation: SimEval,
     hostile: AttackOptions,
     fleet: FleetOptions,
+    speed: SimSpeed,
 ) -> None:
     """Simulate a NeFL federation (or a baseline) on a real dataset and print per-submodel accuracy.
 
@@ -97,6 +106,8 @@ def simulate_command(
         from nefl.nested.state import GlobalState
     if per_round > clients:
         raise typer.BadParameter(f"--per-round {per_round} exceeds --clients {clients}")
+    if fleet.mode and (speed.batch_clients or speed.bf16):
+        raise typer.BadParameter("--batch-clients and --bf16 apply to the round simulator, not to --mode")
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -105,6 +116,7 @@ def simulate_command(
         # the groups' fields are SimConfig's, by name
         cfg = SimConfig(profile, method, clients=clients, per_round=per_round, rounds=rounds, seed=seed, out=out,
                         device=device, assignment=assignment, **asdict(data), **asdict(training), **asdict(evaluation),
+                        **asdict(speed),
                         lr_schedule=run.lr_schedule, warmup_rounds=run.warmup_rounds,
                         robustness=fleet_robustness(run.robust) if fleet.mode else run.robust.robustness(),
                         root_samples=run.robust.root_samples, attack=attack, attackers=hostile.attackers if attack else 0.0)

@@ -33,7 +33,7 @@ class TrainResult:
 def local_train(
     model: nn.Module, start: dict[str, torch.Tensor], batches: Batches, config: TrainConfig,
     upload: Iterable[str] | None = None, device: str = "cpu", time_budget_s: float | None = None,
-    step_estimate_s: float = 0.0,
+    step_estimate_s: float = 0.0, autocast: torch.dtype | None = None,
 ) -> TrainResult:
     """Train from `start` for `config.local_epochs` passes over `batches` (already cut at the batch
     size by the caller) at `config.lr`; return the delta of `upload` names.
@@ -43,7 +43,9 @@ def local_train(
     round deadline allows trains what fits instead of refusing the round, and does not overrun its
     deadline by a step. `metrics` says how many steps ran and whether the budget cut the epochs
     short; `num_samples` is the samples seen in the last (possibly partial) pass. OutOfTime when not
-    even the first step fits."""
+    even the first step fits. `autocast`: a lower precision (torch.bfloat16) for the forward pass.
+    Loss and accuracy are summed on the device (no host synchronisation per step), in float64 as
+    Python's floats would be."""
     load_module_state(model, start)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -51,31 +53,35 @@ def local_train(
     loss_fn = nn.CrossEntropyLoss()
     t0 = time.perf_counter()
     steps = 0
-    last_pass = (0, 0, 0.0)  # (seen, correct, loss sum) of the last pass that took a step
+    last_pass: tuple = (0, 0, 0.0)  # (seen, correct, loss sum) of the last pass that took a step
     out_of_time = False
     for _ in range(config.local_epochs):
         if out_of_time:
             break
-        seen = correct = 0
-        loss_sum = 0.0
+        seen = 0
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for x, y in batches:
             elapsed = time.perf_counter() - t0
             if time_budget_s is not None and elapsed + (elapsed / steps if steps else step_estimate_s) > time_budget_s:
                 out_of_time = True
                 break
             x, y = x.to(device), y.to(device)
+            if time_budget_s is not None and torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)  # the budget is wall time: the steps still queued count
             opt.zero_grad(set_to_none=True)
-            out = model(x)
-            loss = loss_fn(out, y)
+            with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(x)
+                loss = loss_fn(out if autocast is None else out.float(), y)
             loss.backward()
             opt.step()
-            loss_sum += loss.item() * len(y)
-            correct += (out.argmax(1) == y).sum().item()
+            loss_sum += loss.detach().double() * len(y)
+            correct += (out.argmax(1) == y).sum()
             seen += len(y)
             steps += 1
         if seen:
             last_pass = (seen, correct, loss_sum)
-    seen, correct, loss_sum = last_pass
+    seen, correct, loss_sum = last_pass[0], int(last_pass[1]), float(last_pass[2])
     if steps == 0 and out_of_time:
         raise OutOfTime(f"not even one step fits the {time_budget_s:.1f} s left (a step takes about {step_estimate_s:.2f} s)")
     if seen == 0:
