@@ -42,7 +42,8 @@ class AggregationConfig:
     tensor_clip: float = 3.0
     tensor_noise: float = 0.0  # Gaussian noise on each kept update after clipping: std = this x its tensor's reference
     # with the centre check: consistent tensors of at most coordinate_max elements (the classifier) merged per element by
-    # a trimmed mean cutting this fraction of the covering kept copies at each end (nefl/aggregation/coordinate.py); 0: off
+    # a trimmed mean cutting this fraction (at least one) of the covering kept copies at each end where min_cover cover an
+    # element (nefl/aggregation/coordinate.py); 0: off
     coordinate_trim: float = 0.2
     coordinate_max: int = 1024
 

@@ -5,11 +5,12 @@ toward one class moves every submodel's output while the rest of its update stay
 (nefl/aggregation/tensor_screen.py) leave it up to `tensor_clip` x the round's median per tensor, and a mean passes
 every clipped push on. Under non-IID data honest copies of these tensors point apart (their per-tensor cosines sit
 near zero), so no direction vote can judge them. So each consistent tensor of at most `coordinate_max` elements is
-merged per element: of the c kept updates that cover an element, floor(`coordinate_trim` x c) are cut at each end
-and the rest averaged (unweighted), in place of the rule's average, wherever at least one is cut and c >= `min_cover`.
+merged per element: of the c kept updates that cover an element, max(1, floor(`coordinate_trim` x c)) are cut at each
+end and the rest averaged (unweighted), in place of the rule's average, wherever c >= `min_cover`: in a round of three
+(`serve` with few devices) the element's median, so one attacker of three moves it no further than the honest edge.
 An attacker who knows the rule can still place its value at the edge of the honest values it cannot see, a bias of
-at most the honest spread per element; where fewer updates cover an element (a wide submodel's outer columns in a
-small round) nothing is cut and the rule's average stands, left to the step bound at commit.
+at most the honest spread per element; where fewer than `min_cover` updates cover an element (a wide submodel's outer
+columns) nothing is cut and the rule's average stands, left to the step bound at commit.
 
 Nested coverage: a copy of submodel k covers the leading corner of its shape, so each element's pool is the copies
 whose corner holds it (NaN elsewhere, sorted last). Cost: a copy of these tensors per kept update (a few KiB) and one
@@ -36,17 +37,17 @@ def small_tensors(layout: Layout, most: int) -> frozenset[str]:
 
 def trimmed(copies: list[torch.Tensor], shape: torch.Size, trim: float, least: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per element of a tensor of `shape`, the mean of the copies covering it (each in its leading corner) after
-    floor(`trim` x count) are cut at each end, and where that applies: at least one cut and `least` copies."""
+    max(1, floor(`trim` x count)) are cut at each end, and where that applies: where `least` (>= 3) copies cover it."""
     stack = torch.full((len(copies), *shape), math.nan, dtype=torch.float64)
     for i, c in enumerate(copies):
         stack[i][corner(c.shape)] = c.double()
     count = (~stack.isnan()).sum(0)
-    cut = torch.floor(trim * count).long()
+    cut = torch.floor(trim * count).long().clamp_min(1)
     ordered = stack.sort(0).values  # NaN last
     rank = torch.arange(len(copies)).view(-1, *([1] * len(shape)))
     keep = (rank >= cut) & (rank < count - cut)
     mean = torch.where(keep, ordered, 0.0).sum(0) / (count - 2 * cut).clamp_min(1)
-    return mean, (cut >= 1) & (count >= least)
+    return mean, count >= least
 
 
 class Copies:
