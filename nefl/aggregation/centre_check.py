@@ -53,7 +53,11 @@ class Screened(RoundAggregate):
     from the history where the round is too thin. A per-submodel tensor's copy that fewer than `min_cover` of the
     round's updates carry is left to the step bound at commit, whole: neither clipped here nor counted in the
     whole-update clip (a submodel's running statistics, first trained or repaired after a bad round, are most of
-    an honest update's norm and would have the rest of it scaled down)."""
+    an honest update's norm and would have the rest of it scaled down).
+
+    The small shared tensors (the classifier; at most `coordinate_max` elements) of the kept updates, as clipped, are
+    also held, and at finalize merged per element by a trimmed mean in place of the rule's average
+    (nefl/aggregation/coordinate.py): no direction vote judges them under non-IID data."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
@@ -299,7 +303,7 @@ class Screened(RoundAggregate):
     @property
     def held_bytes(self) -> int:
         return (self.inner.held_bytes + tensor_bytes(t for h, _, _ in self.pending for t in h.delta.values())
-                + tensor_bytes([self.sketches[:self.count]]))
+                + tensor_bytes([self.sketches[:self.count], *self.copies.held]))
 
     def finalize(self, state: GlobalState) -> GlobalState:
         self._check_open()

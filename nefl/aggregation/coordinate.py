@@ -55,20 +55,25 @@ class Copies:
 
     def __init__(self, names: frozenset[str], trim: float, least: int) -> None:
         self.names, self.trim, self.least = names, trim, least
-        self.held: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self.by_name: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.complete = True  # False once partials without copies were merged in
 
     def add(self, delta: Mapping[str, torch.Tensor]) -> None:
         """A kept update's small tensors, as the rule receives them (after the clips)."""
         for name in self.names & delta.keys():
-            self.held[name].append(delta[name].detach().to(torch.float32, copy=True))
+            self.by_name[name].append(delta[name].detach().to(torch.float32, copy=True))
+
+    @property
+    def held(self) -> list[torch.Tensor]:
+        """Every copy held (for the aggregate's held bytes)."""
+        return [c for copies in self.by_name.values() for c in copies]
 
     def apply(self, old: GlobalState, new: GlobalState) -> int:
         """`new`'s small tensors replaced, where trimming applies, by `old` + the trimmed mean; the elements replaced."""
         if not self.complete:
             return 0
         replaced = 0
-        for name, copies in self.held.items():
+        for name, copies in self.by_name.items():
             if len(copies) < self.least:
                 continue
             base = old.consistent[name]
