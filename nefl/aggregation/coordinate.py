@@ -9,8 +9,13 @@ merged per element: of the c kept updates that cover an element, max(1, floor(`c
 end and the rest averaged (unweighted), in place of the rule's average, wherever c >= `min_cover`: in a round of three
 (`serve` with few devices) the element's median, so one attacker of three moves it no further than the honest edge.
 An attacker who knows the rule can still place its value at the edge of the honest values it cannot see, a bias of
-at most the honest spread per element; where fewer than `min_cover` updates cover an element (a wide submodel's outer
-columns) nothing is cut and the rule's average stands, left to the step bound at commit.
+at most the honest spread per element. Nesting concentrates attackers: the outer columns of the classifier's weight
+are covered only by the updates of the wider submodels, where an attacker on one of them is a larger share than 20%
+(or the only other copy). So an element fewer copies cover than the tensor's best covered ones (all of the round's
+updates that carry it) has its step, trimmed or the rule's average where fewer than `min_cover` cover it, clamped to
+the range of the best covered steps of its row (a class's row of the classifier: the same class, the features the
+smaller submodels share), or of the whole tensor for a row with none; a nested model's submodels share structure, so
+an honest outer step rarely leaves that range, and a push on one class's row is held to that class's honest steps.
 
 Nested coverage: a copy of submodel k covers the leading corner of its shape, so each element's pool is the copies
 whose corner holds it (NaN elsewhere, sorted last). Cost: a copy of these tensors per kept update (a few KiB) and one
@@ -35,9 +40,9 @@ def small_tensors(layout: Layout, most: int) -> frozenset[str]:
                      if n not in layout.inconsistent and n not in layout.local and 0 < s.numel() <= most)
 
 
-def trimmed(copies: list[torch.Tensor], shape: torch.Size, trim: float, least: int) -> tuple[torch.Tensor, torch.Tensor]:
+def trimmed(copies: list[torch.Tensor], shape: torch.Size, trim: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per element of a tensor of `shape`, the mean of the copies covering it (each in its leading corner) after
-    max(1, floor(`trim` x count)) are cut at each end, and where that applies: where `least` (>= 3) copies cover it."""
+    max(1, floor(`trim` x count)) are cut at each end, and how many copies cover it."""
     stack = torch.full((len(copies), *shape), math.nan, dtype=torch.float64)
     for i, c in enumerate(copies):
         stack[i][corner(c.shape)] = c.double()
@@ -46,8 +51,22 @@ def trimmed(copies: list[torch.Tensor], shape: torch.Size, trim: float, least: i
     ordered = stack.sort(0).values  # NaN last
     rank = torch.arange(len(copies)).view(-1, *([1] * len(shape)))
     keep = (rank >= cut) & (rank < count - cut)
-    mean = torch.where(keep, ordered, 0.0).sum(0) / (count - 2 * cut).clamp_min(1)
-    return mean, count >= least
+    return torch.where(keep, ordered, 0.0).sum(0) / (count - 2 * cut).clamp_min(1), count
+
+
+def within_rows(step: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`step` with each element that fewer copies cover than the tensor's best covered clamped to the range of the
+    best covered steps of its row (dim 0), or of the whole tensor for a row with none of them."""
+    core = count == count.max()
+    if bool(core.all()):
+        return step
+    rows, mask = step.reshape(len(step), -1), core.reshape(len(step), -1)
+    inf = torch.tensor(math.inf, dtype=step.dtype)
+    lo, hi = torch.where(mask, rows, inf).amin(1), torch.where(mask, rows, -inf).amax(1)
+    empty = ~mask.any(1)
+    lo[empty], hi[empty] = rows[mask].min(), rows[mask].max()
+    clamped = rows.clamp(lo.unsqueeze(1), hi.unsqueeze(1)).reshape(step.shape)
+    return torch.where(core, step, clamped)
 
 
 class Copies:
@@ -69,15 +88,19 @@ class Copies:
         return [c for copies in self.by_name.values() for c in copies]
 
     def apply(self, old: GlobalState, new: GlobalState) -> int:
-        """`new`'s small tensors replaced, where trimming applies, by `old` + the trimmed mean; the elements replaced."""
+        """`new`'s small tensors' steps replaced by the trimmed mean where `least` copies cover an element, and those of
+        elements fewer copies cover than the best covered ones held to the range of their row's best covered steps
+        (`within_rows`); the elements whose step changed."""
         if not self.complete:
             return 0
-        replaced = 0
+        changed = 0
         for name, copies in self.by_name.items():
             if len(copies) < self.least:
                 continue
-            base = old.consistent[name]
-            mean, where = trimmed(copies, base.shape, self.trim, self.least)
-            new.consistent[name] = torch.where(where, (base.double() + mean).to(base.dtype), new.consistent[name])
-            replaced += int(where.sum())
-        return replaced
+            base = old.consistent[name].double()
+            mean, count = trimmed(copies, base.shape, self.trim)
+            step = within_rows(torch.where(count >= self.least, mean, new.consistent[name].double() - base), count)
+            stepped = (base + step).to(old.consistent[name].dtype)
+            changed += int((stepped != new.consistent[name]).sum())
+            new.consistent[name] = stepped
+        return changed
