@@ -14,8 +14,9 @@ are covered only by the updates of the wider submodels, where an attacker on one
 (or the only other copy). So an element fewer copies cover than the tensor's best covered ones (all of the round's
 updates that carry it) has its step, trimmed or the rule's average where fewer than `min_cover` cover it, clamped to
 the range of the best covered steps of its row (a class's row of the classifier: the same class, the features the
-smaller submodels share), or of the whole tensor for a row with none; a nested model's submodels share structure, so
-an honest outer step rarely leaves that range, and a push on one class's row is held to that class's honest steps.
+smaller submodels share), widened by sqrt of how many more copies those average (a mean of fewer honest copies
+spreads wider); a nested model's submodels share structure, so a push on one class's row is held near that class's
+honest steps. A row with none of the best covered (the stem conv's outer output channels) keeps its steps.
 
 Nested coverage: a copy of submodel k covers the leading corner of its shape, so each element's pool is the copies
 whose corner holds it (NaN elsewhere, sorted last). Cost: a copy of these tensors per kept update (a few KiB) and one
@@ -54,19 +55,27 @@ def trimmed(copies: list[torch.Tensor], shape: torch.Size, trim: float) -> tuple
     return torch.where(keep, ordered, 0.0).sum(0) / (count - 2 * cut).clamp_min(1), count
 
 
-def within_rows(step: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """`step` with each element that fewer copies cover than the tensor's best covered clamped to the range of the
-    best covered steps of its row (dim 0), or of the whole tensor for a row with none of them."""
+def averaged(count: torch.Tensor, trim: float, least: int) -> torch.Tensor:
+    """Per element, how many copies its step averages: those left by `trimmed` where `least` cover it, else all."""
+    cut = torch.floor(trim * count).long().clamp_min(1)
+    return torch.where(count >= least, count - 2 * cut, count)
+
+
+def within_rows(step: torch.Tensor, count: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """`step` with each element that fewer copies cover than the tensor's best covered, in a row (dim 0) that holds
+    some of those, clamped to the range of that row's best covered steps, its ends scaled away from 0 by sqrt(copies
+    averaged there / copies averaged here) (`kept`, per element: an honest mean of fewer copies spreads that much wider). A row with
+    none of them keeps its steps."""
     core = count == count.max()
     if bool(core.all()):
         return step
     rows, mask = step.reshape(len(step), -1), core.reshape(len(step), -1)
     inf = torch.tensor(math.inf, dtype=step.dtype)
-    lo, hi = torch.where(mask, rows, inf).amin(1), torch.where(mask, rows, -inf).amax(1)
-    empty = ~mask.any(1)
-    lo[empty], hi[empty] = rows[mask].min(), rows[mask].max()
-    clamped = rows.clamp(lo.unsqueeze(1), hi.unsqueeze(1)).reshape(step.shape)
-    return torch.where(core, step, clamped)
+    lo, hi = torch.where(mask, rows, inf).amin(1, keepdim=True), torch.where(mask, rows, -inf).amax(1, keepdim=True)
+    widen = (kept[core].max() / kept.clamp_min(1)).sqrt().reshape(rows.shape)
+    clamped = torch.minimum(torch.maximum(rows, torch.minimum(lo, lo * widen)), torch.maximum(hi, hi * widen))
+    clamped = clamped.reshape(step.shape)
+    return torch.where(core | ~mask.any(1).reshape(-1, *([1] * (step.dim() - 1))), step, clamped)
 
 
 class Copies:
@@ -99,7 +108,8 @@ class Copies:
                 continue
             base = old.consistent[name].double()
             mean, count = trimmed(copies, base.shape, self.trim)
-            step = within_rows(torch.where(count >= self.least, mean, new.consistent[name].double() - base), count)
+            step = torch.where(count >= self.least, mean, new.consistent[name].double() - base)
+            step = within_rows(step, count, averaged(count, self.trim, self.least))
             stepped = (base + step).to(old.consistent[name].dtype)
             changed += int((stepped != new.consistent[name]).sum())
             new.consistent[name] = stepped

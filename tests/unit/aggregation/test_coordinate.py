@@ -71,25 +71,33 @@ def test_a_bias_push_moves_the_classifier_bias_no_further_than_the_honest_edge(p
 
 @pytest.mark.parametrize("seed", range(4))
 def test_within_rows_holds_thin_elements_to_their_rows_best_covered_range(seed: int) -> None:
-    """Each element covered by fewer copies than the tensor's best covered is clamped to the [min, max] of its row's
-    best covered steps (the whole tensor's where its row has none); the best covered are left as they are."""
+    """Each element covered by fewer copies than the tensor's best covered, in a row holding some of those, is clamped
+    to [min, max] of its row's best covered steps, each end scaled away from 0 by sqrt(the most copies averaged / its
+    own); the best covered and the rows without any are left as they are."""
     gen = torch.Generator().manual_seed(seed)
     step = torch.randn(5, 7, generator=gen, dtype=torch.float64) * 3
     count = torch.randint(1, 4, (5, 7), generator=gen)
     count[0, 0] = 4
-    out = within_rows(step, count)
+    count[4] = torch.randint(1, 4, (7,), generator=gen)
+    kept = (count - 1).clamp_min(1)
+    out = within_rows(step, count, kept)
     core = count == 4
     for i in range(5):
-        row = [float(step[i, j]) for j in range(7) if core[i, j]] or [float(v) for v in step[core]]
+        row = [float(step[i, j]) for j in range(7) if core[i, j]]
         for j in range(7):
-            want = float(step[i, j]) if core[i, j] else min(max(float(step[i, j]), min(row)), max(row))
+            want = float(step[i, j])
+            if row and not core[i, j]:
+                w = math.sqrt(float(kept[core].max()) / float(kept[i, j]))
+                lo, hi = min(row), max(row)
+                want = min(max(want, min(lo, lo * w)), max(hi, hi * w))
             assert float(out[i, j]) == pytest.approx(want)
 
 
 def test_a_push_on_the_outer_columns_of_the_classifier_is_held_to_its_rows_honest_steps() -> None:
     """Honest updates of three submodels and one attacker on the widest, pushing its copy of one class's classifier
     row, whose outer columns only the widest submodel's two updates (too few to trim) cover: every committed step of
-    that row lies within the range of the row's honest steps in the columns all seven cover."""
+    that row lies within sqrt(5) (copies averaged in the core / in the outer columns) x the range of the row's honest
+    steps in the columns all seven cover."""
     layout = Layout.build(tiny_profile(WIDTHS))
     weight = next(n for n in sorted(small_tensors(layout, 1024)) if n.endswith("weight") and layout.global_shapes[n][0] == 5)
     state, gen = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(3)
@@ -105,4 +113,5 @@ def test_a_push_on_the_outer_columns_of_the_classifier_is_held_to_its_rows_hones
     assert inner < layout.global_shapes[weight][1]
     honest_core = [float(d[weight][1, j]) for _, d in ups[:-1] for j in range(inner)]
     step = new.consistent[weight][1] - state.consistent[weight][1]
-    assert min(honest_core) - 1e-6 <= float(step.min()) and float(step.max()) <= max(honest_core) + 1e-6
+    widen = math.sqrt(5 / 2)
+    assert min(honest_core) * widen - 1e-6 <= float(step.min()) and float(step.max()) <= max(honest_core) * widen + 1e-6
