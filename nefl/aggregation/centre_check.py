@@ -97,7 +97,7 @@ class Screened(RoundAggregate):
         self.judged = self.agreed = 0  # voters judged, and those that reached `min_agree`
         # the small shared tensors (the classifier) of the kept updates: merged per element at finalize
         small = small_tensors(inner.layout, cfg.coordinate_max) if cfg.coordinate_trim > 0 else frozenset()
-        self.copies = Copies(small, cfg.coordinate_trim, cfg.min_cover)
+        self.copies = Copies(small, cfg.coordinate_trim, cfg.min_cover, cfg.coordinate_rows)
         self.trimmed = 0  # elements whose step is the trimmed mean of their copies
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",

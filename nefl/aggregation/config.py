@@ -46,6 +46,9 @@ class AggregationConfig:
     # element (nefl/aggregation/coordinate.py); 0: off
     coordinate_trim: float = 0.2
     coordinate_max: int = 1024
+    # also clamp an element fewer copies cover than the tensor's best covered to its row's best covered range (widened);
+    # off by default: it slows honest learning of the outer columns (docs/security.md, "The classifier merged per element")
+    coordinate_rows: bool = False
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold

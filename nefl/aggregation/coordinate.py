@@ -11,7 +11,8 @@ end and the rest averaged (unweighted), in place of the rule's average, wherever
 An attacker who knows the rule can still place its value at the edge of the honest values it cannot see, a bias of
 at most the honest spread per element. Nesting concentrates attackers: the outer columns of the classifier's weight
 are covered only by the updates of the wider submodels, where an attacker on one of them is a larger share than 20%
-(or the only other copy). So an element fewer copies cover than the tensor's best covered ones (all of the round's
+(or the only other copy). So, as an option (`coordinate_rows`, off by default: it slows honest learning of those
+columns, docs/security.md), an element fewer copies cover than the tensor's best covered ones (all of the round's
 updates that carry it) has its step, trimmed or the rule's average where fewer than `min_cover` cover it, clamped to
 the range of the best covered steps of its row (a class's row of the classifier: the same class, the features the
 smaller submodels share), widened by sqrt of how many more copies those average (a mean of fewer honest copies
@@ -81,8 +82,8 @@ def within_rows(step: torch.Tensor, count: torch.Tensor, kept: torch.Tensor) -> 
 class Copies:
     """The kept updates' copies of the small tensors of one round."""
 
-    def __init__(self, names: frozenset[str], trim: float, least: int) -> None:
-        self.names, self.trim, self.least = names, trim, least
+    def __init__(self, names: frozenset[str], trim: float, least: int, rows: bool = False) -> None:
+        self.names, self.trim, self.least, self.rows = names, trim, least, rows
         self.by_name: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.complete = True  # False once partials without copies were merged in
 
@@ -98,8 +99,8 @@ class Copies:
 
     def apply(self, old: GlobalState, new: GlobalState) -> int:
         """`new`'s small tensors' steps replaced by the trimmed mean where `least` copies cover an element, and those of
-        elements fewer copies cover than the best covered ones held to the range of their row's best covered steps
-        (`within_rows`); the elements whose step changed."""
+        elements fewer copies cover than the best covered ones, with `rows`, held to the range of their row's best
+        covered steps (`within_rows`); the elements whose step changed."""
         if not self.complete:
             return 0
         changed = 0
@@ -109,7 +110,8 @@ class Copies:
             base = old.consistent[name].double()
             mean, count = trimmed(copies, base.shape, self.trim)
             step = torch.where(count >= self.least, mean, new.consistent[name].double() - base)
-            step = within_rows(step, count, averaged(count, self.trim, self.least))
+            if self.rows:
+                step = within_rows(step, count, averaged(count, self.trim, self.least))
             stepped = (base + step).to(old.consistent[name].dtype)
             changed += int((stepped != new.consistent[name]).sum())
             new.consistent[name] = stepped

@@ -94,7 +94,7 @@ def test_within_rows_holds_thin_elements_to_their_rows_best_covered_range(seed: 
 
 
 def test_a_push_on_the_outer_columns_of_the_classifier_is_held_to_its_rows_honest_steps() -> None:
-    """Honest updates of three submodels and one attacker on the widest, pushing its copy of one class's classifier
+    """With `coordinate_rows`: honest updates of three submodels and one attacker on the widest, pushing its copy of one class's classifier
     row, whose outer columns only the widest submodel's two updates (too few to trim) cover: every committed step of
     that row lies within sqrt(5) (copies averaged in the core / in the outer columns) x the range of the row's honest
     steps in the columns all seven cover."""
@@ -103,7 +103,7 @@ def test_a_push_on_the_outer_columns_of_the_classifier_is_held_to_its_rows_hones
     state, gen = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(3)
     ups = [(k, honest(layout, k, gen)) for k in (0, 0, 0, 1, 1, 2, 2)]
     ups[-1][1][weight][1] += 5.0
-    pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig()))
+    pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig(coordinate_rows=True)))
     agg = pipeline.begin_round(state, {f"c{i}": k for i, (k, _) in enumerate(ups)}, 1)
     for i, (k, d) in enumerate(ups):
         agg.add(k, {n: t.clone() for n, t in d.items()}, client=f"c{i}")
