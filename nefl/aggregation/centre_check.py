@@ -13,6 +13,7 @@ import torch
 from nefl.aggregation.aggregate import RoundAggregate, tensor_bytes, update_weight
 from nefl.aggregation.buffered import Held
 from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.coordinate import Copies, small_tensors
 from nefl.aggregation.coverage import Sketch, pairwise_cosines, shared_core
 from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
 from nefl.aggregation.robust import update_norm
@@ -52,7 +53,11 @@ class Screened(RoundAggregate):
     from the history where the round is too thin. A per-submodel tensor's copy that fewer than `min_cover` of the
     round's updates carry is left to the step bound at commit, whole: neither clipped here nor counted in the
     whole-update clip (a submodel's running statistics, first trained or repaired after a bad round, are most of
-    an honest update's norm and would have the rest of it scaled down)."""
+    an honest update's norm and would have the rest of it scaled down).
+
+    The small shared tensors (the classifier; at most `coordinate_max` elements) of the kept updates, as clipped, are
+    also held, and at finalize merged per element by a trimmed mean in place of the rule's average
+    (nefl/aggregation/coordinate.py): no direction vote judges them under non-IID data."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
@@ -89,6 +94,10 @@ class Screened(RoundAggregate):
         self.tensors_clipped: dict[str, int] = {}  # client -> how many of its tensors were scaled to their bound
         self.agreement: dict[str, float] = {}  # client -> the share of the others it points the same way as
         self.judged = self.agreed = 0  # voters judged, and those that reached `min_agree`
+        # the small shared tensors (the classifier) of the kept updates: merged per element at finalize
+        small = small_tensors(inner.layout, cfg.coordinate_max) if cfg.coordinate_trim > 0 else frozenset()
+        self.copies = Copies(small, cfg.coordinate_trim, cfg.min_cover, cfg.coordinate_rows)
+        self.trimmed = 0  # elements whose step is the trimmed mean of their copies
 
     def add_validated(self, k: int, delta: dict[str, torch.Tensor], num_samples: int = 1, *, client: str = "",
                       owned: bool = False) -> None:
@@ -286,17 +295,19 @@ class Screened(RoundAggregate):
                 h.delta[name].mul_(f)
             if self.cfg.tensor_noise > 0:
                 add_noise(h.delta, references, self.cfg.tensor_noise, self.noise)
+            self.copies.add(h.delta)
             self.inner.add_validated(h.k, h.delta, h.samples, client=h.client, owned=True)
 
     @property
     def held_bytes(self) -> int:
         return (self.inner.held_bytes + tensor_bytes(t for h, _, _ in self.pending for t in h.delta.values())
-                + self.sketches[:self.count].nbytes)
+                + self.sketches[:self.count].nbytes + tensor_bytes(self.copies.held))
 
     def finalize(self, state: GlobalState) -> GlobalState:
         self._check_open()
         self._judge_pending()
         new = self.inner.finalize(state)
+        self.trimmed = self.copies.apply(state, new)
         self.dropped = {**self.dropped, **self.inner.dropped}
         self._finalized = True
         return new
@@ -305,7 +316,8 @@ class Screened(RoundAggregate):
         clipped = {c: round(f, 4) for c, f in sorted(self.clipped.items())}
         return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
                 **({"tensors_clipped": dict(sorted(self.tensors_clipped.items()))} if self.tensors_clipped else {}),
-                **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {})}
+                **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {}),
+                **({"trimmed_elements": self.trimmed} if self.trimmed else {})}
 
 
 class ScreenedSums(Screened):
@@ -314,6 +326,7 @@ class ScreenedSums(Screened):
 
     def merge(self, other: Mergeable) -> None:
         self._judge_pending()
+        self.copies.complete = False  # a partial carries no copies of the small tensors: the rule's average stands
         as_mergeable(self.inner).merge(other.inner if isinstance(other, Screened) else other)
         self.updates = [a + b for a, b in zip(self.updates, other.updates)]
 

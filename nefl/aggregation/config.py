@@ -41,6 +41,14 @@ class AggregationConfig:
     # round's median over the updates carrying it and its history; nefl/aggregation/tensor_screen.py)
     tensor_clip: float = 3.0
     tensor_noise: float = 0.0  # Gaussian noise on each kept update after clipping: std = this x its tensor's reference
+    # with the centre check: consistent tensors of at most coordinate_max elements (the classifier) merged per element by
+    # a trimmed mean cutting this fraction (at least one) of the covering kept copies at each end where min_cover cover an
+    # element (nefl/aggregation/coordinate.py); 0: off
+    coordinate_trim: float = 0.2
+    coordinate_max: int = 1024
+    # also clamp an element fewer copies cover than the tensor's best covered to its row's best covered range (widened);
+    # off by default: it slows honest learning of the outer columns (docs/security.md, "The classifier merged per element")
+    coordinate_rows: bool = False
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold
@@ -65,6 +73,10 @@ class AggregationConfig:
                 and self.tensor_noise >= 0):
             raise ValueError(f"need tensor_clip >= 1 and tensor_noise >= 0 (finite), got {self.tensor_clip}, "
                              f"{self.tensor_noise}")
+
+        if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
+            raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "
+                             f"{self.coordinate_max}")
 
     @property
     def spec(self) -> registry.Rule:

@@ -19,8 +19,9 @@ from tests.harness.brute_force import assert_state_close, brute_force
 from tests.harness.helpers import FULL, random_ladder, tiny_profile
 
 WIDTHS = [(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]
-# the vote drops nothing and the whole-update clip never acts: what is left is the per-tensor clip
-SIZE_ONLY = {"min_agree": 0.0, "max_norm_ratio": 1e9}
+# the vote drops nothing, the whole-update clip never acts and nothing is merged per element: what is left is the
+# per-tensor clip
+SIZE_ONLY = {"min_agree": 0.0, "max_norm_ratio": 1e9, "coordinate_trim": 0.0}
 
 
 def rms(t: torch.Tensor) -> float:
