@@ -267,7 +267,8 @@ def main() -> None:
     args = ap.parse_args()
     budget = Budget(time_budget_s=args.time_budget_s)
     seeds = list(range(args.seeds))
-    jobs = [Job(setting, name, seed, budget, args.out) for seed in seeds for setting in SETTINGS for name in args.runs]
+    # setting by setting: a sweep cut short leaves whole settings over every seed
+    jobs = [Job(setting, name, seed, budget, args.out) for setting in SETTINGS for seed in seeds for name in args.runs]
     results = run_sweep(jobs, args.jobs, run_job, load, describe, console)
     lines = report(results, budget, seeds)
     console.print("\n".join(lines))
