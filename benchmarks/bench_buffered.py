@@ -264,12 +264,14 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which of RUNS to run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "buffered"))
     ap.add_argument("--no-doc", action="store_true", help="print the tables, leave docs/results.md alone")
+    ap.add_argument("--report-only", action="store_true", help="report the runs on disk, run none")
     args = ap.parse_args()
     budget = Budget(time_budget_s=args.time_budget_s)
     seeds = list(range(args.seeds))
     # setting by setting: a sweep cut short leaves whole settings over every seed
     jobs = [Job(setting, name, seed, budget, args.out) for setting in SETTINGS for seed in seeds for name in args.runs]
-    results = run_sweep(jobs, args.jobs, run_job, load, describe, console)
+    results = ([r for j in jobs if (r := load(j)) is not None] if args.report_only
+               else run_sweep(jobs, args.jobs, run_job, load, describe, console))
     lines = report(results, budget, seeds)
     console.print("\n".join(lines))
     if not args.no_doc:
