@@ -225,7 +225,8 @@ def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
                        if (f := baseline(by, setting, r["seed"], lambda c: c[-1]["worst"])) is not None]
             met = [criterion(r, by, budget) for r in runs] if RUNS[name].mode == "buffered" else []
             lines.append(
-                f"| {setting} | {name} | {_times([first_time(r['curve'], TARGET) for r in runs])} | {_times(to_base)} | "
+                f"| {setting} | {name}{'' if len(runs) == len(seeds) else f' ({len(runs)} of {len(seeds)} seeds ran)'} | "
+                f"{_times([first_time(r['curve'], TARGET) for r in runs])} | {_times(to_base)} | "
                 f"{_mean_sd([100 * r['curve'][-1]['worst'] for r in runs], '{:.1f}')} | "
                 f"{_mean_sd([100 * r['curve'][-1]['avg'] for r in runs], '{:.1f}')} | "
                 f"{_mean_sd([100 * tail_mean(r['curve'], 'worst') for r in runs], '{:.1f}')} | "
