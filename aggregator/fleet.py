@@ -31,7 +31,10 @@ class FleetConfig:
     load_jitter: float = 0.5  # a task's steps take 1 to 1 + this x as long (the device's other load)
     vanish: float = 0.05  # the chance that a device vanishes during a task (its update never arrives)
     away_s: float = 200.0  # mean simulated seconds a vanished device stays away
-    concurrency: int = 5  # devices training at once (sync: participants per round)
+    concurrency: int = 5  # sync: participants per round
+    # buffered: devices training at once; None: every online device, each starting its next task as its update is
+    # sent (the device side, FedBuff's all-available regime), so fast devices contribute more often
+    in_flight: int | None = None
     deadline: float = 1.5  # sync: a round closes at this x the task budget at the latest
     coverage_lag: int = 4  # buffered: a submodel no task was given for this many versions goes to the next device able
     time_budget_s: float = 3000.0  # simulated seconds the run lasts
@@ -42,8 +45,9 @@ class FleetConfig:
             raise ValueError("need slowest >= 1, step_s > 0, budget > 0 and load_jitter >= 0")
         if not 0 <= self.vanish < 1 or not self.away_s > 0:
             raise ValueError(f"need 0 <= vanish < 1 and away_s > 0, got {self.vanish}, {self.away_s}")
-        if self.concurrency < 1 or not self.deadline >= 1 or self.coverage_lag < 1:
-            raise ValueError("need concurrency >= 1, deadline >= 1 and coverage_lag >= 1")
+        if self.concurrency < 1 or (self.in_flight is not None and self.in_flight < 1) or not self.deadline >= 1 \
+                or self.coverage_lag < 1:
+            raise ValueError("need concurrency >= 1, in_flight >= 1 (or None), deadline >= 1 and coverage_lag >= 1")
         if not self.time_budget_s > 0 or not self.eval_every_s > 0:
             raise ValueError("need a positive time budget and evaluation interval")
 

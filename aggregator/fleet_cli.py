@@ -15,7 +15,7 @@ from rich.table import Table
 from aggregator.fleet import FleetConfig
 from aggregator.staleness_options import BufferSizeOption, MaxStalenessOption, ModeOption, StalenessExponentOption
 from aggregator.robust_options import RobustnessOptions
-from nefl.aggregation.staleness import StalenessConfig
+from nefl.aggregation.staleness import Normalise, StalenessConfig
 from nefl.support.option_groups import option_group
 
 if TYPE_CHECKING:
@@ -29,8 +29,8 @@ _F, _S = FleetConfig(), StalenessConfig()
 @option_group("Emulated fleet: buffered asynchronous or synchronous, in simulated time (docs/results.md)")
 class FleetOptions:
     mode: ModeOption("buffered (a version whenever K updates arrive, each weighted by its staleness) or sync (rounds wait for "
-             "the slowest or the deadline) on an emulated fleet of mixed speeds, --per-round devices training at once; "
-             "omit for the paper's rounds.") = None
+                     "the slowest or the deadline) on an emulated fleet of mixed speeds (sync: --per-round devices a round); "
+                     "omit for the paper's rounds.") = None
     slowest: Annotated[float, typer.Option(min=1, help="The slowest device's step time, in the fastest's.")] = _F.slowest
     budget: Annotated[float, typer.Option(
         min=0, help="A task's time budget, in full-model tasks of the fastest device.")] = _F.budget
@@ -42,12 +42,20 @@ class FleetOptions:
     max_staleness: MaxStalenessOption = _S.max_staleness
     commit_after_s: Annotated[Optional[float], typer.Option(
         min=0, help="buffered: commit a partial buffer once its oldest update waited this long (simulated s).")] = None
+    in_flight: Annotated[Optional[int], typer.Option(
+        min=1, help="buffered: devices training at once (default: every online device, each starting again as it "
+                    "uploads); sync rounds draw --per-round.")] = _F.in_flight
+    normalise: Annotated[Normalise, typer.Option(
+        help="buffered: divide an element's staleness-weighted sum by the staleness-weighted coverage (staleness) "
+             "or the plain one (coverage: FedBuff's 1/K, stale buffers take shorter steps).")] = _S.normalise
 
     def configs(self, concurrency: int) -> tuple[FleetConfig, StalenessConfig]:
         fleet = FleetConfig(mode=self.mode or _F.mode, slowest=self.slowest, budget=self.budget, vanish=self.vanish,
-                            concurrency=concurrency, time_budget_s=self.time_budget_s, eval_every_s=self.eval_every_s)
+                            concurrency=concurrency, in_flight=self.in_flight, time_budget_s=self.time_budget_s,
+                            eval_every_s=self.eval_every_s)
         staleness = StalenessConfig(buffer_size=self.buffer_size, exponent=self.staleness_exponent,
-                                    max_staleness=self.max_staleness, commit_after_s=self.commit_after_s)
+                                    max_staleness=self.max_staleness, commit_after_s=self.commit_after_s,
+                                    normalise=self.normalise)
         return fleet, staleness
 
 
@@ -58,7 +66,7 @@ def fleet_robustness(robust: RobustnessOptions) -> Robustness:
 
 
 def fleet_simulator(cfg: SimConfig, options: FleetOptions, init_from: str | None) -> FleetSimulator:
-    """The fleet run `options` names, with `cfg` (its per_round: the devices training at once); a ValueError for what
+    """The fleet run `options` names, with `cfg` (its per_round: a synchronous round's devices); a ValueError for what
     only the paper's rounds run."""
     from aggregator.fleet_sim import FleetSimulator  # torch: only when the command runs
 
@@ -67,11 +75,19 @@ def fleet_simulator(cfg: SimConfig, options: FleetOptions, init_from: str | None
     return FleetSimulator(cfg, *options.configs(cfg.per_round))
 
 
+def at_once(sim: FleetSimulator) -> str:
+    """How many devices train at once, in words."""
+    fleet = sim.fleet_cfg
+    if fleet.mode == "sync":
+        return f"{fleet.concurrency} per round"
+    return "every online device at once" if fleet.in_flight is None else f"{fleet.in_flight} at once"
+
+
 def report_fleet(sim: FleetSimulator, console: Console) -> None:
     """Run it: an evaluation line per grid time on stdout (without --out), then the last accuracy and what arrived."""
     cfg, fleet = sim.cfg, sim.fleet_cfg
     console.print(f"{sim.layout.profile.name} · {fleet.mode} on {cfg.clients} emulated devices (1x-{fleet.slowest:g}x), "
-                  f"{fleet.concurrency} at once, bounds {[sim.fleet.bound(d) + 1 for d in range(cfg.clients)]}")
+                  f"{at_once(sim)}, bounds {[sim.fleet.bound(d) + 1 for d in range(cfg.clients)]}")
 
     def on_line(line: dict) -> None:
         if cfg.out is None and line["kind"] == "eval":

@@ -4,9 +4,10 @@
 Both modes train the same devices (speeds, budgets, shards, vanishings) with the same `local_train` as the round
 simulator (aggregator/simulate.py), and merge through one VersionBuffer (nefl/aggregation/version_buffer.py):
 
-  buffered  `concurrency` devices train at once; a device starts a task on the newest version, its update arrives
-            when its task ends, and the server commits a version whenever the buffer holds K updates (or its time
-            bound passes); the next task goes to an idle online device drawn at random.
+  buffered  `in_flight` devices train at once (default: every online device); a device starts a task on the newest
+            version, its update arrives when its task ends, and the server commits a version whenever the buffer holds
+            K updates (or its time bound passes); the next task goes to an idle online device drawn at random (with
+            every device in flight: the device that just sent its update, at once).
   sync      a round draws `concurrency` idle online devices, assigns submodels with the server's coverage policy and
             waits for the slowest or the deadline (a vanished device is waited for until the deadline); its updates,
             all of staleness 0, are one buffer: synchronous NeFedAvg.
@@ -50,6 +51,7 @@ class FleetResult:
     commits: list[dict[str, Any]] = field(default_factory=list)  # one per committed version
     refused: Counter[str] = field(default_factory=Counter)  # reason -> updates refused
     tasks: int = 0  # tasks started
+    device_tasks: Counter[int] = field(default_factory=Counter)  # device -> tasks it started
     lost: int = 0  # tasks whose device vanished
     seconds: float = 0.0  # real seconds the run took
 
@@ -93,6 +95,7 @@ class FleetSimulator:
         """Device d's task of submodel k on the newest version, counted."""
         task = self.fleet.start(d, k, self.buffer.version, now)
         self.result.tasks += 1
+        self.result.device_tasks[d] += 1
         self.result.lost += task.vanishes
         return task
 
@@ -151,17 +154,18 @@ class FleetSimulator:
     def _buffered(self) -> None:
         fc, fleet, queue = self.fleet_cfg, self.fleet, EventQueue()
         busy: set[int] = set()
+        in_flight = fc.in_flight or len(fleet.multipliers)
         wakes: set[float] = set()  # times a wake-up is queued for
         given = [0] * self.layout.num_submodels  # the version each submodel was last given to a task at
 
         def launch(now: float) -> None:
             idle = [d for d in fleet.online(now) if d not in busy]
-            for d in fleet.pick(idle, fc.concurrency - len(busy)):
+            for d in fleet.pick(idle, in_flight - len(busy)):
                 task = self._begin(d, assign_task(fleet.bound(d), given, self.buffer.version, fc.coverage_lag), now)
                 trained = None if task.vanishes else self._train(task)
                 busy.add(d)
                 queue.push(task.end, (task, trained))
-            if len(busy) < fc.concurrency:  # too few devices online: look again when the next one is back
+            if len(busy) < in_flight:  # too few devices online: look again when the next one is back
                 back = [t for t in fleet.away_until if t > now]
                 if back and min(back) not in wakes:
                     wakes.add(min(back))

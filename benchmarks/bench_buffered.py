@@ -1,16 +1,17 @@
 """Buffered asynchronous NeFedAvg against synchronous rounds on one emulated fleet of mixed speeds (issue 47); writes
 docs/results.md's generated section.
 
-    PYTHONPATH=. python benchmarks/bench_buffered.py [--seeds 3] [--jobs 1] [--time-budget-s 800] [--buffer-sizes 3 5]
+    PYTHONPATH=. python benchmarks/bench_buffered.py [--seeds 3] [--jobs 1] [--time-budget-s 800] [--runs sync ...]
 
 Each run is `aggregator simulate --mode buffered|sync` in-process (aggregator/fleet_sim.py), one torch thread,
-resumable: a finished run is saved as <out>/<setting>_<name>_s<seed>.json and skipped when present (name: sync,
-buffered, or buffered-k<K> for a buffer size other than the declared one). Both modes train
-the same devices (speeds 1x-10x, budgets, shards, vanishings: the fleet's draws depend on the seed only), IID and
-Dirichlet(0.5), over the seeds declared below. Reported per setting and mode, over the seeds: the simulated time at
-which every submodel first reaches TARGET (worst-submodel accuracy), the time buffered mode needs to reach the
-synchronous run's final worst-submodel accuracy (the issue's criterion, per seed), the accuracy at the time budget,
-the staleness of the committed updates, and the server's commit CPU time and buffer memory per version.
+resumable: a finished run is saved as <out>/<setting>_<run>_s<seed>.json and skipped when present. The runs (RUNS):
+synchronous rounds of `concurrency` devices (sync) and of every online device (sync-all), and buffered with every
+online device in flight. All train the same devices (speeds 1x-10x, budgets, shards, vanishings), IID and
+Dirichlet(0.5), over the seeds declared below. Reported per setting and run, over the seeds: the simulated time at
+which every submodel first reaches TARGET, the time to reach the synchronous baseline's final worst-submodel accuracy
+(baseline: per seed, the better of the sync runs; the issue's criterion), the accuracy at the time budget, the
+staleness of the committed updates, the tasks of the fastest and slowest device, and the server's commit CPU time and
+buffer memory per version.
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ import resource
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from aggregator.fleet import FleetConfig
+from aggregator.fleet import FleetConfig, FleetMode
 from aggregator.fleet_sim import FleetSimulator
 from aggregator.simulate import SimConfig
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.pipeline import Robustness
-from nefl.aggregation.staleness import StalenessConfig
+from nefl.aggregation.staleness import Normalise, StalenessConfig
 from nefl.support.fsio import atomic_write_text
 from provenance import measured_by, provenance, write_section  # benchmarks/ is the script directory, on sys.path
 from sweep import run_sweep
@@ -54,30 +55,46 @@ class Budget:
 
     profile: str = "resnet8-fmnist-w"
     clients: int = 20
-    concurrency: int = 5  # devices training at once; sync: participants per round
+    concurrency: int = 5  # sync: devices a round
     samples_per_client: int = 64
-    buffer_size: int = 3  # K, declared before the runs
     time_budget_s: float = 800.0
     eval_every_s: float = 50.0
     eval_samples: int = 1000
 
 
-def run_name(mode: str, buffer_size: int) -> str:
-    """sync, buffered (the declared K) or buffered-k<K>."""
-    return mode if mode == "sync" or buffer_size == Budget.buffer_size else f"{mode}-k{buffer_size}"
+@dataclass(frozen=True)
+class Run:
+    """One compared setting of the fleet and the server step."""
+
+    mode: FleetMode
+    every_device: bool = False  # sync: every device a round; buffered: every online device in flight
+    buffer_size: int = 5  # buffered: K, declared before the runs
+    normalise: Normalise = "coverage"  # buffered: the divisor, declared before the runs
+
+
+RUNS: dict[str, Run] = {
+    "sync": Run("sync"),
+    "sync-all": Run("sync", every_device=True),
+    "buffered": Run("buffered", every_device=True),
+}
+BASELINES = [name for name, run in RUNS.items() if run.mode == "sync"]
+
+
+def fleet_configs(run: Run, b: Budget) -> tuple[FleetConfig, StalenessConfig]:
+    """The fleet and buffer settings of `run` under `b`."""
+    fleet = FleetConfig(mode=run.mode, concurrency=b.clients if run.every_device else b.concurrency,
+                        in_flight=None if run.every_device else b.concurrency, time_budget_s=b.time_budget_s,
+                        eval_every_s=b.eval_every_s)
+    return fleet, StalenessConfig(buffer_size=run.buffer_size, normalise=run.normalise)
 
 
 @dataclass(frozen=True)
 class Job:
     setting: str
-    mode: str
+    name: str  # a key of RUNS
     seed: int
     budget: Budget
     out: str
-
-    @property
-    def name(self) -> str:
-        return run_name(self.mode, self.budget.buffer_size)
 
     @property
     def label(self) -> str:
@@ -98,9 +115,9 @@ def run_job(job: Job, progress_queue) -> dict:
     cfg = SimConfig(b.profile, dataset="fashion-mnist", clients=b.clients, per_round=b.concurrency,
                     non_iid=SETTINGS[job.setting], seed=job.seed, max_samples_per_client=b.samples_per_client,
                     eval_samples=b.eval_samples, robustness=Robustness(aggregation=AggregationConfig(centre_check=False)))
-    fleet = FleetConfig(mode=job.mode, concurrency=b.concurrency, time_budget_s=b.time_budget_s, eval_every_s=b.eval_every_s)
+    fleet, staleness = fleet_configs(RUNS[job.name], b)
     started = time.time()
-    sim = FleetSimulator(cfg, fleet, StalenessConfig(buffer_size=b.buffer_size))
+    sim = FleetSimulator(cfg, fleet, staleness)
     done = [0]
 
     def progress(line: dict) -> None:
@@ -109,7 +126,8 @@ def run_job(job: Job, progress_queue) -> dict:
             progress_queue.put((job.label, done[0]))
 
     res = sim.run(progress)
-    out = {**asdict(job), "fleet": asdict(fleet), "curve": res.curve, "tasks": res.tasks, "lost": res.lost,
+    out = {**asdict(job), "fleet": asdict(fleet), "staleness_config": asdict(staleness), "curve": res.curve,
+           "tasks": res.tasks, "lost": res.lost, "device_tasks": [res.device_tasks[d] for d in range(b.clients)],
            "refused": dict(res.refused), "seconds": res.seconds, "versions": len(res.commits),
            "updates": sum(len(c["staleness"]) for c in res.commits),
            "staleness": dict(Counter(s for c in res.commits for s in c["staleness"])),
@@ -156,39 +174,72 @@ def _times(ts: list[float | None]) -> str:
     return _mean_sd(reached) + ("" if len(reached) == len(ts) else f" ({len(ts) - len(reached)} of {len(ts)} never)")
 
 
+def baseline(by: dict, setting: str, seed: int, value) -> float | None:
+    """`value(curve)` of the synchronous baseline at this seed: the best over the sync runs there; None: none ran."""
+    vals = [value(by[(setting, name, seed)]["curve"]) for name in BASELINES if (setting, name, seed) in by]
+    return max(vals, default=None)
+
+
+def criterion(r: dict, by: dict, budget: Budget) -> bool | None:
+    """The issue's bar for one buffered run: every submodel reaches the baseline's final worst accuracy within half
+    the budget, and its last evaluations' worst is no lower than the baseline's; None: no baseline ran."""
+    final = baseline(by, r["setting"], r["seed"], lambda c: c[-1]["worst"])
+    tail = baseline(by, r["setting"], r["seed"], lambda c: tail_mean(c, "worst"))
+    if final is None or tail is None:
+        return None
+    reached = first_time(r["curve"], final)
+    return reached is not None and reached <= budget.time_budget_s / 2 and tail_mean(r["curve"], "worst") >= tail
+
+
+def describe_run(name: str, budget: Budget) -> str:
+    run = RUNS[name]
+    if run.mode == "sync":
+        return f"{name}: rounds of {budget.clients if run.every_device else budget.concurrency} devices"
+    return (f"{name}: {'every online device' if run.every_device else budget.concurrency} in flight, K = "
+            f"{run.buffer_size}, divisor {run.normalise}")
+
+
 def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
-    by = {(r["setting"], run_name(r["mode"], r["budget"]["buffer_size"]), r["seed"]): r for r in results}
-    names = sorted({name for _, name, _ in by}, key=lambda n: (n != "sync", n != "buffered", n))
+    by = {(r["setting"], r["name"], r["seed"]): r for r in results}
+    names = [n for n in RUNS if any(key[1] == n for key in by)]
     p = results[-1]["provenance"]
+    half = budget.time_budget_s / 2
     lines = ["## Generated: buffered asynchronous vs synchronous NeFedAvg on an emulated fleet (`benchmarks/bench_buffered.py`)",
              "", measured_by("PYTHONPATH=. python benchmarks/bench_buffered.py", p), "",
              f"{budget.profile}, {budget.clients} emulated devices of {budget.samples_per_client} Fashion-MNIST images "
              f"(step times 1x-{FleetConfig.slowest:g}x, {FleetConfig.vanish:.0%} of tasks lost to a vanishing device), "
-             f"{budget.concurrency} training at once, buffer K = {budget.buffer_size} (buffered-kN: K = N), staleness 1/sqrt(1 + tau), "
              f"{budget.time_budget_s:g} simulated s, evaluated every {budget.eval_every_s:g} s on {budget.eval_samples} "
-             f"test images; seeds {seeds}, target: every submodel at {TARGET:.0%}. Mean ± sd over the seeds.", "",
-             "| setting | run | s to every submodel >= target | s to sync's final worst | worst at budget | avg at budget "
-             f"| worst, last {TAIL} evaluations | avg, last {TAIL} | versions | updates committed | real s per run |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"test images, staleness 1/sqrt(1 + tau); seeds {seeds}, target: every submodel at {TARGET:.0%}. Runs: "
+             + "; ".join(describe_run(n, budget) for n in names) + ". Baseline: per seed, the better sync run "
+             f"(its final worst for the time, its last-{TAIL} worst for the end). Criterion: the baseline's final worst "
+             f"reached by {half:g} s and a last-{TAIL} worst no lower than the baseline's. Mean ± sd over the seeds.", "",
+             "| setting | run | s to every submodel >= target | s to baseline's final worst | worst at budget | avg at budget "
+             f"| worst, last {TAIL} evaluations | avg, last {TAIL} | versions | updates committed | criterion met | real s per run |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for setting in SETTINGS:
-        for mode in names:
-            runs = [by[(setting, mode, s)] for s in seeds if (setting, mode, s) in by]
+        for name in names:
+            runs = [by[(setting, name, s)] for s in seeds if (setting, name, s) in by]
             if not runs:
                 continue
-            to_sync = [first_time(r["curve"], by[(setting, "sync", r["seed"])]["curve"][-1]["worst"])
-                       for r in runs if (setting, "sync", r["seed"]) in by]
+            to_base = [first_time(r["curve"], f) for r in runs
+                       if (f := baseline(by, setting, r["seed"], lambda c: c[-1]["worst"])) is not None]
+            met = [criterion(r, by, budget) for r in runs] if RUNS[name].mode == "buffered" else []
             lines.append(
-                f"| {setting} | {mode} | {_times([first_time(r['curve'], TARGET) for r in runs])} | {_times(to_sync)} | "
+                f"| {setting} | {name}{'' if len(runs) == len(seeds) else f' ({len(runs)} of {len(seeds)} seeds ran)'} | "
+                f"{_times([first_time(r['curve'], TARGET) for r in runs])} | {_times(to_base)} | "
                 f"{_mean_sd([100 * r['curve'][-1]['worst'] for r in runs], '{:.1f}')} | "
                 f"{_mean_sd([100 * r['curve'][-1]['avg'] for r in runs], '{:.1f}')} | "
                 f"{_mean_sd([100 * tail_mean(r['curve'], 'worst') for r in runs], '{:.1f}')} | "
                 f"{_mean_sd([100 * tail_mean(r['curve'], 'avg') for r in runs], '{:.1f}')} | {_mean_sd([r['versions'] for r in runs])} | "
-                f"{_mean_sd([r['updates'] for r in runs])} | {_mean_sd([r['seconds'] for r in runs])} |")
-    lines += ["", "Staleness of the committed updates (buffered, all seeds), updates refused, and the server's cost per "
-              "committed version (median commit CPU time: finalize and state check; the buffer's largest tensor memory):",
-              "", "| setting | run | staleness: updates | refused | commit CPU ms | buffer MiB | model MiB | trained per submodel |",
-              "|---|---|---|---|---:|---:|---:|---|"]
-    for setting, name in itertools.product(SETTINGS, names[1:]):
+                f"{_mean_sd([r['updates'] for r in runs])} | "
+                f"{f'{sum(m is True for m in met)} of {len(met)} seeds' if met else '-'} | {_mean_sd([r['seconds'] for r in runs])} |")
+    lines += ["", "Staleness of the committed updates (all seeds), updates refused, tasks started by the fastest and the "
+              "slowest device (mean per run), and the server's cost per committed version (median commit CPU time: "
+              "finalize and state check; the buffer's largest tensor memory):",
+              "", "| setting | run | staleness: updates | refused | tasks, fastest / slowest device | commit CPU ms "
+              "| buffer MiB | model MiB | trained per submodel |",
+              "|---|---|---|---|---:|---:|---:|---:|---|"]
+    for setting, name in itertools.product(SETTINGS, names):
         runs = [by[(setting, name, s)] for s in seeds if (setting, name, s) in by]
         if not runs:
             continue
@@ -199,6 +250,8 @@ def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
             refused.update(r["refused"])
         trained = [sum(r["trained"][k] for r in runs) for k in range(len(runs[0]["trained"]))]
         lines.append(f"| {setting} | {name} | {', '.join(f'{k}: {v}' for k, v in sorted(seen.items()))} | {dict(refused) or 'none'} | "
+                     f"{statistics.fmean(r['device_tasks'][0] for r in runs):.0f} / "
+                     f"{statistics.fmean(r['device_tasks'][-1] for r in runs):.0f} | "
                      f"{1000 * statistics.fmean(r['commit_cpu_s'] for r in runs):.1f} | "
                      f"{max(r['buffer_bytes'] for r in runs) / 2**20:.2f} | {runs[0]['state_bytes'] / 2**20:.2f} | {trained} |")
     return lines
@@ -209,15 +262,17 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--time-budget-s", type=float, default=Budget.time_budget_s)
-    ap.add_argument("--buffer-sizes", type=int, nargs="+", default=[Budget.buffer_size], help="buffered runs' K")
+    ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which of RUNS to run")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "buffered"))
     ap.add_argument("--no-doc", action="store_true", help="print the tables, leave docs/results.md alone")
+    ap.add_argument("--report-only", action="store_true", help="report the runs on disk, run none")
     args = ap.parse_args()
     budget = Budget(time_budget_s=args.time_budget_s)
     seeds = list(range(args.seeds))
-    runs = [("sync", budget), *(("buffered", replace(budget, buffer_size=k)) for k in args.buffer_sizes)]
-    jobs = [Job(setting, mode, seed, b, args.out) for seed in seeds for setting in SETTINGS for mode, b in runs]
-    results = run_sweep(jobs, args.jobs, run_job, load, describe, console)
+    # setting by setting: a sweep cut short leaves whole settings over every seed
+    jobs = [Job(setting, name, seed, budget, args.out) for setting in SETTINGS for seed in seeds for name in args.runs]
+    results = ([r for j in jobs if (r := load(j)) is not None] if args.report_only
+               else run_sweep(jobs, args.jobs, run_job, load, describe, console))
     lines = report(results, budget, seeds)
     console.print("\n".join(lines))
     if not args.no_doc:

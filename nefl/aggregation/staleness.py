@@ -5,7 +5,9 @@ A device trains on the newest version when it starts a task and uploads its delt
 server keeps a buffer of updates and commits a new version when the buffer holds `buffer_size` of them (or its
 oldest has waited `commit_after_s`). An update's staleness tau is (current version - its base version); it counts
 for s(tau) = (1 + tau) ** -exponent of its weight, per element of its submodel (nefl/aggregation/version_buffer.py),
-and is refused above `max_staleness`.
+and is refused above `max_staleness`. `normalise` says what an element's staleness-weighted sum is divided by: the
+staleness-weighted coverage (s tilts the mix of the updates covering the element) or the plain coverage (FedBuff's
+1/K: a buffer of stale updates also moves the model by less).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Literal
 
 # why an update is not taken into the buffer
 StaleReason = Literal["stale", "future-version"]
+# per element, sum_i w_i s_i delta_i over the covering updates is divided by sum_i w_i s_i ("staleness") or sum_i w_i
+# ("coverage"); the two agree when every update is fresh
+Normalise = Literal["staleness", "coverage"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class StalenessConfig:
     max_staleness: int = 16  # versions behind the current one an update may be; older ones are refused ("stale")
     server_lr: float = 1.0  # the step: new = old + server_lr x the staleness-weighted NeFedAvg of the buffer
     commit_after_s: float | None = None  # commit a non-empty buffer once its oldest update waited this long
+    normalise: Normalise = "staleness"  # what an element's staleness-weighted sum is divided by (see Normalise)
 
     def __post_init__(self) -> None:
         if self.buffer_size < 1:
@@ -41,6 +47,8 @@ class StalenessConfig:
             raise ValueError(f"the server learning rate must be a finite number > 0, got {self.server_lr}")
         if self.commit_after_s is not None and not self.commit_after_s > 0:
             raise ValueError(f"the commit time bound must be > 0 s, got {self.commit_after_s}")
+        if self.normalise not in ("staleness", "coverage"):
+            raise ValueError(f"normalise is 'staleness' or 'coverage', got {self.normalise!r}")
 
     def weight(self, tau: int) -> float:
         """s(tau): what an update `tau` versions behind counts for, relative to a fresh one."""

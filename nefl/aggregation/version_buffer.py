@@ -4,7 +4,8 @@ Each update is a delta against the version its device trained from (its base); a
 server_lr x sum_i w_i s_i delta_i / sum_i w_i s_i over the buffered updates whose submodel covers it (w_i: the
 weighting's weight, s_i: the staleness weight of nefl/aggregation/staleness.py), which is NeFedAvg
 (nefl/aggregation/nefedavg.py) with weights w_i s_i: with staleness 0 and K = a round's updates it is the
-synchronous round. The update bound and the state check of the synchronous path apply; rules and checks that
+synchronous round. With normalise="coverage" the divisor is sum_i w_i instead (NeFedAvg with weights w_i of the
+deltas s_i delta_i), so stale updates shorten the step as well as tilt it. The update bound and the state check of the synchronous path apply; rules and checks that
 judge a round's participants together are refused (`buffered_refusal`).
 """
 
@@ -99,9 +100,12 @@ class VersionBuffer:
             delta, norm, _ = guard.check(k, delta, ref)
         except UpdateRejected:
             return Offer(tau, "norm-bound")
-        if self.cfg.server_lr != 1.0:
-            delta = {n: t * self.cfg.server_lr for n, t in delta.items()}
-        self._agg.add_weighted(k, delta, w * self.cfg.weight(tau))
+        s = self.cfg.weight(tau)
+        # "coverage": s scales the delta and the element's divisor stays sum w; "staleness": s joins the weight
+        scale, weight = (self.cfg.server_lr * s, w) if self.cfg.normalise == "coverage" else (self.cfg.server_lr, w * s)
+        if scale != 1.0:
+            delta = {n: t * scale for n, t in delta.items()}
+        self._agg.add_weighted(k, delta, weight)
         self._taken.append(_Taken(client, k, norm, tau, now))
         return Offer(tau)
 

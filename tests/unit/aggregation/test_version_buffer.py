@@ -34,23 +34,27 @@ def _setup(seed: int, n: int = 3) -> tuple[Layout, GlobalState, list]:
 
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 10_000), exponent=st.sampled_from([0.0, 0.5, 1.0]),
-       server_lr=st.sampled_from([1.0, 0.5]), version=st.integers(0, 6), weighting=st.sampled_from(["uniform", "samples"]))
+       server_lr=st.sampled_from([1.0, 0.5]), version=st.integers(0, 6), weighting=st.sampled_from(["uniform", "samples"]),
+       normalise=st.sampled_from(["staleness", "coverage"]))
 def test_matches_the_staleness_weighted_definition(seed: int, exponent: float, server_lr: float, version: int,
-                                                   weighting: str) -> None:
+                                                   weighting: str, normalise: str) -> None:
     layout, state, ups = _setup(seed)
-    cfg = StalenessConfig(buffer_size=len(ups), exponent=exponent, server_lr=server_lr, max_staleness=6)
+    cfg = StalenessConfig(buffer_size=len(ups), exponent=exponent, server_lr=server_lr, max_staleness=6,
+                          normalise=normalise)
     buf = VersionBuffer(Pipeline(layout, PLAIN, weighting), cfg, state, version)
     rng = random.Random(seed + 1)
     weighted = []
     for k, delta, samples in ups:
         base = rng.randint(0, version)
         assert buf.offer(k, delta, base, samples).reason is None
-        w = (samples if weighting == "samples" else 1.0) / (1 + version - base) ** exponent  # w_i s_i, written out
-        weighted.append((k, {n: server_lr * t for n, t in delta.items()}, w))
+        w, s = (samples if weighting == "samples" else 1.0), (1 + version - base) ** -exponent  # w_i, s_i written out
+        # the reference divides by the sum of the third entries: w s ("staleness") or w with s in the delta ("coverage")
+        weighted.append((k, {n: server_lr * t for n, t in delta.items()}, w * s) if normalise == "staleness" else
+                        (k, {n: server_lr * s * t for n, t in delta.items()}, w))
     assert buf.due(0.0)
     done = buf.commit()
     assert done.problem is None and done.version == version + 1 and buf.version == version + 1
-    # element by element: old + lr x sum w s delta / sum w s over the updates covering it
+    # element by element: old + lr x sum w s delta / (sum w s, or sum w) over the updates covering it
     assert_state_close(buf.state, brute_force(layout, state, weighted, "samples"))
 
 
@@ -80,6 +84,20 @@ def test_a_staler_update_counts_for_less() -> None:
     name = next(n for n in layout.upload_shapes(k) if n not in layout.inconsistent)
     moved = buf.state.consistent[name] - state.consistent[name]
     torch.testing.assert_close(moved, torch.full_like(moved, (1e-3 + 4e-3 / 2) / (1 + 1 / 2)))
+
+
+def test_coverage_normalisation_shortens_the_step_of_a_stale_buffer() -> None:
+    """One update 3 versions old alone in the buffer: "staleness" takes its whole delta (s cancels), "coverage"
+    half of it (s = 1/sqrt(4))."""
+    layout, state, _ = _setup(0)
+    k = layout.num_submodels - 1
+    name = next(n for n in layout.upload_shapes(k) if n not in layout.inconsistent)
+    for normalise, share in (("staleness", 1.0), ("coverage", 0.5)):
+        buf = VersionBuffer(Pipeline(layout, PLAIN), StalenessConfig(buffer_size=1, normalise=normalise), state, 3)
+        assert buf.offer(k, {n: torch.full(s, 1e-3) for n, s in layout.upload_shapes(k).items()}, base=0).reason is None
+        buf.commit()
+        moved = buf.state.consistent[name] - state.consistent[name]
+        torch.testing.assert_close(moved, torch.full_like(moved, 1e-3 * share))
 
 
 def test_refusals_leave_the_buffer_untouched() -> None:

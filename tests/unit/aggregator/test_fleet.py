@@ -78,6 +78,9 @@ def test_a_short_run_commits_versions_from_every_submodel(mode: str) -> None:
     else:
         assert max(staleness) <= 2 and max(staleness) > 0 and all(len(c["staleness"]) == 3 for c in result.commits)
     assert result.commits[-1]["t"] <= 40.0 and result.commits[-1]["cpu_s"] > 0
+    assert sum(result.device_tasks.values()) == result.tasks
+    if mode == "buffered":  # every device in flight: the fastest starts again as it uploads, the slowest seldom
+        assert result.device_tasks[0] > 2 * result.device_tasks[5], result.device_tasks
 
 
 def test_buffered_mode_refuses_a_robust_rule_in_one_line() -> None:
