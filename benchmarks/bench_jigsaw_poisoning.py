@@ -2,18 +2,20 @@
 copies of the modules it borrows, against the honest control and local-only training, with the sources' screen
 of returned copies (nefl/jigsaw/screen.py) off (the fixed 5 x norm bound alone) and on. Prints a markdown table.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_jigsaw_poisoning.py [--seeds 0 1 2] [--clients 6] [--rounds 6]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_jigsaw_poisoning.py [--seeds 0 1 2] [--clients 6] [--rounds 6] [--screen on] [--jobs 3]
 
 Fashion-MNIST, Dirichlet(0.1), --samples images per client, a short policy phase, every model-training round scored.
 Client 0 is the attacker (from the model-training phase on); the honest clients are the others. Per run: the honest
 clients' mean accuracy after the last round, the largest drop of an honest client's final accuracy below its
-control, and the lowest (accuracy - local-only accuracy) of any honest client in any round.
+control, and the lowest (accuracy - local-only accuracy) of any honest client in any round. The runs are
+independent and seeded: --jobs runs them in that many processes, with the same results.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -22,6 +24,7 @@ from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 
 def curves(cfg: JigsawConfig) -> list[list[float]]:
     """Every client's accuracy after each model-training round."""
+    torch.set_num_threads(1)
     return [row["accuracy"] for row in JigsawSimulator(cfg).run().rounds if row["phase"] == "train"]
 
 
@@ -31,24 +34,36 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--screen", choices=("off", "on"), nargs="+", default=["off", "on"],
+                    help="the columns to run: the norm bound alone (off), the screen (on)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    rows: dict[str, list[tuple[float, float, float]]] = {}
+    screens = [s == "on" for s in args.screen]
+    configs: dict[tuple[int, str, bool, str | None], JigsawConfig] = {}
     for seed in args.seeds:
         base = dict(clients=args.clients, rounds=args.rounds, policy_rounds=2, critic_warmup=1,
                     max_samples_per_client=args.samples, test_per_client=200, eval_every=1, seed=seed)
-        local = curves(JigsawConfig(method="local-only", **base))
-        for screen in (False, True):
-            control = curves(JigsawConfig(screen_returns=screen, **base))
+        configs[(seed, "local-only", False, None)] = JigsawConfig(method="local-only", **base)
+        for screen in screens:
             for attack in (None, *ATTACKS):
-                run = control if attack is None else curves(JigsawConfig(screen_returns=screen, attack=attack, attackers=1, **base))
-                honest = range(1, args.clients)
+                configs[(seed, "fedjigsaw", screen, attack)] = JigsawConfig(screen_returns=screen, attack=attack,
+                                                                            attackers=1 if attack else 0, **base)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        runs = dict(zip(configs, pool.map(curves, configs.values())))
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    honest = range(1, args.clients)
+    for seed in args.seeds:
+        local = runs[(seed, "local-only", False, None)]
+        for screen in screens:
+            control = runs[(seed, "fedjigsaw", screen, None)]
+            for attack in (None, *ATTACKS):
+                run = runs[(seed, "fedjigsaw", screen, attack)]
                 final = statistics.fmean(run[-1][c] for c in honest)
                 drop = max(control[-1][c] - run[-1][c] for c in honest)
                 floor = min(run[t][c] - local[t][c] for t in range(len(run)) for c in honest)
                 rows.setdefault(f"{'screen' if screen else 'norm bound only'} | {attack or 'none (control)'}", []).append((final, drop, floor))
                 print(f"seed {seed} screen {screen} attack {attack}: {final:.3f} {drop:+.3f} {floor:+.3f}", flush=True)
-        rows.setdefault("local-only | none", []).append((statistics.fmean(local[-1][c] for c in range(1, args.clients)), 0.0, 0.0))
+        rows.setdefault("local-only | none", []).append((statistics.fmean(local[-1][c] for c in honest), 0.0, 0.0))
     print("\n| returns judged by | attack | honest mean acc | worst drop below control | worst (acc - local-only) in any round |")
     print("|---|---|---|---|---|")
     for name, vals in rows.items():

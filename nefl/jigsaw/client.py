@@ -21,6 +21,14 @@ into the other:
   client stops using keep changing, so a frozen policy can come to prefer the old chain again.
 A client without a policy (`assemble=False`) trains a fixed chain every round: its base model (local only) or the
 chain it is given (the fixed-chain ablations).
+
+The guard (`ClientSettings.guard`, given the base model's starting parameters): beside its chain the client trains
+a private copy of its base model on the same task data every round (its local path; never sent, so the base model
+the neighbours borrow from stays the paper's passive repository). The model it keeps is its chain with the modules
+as their sources averaged them, unless its local path scores better on the validation split; the modules keep
+being shared either way. Under label skew an average of copies trained on other labels (a shared head above all)
+can score below what the client learns alone, and a short policy phase can leave a chain worse than the base
+model: the paper's reward (validation accuracy) is what tells the two apart, here applied to the deployed model.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from nefl.jigsaw.policy import PolicyAgent, Episode, TokenFn, assemble, chain_lo
 from nefl.jigsaw.symbio import MetadataBroadcast, ModuleExchange, ModuleFetch, ModuleReturn
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, Zoo, build_model, fixed_bytes, peak_bytes
 from nefl.nested.state import load_module_state
-from nefl.nested.train import Batches, TrainConfig, evaluate, local_train
+from nefl.nested.train import Batches, TrainConfig, evaluate, local_train, recompute_bn_stats
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class ClientSettings:
     switch_cost: float  # nats per round trained the policy must prefer a new chain by before the client switches
     switch_patience: int  # consecutive rounds it must do so
     observation_decay: float
+    guard: bool  # keep a local path beside the chain and deploy it when the chain scores worse (JigsawClient)
 
 
 @dataclass
@@ -96,9 +105,11 @@ def chain_keys(chain: list[ModuleMeta] | None) -> list[str]:
 class JigsawClient:
     def __init__(self, client: int, base: BaseArch, budget: float, data_feature: torch.Tensor, settings: ClientSettings,
                  seed: int, assemble: bool = True, policy_seed: int | None = None,
-                 chain: Sequence[ModuleMeta] | None = None) -> None:
+                 chain: Sequence[ModuleMeta] | None = None, base_start: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         """`seed` drives the client's sampling; `policy_seed` (default `seed`) initialises its policy, so clients
-        given the same one start from the same policy; `chain` is the fixed chain of a client without a policy."""
+        given the same one start from the same policy; `chain` is the fixed chain of a client without a policy;
+        `base_start` (module key -> parameters) the base model's starting point, from which the guard's local path
+        starts when `settings.guard` is on."""
         fixed = list(chain) if chain is not None else base.metas(client)
         if peak_bytes(base.metas(client), base.input, settings.batch_size) > budget:
             raise ValueError(f"client {client}: its base model {base.name} does not fit its budget of {budget / 2**20:.1f} MiB")
@@ -117,6 +128,10 @@ class JigsawClient:
         self.zoo: Zoo | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.rejected = 0  # advice refused (not for this client, round or episode)
+        self.local: dict[str, torch.Tensor] | None = None  # the guard's local path: the base model trained alone
+        if settings.guard and base_start is not None:
+            self.local = {f"{j}.{k}": v.clone() for j, m in enumerate(base.metas(client)) for k, v in base_start[m.key].items()}
+        self.kept_local = False  # the last kept model was the local path
 
     # -- joining ------------------------------------------------------------------------------------
 
@@ -187,6 +202,7 @@ class JigsawClient:
             got = exchange.fetch(ModuleFetch(federation=s.federation, client=self.client, source=m.source, round=r,
                                              position=m.position))
             start.update({f"{j}.{k}": v for k, v in got.items()})
+        self._train_local(loaders, train_cfg)  # first: its round's data come in the order a local-only client sees
         model = build_model(chain)
         res = local_train(model, start, loaders.train, train_cfg)
         trained = {k: start[k] + res.delta[k] for k in start}
@@ -206,6 +222,34 @@ class JigsawClient:
         report = self._report(r, episode, accuracy, cap, res.num_samples, model, probe) \
             if explore and episode is not None else None
         return StepResult(r, chain, changed, accuracy, res.loss, res.num_samples, cap, decision_s, model, episode, report)
+
+    def _train_local(self, loaders: Loaders, train_cfg: TrainConfig) -> None:
+        """The guard's local path: one more round of the base model on the task data, alone."""
+        if self.local is None:
+            return
+        res = local_train(build_model(self.base.metas(self.client)), self.local, loaders.train, train_cfg)
+        self.local = {k: v + res.delta[k] for k, v in self.local.items()}
+
+    def local_model(self) -> nn.Sequential | None:
+        """The guard's local path as a model, or None without the guard."""
+        if self.local is None:
+            return None
+        model = build_model(self.base.metas(self.client))
+        load_module_state(model, self.local)
+        return model
+
+    def keep(self, shared: nn.Sequential, val: Batches, own: Batches) -> nn.Sequential:
+        """The model the client keeps after a round: `shared` (its chain with the modules as their sources averaged
+        them) unless the guard's local path scores better on the validation split. Both get their BatchNorm
+        statistics recomputed on the client's own training data first, as they are deployed."""
+        recompute_bn_stats(shared, own)
+        local = self.local_model()
+        self.kept_local = False
+        if local is None:
+            return shared
+        recompute_bn_stats(local, own)
+        self.kept_local = evaluate(local, val)[0] > evaluate(shared, val)[0]
+        return local if self.kept_local else shared
 
     def _report(self, r: int, episode: Episode, accuracy: float, cap: float, samples: int, model: nn.Module,
                 probe: torch.Tensor) -> PolicyReport:

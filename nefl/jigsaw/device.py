@@ -36,7 +36,7 @@ from nefl.jigsaw.symbio import ModuleFetch
 from nefl.jigsaw.zoo import BaseArch, base_for_budget, build_model, load_base
 from nefl.nested.data import load_dataset
 from nefl.nested.state import load_module_state
-from nefl.nested.train import evaluate, recompute_bn_stats
+from nefl.nested.train import evaluate
 from nefl.protocol import signing
 from nefl.protocol.messages import MessageError, decode
 from nefl.protocol.mqtt import QOS, Transport
@@ -208,11 +208,13 @@ class JigsawDevice:
         train, test = load_dataset(plan.dataset, self.cfg.data_root, train=True), load_dataset(plan.dataset, self.cfg.data_root, train=False)
         data, self.probe = client_data(train, test, plan.shards)
         shard = ClientShard(me, data[me], train, test, plan.shards)
+        initial = self._initial(plan, me)
         client = JigsawClient(me, base, self.cfg.budget, data[me].histogram, plan.settings,
-                              seed=plan.shards.seed * 1000 + me, assemble=method.assemble, policy_seed=plan.shards.seed)
+                              seed=plan.shards.seed * 1000 + me, assemble=method.assemble, policy_seed=plan.shards.seed,
+                              base_start=initial)
         peers = {p.index: Peer(p.index, p.client_id, parse_public_key(p.key)) for p in plan.participants}
         self.exchange = BrokerExchange(self.topics, me, peers, [list(n) for n in plan.links], self.signer, self.transport,
-                                       self._initial(plan, me), self.cfg.chunk_bytes, plan.fetch_timeout_s, plan.norm_bound,
+                                       initial, self.cfg.chunk_bytes, plan.fetch_timeout_s, plan.norm_bound,
                                        largest_module_bytes(bases), self.clock, ReturnScreen() if plan.screen else None)
         self.me = me
         for topic in self.exchange.subscriptions():
@@ -303,7 +305,8 @@ class JigsawDevice:
         client.learn(result, advice)  # type: ignore[arg-type]
 
     def _finish(self, rnd: JigsawRound, client: JigsawClient, shard: ClientShard) -> None:
-        """The final chain with its modules as their sources averaged them, scored on the local test set."""
+        """The final chain with its modules as their sources averaged them (or the guard's local path, where it
+        validates better: JigsawClient.keep), scored on the local test set."""
         assert self.exchange is not None
         if client.chain is None:
             return
@@ -318,9 +321,9 @@ class JigsawDevice:
             return
         model: nn.Sequential = build_model(client.chain)
         load_module_state(model, state)
-        recompute_bn_stats(model, shard.own_train())
+        model = client.keep(model, shard.val(), shard.own_train())
         self.final_accuracy = evaluate(model, shard.local_test())[0]
-        self.final_state = state
+        self.final_state = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
         plan = self.plan
         assert plan is not None
         rejected, traffic = self.exchange.take_counters()  # the last round's late copies and the final fetches

@@ -2,8 +2,9 @@
 
 A return is judged by its change from the copy the source sent out (delta = return - sent), per tensor:
 
-- sign flip: a tensor whose returned values point away from the sent ones (<return, sent> < 0 while the sent
-  tensor is not negligible) is refused; an honest round of training moves a module by well under its norm.
+- sign flip: a tensor whose returned values point away from the sent ones (<return, sent> < 0) is refused when
+  the sent tensor is larger than its size bound (below): an honest change within the bound cannot flip it. A
+  small tensor (a bias near zero) can cross zero honestly; its change is only clipped.
 - direction: with at least `min_peers` returns, a tensor whose delta has cosine below `opposite` with the
   coordinate-wise median of the round's deltas is refused (opposite to the majority).
 - size: a tensor's delta norm above its bound is clipped to it. The bound is `margin` x the median delta norm
@@ -113,7 +114,7 @@ class ReturnScreen:
                 if _statistic(name):
                     continue
                 ref = sent[name].float()
-                if _norm(ref) > 1e-6 and float((ref + d).flatten() @ ref.flatten()) < 0:
+                if _norm(ref) > bounds[name] and float((ref + d).flatten() @ ref.flatten()) < 0:
                     reason = "sign_flip"
                     break
                 if enough and name in majority:

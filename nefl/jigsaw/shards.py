@@ -119,7 +119,11 @@ class ClientShard:
         so no image is left out for good."""
         idx = self.data.train
         return Loaders(BatchLoader(self.train, idx, self.spec.batch_size, shuffle=True, augment=True, seed=self._seed(r),
-                                   drop_last=idx.numel() >= self.spec.batch_size), plain(self.train, self.data.val))
+                                   drop_last=idx.numel() >= self.spec.batch_size), self.val())
+
+    def val(self) -> BatchLoader:
+        """The held-out validation split (the reward; the guard's choice)."""
+        return plain(self.train, self.data.val)
 
     def own_train(self) -> BatchLoader:
         return plain(self.train, self.data.train)

@@ -83,6 +83,7 @@ class JigsawConfig:
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
     norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest ones stay far below)
+    local_guard: bool = True  # sharing methods: each client also trains its base model alone and keeps it when it validates better
     screen_returns: bool = True  # sources judge each module's returns together (nefl.jigsaw.screen); off: the norm bound alone
     attack: str | None = None  # the first `attackers` clients return poisoned copies in model training: flip, scale or layer
     attackers: int = 0
@@ -104,7 +105,7 @@ class JigsawConfig:
     def settings(self, max_blocks: int) -> ClientSettings:
         return ClientSettings(FEDERATION, max_blocks, self.batch_size, self.reward_alpha(), self.beta, self.gamma, self.tau,
                               self.policy_lr, self.execution_temperature, self.switch_cost, self.switch_patience,
-                              self.observation_decay)
+                              self.observation_decay, self.local_guard and get_method(self.method).share)
 
     def coretune(self, federation: str, classes: int) -> CoReTune:
         """CoRe-Tune's server step for this configuration (the simulator's and jigsaw-serve's alike)."""
@@ -188,9 +189,14 @@ class ModuleFederation:
             else [[] for _ in range(cfg.clients)]
         self.clients = [JigsawClient(c, sim.bases[c], sim.budgets[c], sim.data[c].histogram, settings,
                                      seed=cfg.seed * 1000 + c, assemble=method.assemble, policy_seed=cfg.seed,
-                                     chain=None if method.assemble else self._fixed_chain(c)) for c in range(cfg.clients)]
+                                     chain=None if method.assemble else self._fixed_chain(c),
+                                     base_start=self._initial(c)) for c in range(cfg.clients)]
         self.exchange = self._initial_exchange()
         self.server = cfg.coretune(FEDERATION, sim.train.info.num_classes) if method.coretune else None
+
+    def _initial(self, c: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Client c's modules at their (seeded) initial parameters, as its device starts them."""
+        return initial_modules(self.sim.bases[c].metas(c), module_seed(self.cfg.seed, c))
 
     def _fixed_chain(self, c: int) -> list[ModuleMeta]:
         """Client c's chain under a method without a policy (JigsawMethod.fixed)."""
@@ -206,7 +212,7 @@ class ModuleFederation:
 
     def _initial_exchange(self) -> InProcessExchange:
         """Every source's modules at their (seeded) initial parameters; every client announces and connects."""
-        store = {k: v for c, b in enumerate(self.sim.bases) for k, v in initial_modules(b.metas(c), module_seed(self.cfg.seed, c)).items()}
+        store = {k: v for c in range(self.cfg.clients) for k, v in self._initial(c).items()}
         exchange = InProcessExchange(FEDERATION, store, self.links, self.cfg.norm_bound,
                                      ReturnScreen() if self.cfg.screen_returns else None)
         self._seen = dict.fromkeys(exchange.bytes, 0)  # traffic already reported (announcements go with the next round)
@@ -279,11 +285,13 @@ class ModuleFederation:
         return chain
 
     def model(self, c: int) -> nn.Sequential:
-        """Client c's current chain with its modules' parameters after this round's aggregation."""
+        """The model client c keeps after this round: its chain with the modules' parameters after this round's
+        aggregation, or its local path where the guard prefers it (JigsawClient.keep)."""
         chain = self.chain(c)
         model = build_model(chain)
         load_module_state(model, {f"{j}.{k}": v for j, m in enumerate(chain) for k, v in self.exchange.store[m.key].items()})
-        return model
+        shard = self.sim.shards[c]
+        return self.clients[c].keep(model, shard.val(), shard.own_train())
 
     def describe(self, c: int) -> list[str]:
         """A chain as module names: c3.m1 = client 3's module 1 (with its type and output channels)."""
@@ -408,6 +416,8 @@ class JigsawSimulator:
                 row.update(trained_accuracy=trained, trained_mean=statistics.fmean(trained), trained_std=statistics.pstdev(trained),
                            accuracy=accs, mean=statistics.fmean(accs), std=statistics.pstdev(accs),
                            architectures=[fed.describe(c) for c in range(cfg.clients)])
+                if isinstance(fed, ModuleFederation):
+                    row["kept_local"] = [client.kept_local for client in fed.clients]
             yield row
 
     def run(self, on_round: Callable[[dict], None] | None = None) -> JigsawResult:

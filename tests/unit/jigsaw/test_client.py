@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator, device_budgets
+from nefl.jigsaw.sim import JigsawConfig, JigsawResult, JigsawSimulator, device_budgets
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
 from nefl.nested.data import DATASETS, ArrayDataset
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport, arch_features, co_training_credit, observation
@@ -29,7 +29,7 @@ from nefl.nested.train import TrainConfig, evaluate
 
 torch.set_num_threads(1)
 SETTINGS = ClientSettings("fed", max_blocks=7, batch_size=8, alpha=0.9, beta=0.1, gamma=0.95, tau=1.0, policy_lr=0.05,
-                          execution_temperature=0.0, switch_cost=1.0, switch_patience=1, observation_decay=0.5)
+                          execution_temperature=0.0, switch_cost=1.0, switch_patience=1, observation_decay=0.5, guard=False)
 NAMES = ("cnn-2", "cnn-3", "cnn-4")
 
 
@@ -338,3 +338,53 @@ def test_e_data_reflects_each_clients_label_skew() -> None:
     feats = torch.stack([cl.prior_feature for cl in sim.fed.clients])
     sim_matrix = torch.nn.functional.normalize(feats, dim=1) @ torch.nn.functional.normalize(hist, dim=1).T
     assert sim_matrix.argmax(1).tolist() == [0, 1, 2], sim_matrix
+
+
+# -- the guard: a local path beside the chain, kept when the shared chain validates worse ------------------
+
+def test_the_local_path_is_local_only_training_bit_for_bit() -> None:
+    """With no policy phase the guard's local path sees the data a local-only client sees, in the same order, from
+    the same start: the fallback is exactly what the client would have trained alone."""
+    fed = _small_sim("fedjigsaw", policy_rounds=0, rounds=2)
+    alone = _small_sim("local-only", policy_rounds=0, rounds=2)
+    fed.run(), alone.run()
+    for c in range(3):
+        mine = fed.fed.clients[c].local
+        assert mine is not None and alone.fed.clients[c].local is None  # no guard where nothing is shared
+        theirs = {f"{j}.{k}": v for j, m in enumerate(alone.fed.chain(c)) for k, v in alone.fed.exchange.store[m.key].items()}
+        assert set(mine) == set(theirs)
+        assert all(torch.allclose(mine[k].float(), theirs[k].float(), atol=1e-6) for k in mine), c
+
+
+def test_the_guard_keeps_the_local_path_only_when_the_shared_chain_validates_worse() -> None:
+    sim = _small_sim("fedjigsaw", rounds=1)
+    sim.run()
+    client, shard = sim.fed.clients[0], sim.shards[0]
+    local = client.local_model()
+    assert local is not None
+    broken = sim.fed.model(0)  # the chain as the sources averaged it, with every weight zeroed: chance at best
+    for p in broken.parameters():
+        p.data.zero_()
+    kept = client.keep(broken, shard.val(), shard.own_train())
+    assert client.kept_local and kept is not broken
+    assert all(torch.equal(a, b) for a, b in zip(kept.parameters(), local.parameters()))
+    same = client.local_model()  # a shared model that validates exactly as well: sharing wins the tie
+    assert client.keep(same, shard.val(), shard.own_train()) is same and not client.kept_local
+    off = _small_sim("fedjigsaw", rounds=1, local_guard=False)
+    assert all(cl.local is None and cl.local_model() is None for cl in off.fed.clients)
+
+
+def _train_curves(result: JigsawResult) -> list[list[float]]:
+    return [r["accuracy"] for r in result.rounds if r["phase"] == "train"]
+
+
+def test_an_honest_run_does_not_fall_below_local_only() -> None:
+    """Label-skewed clients (Dirichlet 0.1), chains decoded from an untrained policy: in every round every client
+    scores at or above its local-only accuracy (its local path is that training, and a shared chain is kept only
+    when it validates better), where without the guard clients fall far below it."""
+    kw = {"non_iid": 0.1, "rounds": 2, "policy_rounds": 0, "test_per_client": 100, "val_samples": 60}
+    alone = _train_curves(_small_sim("local-only", **kw).run())
+    guarded = _train_curves(_small_sim("fedjigsaw", **kw).run())
+    assert all(g >= a for gs, als in zip(guarded, alone) for g, a in zip(gs, als)), (guarded, alone)
+    unguarded = _train_curves(_small_sim("fedjigsaw", local_guard=False, **kw).run())
+    assert any(u < a - 0.1 for us, als in zip(unguarded, alone) for u, a in zip(us, als)), (unguarded, alone)
