@@ -19,6 +19,18 @@ from tests.harness.helpers import FULL, tiny_profile
 WIDTHS = [(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]
 
 
+def committed(layout: Layout, cfg: AggregationConfig, state: GlobalState,
+              ups: list[tuple[int, dict[str, torch.Tensor]]]) -> GlobalState:
+    """The state one round of `ups` (submodel, delta) commits through the centre check configured by `cfg`."""
+    pipeline = Pipeline(layout, Robustness(aggregation=cfg))
+    agg = pipeline.begin_round(state, {f"c{i}": k for i, (k, _) in enumerate(ups)}, 1)
+    for i, (k, d) in enumerate(ups):
+        agg.add(k, {n: t.clone() for n, t in d.items()}, client=f"c{i}")
+    new = pipeline.commit(agg, state).state
+    assert new is not None
+    return new
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_trimmed_matches_a_per_element_brute_force(seed: int) -> None:
     """Copies in random leading corners of a 2-D tensor: each element's mean of its covering copies sorted, with
@@ -56,12 +68,7 @@ def test_a_bias_push_moves_the_classifier_bias_no_further_than_the_honest_edge(p
         d[bias][0] += push
     steps = {}
     for trim in (0.2, 0.0):
-        pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig(coordinate_trim=trim)))
-        agg = pipeline.begin_round(state, {f"c{i}": k for i, (k, _) in enumerate(ups)}, 1)
-        for i, (k, d) in enumerate(ups):
-            agg.add(k, {n: t.clone() for n, t in d.items()}, client=f"c{i}")
-        new = pipeline.commit(agg, state).state
-        assert new is not None
+        new = committed(layout, AggregationConfig(coordinate_trim=trim), state, ups)
         steps[trim] = float(new.consistent[bias][0] - state.consistent[bias][0])
     honest_values = [float(d[bias][0]) for _, d in ups[:size - attackers]]
     assert min(honest_values) - 1e-6 <= steps[0.2] <= max(honest_values) + 1e-6
@@ -103,12 +110,7 @@ def test_a_push_on_the_outer_columns_of_the_classifier_is_held_to_its_rows_hones
     state, gen = GlobalState.init(layout, seed=0), torch.Generator().manual_seed(3)
     ups = [(k, honest(layout, k, gen)) for k in (0, 0, 0, 1, 1, 2, 2)]
     ups[-1][1][weight][1] += 5.0
-    pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig(coordinate_rows=True)))
-    agg = pipeline.begin_round(state, {f"c{i}": k for i, (k, _) in enumerate(ups)}, 1)
-    for i, (k, d) in enumerate(ups):
-        agg.add(k, {n: t.clone() for n, t in d.items()}, client=f"c{i}")
-    new = pipeline.commit(agg, state).state
-    assert new is not None
+    new = committed(layout, AggregationConfig(coordinate_rows=True), state, ups)
     inner = layout.sub_shapes[0][weight][1]
     assert inner < layout.global_shapes[weight][1]
     honest_core = [float(d[weight][1, j]) for _, d in ups[:-1] for j in range(inner)]
