@@ -1,6 +1,7 @@
 """An emulated heterogeneous fleet for `aggregator simulate --mode buffered|sync`: devices whose training steps take
 1x to `slowest`x as long as the fastest one's, whose load varies from task to task, and some of which vanish mid-task
-and come back later. Time is simulated (the loops in aggregator/fleet_sim.py pop events off a queue), so a fleet
+and come back later (a constant hazard per simulated second, drawn once per device for the whole run, so both modes
+see the same availability whatever tasks they give). Time is simulated (the loops in aggregator/fleet_sim.py pop events off a queue), so a fleet
 with a 10x spread of speeds is compared in minutes on 2 CPU cores. Torch-free: pure arithmetic on seeded draws.
 
 A device's task budget is `budget` x the time the fastest device needs for the full model on a median shard; each device trains, at
@@ -10,9 +11,12 @@ its own time budget per task.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 import random
 import statistics
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,7 +33,9 @@ class FleetConfig:
     step_s: float = 1.0  # simulated seconds of one full-model step on the fastest device
     budget: float = 3.0  # a task's time budget, in full-model tasks of the fastest device
     load_jitter: float = 0.5  # a task's steps take 1 to 1 + this x as long (the device's other load)
-    vanish: float = 0.05  # the chance that a device vanishes during a task (its update never arrives)
+    # the chance that an online device vanishes within any simulated minute, training or not (a constant hazard); a
+    # task it was training when it vanished is lost
+    vanish: float = 0.05
     away_s: float = 200.0  # mean simulated seconds a vanished device stays away
     concurrency: int = 5  # sync: participants per round
     # buffered: devices training at once; None: every online device, each starting its next task as its update is
@@ -37,6 +43,9 @@ class FleetConfig:
     in_flight: int | None = None
     deadline: float = 1.5  # sync: a round closes at this x the task budget at the latest
     coverage_lag: int = 4  # buffered: a submodel no task was given for this many versions goes to the next device able
+    # buffered: None assigns by coverage_lag; N steers each task to the submodel within the device's bound given the
+    # fewest of the last N tasks (steer_task)
+    steer_window: int | None = None
     time_budget_s: float = 3000.0  # simulated seconds the run lasts
     eval_every_s: float = 150.0  # evaluate the newest version every this many simulated seconds
 
@@ -46,8 +55,9 @@ class FleetConfig:
         if not 0 <= self.vanish < 1 or not self.away_s > 0:
             raise ValueError(f"need 0 <= vanish < 1 and away_s > 0, got {self.vanish}, {self.away_s}")
         if self.concurrency < 1 or (self.in_flight is not None and self.in_flight < 1) or not self.deadline >= 1 \
-                or self.coverage_lag < 1:
-            raise ValueError("need concurrency >= 1, in_flight >= 1 (or None), deadline >= 1 and coverage_lag >= 1")
+                or self.coverage_lag < 1 or (self.steer_window is not None and self.steer_window < 1):
+            raise ValueError("need concurrency >= 1, in_flight >= 1 (or None), deadline >= 1, coverage_lag >= 1 and "
+                             "steer_window >= 1 (or None)")
         if not self.time_budget_s > 0 or not self.eval_every_s > 0:
             raise ValueError("need a positive time budget and evaluation interval")
 
@@ -66,21 +76,23 @@ class Task:
 
 @dataclass
 class Fleet:
-    """The devices' speeds and availability (`away_until`), and the seeded draws of every task."""
+    """The devices' speeds and availability (`away`: per device, the sorted (leaves, returns) spans it is away), and the
+    seeded draws of every task's load."""
 
     cfg: FleetConfig
     costs: Sequence[float]  # per submodel: its training step's cost relative to the full model's
     steps: Sequence[int]  # per device: the training steps of one of its tasks (local epochs over its shard)
     rng: random.Random
     multipliers: list[float] = field(default_factory=list)
-    away_until: list[float] = field(default_factory=list)
+    away: list[list[tuple[float, float]]] = field(default_factory=list)
 
     @classmethod
     def build(cls, cfg: FleetConfig, costs: Sequence[float], steps: Sequence[int], seed: int) -> Fleet:
         """One device per entry of `steps`, device i's steps taking slowest ** (i / (devices - 1)) x the fastest's."""
         n = len(steps)
         mult = [cfg.slowest ** (i / max(1, n - 1)) for i in range(n)]
-        return cls(cfg, costs, steps, random.Random(seed * 7919 + 17), mult, [0.0] * n)
+        return cls(cfg, costs, steps, random.Random(seed * 7919 + 17), mult,
+                   [away_spans(cfg, random.Random(seed * 7919 + 31 * (d + 1))) for d in range(n)])
 
     def task_s(self, device: int, k: int) -> float:
         """Seconds submodel k's task takes device `device` without other load."""
@@ -96,22 +108,47 @@ class Fleet:
         fits = [k for k in range(len(self.costs)) if self.task_s(device, k) <= self.task_budget_s]
         return max(fits, default=0)
 
+    def _span(self, device: int, now: float) -> tuple[float, float] | None:
+        """The away span of `device` that `now` falls in; None: it is online."""
+        spans = self.away[device]
+        i = bisect.bisect_right(spans, (now, math.inf)) - 1
+        return spans[i] if i >= 0 and spans[i][0] <= now < spans[i][1] else None
+
     def online(self, now: float) -> list[int]:
-        return [d for d, t in enumerate(self.away_until) if t <= now]
+        return [d for d in range(len(self.away)) if self._span(d, now) is None]
+
+    def next_return(self, now: float) -> float | None:
+        """The first time after `now` an away device comes back; None: every device is online."""
+        back = [span[1] for d in range(len(self.away)) if (span := self._span(d, now)) is not None]
+        return min(back, default=None)
 
     def start(self, device: int, k: int, base: int, now: float) -> Task:
-        """A task begun now: its length under a load drawn now, and whether the device vanishes during it (then it is
-        away for an exponential time after the task's end)."""
+        """A task begun now: its length under a load drawn now; it is lost if the device leaves before its end."""
         load = 1.0 + self.rng.random() * self.cfg.load_jitter
         end = now + self.task_s(device, k) * load
-        vanishes = self.rng.random() < self.cfg.vanish
-        if vanishes:
-            self.away_until[device] = end + self.rng.expovariate(1.0 / self.cfg.away_s)
+        spans = self.away[device]
+        i = bisect.bisect_right(spans, (now, math.inf))  # the first span it leaves for after now
+        vanishes = i < len(spans) and spans[i][0] <= end
         return Task(device, k, base, now, end, vanishes)
 
     def pick(self, idle: Sequence[int], n: int) -> list[int]:
         """n of the idle online devices, uniformly (fewer when fewer are there), in index order."""
         return sorted(self.rng.sample(list(idle), min(n, len(idle))))
+
+
+def away_spans(cfg: FleetConfig, rng: random.Random) -> list[tuple[float, float]]:
+    """One device's away spans over the run: online for exponential times at the hazard `cfg.vanish` per minute, then
+    away for exponential times of mean `away_s`."""
+    if cfg.vanish == 0:
+        return []
+    rate = -math.log1p(-cfg.vanish) / 60.0
+    spans: list[tuple[float, float]] = []
+    t = rng.expovariate(rate)
+    while t <= cfg.time_budget_s:
+        back = t + rng.expovariate(1.0 / cfg.away_s)
+        spans.append((t, back))
+        t = back + rng.expovariate(rate)
+    return spans
 
 
 def assign_task(bound: int, given: list[int], version: int, lag: int) -> int:
@@ -122,6 +159,16 @@ def assign_task(bound: int, given: list[int], version: int, lag: int) -> int:
     starved = [k for k in range(bound + 1) if version - given[k] >= lag]
     k = max(starved) if starved else bound
     given[k] = version
+    return k
+
+
+def steer_task(bound: int, recent: deque[int]) -> int:
+    """The submodel a device of `bound` trains in buffered mode under steering: the one within its bound given the
+    fewest of the `recent` tasks (the largest of those tied), appended to `recent` (a window: its maxlen). A fast
+    device's surplus tasks thus go wherever coverage is thinnest, the small submodels the slow devices train too."""
+    given = Counter(recent)
+    k = min(range(bound + 1), key=lambda j: (given[j], -j))
+    recent.append(k)
     return k
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from aggregator.assignment import Candidate, assign_coverage, coverage_order
-from aggregator.fleet import EventQueue, Fleet, FleetConfig, Task, assign_task
+from aggregator.fleet import EventQueue, Fleet, FleetConfig, Task, assign_task, steer_task
 from aggregator.simulate import ServerSide, SimConfig, check_device
 from nefl.aggregation.aggregate import tensor_bytes
 from nefl.aggregation.pipeline import Pipeline
@@ -157,19 +157,25 @@ class FleetSimulator:
         in_flight = fc.in_flight or len(fleet.multipliers)
         wakes: set[float] = set()  # times a wake-up is queued for
         given = [0] * self.layout.num_submodels  # the version each submodel was last given to a task at
+        recent: deque[int] = deque(maxlen=fc.steer_window)  # steering: the submodels of the last tasks given
+
+        def assign(d: int) -> int:
+            if fc.steer_window is not None:
+                return steer_task(fleet.bound(d), recent)
+            return assign_task(fleet.bound(d), given, self.buffer.version, fc.coverage_lag)
 
         def launch(now: float) -> None:
             idle = [d for d in fleet.online(now) if d not in busy]
             for d in fleet.pick(idle, in_flight - len(busy)):
-                task = self._begin(d, assign_task(fleet.bound(d), given, self.buffer.version, fc.coverage_lag), now)
+                task = self._begin(d, assign(d), now)
                 trained = None if task.vanishes else self._train(task)
                 busy.add(d)
                 queue.push(task.end, (task, trained))
             if len(busy) < in_flight:  # too few devices online: look again when the next one is back
-                back = [t for t in fleet.away_until if t > now]
-                if back and min(back) not in wakes:
-                    wakes.add(min(back))
-                    queue.push(min(back), None)
+                back = fleet.next_return(now)
+                if back is not None and back not in wakes:
+                    wakes.add(back)
+                    queue.push(back, None)
 
         launch(0.0)
         while queue:
@@ -196,7 +202,7 @@ class FleetSimulator:
         while now < fc.time_budget_s:
             chosen = fleet.pick(fleet.online(now), fc.concurrency)
             if not chosen:  # nobody online: wait for the first to come back
-                now = min(fleet.away_until)
+                now = fleet.next_return(now) or fc.time_budget_s
                 continue
             bounds = [Candidate(str(d), fleet.bound(d), fleet.bound(d)) for d in chosen]
             assigned = assign_coverage(bounds, coverage_order(trained_counts), rng)

@@ -70,12 +70,14 @@ class Run:
     every_device: bool = False  # sync: every device a round; buffered: every online device in flight
     buffer_size: int = 5  # buffered: K, declared before the runs
     normalise: Normalise = "coverage"  # buffered: the divisor, declared before the runs
+    steer_window: int | None = None  # buffered: steer tasks by the last N given (FleetConfig.steer_window); None: lag
 
 
 RUNS: dict[str, Run] = {
     "sync": Run("sync"),
     "sync-all": Run("sync", every_device=True),
     "buffered": Run("buffered", every_device=True),
+    "buffered-steer": Run("buffered", every_device=True, steer_window=40),
 }
 BASELINES = [name for name, run in RUNS.items() if run.mode == "sync"]
 
@@ -84,7 +86,7 @@ def fleet_configs(run: Run, b: Budget) -> tuple[FleetConfig, StalenessConfig]:
     """The fleet and buffer settings of `run` under `b`."""
     fleet = FleetConfig(mode=run.mode, concurrency=b.clients if run.every_device else b.concurrency,
                         in_flight=None if run.every_device else b.concurrency, time_budget_s=b.time_budget_s,
-                        eval_every_s=b.eval_every_s)
+                        eval_every_s=b.eval_every_s, steer_window=run.steer_window)
     return fleet, StalenessConfig(buffer_size=run.buffer_size, normalise=run.normalise)
 
 
@@ -195,8 +197,9 @@ def describe_run(name: str, budget: Budget) -> str:
     run = RUNS[name]
     if run.mode == "sync":
         return f"{name}: rounds of {budget.clients if run.every_device else budget.concurrency} devices"
+    steer = "lag rule" if run.steer_window is None else f"steered by the last {run.steer_window} tasks"
     return (f"{name}: {'every online device' if run.every_device else budget.concurrency} in flight, K = "
-            f"{run.buffer_size}, divisor {run.normalise}")
+            f"{run.buffer_size}, divisor {run.normalise}, {steer}")
 
 
 def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
@@ -207,7 +210,8 @@ def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
     lines = ["## Generated: buffered asynchronous vs synchronous NeFedAvg on an emulated fleet (`benchmarks/bench_buffered.py`)",
              "", measured_by("PYTHONPATH=. python benchmarks/bench_buffered.py", p), "",
              f"{budget.profile}, {budget.clients} emulated devices of {budget.samples_per_client} Fashion-MNIST images "
-             f"(step times 1x-{FleetConfig.slowest:g}x, {FleetConfig.vanish:.0%} of tasks lost to a vanishing device), "
+             f"(step times 1x-{FleetConfig.slowest:g}x; a device vanishes with {FleetConfig.vanish:.0%} chance per simulated "
+             f"minute and stays away {FleetConfig.away_s:g} s on average), "
              f"{budget.time_budget_s:g} simulated s, evaluated every {budget.eval_every_s:g} s on {budget.eval_samples} "
              f"test images, staleness 1/sqrt(1 + tau); seeds {seeds}, target: every submodel at {TARGET:.0%}. Runs: "
              + "; ".join(describe_run(n, budget) for n in names) + ". Baseline: per seed, the better sync run "
@@ -260,6 +264,8 @@ def report(results: list[dict], budget: Budget, seeds: list[int]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seed-from", type=int, default=0, help="the first seed (a pilot seed outside the reported ones)")
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--time-budget-s", type=float, default=Budget.time_budget_s)
     ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which of RUNS to run")
@@ -268,9 +274,9 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="report the runs on disk, run none")
     args = ap.parse_args()
     budget = Budget(time_budget_s=args.time_budget_s)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.seed_from, args.seed_from + args.seeds))
     # setting by setting: a sweep cut short leaves whole settings over every seed
-    jobs = [Job(setting, name, seed, budget, args.out) for setting in SETTINGS for seed in seeds for name in args.runs]
+    jobs = [Job(setting, name, seed, budget, args.out) for setting in args.settings for seed in seeds for name in args.runs]
     results = ([r for j in jobs if (r := load(j)) is not None] if args.report_only
                else run_sweep(jobs, args.jobs, run_job, load, describe, console))
     lines = report(results, budget, seeds)

@@ -7,7 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from aggregator.cli import app
-from aggregator.fleet import EventQueue, Fleet, FleetConfig, assign_task
+from collections import Counter, deque
+
+from aggregator.fleet import EventQueue, Fleet, FleetConfig, assign_task, steer_task
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.pipeline import Robustness
 from nefl.aggregation.staleness import StalenessConfig
@@ -24,12 +26,47 @@ def test_speeds_spread_1x_to_the_slowest_and_budgets_bound_the_submodel() -> Non
     assert all(fleet.task_s(d, bounds[d]) <= fleet.task_budget_s for d in range(10))  # the slowest: at least submodel 1
 
 
-def test_a_vanished_device_is_away_until_it_returns() -> None:
-    fleet = Fleet.build(FleetConfig(vanish=0.5, away_s=100.0, load_jitter=0.0), COSTS, [3, 3], seed=1)
-    tasks = [fleet.start(0, 4, 0, now=10.0 * i) for i in range(40)]
-    gone = [t for t in tasks if t.vanishes]
-    assert 5 < len(gone) < 35 and all(t.end == t.start + 3.0 for t in tasks)
-    assert fleet.away_until[0] > gone[-1].end and 0 not in fleet.online(gone[-1].end) and 1 in fleet.online(0.0)
+def test_a_vanished_device_is_away_until_it_returns_and_loses_the_task_it_was_training() -> None:
+    fleet = Fleet.build(FleetConfig(vanish=0.5, away_s=100.0, load_jitter=0.0, time_budget_s=2000.0), COSTS, [3, 3],
+                        seed=1)
+    leaves, back = fleet.away[0][0]
+    assert 0 in fleet.online(leaves - 1e-6) and 0 not in fleet.online(leaves) and 0 in fleet.online(back)
+    assert fleet.next_return(leaves) == min(s[1] for d in (0, 1) for s in fleet.away[d] if s[0] <= leaves < s[1])
+    assert fleet.start(0, 4, 0, now=leaves - 1.0).vanishes  # it leaves 1 s into a 3 s task
+    assert not fleet.start(0, 4, 0, now=leaves - 4.0).vanishes  # the task ends before it leaves
+
+
+def test_vanishing_is_a_hazard_per_time_so_short_tasks_are_lost_less_often() -> None:
+    cfg = FleetConfig(slowest=1.0, vanish=0.05, away_s=50.0, load_jitter=0.0, time_budget_s=400_000.0)
+    fleet = Fleet.build(cfg, COSTS, [1, 10], seed=3)  # device 0's tasks take 1 s, device 1's 10 s
+    rate = 0.0513 / 60.0  # -ln(1 - 0.05) per minute
+    for d in (0, 1):
+        online_s = cfg.time_budget_s - sum(b - a for a, b in fleet.away[d])
+        assert 0.8 / rate < online_s / len(fleet.away[d]) < 1.25 / rate  # mean online time: 1 / hazard
+
+    def lost(d: int) -> float:
+        starts = [7.0 * i for i in range(int(cfg.time_budget_s / 7.0)) if d in fleet.online(7.0 * i)]
+        return sum(fleet.start(d, 4, 0, now=t).vanishes for t in starts) / len(starts)
+
+    assert 0.4 * rate < lost(0) < 2.5 * rate and lost(1) > 4 * lost(0)  # a task 10x as long: about 10x as often lost
+
+
+def test_the_same_seed_gives_both_modes_the_same_availability() -> None:
+    a = Fleet.build(FleetConfig(mode="buffered"), COSTS, [2] * 5, seed=4)
+    b = Fleet.build(FleetConfig(mode="sync"), COSTS, [2] * 5, seed=4)
+    a.start(0, 4, 0, now=0.0)  # drawing tasks does not move availability
+    assert a.away == b.away and any(a.away)
+
+
+def test_steering_gives_each_task_the_submodel_within_the_bound_given_least_recently() -> None:
+    recent: deque[int] = deque(maxlen=20)
+    picks = []
+    for _ in range(60):  # per step: three fast devices (bound 4), one slow (bound 0)
+        picks += [steer_task(4, recent) for _ in range(3)] + [steer_task(0, recent)]
+    late = Counter(picks[-20:])
+    assert set(late) == set(range(5)) and max(late.values()) - min(late.values()) <= 2  # the surplus evens coverage
+    assert steer_task(0, deque([0, 0, 0], maxlen=4)) == 0  # never above the bound
+    assert steer_task(2, deque([0, 2], maxlen=4)) == 1 and steer_task(4, deque(maxlen=4)) == 4  # ties: the largest
 
 
 def test_buffered_assignment_trains_the_bound_and_every_starved_submodel_within_it() -> None:
