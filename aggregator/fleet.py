@@ -1,6 +1,6 @@
 """An emulated heterogeneous fleet for `aggregator simulate --mode buffered|sync`: devices whose training steps take
-1x to `slowest`x as long as the fastest one's, whose load varies from task to task, and some of which vanish mid-task
-and come back later (a constant hazard per simulated second, drawn once per device for the whole run, so both modes
+1x to `slowest`x as long as the fastest one's, whose load varies from task to task, and which vanish (losing the task
+they train) and come back later (a constant hazard per simulated second, drawn once per device for the whole run, so both modes
 see the same availability whatever tasks they give). Time is simulated (the loops in aggregator/fleet_sim.py pop events off a queue), so a fleet
 with a 10x spread of speeds is compared in minutes on 2 CPU cores. Torch-free: pure arithmetic on seeded draws.
 

@@ -34,7 +34,8 @@ class FleetOptions:
     slowest: Annotated[float, typer.Option(min=1, help="The slowest device's step time, in the fastest's.")] = _F.slowest
     budget: Annotated[float, typer.Option(
         min=0, help="A task's time budget, in full-model tasks of the fastest device.")] = _F.budget
-    vanish: Annotated[float, typer.Option(min=0, max=0.99, help="The chance an online device vanishes within any simulated minute.")] = _F.vanish
+    vanish: Annotated[float, typer.Option(
+        min=0, max=0.99, help="The chance an online device vanishes within any simulated minute.")] = _F.vanish
     time_budget_s: Annotated[float, typer.Option(min=1, help="Simulated seconds the run lasts.")] = _F.time_budget_s
     eval_every_s: Annotated[float, typer.Option(min=1, help="Evaluate every N simulated seconds.")] = _F.eval_every_s
     buffer_size: BufferSizeOption = _S.buffer_size
