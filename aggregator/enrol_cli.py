@@ -34,11 +34,11 @@ def _key_dir(keys: KeyOptions, client: str) -> KeyDir:
 @grouped
 def enroll_command(
     client_id: str = typer.Argument(..., help="The device's --client-id (or, with --worker, the worker's or relay's id)."),
-    key: str = typer.Option(None, "--key", help="Enrol this public key now instead of printing a join token (a device "
-                            "whose key you know; required for --worker: what `aggregator worker --print-key` prints)."),
+    public_key: str = typer.Option(None, "--public-key", help="Enrol this public key now instead of printing a join token (a "
+                                   "device whose key you know; required for --worker: what `aggregator worker --print-key` prints)."),
     worker: WorkerFlag("Authorise an aggregator worker or site relay, not a device.") = False,
     follower: FollowerFlag("Enrol a device that only follows model rollouts (`edge-client serve --follow`): its "
-                           "reports count, it never trains; needs --key.") = False,
+                           "reports count, it never trains; needs --public-key.") = False,
     valid_hours: float = typer.Option(EnrolmentPolicy.token_ttl_s / 3600, "--valid-hours", min=0.01,
                                       help="How long the join token may be used."),
     *,
@@ -50,15 +50,15 @@ def enroll_command(
     now = time.time()
     role = _role(worker, follower)
     try:
-        if key is not None:
-            parse_public_key(key)
-            append(keys.journal, Grant(client=client_id, role=role, created=now, key=key.strip()))
-            print(f"{role} {client_id} enrolled with key {key.strip()[:12]}...", file=sys.stderr)
+        if public_key is not None:
+            parse_public_key(public_key)
+            append(keys.journal, Grant(client=client_id, role=role, created=now, key=public_key.strip()))
+            print(f"{role} {client_id} enrolled with key {public_key.strip()[:12]}...", file=sys.stderr)
             return
         if worker:
-            raise ValueError("a worker is authorised by its key: give --key (`aggregator worker --print-key` prints it)")
+            raise ValueError("a worker is authorised by its key: give --public-key (`aggregator worker --print-key` prints it)")
         if follower:
-            raise ValueError("a follower is enrolled by its key: give --key (the public half of its --device-key)")
+            raise ValueError("a follower is enrolled by its key: give --public-key (the public half of its --device-key)")
         token, verifier = new_token(keys.server_signer().public_text)
         append(keys.journal, Grant(client=client_id, created=now, verifier=verifier, expires=now + valid_hours * 3600))
     except (KeyFileError, ValueError, OSError) as e:

@@ -12,7 +12,7 @@ Enrolment is *open* (trust on first use: the first signed announce pins an id's 
 the journal grants a device; from then on (or with --no-open-enrolment) an id takes part only once the
 operator enrolled it, with a join token its first signed announce proves (nefl/protocol/tokens.py) or with its
 key. Open pins are bounded: a rate and a cap on new ones, and those of ids that never trained expire.
-A *follower* (`aggregator enroll ID --follower --key KEY`) is an id whose model-rollout reports count
+A *follower* (`aggregator enroll ID --follower --public-key KEY`) is an id whose model-rollout reports count
 (aggregator/rollout.py); it never trains and its grant leaves open enrolment open.
 """
 

@@ -15,9 +15,10 @@ from rich.table import Table
 
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 from aggregator.serve_cli import BrokerOrEmbeddedOption, EmbeddedHostOption, EmbeddedPortOption
-from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, DataRootOption, DatasetOption, FederationOption, KeyDirOption,
-                                      EvalEveryOption, HttpOption, LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, MethodOption, NonIidOption, OutOption,
-                                      RoundsOption, RoundTimeoutOption, SeedOption, ThreadsOption)
+from nefl.support.cli_options import (BatchSizeOption, BrokerOptions, ClientsOption, DataRootOption, DatasetOption,
+                                      DevicesOption, FederationOption, KeyDirOption, EvalEveryOption, HttpOption,
+                                      JoinWaitOption, LocalEpochsOption, LogOptions, LrOption, MaxSamplesOption, MethodOption,
+                                      NonIidOption, OutOption, RoundsOption, RoundTimeoutOption, SeedOption, ThreadsOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.nested.data import DatasetUnavailable
 from nefl.jigsaw.methods import METHODS, get_method
@@ -95,10 +96,10 @@ class Topology:
 class SimAttack:
     """A poisoning borrower, to measure the sources' screening of returned copies (docs/fedjigsaw.md)."""
 
-    attack: Annotated[Optional[str], typer.Option(
-        help="The first --attackers clients return poisoned copies of borrowed modules: flip (-3.5 x the copy), "
+    poison: Annotated[Optional[str], typer.Option(
+        help="The first --poisoners clients return poisoned copies of borrowed modules: flip (-3.5 x the copy), "
              "scale (change stretched to 4.5 x the module's norm) or layer (largest tensor flipped).")] = D.attack
-    attackers: Annotated[int, typer.Option(min=0, help="Clients that poison under --attack.")] = D.attackers
+    poisoners: Annotated[int, typer.Option(min=0, help="Clients that poison under --poison.")] = D.attackers
     screen_returns: Annotated[bool, typer.Option(
         help="Sources judge each module's returns together before averaging (off: the fixed norm bound alone).")] = D.screen_returns
 
@@ -108,7 +109,7 @@ def jigsaw_command(
     method: MethodOption(" | ".join(f"{m.name} ({m.summary})" for m in METHODS.values()) + ".") = D.method,
     dataset: DatasetOption("Dataset (cnn-* architectures: 28x28; vgg-*: 32x32, e.g. cifar10).") = D.dataset,
     archs: ArchsOption = ",".join(D.archs),
-    clients: int = typer.Option(D.clients, min=2, help="Clients (all active every round, as the paper)."),
+    clients: ClientsOption("Clients (all active every round, as the paper; at least 2).") = D.clients,
     rounds: RoundsOption("Model-training rounds (every method).") = D.rounds,
     lr: LrOption("SGD learning rate of the local models (constant, as the FedJigsaw paper).") = D.lr,
     budget_headroom: float = typer.Option(D.budget_headroom, min=1.0, help="Device memory budgets reach this x the "
@@ -132,16 +133,19 @@ def jigsaw_command(
         chosen = get_method(method)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--method") from None
+    if clients < 2:
+        raise typer.BadParameter(f"{clients}: FedJigsaw needs at least 2 clients", param_hint="--clients")
     if neighbours.topology not in ("full", "ring", "random"):
         raise typer.BadParameter(f"--topology {neighbours.topology!r}: use full, ring or random")
-    if poisoning.attack is not None and poisoning.attack not in ATTACKS:
-        raise typer.BadParameter(f"--attack {poisoning.attack!r}: use {', '.join(ATTACKS)}")
+    if poisoning.poison is not None and poisoning.poison not in ATTACKS:
+        raise typer.BadParameter(f"--poison {poisoning.poison!r}: use {', '.join(ATTACKS)}")
     if threads:
         torch.set_num_threads(threads)
-    # the groups' fields are JigsawConfig's, by name
+    # the groups' fields are JigsawConfig's, by name (the poisoning's apart)
     cfg = JigsawConfig(method=method, dataset=dataset, archs=_archs(archs), clients=clients, rounds=rounds, lr=lr,
                        budget_headroom=budget_headroom, eval_every=eval_every, seed=seed, out=out, **asdict(data),
-                       **asdict(local), **asdict(policy), **asdict(neighbours), **asdict(poisoning))
+                       **asdict(local), **asdict(policy), **asdict(neighbours), attack=poisoning.poison,
+                       attackers=poisoning.poisoners, screen_returns=poisoning.screen_returns)
     try:
         sim = JigsawSimulator(cfg)
     except (ArchError, DatasetUnavailable, ValueError) as e:
@@ -204,7 +208,7 @@ class Timeouts:
     fetch_timeout: Annotated[float, typer.Option(
         min=0.1, help="Seconds a device waits for a peer's module before masking that peer for the round.")] = D.fetch_timeout_s
     round_timeout: RoundTimeoutOption = D.round_timeout_s
-    join_wait: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for --devices devices to say hello.")] = 600.0
+    join_wait: JoinWaitOption("Seconds to wait for --devices devices to say hello.") = 600.0
 
 
 @option_group("Embedded broker (without --broker)")
@@ -215,7 +219,7 @@ class Embedded:
 
 @grouped
 def jigsaw_serve_command(
-    devices: int = typer.Option(..., min=2, help="Devices to wait for (`edge-client jigsaw`); numbered by client id."),
+    devices: DevicesOption("Devices to wait for (`edge-client jigsaw`; at least 2); numbered by client id."),
     broker: BrokerOrEmbeddedOption = None,
     federation: FederationOption("Federation name (topic prefix nefl/NAME/; its key lives in KEY_DIR/NAME).") = "default",
     method: MethodOption("fedjigsaw, no-coretune, no-symbio or local-only.") = D.method,
@@ -260,6 +264,8 @@ def jigsaw_serve_command(
     stop_on_sigterm()
     try:
         topics = Topics(federation)
+        if devices < 2:
+            raise ValueError(f"--devices {devices}: FedJigsaw needs at least 2 devices")
         if neighbours.topology not in ("full", "ring", "random"):
             raise ValueError(f"--topology {neighbours.topology!r}: use full, ring or random")
         # the groups' fields are JigsawConfig's, by name (the timeouts in seconds apart)

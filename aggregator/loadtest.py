@@ -81,7 +81,7 @@ class FleetConfig:
     first: int = 0  # this process's devices: first, first + stride, ... below devices
     stride: int = 1
     devices: int = 100
-    max_submodel: int = 0  # 0: device i can train submodel (i mod K) + 1; otherwise this bound for all
+    max_submodel: int | None = None  # None: device i can train submodel (i mod K) + 1; otherwise this bound for all
     rate: float = 0.0  # updates per second this process sends at most; 0 = as fast as it can
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     scale: float = 1e-3

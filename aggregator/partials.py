@@ -168,7 +168,7 @@ class WorkerPool:
         key = self._keys(worker)
         if key is None:
             raise Rejected("unauthorised_worker", f"{kind} from {worker}, which has no authorised key "
-                                                  f"(`aggregator enroll {worker} --worker --key KEY`)")
+                                                  f"(`aggregator enroll {worker} --worker --public-key KEY`)")
         if kind == "partial":
             self._partial_chunk(worker, key, payload)
             return

@@ -15,7 +15,7 @@ with a higher sequence number (nefl/protocol/messages.py), kept in the federatio
 (KEY_DIR/FEDERATION/rollout/rollout.json): one history, wherever the command runs.
 
 A report counts only under the key the federation's enrolment journal holds for its id (`aggregator
-enroll ID --follower --key KEY`, or a training device's pin): canaries are drawn from enrolled devices that
+enroll ID --follower --public-key KEY`, or a training device's pin): canaries are drawn from enrolled devices that
 reported, at random (the operator's randomness, not a function of the ids), and a majority of them
 decides, so one enrolled device that lies about its own numbers does not decide alone.
 
@@ -119,7 +119,7 @@ def judge(reports: dict[str, DeployReport], devices: list[str], version: int, ru
 
 class EnrolledKeys:
     """The key the federation's enrolment journal holds for an id (a device's: granted with `aggregator enroll
-    ID --key` or pinned when a join token was spent; a follower's: `aggregator enroll ID --follower --key`),
+    ID --public-key` or pinned when a join token was spent; a follower's: `aggregator enroll ID --follower --public-key`),
     re-read whenever the journal changes."""
 
     def __init__(self, keys: KeyDir) -> None:
@@ -179,7 +179,7 @@ class FleetBook:
         enrolled = self.enrolled(client)
         if enrolled is None:
             raise MessageError("not_enrolled", f"a report of {client}, which is not enrolled (`aggregator enroll "
-                                               f"{client} --follower --key KEY`)")
+                                               f"{client} --follower --public-key KEY`)")
         if enrolled != key:
             raise MessageError("key_mismatch", f"a report of {client} signed by {key[:12]}..., not its enrolled key")
         last = self.reports.get(client)
@@ -369,7 +369,7 @@ def choose_canaries(online: list[str], fraction: float | None, named: list[str],
         unknown = sorted(d for d in set(named) if enrolled(d) is None)
         if unknown:
             raise DeployError(f"--canary-devices {', '.join(unknown)}: not enrolled in this federation "
-                              "(`aggregator enroll ID --follower --key KEY`)")
+                              "(`aggregator enroll ID --follower --public-key KEY`)")
         return sorted(set(named))
     if fraction is None or not online:
         return []

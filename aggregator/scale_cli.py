@@ -18,11 +18,13 @@ from typing import Annotated, Optional
 import typer
 
 from aggregator.keys import KeyDir
-from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, FederationOption, KeyDirOption, LogOptions,
-                                      SeedOption, ServerKeyOption)
+from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, DevicesOption, FederationOption,
+                                      KeyDirOption, LogOptions, MaxSubmodelOption, ProfileOption, SeedOption,
+                                      ServerKeyOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.heap import freeze_startup
 from nefl.support.logs import setup_logging
+from nefl.support.settings import DEFAULT_PROFILE
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import parse_broker
 from nefl.nested.profile import ProfileError, load_profile
@@ -44,7 +46,7 @@ class WorkerKeys:
              "KEY_DIR/FEDERATION/workers/ID.key]; authorise it on the coordinator.")] = None
     key_dir: KeyDirOption = None
     print_key: Annotated[bool, typer.Option(
-        "--print-key", help="Print this worker's or relay's public key (for `aggregator enroll ID --worker --key KEY` on "
+        "--print-key", help="Print this worker's or relay's public key (for `aggregator enroll ID --worker --public-key KEY` on "
                             "the coordinator) and exit.")] = False
 
 
@@ -58,7 +60,7 @@ def own_key(federation: str, me: str, keys: WorkerKeys) -> Signer:
     if keys.print_key:
         print(signer.public_text)
         raise typer.Exit(0)
-    log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --key "
+    log.info(f"{me}: signing with key {signer.public_text} (authorise it: aggregator enroll {me} --worker --public-key "
              f"{signer.public_text})")
     return signer
 
@@ -132,12 +134,12 @@ def _run_shards(argvs: list[list[str]]) -> int:
 def loadtest_command(
     broker: BrokerOption("mqtt://HOST:PORT the aggregator (and its workers) use."),
     federation: FederationOption() = "default",
-    profile: str = typer.Option("resnet20-fmnist-w", help="The coordinator's profile (deltas must fit its submodels)."),
-    devices: int = typer.Option(100, min=1, help="Simulated devices, one MQTT connection each."),
+    profile: ProfileOption("The coordinator's profile (deltas must fit its submodels).") = DEFAULT_PROFILE,
+    devices: DevicesOption("Simulated devices, one MQTT connection each.") = 100,
     procs: int = typer.Option(1, min=1, help="Processes to spread the devices over."),
     rate: float = typer.Option(0.0, min=0, help="Updates per second, all processes together; 0 = as fast as possible."),
-    max_submodel: int = typer.Option(0, min=0, help="Largest submodel every device announces (1-based); 0: device i "
-                                     "announces (i mod K) + 1, a mixed fleet."),
+    max_submodel: MaxSubmodelOption("Largest submodel (1-based) every device announces; none given: device i announces "
+                                    "(i mod K) + 1, a mixed fleet.") = None,
     chunk_kib: ChunkKibOption = DEFAULT_CHUNK_BYTES // 1024,
     scale: float = typer.Option(1e-3, min=0, help="Standard deviation of the random deltas."),
     pool: int = typer.Option(0, min=0, help="Draw deltas from this many cached variants per submodel (0: a fresh "
@@ -175,7 +177,8 @@ def loadtest_command(
         raise typer.Exit(2) from None
     if procs > 1 and shard is None:
         argv = ["--broker", broker, "--federation", federation, "--profile", profile, "--devices", str(devices),
-                "--rate", str(rate / procs), "--max-submodel", str(max_submodel), "--chunk-kib", str(chunk_kib),
+                "--rate", str(rate / procs), *(["--max-submodel", str(max_submodel)] if max_submodel else []),
+                "--chunk-kib", str(chunk_kib),
                 "--scale", str(scale), "--pool", str(pool), "--prefix", prefix, "--seed", str(seed),
                 "--duration", str(duration), "--log-level", logs.log_level, "--log-format", logs.log_format]
         raise typer.Exit(_run_shards([[*argv, "--shard", f"{i}/{procs}"] for i in range(procs)]))

@@ -29,8 +29,8 @@ from aggregator.staleness_options import BufferSizeOption, MaxStalenessOption, M
 from nefl.aggregation.staleness import StalenessConfig
 from nefl.support.cli_options import (BatchSizeOption, BrokerOption, BrokerOptions, CheckpointDirOption, ChunkKibOption, DataRootOption,
                                       EvalSamplesOption, FederationOption, FinalEvalSamplesOption, HttpOption,
-                                      InitFromOption, KeyDirOption, KeyOptions, LocalEpochsOption, LogOptions, LrOption,
-                                      RoundsOption, RoundTimeoutOption, SeedOption)
+                                      InitFromOption, JoinWaitOption, KeyDirOption, KeyOptions, LocalEpochsOption,
+                                      LogOptions, LrOption, ProfileOption, RoundsOption, RoundTimeoutOption, SeedOption)
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.extras import full_install_required
 from nefl.support.listen import check_bindable, is_loopback, parse_listen
@@ -38,7 +38,7 @@ from nefl.support.logs import setup_logging
 from nefl.protocol.messages import DEFAULT_CHUNK_BYTES
 from nefl.protocol.mqtt import parse_broker
 from nefl.nested.profile import ProfileError
-from nefl.support.settings import DEFAULT_EVAL_SAMPLES, TrainConfig
+from nefl.support.settings import DEFAULT_EVAL_SAMPLES, DEFAULT_PROFILE, TrainConfig
 from nefl.support.heap import freeze_startup, keep_freed_memory
 from nefl.support.signals import Stop, stop_children, stop_on_sigterm, stop_reason
 from nefl.protocol.signing import KeyFileError
@@ -84,8 +84,8 @@ class RoundOptions:
     clients_per_round: Annotated[int, typer.Option(min=1, help="Participants per round, among connected clients.")] = 10
     min_clients: Annotated[int, typer.Option(min=1, help="Quorum: updates needed for a round to change the model.")] = 1
     round_timeout: RoundTimeoutOption = 120.0
-    join_wait: Annotated[float, typer.Option(min=0, help="Once a first client is ready, seconds to wait for "
-                                                         "--clients-per-round before starting with --min-clients.")] = 10.0
+    join_wait: JoinWaitOption("Once a first client is ready, seconds to wait for --clients-per-round before starting "
+                              "with --min-clients.") = 10.0
     versions: VersionOptions = field(default_factory=VersionOptions)
 
     def serve_fields(self) -> dict:
@@ -162,7 +162,7 @@ class WorkerOptions:
 
 @grouped
 def serve_command(
-    profile: str = typer.Option("resnet20-fmnist-w", help="Profile name or TOML path (the submodel ladder)."),
+    profile: ProfileOption() = DEFAULT_PROFILE,
     broker: BrokerOrEmbeddedOption = None,
     federation: FederationOption() = "default",
     checkpoint_dir: CheckpointDirOption("Checkpoint + metrics.jsonl directory (default: runs/FEDERATION).") = None,

@@ -49,7 +49,7 @@ from nefl.nested.data import load_dataset
 from nefl.nested.profile import Profile, load_profile
 from nefl.nested.state import GlobalState, Layout
 from nefl.nested.train import TrainConfig
-from nefl.support.settings import DEFAULT_EVAL_SAMPLES
+from nefl.support.settings import DEFAULT_EVAL_SAMPLES, DEFAULT_PROFILE
 from nefl.protocol.messages import VERSION, Control, MessageError, Task, TrainingSettings
 from nefl.protocol.mqtt import QOS, BrokerSettings
 from nefl.protocol.signing import Signer
@@ -61,7 +61,7 @@ IDLE_S = (0.005, 0.1)  # seconds between looks at a quiet inbox: the first, and 
 
 @dataclass
 class ServeConfig:
-    profile: str = "resnet20-fmnist-w"
+    profile: str = DEFAULT_PROFILE
     federation: str = "default"
     rounds: int = 10
     clients_per_round: int = 10

@@ -15,9 +15,10 @@ from rich.table import Table
 from aggregator.fleet_cli import FleetOptions, fleet_robustness, fleet_simulator, report_fleet
 from aggregator.run_options import AssignmentOption, RunSpec
 from nefl.nested.profile import ProfileError
-from nefl.support.cli_options import (BatchSizeOption, DataRootOption, DatasetOption, EvalEveryOption, EvalSamplesOption,
-                                      FinalEvalSamplesOption, InitFromOption, LocalEpochsOption, LrOption, MaxSamplesOption, MethodOption,
-                                      NonIidOption, OutOption, RoundsOption, SeedOption, ThreadsOption, TorchDeviceOption)
+from nefl.support.cli_options import (BatchSizeOption, ClientsOption, DataRootOption, DatasetOption, EvalEveryOption,
+                                      EvalSamplesOption, FinalEvalSamplesOption, InitFromOption, LocalEpochsOption, LrOption,
+                                      MaxSamplesOption, MethodOption, NonIidOption, OutOption, ProfileOption, RoundsOption,
+                                      SeedOption, ThreadsOption, TorchDeviceOption)
 from nefl.support.extras import full_install_required
 from nefl.support.option_groups import grouped, option_group
 from nefl.support.settings import (ATTACK_SCALES, DEFAULT_ATTACK_SCALE, Attack, AttackName, Direction, TrainConfig,
@@ -75,9 +76,9 @@ class AttackOptions:
 
 @grouped
 def simulate_command(
-    profile: str = typer.Option(..., help="Profile name (see `nefl profile list`) or path to a TOML ladder."),
+    profile: ProfileOption(),
     method: MethodOption("nefl | nefl-nl | fjord | heterofl | depthfl (default: the profile's).") = None,
-    clients: int = typer.Option(20, min=1, help="Clients in the federation (split into equal tiers)."),
+    clients: ClientsOption("Clients in the federation (split into equal tiers).") = 20,
     per_round: int = typer.Option(5, min=1, help="Clients sampled per round."),
     rounds: RoundsOption("Communication rounds.") = 30,
     seed: SeedOption("Seed for init, partitions, sampling and augmentation.") = 0,

@@ -6,7 +6,7 @@ signature, identity, round, shapes, finite values, the norm bound of the coordin
 it into its own partial NeFedAvg, tells the coordinator (a receipt), and at round close publishes
 the partial (aggregator/partials.py) for the coordinator to merge. Everything it sends the coordinator
 is signed with its own key (`--key`, default in the federation's key directory), which the operator
-authorises on the coordinator (`aggregator enroll ID --worker --key KEY`; `serve --workers N` does it
+authorises on the coordinator (`aggregator enroll ID --worker --public-key KEY`; `serve --workers N` does it
 for the workers it starts).
 
 Chunks of one update reach one worker (docs/scale.md): an update sent in one message trivially

@@ -118,7 +118,7 @@ class Federation:
                                         "print(Signer.load_or_create(sys.argv[1], sys.argv[2]).public_text)",
                               str(cache / "device-keys"), f"{name}.key"], env=self.run.env,
                              capture_output=True, text=True, check=True).stdout.strip()
-        self.cli("enroll", name, "--key", key)
+        self.cli("enroll", name, "--public-key", key)
 
     def metrics(self) -> list[dict]:
         path = self.work / "run" / "metrics.jsonl"

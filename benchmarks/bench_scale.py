@@ -265,7 +265,7 @@ def relay_bytes(s: Setting, tmp: Path) -> dict:
         relay_key = subprocess.run([*CLI, "relay", "--site-broker", down, "--upstream", up, "--relay-id", "site",
                                     "--print-key", *keys], env=run.env, check=True,
                                    capture_output=True, text=True).stdout.strip().split()[-1]
-        subprocess.run([*CLI, "enroll", "site", "--worker", "--key", relay_key, *keys], env=run.env, check=True,
+        subprocess.run([*CLI, "enroll", "site", "--worker", "--public-key", relay_key, *keys], env=run.env, check=True,
                        capture_output=True)
         coord = run.start("coordinator", [*CLI, "serve", "--profile", s.profile, "--broker", up, "--key-dir", str(tmp / "keys"),
                                           "--federation", "b",

@@ -93,7 +93,7 @@ def serve_command(
     max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", min=1, help="Largest accepted upload."),
     max_pixels: int = typer.Option(MAX_IMAGE_PIXELS, "--max-pixels", min=1, help="Largest image (width x height) "
                                    "decoded; checked on the header before decoding (413 above it)."),
-    workers: int = typer.Option(WORKERS, "--workers", min=1, help="Requests handled at once (fixed thread pool)."),
+    request_threads: int = typer.Option(WORKERS, min=1, help="Requests handled at once (fixed thread pool)."),
     queue_size: int = typer.Option(QUEUE_SIZE, "--queue-size", min=1, help="Connections waiting for a worker; "
                                    "beyond this the server answers 503 at once."),
     request_timeout: float = typer.Option(REQUEST_TIMEOUT_S, "--request-timeout", min=0.001, help="Seconds a client "
@@ -130,7 +130,7 @@ def serve_command(
                                           include_untrained=runtime_options.include_untrained),
                 runtime_options.precision)
         try:
-            server = make_server(serving, host, port, max_body_bytes, max_pixels=max_pixels, workers=workers,
+            server = make_server(serving, host, port, max_body_bytes, max_pixels=max_pixels, workers=request_threads,
                                  queue_size=queue_size, timeout_s=request_timeout)
         except OSError as e:
             console.print(f"[red]error:[/red] cannot listen on {host}:{port} ({e.strerror or e}); choose another --port",

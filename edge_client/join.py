@@ -27,7 +27,8 @@ from edge_client.plan_cli import CacheDirOption, CalibrateOption, CpuBudgetOptio
 from edge_client.identity import PIN_DIR, device_signer, pin_file_for, run_file_for
 from nefl.support.cli_options import (BrokerOption, BrokerOptions, ChunkKibOption, ClientIdOption, DataRootOption, DatasetOption,
                                       DeviceKeyOption, FederationOption, HttpOption,
-                                      LogOptions, MemoryBudgetOption, SeedOption, ServerKeyOption, ThreadsOption,
+                                      LogOptions, MaxSubmodelOption, MemoryBudgetOption, SeedOption, ServerKeyOption,
+                                      ThreadsOption,
                                       TorchDeviceOption)
 from nefl.support.extras import full_install_required
 from nefl.support.heap import freeze_startup
@@ -120,9 +121,8 @@ class DataOptions:
 
 @option_group("What this device trains")
 class DeviceOptions:
-    max_submodel: Annotated[int, typer.Option(
-        min=1, help="Cap on the submodel (1-based) this device trains; below it, each round picks the largest that "
-                    "fits memory and deadline.")] = 1000
+    max_submodel: MaxSubmodelOption("Cap on the submodel (1-based) this device trains; below it, each round picks the "
+                                    "largest that fits memory and deadline.") = 1000
     memory_budget: MemoryBudgetOption(
         "Select submodels as if only this much memory were free, e.g. 300MB (emulation for selection only: the "
         "process is not limited, and its resident memory includes torch, the data and the model, often 800 MB "

@@ -21,7 +21,8 @@ from edge_client.device_cli import format_percent, sample_snapshot
 from edge_client.probe import HOT_LIMIT_C, format_bytes, is_hot, is_throttled
 from edge_client.select import DEFAULT_SAFETY_MARGIN, DeviceBudget, Selection, select_submodel
 from nefl.nested.profile import ProfileError, load_profile
-from nefl.support.cli_options import BatchSizeOption, JsonOption, MemoryBudgetOption, MethodOption, ThreadsOption, TorchDeviceOption
+from nefl.support.cli_options import (BatchSizeOption, JsonOption, MaxSubmodelOption, MemoryBudgetOption, MethodOption,
+                                      ProfileOption, ThreadsOption, TorchDeviceOption)
 from nefl.support.extras import full_install_required
 from nefl.support.settings import TrainConfig
 
@@ -75,13 +76,13 @@ def _plan_table(table: CostTable, sel: Selection) -> Table:
 
 
 def plan_command(
-    profile: str = typer.Option(..., "--profile", "-p", help="Profile name (see `nefl profile list`) or TOML path."),
+    profile: ProfileOption(),
     method: MethodOption() = None,
     batch_size: BatchSizeOption = TrainConfig.batch_size,
     samples: int = typer.Option(600, min=1, help="Local training samples per round."),
     epochs: int = typer.Option(5, min=1, help="Local epochs per round."),
     deadline: Optional[float] = typer.Option(None, min=0.0, help="Round deadline for local training, seconds."),
-    max_submodel: Optional[int] = typer.Option(None, min=1, help="Never train a submodel above this number."),
+    max_submodel: MaxSubmodelOption("Never train a submodel above this number (1-based).") = None,
     memory_budget: MemoryBudgetOption() = None,
     cpu_budget: CpuBudgetOption = None,
     safety_margin: float = typer.Option(DEFAULT_SAFETY_MARGIN, min=0.0, max=0.9, help="Fraction of available memory left free."),

@@ -42,6 +42,13 @@ FederationOption = SharedOption(str, "--federation", help="Federation name: the 
 # required where a command gives no default
 BrokerOption = SharedOption(Optional[str], "--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT of the federation's broker.")
 SeedOption = SharedOption(int, "--seed", help="Seed of this command's random draws.")
+# required where a command gives no default
+ProfileOption = SharedOption(str, "--profile", "-p", help="Profile name (see `nefl profile list`) or TOML path: the submodel ladder.")
+# none given: no cap (each command says what it then does)
+MaxSubmodelOption = SharedOption(Optional[int], "--max-submodel", min=1, help="Largest submodel (1-based) a device trains.")
+ClientsOption = SharedOption(int, "--clients", min=1, help="Clients in the federation.")
+DevicesOption = SharedOption(int, "--devices", min=1, help="Devices in the federation.")
+JoinWaitOption = SharedOption(float, "--join-wait", min=0, help="Seconds to wait for devices to join before starting.")
 LrOption = SharedOption(float, "--lr", min=0.0, help="SGD learning rate.")
 ServerKeyOption = SharedOption(Optional[str], "--server-key", envvar="NEFL_SERVER_KEY",
                                help="The aggregator's public key (`aggregator key` prints it) or a file holding it.")

@@ -36,15 +36,15 @@ def option_group(panel: str | None = None) -> Callable[[type[T]], type[T]]:
 
 
 class SharedOption:
-    """One option several commands take, declared once: its flag, type, constraints and environment variable.
+    """One option several commands take, declared once: its flags, type, constraints and environment variable.
     A command declares `seed: SeedOption("Seed of the deltas.") = Config.seed`: the call is the Annotated type,
     the help (what the option means to that command) its one parameter, the default its config's."""
 
-    def __init__(self, kind: Any, flag: str, *, help: str, **settings: Any) -> None:
-        self.kind, self.flag, self.help, self.settings = kind, flag, help, settings
+    def __init__(self, kind: Any, *flags: str, help: str, **settings: Any) -> None:
+        self.kind, self.flags, self.help, self.settings = kind, flags, help, settings
 
     def __call__(self, help: str | None = None) -> Any:
-        info = typer.Option(self.flag, help=help or self.help, **self.settings)
+        info = typer.Option(*self.flags, help=help or self.help, **self.settings)
         info.declaration = self  # type: ignore[attr-defined]  # which declaration made it (`declaration_of`)
         return Annotated[self.kind, info]
 

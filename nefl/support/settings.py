@@ -75,6 +75,9 @@ DEFAULT_MAX_ABS = 1e6
 # FLTrust's root set (aggregator/rootdata.py): the paper uses 100; a few batches more steady a cosine on small models
 DEFAULT_ROOT_SAMPLES = 256
 
+# the submodel ladder `aggregator serve` (ServeConfig) and `aggregator loadtest` start from
+DEFAULT_PROFILE = "resnet20-fmnist-w"
+
 # test images a served round is scored on (`aggregator serve --eval-samples`): resnet20-fmnist-w scores 1,000 in
 # about 8 s on one x86 core, a few times that on a Raspberry Pi 4, well inside the 120 s round timeout;
 # the last round is scored on the whole test split (docs/operations.md, "Evaluation")

@@ -177,7 +177,7 @@ def test_enrolment_and_run_identity_hold_against_a_hostile_broker(procs, acl):
     server_key = subprocess.run([*CLI, "key", "--federation", "t"], env=procs.env, capture_output=True, text=True,
                                 timeout=60, check=True).stdout.strip()
     c3 = Signer.load_or_create(procs.tmp / "fresh-cache" / "device-keys", "c3.key")  # c3 never saw either run
-    subprocess.run([*CLI, "enroll", "c3", "--key", c3.public_text, "--federation", "t"], env=procs.env, check=True,
+    subprocess.run([*CLI, "enroll", "c3", "--public-key", c3.public_text, "--federation", "t"], env=procs.env, check=True,
                    capture_output=True, timeout=60)
     serve(procs, "agg2", url, creds["aggregator"], 3, "--clients-per-round", "3", "--resume")
     wait_for(lambda: "waiting for clients" in procs.log("agg2"), 60, "the resumed aggregator")

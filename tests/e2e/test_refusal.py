@@ -69,5 +69,5 @@ def relay_site(procs: Procs, upstream: str) -> str:
         procs.start("relay", relay)
     finally:
         procs.env = env
-    aggregator(procs, "enroll", "site-a", "--worker", "--key", key)
+    aggregator(procs, "enroll", "site-a", "--worker", "--public-key", key)
     return f"mqtt://127.0.0.1:{site}"

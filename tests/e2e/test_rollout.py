@@ -68,7 +68,7 @@ def follow(procs, name: str, broker_port: int, *extra: str, models: Path | None 
     port = free_port()
     key = KeyDir("t").server_signer().public_text
     device_key = Signer.load_or_create(procs.tmp, f"{name}.key")
-    enrolled = aggregator("enroll", name, "--follower", "--key", device_key.public_text, "--federation", "t")
+    enrolled = aggregator("enroll", name, "--follower", "--public-key", device_key.public_text, "--federation", "t")
     assert enrolled.exit_code == 0, enrolled.output
     procs.start(name, [sys.executable, "-c", "from edge_client.cli import app; app()", "serve", "--follow",
                        f"mqtt://127.0.0.1:{broker_port}", "--federation", "t", "--server-key", key, "--client-id", name,

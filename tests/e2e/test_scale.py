@@ -131,7 +131,7 @@ def test_a_relay_sends_its_site_as_one_partial(procs, tmp_path):
     # the operator authorises the relay's key on the coordinator (with its own key directory, as on another host)
     relay_env = {**procs.env, "NEFL_KEY_DIR": str(tmp_path / "relay-keys")}
     relay_key = subprocess.run([*relay, "--print-key"], env=relay_env, capture_output=True, text=True, timeout=60).stdout.strip()
-    subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "enroll", "site-a", "--worker", "--key",
+    subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "enroll", "site-a", "--worker", "--public-key",
                     relay_key, "--federation", "t"], env=procs.env, check=True, capture_output=True, timeout=60)
     for prefix, n in (("site", 2), ("dir", 1)):  # the devices' keys too: a closed federation takes only these
         subprocess.run([sys.executable, "-c", "from aggregator.cli import app; app()", "loadtest", "--broker", up,

@@ -169,8 +169,8 @@ def test_enroll_and_revoke_commands(tmp_path):
     server = cli("key", "--federation", "t").stdout.strip()
     assert parse_token(token)[0] == fingerprint(server)
     bad = cli("enroll", "w1", "--worker", "--federation", "t")
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--key" in bad.stderr
-    assert cli("enroll", "w1", "--worker", "--key", keys(1)[0], "--federation", "t").returncode == 0
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--public-key" in bad.stderr
+    assert cli("enroll", "w1", "--worker", "--public-key", keys(1)[0], "--federation", "t").returncode == 0
     assert cli("revoke", "edge-1", "--federation", "t").returncode == 0
     e = Enrolment("t", journal=tmp_path / "keys" / "t" / "enrolment.jsonl")
     e.reload()
