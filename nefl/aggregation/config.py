@@ -36,6 +36,9 @@ class AggregationConfig:
     sketch: int = 4096  # shared-core elements the centre check and Krum compare updates on
     # with the centre check: a per-submodel tensor's step at most step_k x the median of its peers' and history's
     step_k: float = 3.0
+    # also each element of a per-submodel tensor's step at most step_element x that tensor's bound (step_k x the median
+    # RMS), so a push concentrated in one channel (one batch-norm gamma) is cut there; 0: off (no-attack cost unmeasured)
+    step_element: float = 0.0
     step_window: int = 8  # rounds of a tensor's history the step bound and the tensor screen remember
     # with the centre check: each named tensor of an update at most tensor_clip x its reference per-element size (the
     # round's median over the updates carrying it and its history; nefl/aggregation/tensor_screen.py)
@@ -69,6 +72,8 @@ class AggregationConfig:
             raise ValueError("need min_cover >= 3, hold >= 1 and sketch >= 16")
         if not (math.isfinite(self.step_k) and self.step_k >= 1) or self.step_window < 1:
             raise ValueError(f"need step_k >= 1 (finite) and step_window >= 1, got {self.step_k}, {self.step_window}")
+        if not (math.isfinite(self.step_element) and (self.step_element == 0 or self.step_element >= 1)):
+            raise ValueError(f"need step_element 0 (off) or >= 1 (finite), got {self.step_element}")
         if not (math.isfinite(self.tensor_clip) and self.tensor_clip >= 1 and math.isfinite(self.tensor_noise)
                 and self.tensor_noise >= 0):
             raise ValueError(f"need tensor_clip >= 1 and tensor_noise >= 0 (finite), got {self.tensor_clip}, "

@@ -244,6 +244,7 @@ class StepBound:
     def __init__(self, layout: Layout, cfg: AggregationConfig) -> None:
         self.names = sorted(layout.inconsistent - layout.local)
         self.k, self.peers, self.window = cfg.step_k, cfg.min_cover, cfg.step_window
+        self.element = cfg.step_element
         consistent = {n: cells(layout, n) for n in sorted(set(layout.global_shapes) - layout.inconsistent)}
         self.cells = {n: c for n, c in consistent.items() if c is not None}
         self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in [*self.names, *self.cells]}
@@ -291,11 +292,25 @@ class StepBound:
                     if size > limit:
                         step = step * (limit / size)
                         bounded[k] = bounded.get(k, 0) + 1
-                    new.inconsistent[k][name] = _apply(name, o, step)
+                    new.inconsistent[k][name] = _apply(name, o, self._per_element(step, limit))
+                elif self.element and math.isfinite(limit):
+                    o = old.inconsistent[k][name]
+                    step = _step(name, o, new.inconsistent[k][name])
+                    cut = self._per_element(step, limit)
+                    if not torch.equal(cut, step):
+                        new.inconsistent[k][name] = _apply(name, o, cut)
+                        bounded[k] = bounded.get(k, 0) + 1
             if len(finite) >= self.peers:
                 self._pending[name] = statistics.median(finite)
         self._candidate = new.inconsistent
         return bounded
+
+    def _per_element(self, step: torch.Tensor, limit: float) -> torch.Tensor:
+        """`step` with each element within +-`step_element` x `limit` (off: 0), so a copy honest in all elements but
+        one channel is cut in that channel where its RMS passes the tensor's bound."""
+        if not self.element or not math.isfinite(limit):
+            return step
+        return step.clamp(-self.element * limit, self.element * limit)
 
     def _bound_cells(self, name: str, cells_: list[tuple[list[Box], list[int]]], sizes: list[float],
                      old: torch.Tensor, new: torch.Tensor, updates: list[int]) -> list[int]:

@@ -445,3 +445,39 @@ def test_non_finite_and_non_positive_values_and_negative_zero() -> None:
     assert bounded == {2: 2}  # the variance copy and the inf ring
     bound.commit()
     assert list(bound.history[var]) == list(bound.history[gamma]) == [0.01] * 3  # two finite sizes: no entry
+
+
+@pytest.mark.parametrize("element", [0.0, 1.0])
+def test_a_push_in_one_channel_under_the_tensor_bound_is_cut_there_with_step_element(element: float) -> None:
+    """A copy honest in every batch-norm channel but one, pushed there by less than the tensor's RMS bound lets
+    through: off, it passes whole; with `step_element`, that channel is held to `step_element` x the bound and
+    every other element, and the honest copies, are committed as sent."""
+    layout = Layout.build(tiny_profile([(0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    cfg = AggregationConfig(step_element=element)
+    bound = StepBound(layout, cfg)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(6):
+        new = moved(layout, state, [0, 1, 2], gen, [0.01, 0.01, 0.01])
+        bound.apply(state, new, [1] * layout.num_submodels)
+        bound.commit()
+        state = new
+    gamma, _ = gamma_and_var(layout)
+    new = moved(layout, state, [0, 1, 2], gen, [0.01, 0.01, 0.01])
+    new.inconsistent[2][gamma].view(-1)[0] = state.inconsistent[2][gamma].view(-1)[0] + 0.05
+    sent = new.clone()
+    bound.apply(state, new, [1] * layout.num_submodels)
+    step = new.inconsistent[2][gamma].double() - state.inconsistent[2][gamma].double()
+    assert torch.equal(new.inconsistent[2][gamma].view(-1)[1:], sent.inconsistent[2][gamma].view(-1)[1:])
+    for k in (0, 1):
+        assert torch.equal(new.inconsistent[k][gamma], sent.inconsistent[k][gamma])
+    if element:
+        assert float(step.view(-1)[0]) < element * cfg.step_k * 0.01 * 1.5  # the bound: k x about the honest RMS
+    else:
+        assert float(step.view(-1)[0]) == pytest.approx(0.05, rel=1e-5)
+
+
+def test_step_element_is_zero_or_at_least_one() -> None:
+    for bad in (0.5, -1.0, math.inf):
+        with pytest.raises(ValueError, match="step_element"):
+            AggregationConfig(step_element=bad)
