@@ -123,7 +123,7 @@ class BufferedServer(Server):
 
     def _transport(self, enrol: Enrolment, keys: DeviceKeys, resends: Resends, start: Start,
                    train_cfg: TrainConfig) -> MqttTransport:
-        self.versions = Versions.resumed(self.fed, self.cfg.staleness, start.next_round - 1, self.cfg.coverage_lag,
+        self.versions = Versions.resumed(self.fed, self.cfg.staleness, start.next_round - 1, self.cfg.coverage,
                                          start.meta)
         self.control.take_decline = self.versions.decline
         transport = BufferedTransport(self.cfg, self.fed, self.link, self.topics, self.control, enrol, keys, resends,

@@ -17,11 +17,25 @@ import math
 import random
 import statistics
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FleetMode = Literal["buffered", "sync"]
+
+
+@dataclass(frozen=True)
+class CoverageConfig:
+    """Buffered mode's coverage rule, there being no rounds (`Coverage`)."""
+
+    # each task trains the submodel within the device's bound given the fewest of the last N tasks (steer_task;
+    # N = 40, two per device of a 20-device fleet); None: the lag rule (assign_task)
+    steer_window: int | None = 40
+    lag: int = 4  # the lag rule's: a submodel no task was given for this many versions goes to the next able device
+
+    def __post_init__(self) -> None:
+        if self.lag < 1 or (self.steer_window is not None and self.steer_window < 1):
+            raise ValueError(f"need lag >= 1 and steer_window >= 1 (or None), got {self.lag}, {self.steer_window}")
 
 
 @dataclass(frozen=True)
@@ -42,10 +56,7 @@ class FleetConfig:
     # sent (the issue's device side, FedBuff's all-available regime), so fast devices contribute more often
     in_flight: int | None = None
     deadline: float = 1.5  # sync: a round closes at this x the task budget at the latest
-    coverage_lag: int = 4  # buffered: a submodel no task was given for this many versions goes to the next device able
-    # buffered: None assigns by coverage_lag; N steers each task to the submodel within the device's bound given the
-    # fewest of the last N tasks (steer_task)
-    steer_window: int | None = None
+    coverage: CoverageConfig = CoverageConfig()  # buffered: which submodel each task trains
     time_budget_s: float = 3000.0  # simulated seconds the run lasts
     eval_every_s: float = 150.0  # evaluate the newest version every this many simulated seconds
 
@@ -54,10 +65,8 @@ class FleetConfig:
             raise ValueError("need slowest >= 1, step_s > 0, budget > 0 and load_jitter >= 0")
         if not 0 <= self.vanish < 1 or not self.away_s > 0:
             raise ValueError(f"need 0 <= vanish < 1 and away_s > 0, got {self.vanish}, {self.away_s}")
-        if self.concurrency < 1 or (self.in_flight is not None and self.in_flight < 1) or not self.deadline >= 1 \
-                or self.coverage_lag < 1 or (self.steer_window is not None and self.steer_window < 1):
-            raise ValueError("need concurrency >= 1, in_flight >= 1 (or None), deadline >= 1, coverage_lag >= 1 and "
-                             "steer_window >= 1 (or None)")
+        if self.concurrency < 1 or (self.in_flight is not None and self.in_flight < 1) or not self.deadline >= 1:
+            raise ValueError("need concurrency >= 1, in_flight >= 1 (or None) and deadline >= 1")
         if not self.time_budget_s > 0 or not self.eval_every_s > 0:
             raise ValueError("need a positive time budget and evaluation interval")
 
@@ -160,6 +169,30 @@ def assign_task(bound: int, given: list[int], version: int, lag: int) -> int:
     k = max(starved) if starved else bound
     given[k] = version
     return k
+
+
+class Coverage:
+    """Which submodel a buffered task trains, there being no rounds: steering by the last tasks given (`steer_task`),
+    or the lag rule (`assign_task`) where the config has no window. Its state is checkpointed."""
+
+    def __init__(self, num_submodels: int, cfg: CoverageConfig, version: int = 0,
+                 state: Mapping[str, Any] | None = None) -> None:
+        state = state or {}
+        self.cfg = cfg
+        recent = [int(k) for k in state.get("recent", []) if 0 <= int(k) < num_submodels]
+        self.recent: deque[int] = deque(recent, maxlen=cfg.steer_window)
+        given = state.get("given")
+        self.given = [int(v) for v in given] if given is not None and len(given) == num_submodels \
+            else [version] * num_submodels
+
+    def pick(self, bound: int, version: int) -> int:
+        """The submodel of a task starting now for a device of `bound` at model `version`; noted as given."""
+        if self.cfg.steer_window is not None:
+            return steer_task(bound, self.recent)
+        return assign_task(bound, self.given, version, self.cfg.lag)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "given": list(self.given)}
 
 
 def steer_task(bound: int, recent: deque[int]) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from aggregator.assignment import Candidate, assign_coverage, coverage_order
-from aggregator.fleet import EventQueue, Fleet, FleetConfig, Task, assign_task, steer_task
+from aggregator.fleet import Coverage, EventQueue, Fleet, FleetConfig, Task
 from aggregator.simulate import ServerSide, SimConfig, check_device
 from nefl.aggregation.aggregate import tensor_bytes
 from nefl.aggregation.pipeline import Pipeline
@@ -156,18 +156,12 @@ class FleetSimulator:
         busy: set[int] = set()
         in_flight = fc.in_flight or len(fleet.multipliers)
         wakes: set[float] = set()  # times a wake-up is queued for
-        given = [0] * self.layout.num_submodels  # the version each submodel was last given to a task at
-        recent: deque[int] = deque(maxlen=fc.steer_window)  # steering: the submodels of the last tasks given
-
-        def assign(d: int) -> int:
-            if fc.steer_window is not None:
-                return steer_task(fleet.bound(d), recent)
-            return assign_task(fleet.bound(d), given, self.buffer.version, fc.coverage_lag)
+        coverage = Coverage(self.layout.num_submodels, fc.coverage)
 
         def launch(now: float) -> None:
             idle = [d for d in fleet.online(now) if d not in busy]
             for d in fleet.pick(idle, in_flight - len(busy)):
-                task = self._begin(d, assign(d), now)
+                task = self._begin(d, coverage.pick(fleet.bound(d), self.buffer.version), now)
                 trained = None if task.vanishes else self._train(task)
                 busy.add(d)
                 queue.push(task.end, (task, trained))

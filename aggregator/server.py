@@ -33,7 +33,7 @@ from aggregator.assignment import Assignment
 from aggregator.control_plane import ControlPlane
 from aggregator.enrolment import Enrolment, EnrolmentPolicy
 from aggregator.evaluation import Evaluator
-from aggregator.fleet import FleetConfig
+from aggregator.fleet import CoverageConfig
 from aggregator.federation import ClientLimits, Federation, Rejected, Robustness, RoundState, state_digest
 from aggregator.intake import DeviceKeys, take_update
 from aggregator.link import Link
@@ -99,7 +99,7 @@ class ServeConfig:
     # `rounds` counts versions
     mode: Literal["sync", "buffered"] = "sync"
     staleness: StalenessConfig = StalenessConfig()
-    coverage_lag: int = FleetConfig.coverage_lag  # buffered: a submodel untasked this many versions goes to the next able device
+    coverage: CoverageConfig = CoverageConfig()  # buffered: which submodel each task trains
 
 
 @dataclass

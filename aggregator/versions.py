@@ -2,8 +2,8 @@
 buffer takes (and the reason code of each refusal, which the device is told), and each commit's facts.
 
 There are no rounds. A device that can train and holds no task of the newest version gets one: the submodel the
-emulated fleet's coverage rule gives it (aggregator/fleet.py `assign_task`: its announced bound, unless a submodel
-within it went `coverage_lag` versions without a task), trained from the newest version. A task is numbered (its
+emulated fleet's coverage rule gives it (aggregator/fleet.py `Coverage`: within its announced bound, the submodel
+given the fewest of the last tasks), trained from the newest version. A task is numbered (its
 number is the Task's and the update header's `round`) and the server keeps the version it named, so the base
 version an update is weighed with is the one the server signed, never one the device claims. Updates go into
 `VersionBuffer` (nefl/aggregation/version_buffer.py: staleness-weighted NeFedAvg, the update bound, the state check),
@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aggregator.federation import Federation, Update
-from aggregator.fleet import assign_task
+from aggregator.fleet import Coverage, CoverageConfig
 from aggregator.rejected import Rejected
 from nefl.aggregation.staleness import StalenessConfig
 from nefl.aggregation.version_buffer import VersionBuffer
@@ -62,14 +62,13 @@ class Refusal:
 
 class Versions:
     """The buffered server's state: the federation (membership, bounds, the pipeline), the version buffer, the tasks
-    out and the coverage history (the version each submodel was last given to a task at)."""
+    out and the coverage history (which submodels the last tasks trained)."""
 
-    def __init__(self, fed: Federation, cfg: StalenessConfig, version: int = 0, coverage_lag: int = 4,
-                 given: Sequence[int] | None = None, next_task: int = 1) -> None:
-        self.fed, self.cfg, self.coverage_lag = fed, cfg, coverage_lag
+    def __init__(self, fed: Federation, cfg: StalenessConfig, version: int = 0, rule: CoverageConfig = CoverageConfig(),
+                 coverage: Mapping[str, Any] | None = None, next_task: int = 1) -> None:
+        self.fed, self.cfg = fed, cfg
         self.buffer = VersionBuffer(fed.aggregator, cfg, fed.state, version)  # raises ValueError for refused settings
-        n = fed.layout.num_submodels
-        self.given = list(given) if given is not None and len(given) == n else [version] * n
+        self.coverage = Coverage(fed.layout.num_submodels, rule, version, coverage)
         self.next_task = next_task
         self.open: dict[str, OrderedDict[int, Issued]] = {}  # client -> its open tasks, oldest first
         self.refusals: list[Refusal] = []  # refusals not yet told, for the transport to send
@@ -93,7 +92,7 @@ class Versions:
     def issue(self, client: str) -> Issued:
         """A task for `client` from the newest version: the coverage rule within its announced bound."""
         bound = self.fed.clients[client].max_submodel
-        k = assign_task(bound, self.given, self.version, self.coverage_lag)
+        k = self.coverage.pick(bound, self.version)
         task = Issued(self.next_task, client, k, self.version)
         self.next_task += 1
         tasks = self.open.setdefault(client, OrderedDict())
@@ -186,13 +185,13 @@ class Versions:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of buffered mode besides the federation's own (the buffer is not kept: a resumed
         run starts with an empty one, and the devices whose updates it held train again)."""
-        return {"mode": "buffered", "version": self.version, "coverage_given": list(self.given),
+        return {"mode": "buffered", "version": self.version, "coverage": self.coverage.state_dict(),
                 "next_task": self.next_task}
 
     @classmethod
-    def resumed(cls, fed: Federation, cfg: StalenessConfig, version: int, coverage_lag: int,
+    def resumed(cls, fed: Federation, cfg: StalenessConfig, version: int, rule: CoverageConfig,
                 meta: dict[str, Any]) -> Versions:
         """From a checkpoint's metadata (`state_dict`'s keys; an empty buffer), or fresh at `version` without them."""
         if meta.get("mode") != "buffered":
-            return cls(fed, cfg, version, coverage_lag)
-        return cls(fed, cfg, version, coverage_lag, meta.get("coverage_given"), int(meta["next_task"]) + RESUME_TASK_GAP)
+            return cls(fed, cfg, version, rule)
+        return cls(fed, cfg, version, rule, meta.get("coverage"), int(meta["next_task"]) + RESUME_TASK_GAP)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from aggregator.fleet import FleetConfig, FleetMode
+from aggregator.fleet import CoverageConfig, FleetConfig, FleetMode
 from aggregator.fleet_sim import FleetSimulator
 from aggregator.simulate import SimConfig
 from nefl.aggregation.config import AggregationConfig
@@ -70,14 +70,14 @@ class Run:
     every_device: bool = False  # sync: every device a round; buffered: every online device in flight
     buffer_size: int = 5  # buffered: K, declared before the runs
     normalise: Normalise = "coverage"  # buffered: the divisor, declared before the runs
-    steer_window: int | None = None  # buffered: steer tasks by the last N given (FleetConfig.steer_window); None: lag
+    coverage: CoverageConfig = CoverageConfig()  # buffered: which submodel each task trains (the default: steering)
 
 
 RUNS: dict[str, Run] = {
     "sync": Run("sync"),
     "sync-all": Run("sync", every_device=True),
-    "buffered": Run("buffered", every_device=True),
-    "buffered-steer": Run("buffered", every_device=True, steer_window=40),
+    "buffered": Run("buffered", every_device=True, coverage=CoverageConfig(steer_window=None)),
+    "buffered-steer": Run("buffered", every_device=True),
 }
 BASELINES = [name for name, run in RUNS.items() if run.mode == "sync"]
 
@@ -86,7 +86,7 @@ def fleet_configs(run: Run, b: Budget) -> tuple[FleetConfig, StalenessConfig]:
     """The fleet and buffer settings of `run` under `b`."""
     fleet = FleetConfig(mode=run.mode, concurrency=b.clients if run.every_device else b.concurrency,
                         in_flight=None if run.every_device else b.concurrency, time_budget_s=b.time_budget_s,
-                        eval_every_s=b.eval_every_s, steer_window=run.steer_window)
+                        eval_every_s=b.eval_every_s, coverage=run.coverage)
     return fleet, StalenessConfig(buffer_size=run.buffer_size, normalise=run.normalise)
 
 
@@ -197,7 +197,8 @@ def describe_run(name: str, budget: Budget) -> str:
     run = RUNS[name]
     if run.mode == "sync":
         return f"{name}: rounds of {budget.clients if run.every_device else budget.concurrency} devices"
-    steer = "lag rule" if run.steer_window is None else f"steered by the last {run.steer_window} tasks"
+    window = run.coverage.steer_window
+    steer = f"lag rule ({run.coverage.lag} versions)" if window is None else f"steered by the last {window} tasks"
     return (f"{name}: {'every online device' if run.every_device else budget.concurrency} in flight, K = "
             f"{run.buffer_size}, divisor {run.normalise}, {steer}")
 

@@ -100,7 +100,7 @@ def test_a_short_run_commits_versions_from_every_submodel(mode: str) -> None:
 
     cfg = SimConfig("resnet8-fmnist-w", clients=6, per_round=3, max_samples_per_client=32, eval_samples=32, seed=2,
                     robustness=Robustness(aggregation=AggregationConfig(centre_check=False)))
-    fleet = FleetConfig(mode=mode, time_budget_s=40.0, eval_every_s=40.0, vanish=0.1, coverage_lag=2)
+    fleet = FleetConfig(mode=mode, time_budget_s=40.0, eval_every_s=40.0, vanish=0.1)
     try:
         result = FleetSimulator(cfg, fleet, StalenessConfig(buffer_size=3, max_staleness=2)).run()
     finally:

@@ -4,11 +4,14 @@ coverage rule, updates judged against the version the server signed, commits at 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgspec
 import pytest
 import torch
 
 from aggregator.federation import Federation, Rejected, Update
+from aggregator.fleet import CoverageConfig
 from aggregator.versions import OPEN_PER_CLIENT, RESUME_TASK_GAP, Versions
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.pipeline import Robustness
@@ -23,7 +26,7 @@ from nefl.protocol.wire import ChunkHeader
 PLAIN = Robustness(aggregation=AggregationConfig(centre_check=False))
 
 
-def _versions(k: int = 2, max_staleness: int = 2, robustness: Robustness = PLAIN, lag: int = 4,
+def _versions(k: int = 2, max_staleness: int = 2, robustness: Robustness = PLAIN, rule: CoverageConfig = CoverageConfig(),
               devices: dict[str, int] | None = None) -> Versions:
     layout = Layout.build(load_profile("resnet8-fmnist-w"))
     fed = Federation(layout, GlobalState.init(layout, seed=0), "t", clients_per_round=3, min_clients=1,
@@ -31,7 +34,7 @@ def _versions(k: int = 2, max_staleness: int = 2, robustness: Robustness = PLAIN
     for c, can in (devices or {"a": 1, "b": 3}).items():
         fed.set_online(c, True)
         fed.announce(c, Announce(client=c, max_submodel=can, samples=10))
-    return Versions(fed, StalenessConfig(buffer_size=k, max_staleness=max_staleness), coverage_lag=lag)
+    return Versions(fed, StalenessConfig(buffer_size=k, max_staleness=max_staleness), rule=rule)
 
 
 def _update(v: Versions, client: str, number: int, k: int, scale: float = 0.01) -> Update:
@@ -141,17 +144,28 @@ def test_refused_settings_fail_at_construction() -> None:
         _versions(robustness=Robustness(aggregation=AggregationConfig(rule="median", centre_check=False)))
 
 
-def test_coverage_gives_a_starved_submodel_to_a_device_able_to_train_it() -> None:
-    v = _versions(k=1, lag=2, devices={"big": 3})
+def test_steering_spreads_a_device_s_tasks_over_its_bound_and_the_lag_rule_stays_selectable() -> None:
+    v = _versions(k=1, devices={"big": 3, "small": 1})
     given = []
+    for _ in range(8):
+        for c in ("big", "small"):
+            t = v.issue(c)
+            given.append((c, t.submodel))
+            _answer(v, c)
+            v.commit()
+    big = [k for c, k in given if c == "big"]
+    # the default steers: the big device's first task is its bound, then whatever within it was given least; the
+    # small device keeps submodel 0 trained, so the big one's tasks go to 1 and 2 alike
+    assert big[0] == 2 and all(k == 0 for c, k in given if c == "small")
+    assert sorted(Counter(k for _, k in given).values()) == [8 - 4, 4, 8] and set(big) == {1, 2}
+    lag = _versions(k=1, rule=CoverageConfig(steer_window=None, lag=2), devices={"big": 3})
+    picks = []
     for _ in range(6):
-        t = v.issue("big")
-        given.append(t.submodel)
-        _answer(v, "big")
-        v.commit()
-    # its bound mostly, and the largest submodel below it untasked for `lag` versions now and then (the fleet's rule:
-    # the smallest ones are the slow devices' to keep trained)
-    assert given[0] == 2 and given.count(2) > given.count(1) >= 2, given
+        picks.append(lag.issue("big").submodel)
+        _answer(lag, "big")
+        lag.commit()
+    # the lag rule: its bound mostly, a submodel below it untasked for `lag` versions now and then
+    assert picks[0] == 2 and picks.count(2) > picks.count(1) >= 2, picks
 
 
 def test_a_decline_settles_the_task_and_the_device_gets_another() -> None:
@@ -179,11 +193,11 @@ def test_state_dict_resumes_version_coverage_and_task_numbers_with_an_empty_buff
     v.issue("b")
     _answer(v, "b")  # buffered, then "the server stops"
     meta = v.state_dict()
-    assert meta == {"mode": "buffered", "version": 1, "coverage_given": v.given, "next_task": 3}
-    again = Versions.resumed(v.fed, v.cfg, meta["version"], 4, meta)
-    assert (again.version, again.given, len(again.buffer)) == (1, v.given, 0)
+    assert meta == {"mode": "buffered", "version": 1, "coverage": v.coverage.state_dict(), "next_task": 3}
+    again = Versions.resumed(v.fed, v.cfg, meta["version"], CoverageConfig(), meta)
+    assert (again.version, again.coverage.state_dict(), len(again.buffer)) == (1, v.coverage.state_dict(), 0)
     assert again.issue("a").number == 3 + RESUME_TASK_GAP  # the run before may have given 3, 4, ... after its commit
-    fresh = Versions.resumed(v.fed, v.cfg, 0, 4, {})
+    fresh = Versions.resumed(v.fed, v.cfg, 0, CoverageConfig(), {})
     assert (fresh.version, fresh.next_task) == (0, 1)
 
 
