@@ -28,7 +28,7 @@ from flwr.serverapp.strategy import Result
 from aggregator.buffered_serve import buffered_refusal_line
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected
-from aggregator.flower import FlowerSettings, NeFLStrategy, round_metrics
+from aggregator.flower import FlowerSettings, NeFLStrategy, refuse_error, round_metrics
 from aggregator.rounds import RunPlan
 from aggregator.versions import Issued, Versions
 from nefl.aggregation.version_buffer import buffered_refusal
@@ -173,6 +173,7 @@ class BufferedStrategy(NeFLStrategy):
             self._count("unknown_reply", f"a reply to no task out, from node {reply.metadata.src_node_id}")
             return
         try:
+            refuse_error(reply)
             update, node, hello = self._update(reply)
             if node != sent.node:
                 raise Rejected("client_mismatch", f"task {sent.task.number} went to node {sent.node}, node {node} answers")

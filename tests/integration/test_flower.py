@@ -315,7 +315,7 @@ def test_buffered_refuses_an_update_older_than_the_bound(layout):
 
 
 def test_buffered_counts_hostile_replies_and_goes_on(layout):
-    """A node that sends garbage is counted under its reason every time and gets its next task, a silent node's
+    """A node that sends garbage or fails is counted under its reason every time and gets its next task, a silent node's
     task is given up after the timeout; the honest nodes' updates make the versions."""
     def tamper(reply: Message) -> Message | None:
         if reply.has_error() or reply.metadata.message_type != MessageType.TRAIN:
@@ -325,13 +325,18 @@ def test_buffered_counts_hostile_replies_and_goes_on(layout):
             reply.content["config"] = ConfigRecord({"nefl": b'{"v":1,"type":"flower_result","client":'})
         elif res.client == "c1":
             reply.content["arrays"] = ArrayRecord({"x": Array(np.zeros(3, np.float32))})
+        elif res.client == "c3":
+            ask = Message(content=RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type=MessageType.TRAIN)
+            ask.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
+            return Message(error=flwr.app.Error(code=1, reason="out of memory"), reply_to=ask)
         return None if res.client == "c2" else reply
 
-    strategy = buffered(5, StalenessConfig(buffer_size=2), rounds=2, eval_every=0)
-    strategy.start(LocalGrid(5, tamper), strategy.initial_arrays(), 2)
+    strategy = buffered(6, StalenessConfig(buffer_size=2), rounds=2, eval_every=0)
+    strategy.start(LocalGrid(6, tamper), strategy.initial_arrays(), 2)
     assert [f["committed"] for f in strategy.history] == [True, True]
-    assert {c for f in strategy.history for c in f["reported"]} == {"c3", "c4"}
-    assert strategy.fed.rejected["malformed_json"] >= 2 and strategy.fed.rejected["tensor_mismatch"] >= 2
+    assert {c for f in strategy.history for c in f["reported"]} == {"c4", "c5"}
+    rejected = strategy.fed.rejected
+    assert rejected["malformed_json"] >= 2 and rejected["tensor_mismatch"] >= 2 and rejected["node_error"] >= 2
     assert [s.task.client for s in strategy.sent.values()] == ["c2"]  # still waited for
     strategy._expire(time.monotonic() + strategy.settings.round_timeout + 1)
     assert strategy.fed.rejected["timeout"] == 1 and not strategy.sent and not strategy.versions.open["c2"]
