@@ -30,7 +30,7 @@ wheel: env  ## dist/nefl_edge-*.whl to copy to devices: `pip install` it there (
 system-deps:  ## Fashion-MNIST, mosquitto and chromium (dashboard browser test) from Debian (apt-get, as root)
 	scripts/install-system-deps.sh
 
-test: env env-flower system-deps  ## unit tests and a few end-to-end runs (about 12 minutes on 2 cores), then the Flower tests in .venv-flower (about 100 s)
+test: env env-flower system-deps  ## unit tests and a few end-to-end runs (about 12 minutes on 2 cores), then the Flower tests in .venv-flower (about 2 minutes)
 	$(PY) -m pytest -q --durations=15 -m "not extended" $(PYTEST_ARGS)  # the slowest tests listed: the suite must stay fast
 	$(FLOWER_PY) -c 'import flwr'  # tests/integration/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/integration/test_flower.py $(PYTEST_ARGS)

@@ -11,6 +11,9 @@ feeds the replies to the Federation in client order (as `aggregator simulate` do
 round. So a Flower run and `aggregator simulate` with the same settings are the same run
 (tests/test_flower.py, docs/flower.md).
 
+Run config `mode = "buffered"` runs versions instead of rounds: aggregator/flower_buffered.py; the ServerApp
+that picks the strategy is aggregator/flower_app.py.
+
 The strategy lives in aggregator/ because it is the server: nefl/ may not import the Federation.
 Nodes run edge_client/flower.py; what travels between them is nefl/protocol/flower.py.
 """
@@ -29,16 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
-from flwr.serverapp import Grid, ServerApp
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from aggregator.assignment import Candidate, assign_coverage
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
+from aggregator.fleet import FleetMode
 from aggregator.rounds import OpenRound, RoundDriver, RoundHooks, RunPlan
 from aggregator.simulate import ServerSide, SimConfig, check_device, new_federation
 from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.staleness import StalenessConfig
 from nefl.nested.train import TrainConfig
 from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays
 from nefl.protocol.messages import FlowerHello, FlowerJoin, FlowerResult, FlowerTask, MessageError, TrainingSettings
@@ -48,13 +53,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FlowerSettings:
-    """What only the Flower path has: Flower's waits and its federated evaluation."""
+    """What only the Flower path has: Flower's waits, its federated evaluation, and the mode."""
 
     fraction_evaluate: float = 0.0  # share of the nodes that score a submodel on their own test shard each round
-    round_timeout: float = 3600.0  # seconds a round waits for its replies (Flower's send_and_receive timeout)
+    round_timeout: float = 3600.0  # seconds a round (buffered: a task) waits for its replies
     min_nodes: int = 1  # nodes to wait for before the first round (a deployment: its fleet); later ones join later rounds
+    mode: FleetMode = "sync"  # "buffered": versions instead of rounds (aggregator/flower_buffered.py)
+    staleness: StalenessConfig = StalenessConfig()  # buffered mode's buffer size, staleness weight and bound
 
     def __post_init__(self) -> None:
+        if self.mode not in ("sync", "buffered"):
+            raise ValueError(f"mode is 'sync' or 'buffered', got {self.mode!r}")
         if not 0 <= self.fraction_evaluate <= 1:
             raise ValueError(f"fraction-evaluate must be in [0, 1], got {self.fraction_evaluate}")
         if not self.round_timeout > 0 or self.min_nodes < 1:
@@ -130,8 +139,7 @@ class NeFLStrategy(Strategy, RoundHooks):
     def _guarded(self, handle: Any, reply: Message) -> Any:
         """A reply's handling: anything wrong with it is counted under its reason, never raised."""
         try:
-            if reply.has_error():
-                raise Rejected("node_error", f"node {reply.metadata.src_node_id}: {reply.error.reason[:200]}")
+            refuse_error(reply)
             return handle(reply)
         except (Rejected, MessageError) as e:
             self.fed.reject(e.reason)
@@ -176,10 +184,13 @@ class NeFLStrategy(Strategy, RoundHooks):
         for cid, k in sorted(assignments.items()):
             if k not in arrays:
                 arrays[k] = tensor_arrays(self.fed.state.extract(self.fed.layout, k))
-            task = FlowerTask(kind=kind, round=server_round, submodel=k, lr=lr, epochs=self.train.local_epochs,
-                              batch_size=self.train.batch_size, profile_hash=self.join.profile_hash)
-            out.append(Message(content=records(task, arrays[k]), dst_node_id=self.node_of[cid], message_type=message_type))
+            out.append(Message(content=records(self._flower_task(kind, server_round, k, lr), arrays[k]),
+                               dst_node_id=self.node_of[cid], message_type=message_type))
         return out
+
+    def _flower_task(self, kind: str, number: int, k: int, lr: float, version: int | None = None) -> FlowerTask:
+        return FlowerTask(kind=kind, round=number, submodel=k, lr=lr, epochs=self.train.local_epochs,
+                          batch_size=self.train.batch_size, profile_hash=self.join.profile_hash, version=version)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -194,13 +205,7 @@ class NeFLStrategy(Strategy, RoundHooks):
             except Rejected as e:
                 self.fed.reject(e.reason)
         for update, node, hello in decoded:  # after the updates: a lower bound must not void a delivered task
-            info = self.fed.clients.get(update.client)
-            if hello is not None and info is not None and (hello.announce.max_submodel - 1, hello.announce.samples) \
-                    != (info.max_submodel, info.samples):
-                try:
-                    self._register(node, hello)
-                except Rejected as e:
-                    self.fed.reject(e.reason)
+            self._reannounce(update.client, node, hello)
         losses = [u.metrics["loss"] for u, _, _ in decoded]
         self._round = {"lr": self.train.lr_at(server_round - 1, self.plan.rounds),
                        "rejected": dict(Counter(self.fed.rejected) - before),
@@ -212,6 +217,20 @@ class NeFLStrategy(Strategy, RoundHooks):
         self._arrays = state_arrays(self.fed.state) if facts["committed"] else self._arrays
         return (self._arrays if facts["committed"] else None), round_metrics(facts)
 
+    def _reannounce(self, cid: str, node: int, hello: FlowerHello | None) -> None:
+        """A train reply's fresh announce, taken when the node's bound or sample count changed."""
+        info = self.fed.clients.get(cid)
+        if hello is not None and info is not None and (hello.announce.max_submodel - 1, hello.announce.samples) \
+                != (info.max_submodel, info.samples):
+            try:
+                self._register(node, hello)
+            except Rejected as e:
+                self.fed.reject(e.reason)
+
+    def _assigned(self, cid: str, task: int) -> int | None:
+        """The submodel of `cid`'s task `task` (a round's: its number is the round's), None: no such task."""
+        return self.fed.round.assignments.get(cid)
+
     def _update(self, reply: Message) -> tuple[Update, int, FlowerHello | None]:
         """A train reply as the Federation takes an update: from the node its task went to, for that task."""
         node = reply.metadata.src_node_id
@@ -221,7 +240,7 @@ class NeFLStrategy(Strategy, RoundHooks):
         res = read_message(reply.content, FlowerResult)
         if res.client != cid:
             raise Rejected("client_mismatch", f"node {node} is {cid!r}, its reply says {res.client!r}")
-        k = self.fed.round.assignments.get(cid)
+        k = self._assigned(cid, res.round)
         if k is None or res.submodel != k:
             raise Rejected("submodel_mismatch", f"{cid} reports submodel {res.submodel + 1}, assigned "
                                                 f"{None if k is None else k + 1}")
@@ -264,6 +283,12 @@ class NeFLStrategy(Strategy, RoundHooks):
         return out
 
 
+def refuse_error(reply: Message) -> None:
+    """A node's error reply, as a refusal with its reason code."""
+    if reply.has_error():
+        raise Rejected("node_error", f"node {reply.metadata.src_node_id}: {reply.error.reason[:200]}")
+
+
 def round_metrics(facts: Mapping[str, Any]) -> MetricRecord:
     """The numbers of a round's metrics line that Flower's Result keeps."""
     out = MetricRecord({"committed": int(facts["committed"]), "updates": sum(facts["updates_per_submodel"]),
@@ -274,21 +299,25 @@ def round_metrics(facts: Mapping[str, Any]) -> MetricRecord:
     return out
 
 
-# -- the ServerApp: run config -> strategy --------------------------------------------------------
+# -- the run config -> the settings (aggregator/flower_app.py makes the ServerApp) ----------------------
 # batch_clients and bf16 are the in-process simulator's: Flower's nodes train one client each
 _SIM_KEYS = {f.name for f in dataclasses.fields(SimConfig)} - {"robustness", "attack", "attackers", "batch_clients", "bf16"}
-_FLOWER_KEYS = {f.name for f in dataclasses.fields(FlowerSettings)}
+_FLOWER_KEYS = {f.name for f in dataclasses.fields(FlowerSettings)} - {"staleness"}
 _AGGREGATION_KEYS = {"aggregator": "rule", "centre_check": "centre_check"}
+# buffered mode's StalenessConfig, its exponent named as serve's --staleness-exponent
+_STALENESS_KEYS = {("staleness_exponent" if f.name == "exponent" else f.name): f.name
+                   for f in dataclasses.fields(StalenessConfig)}
 
 
 def run_settings(run_config: Mapping[str, Any]) -> tuple[SimConfig, FlowerSettings]:
     """A Flower app's run config (`[tool.flwr.app.config]`, `flwr run -c`) as the simulator's settings,
     keys in kebab case (`per-round`, `non-iid`); a key left out, or "" (TOML has no null), keeps its
     default."""
-    sim, flower, aggregation = {}, {}, {}
+    sim, flower, aggregation, staleness = {}, {}, {}, {}
+    keys = _SIM_KEYS | _FLOWER_KEYS | set(_AGGREGATION_KEYS) | set(_STALENESS_KEYS)
     for key, value in run_config.items():
         name = key.replace("-", "_")
-        if value == "" and name in _SIM_KEYS | _FLOWER_KEYS | set(_AGGREGATION_KEYS):
+        if value == "" and name in keys:
             continue
         if name in _SIM_KEYS:
             sim[name] = value
@@ -296,24 +325,15 @@ def run_settings(run_config: Mapping[str, Any]) -> tuple[SimConfig, FlowerSettin
             flower[name] = value
         elif name in _AGGREGATION_KEYS:
             aggregation[_AGGREGATION_KEYS[name]] = value
+        elif name in _STALENESS_KEYS:
+            staleness[_STALENESS_KEYS[name]] = value
         else:
-            known = sorted(k.replace("_", "-") for k in _SIM_KEYS | _FLOWER_KEYS | set(_AGGREGATION_KEYS))
+            known = sorted(k.replace("_", "-") for k in keys)
             raise ValueError(f"unknown run-config key {key!r}; the NeFL app takes {', '.join(known)}")
     if "profile" not in sim:
         raise ValueError("the run config names no profile: add profile = \"NAME\" (`nefl profile list`)")
+    if flower.get("mode") == "buffered":  # as serve's buffered mode: the centre check is off unless asked for
+        aggregation.setdefault("centre_check", False)
     if aggregation:
         sim["robustness"] = Robustness(aggregation=AggregationConfig(**aggregation))
-    return SimConfig(**sim), FlowerSettings(**flower)
-
-
-def server_app(cfg: SimConfig | None = None, settings: FlowerSettings | None = None) -> ServerApp:
-    """A ServerApp that runs NeFL: with `cfg`, that run; else the one its run config describes."""
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        run, flower = (cfg, settings or FlowerSettings()) if cfg is not None else run_settings(context.run_config)
-        strategy = NeFLStrategy.for_run(run, flower)
-        strategy.start(grid, strategy.initial_arrays(), run.rounds, timeout=flower.round_timeout)
-
-    return app
+    return SimConfig(**sim), FlowerSettings(**flower, staleness=StalenessConfig(**staleness))

@@ -639,7 +639,8 @@ class FlowerHello(Message, frozen=True, kw_only=True, tag="flower_hello", tag_fi
 
 class FlowerTask(Message, frozen=True, kw_only=True, tag="flower_task", tag_field="type"):
     """Strategy -> node: train (or evaluate) `submodel` (0-based) of `round` from the arrays in the same
-    message."""
+    message. Buffered mode: `round` numbers the task (the reply names it) and `version` is the model version
+    the arrays are (None: a round's task)."""
 
     kind: Literal["train", "evaluate"]
     round: Round
@@ -648,6 +649,7 @@ class FlowerTask(Message, frozen=True, kw_only=True, tag="flower_task", tag_fiel
     epochs: Epochs
     batch_size: BatchSize
     profile_hash: Short
+    version: Round | None = None
 
 
 class FlowerResult(Message, frozen=True, kw_only=True, tag="flower_result", tag_field="type"):

@@ -6,7 +6,9 @@ Flower pins typer<0.21, which the broker's amqtt cannot share: these tests run i
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 from aggregator.federation import state_digest  # noqa: E402
 from aggregator.flower import FlowerSettings, NeFLStrategy, run_settings  # noqa: E402
+from aggregator.flower_buffered import BufferedStrategy  # noqa: E402
+from nefl.aggregation.staleness import StalenessConfig  # noqa: E402
 from aggregator.simulate import SimConfig, Simulator  # noqa: E402
 from edge_client.device import DeviceConfig  # noqa: E402
 from edge_client.flower import DeviceNode, SimulatedNode, client_app  # noqa: E402
+from nefl.aggregation.config import AggregationConfig  # noqa: E402
 from nefl.nested.profile import load_profile  # noqa: E402
 from nefl.nested.state import GlobalState, Layout  # noqa: E402
 from nefl.protocol.flower import read_arrays, read_message, read_state, records, state_arrays, tensor_arrays  # noqa: E402
@@ -74,6 +79,20 @@ class LocalGrid:
 
     def send_and_receive(self, messages, timeout=None) -> list[Message]:
         return [self.tamper(self.app(m, self.contexts[m.metadata.dst_node_id])) for m in messages]
+
+    def push_messages(self, messages) -> list[str]:
+        """Each message answered at once; its reply waits for `pull_messages` (buffered mode's loop)."""
+        self.replies = getattr(self, "replies", {})
+        ids = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = mid = f"m{len(self.replies) + len(ids)}-{id(m)}"
+            self.replies[mid] = self.tamper(self.app(m, self.contexts[m.metadata.dst_node_id]))
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids) -> list[Message]:
+        """The replies there are (one `tamper` made None never comes)."""
+        return [r for r in (self.replies.pop(mid, None) for mid in list(message_ids)) if r is not None]
 
 
 def rows(out: Path) -> list[dict]:
@@ -254,3 +273,103 @@ def test_flwr_run_of_the_example_is_aggregator_simulate(tmp_path, one_thread):
     run, _ = flwr_run(tmp_path / "flwr-home", overrides, federation, timeout=420)
     assert run.returncode == 0 and (tmp_path / "flower" / "metrics.jsonl").exists(), run.stdout[-3000:] + run.stderr[-3000:]
     assert_same_run(simulate(tmp_path, assignment="paper"), rows(tmp_path / "flower"))
+
+
+# -- buffered mode: versions instead of rounds (aggregator/flower_buffered.py) ---------------------
+
+BUFFERED = dict(TINY, assignment="coverage", rounds=4, eval_every=2, eval_samples=200)
+
+
+def buffered(nodes: int, staleness: StalenessConfig, out: Path | None = None, **kw) -> BufferedStrategy:
+    cfg = SimConfig(PROFILE, **{**BUFFERED, "clients": nodes, "out": str(out) if out else None, **kw})
+    cfg = dataclasses.replace(cfg, robustness=dataclasses.replace(cfg.robustness, aggregation=AggregationConfig(centre_check=False)))
+    return BufferedStrategy.for_run(cfg, FlowerSettings(mode="buffered", staleness=staleness))
+
+
+def test_buffered_run_commits_versions_from_every_node(tmp_path):
+    """Three nodes of different bounds, K = 2: the requested versions are committed, each with the staleness of
+    every update in it, each node contributes, and the checkpoint and metrics line name versions."""
+    strategy = buffered(3, StalenessConfig(buffer_size=2), tmp_path / "out")
+    result = strategy.start(LocalGrid(3), strategy.initial_arrays(), BUFFERED["rounds"])
+    facts = strategy.history
+    assert [f["version"] for f in facts] == [1, 2, 3, 4] and all(f["committed"] for f in facts)
+    assert all(len(f["staleness"]) == 2 == sum(f["updates_per_submodel"]) for f in facts)
+    assert {c for f in facts for c in f["reported"]} == {"c0", "c1", "c2"}
+    assert len({strategy.fed.clients[c].max_submodel for c in ("c0", "c1", "c2")}) > 1  # different bounds
+    assert all(m["staleness"] == s for f in facts for m, s in zip(f["clients"].values(), f["staleness"]))
+    lines = rows(tmp_path / "out")
+    assert [r["round"] for r in lines] == [0, 1, 2, 3, 4] and len(lines[-1]["accuracy"]) == 5 and "accuracy" in lines[2]
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3, 4]
+    assert state_digest(read_state(result.arrays, strategy.fed.layout)) == state_digest(strategy.fed.state)
+
+
+def test_buffered_refuses_an_update_older_than_the_bound(layout):
+    """K = 1 and no staleness allowed: of two tasks from version 0 answered together, the first commits
+    version 1 and the second, one version old, is refused "stale"; its node trains again on the newest."""
+    strategy = buffered(2, StalenessConfig(buffer_size=1, max_staleness=0), rounds=2, eval_every=0)
+    strategy.start(LocalGrid(2), strategy.initial_arrays(), 2)
+    first, second = strategy.history
+    assert first["staleness"] == [0] and first["rejected"] == {}
+    assert second["rejected"] == {"stale": 1} and second["staleness"] == [0]
+    assert strategy.fed.rejected["stale"] == 1 and not strategy.versions.refusals
+
+
+def test_buffered_counts_hostile_replies_and_goes_on(layout):
+    """A node that sends garbage or fails is counted under its reason every time and gets its next task, a silent node's
+    task is given up after the timeout; the honest nodes' updates make the versions."""
+    def tamper(reply: Message) -> Message | None:
+        if reply.has_error() or reply.metadata.message_type != MessageType.TRAIN:
+            return reply
+        res = read_message(reply.content, FlowerResult)
+        if res.client == "c0":
+            reply.content["config"] = ConfigRecord({"nefl": b'{"v":1,"type":"flower_result","client":'})
+        elif res.client == "c1":
+            reply.content["arrays"] = ArrayRecord({"x": Array(np.zeros(3, np.float32))})
+        elif res.client == "c3":
+            ask = Message(content=RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type=MessageType.TRAIN)
+            ask.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
+            return Message(error=flwr.app.Error(code=1, reason="out of memory"), reply_to=ask)
+        return None if res.client == "c2" else reply
+
+    strategy = buffered(6, StalenessConfig(buffer_size=2), rounds=2, eval_every=0)
+    strategy.start(LocalGrid(6, tamper), strategy.initial_arrays(), 2)
+    assert [f["committed"] for f in strategy.history] == [True, True]
+    assert {c for f in strategy.history for c in f["reported"]} == {"c4", "c5"}
+    rejected = strategy.fed.rejected
+    assert rejected["malformed_json"] >= 2 and rejected["tensor_mismatch"] >= 2 and rejected["node_error"] >= 2
+    assert [s.task.client for s in strategy.sent.values()] == ["c2"]  # still waited for
+    strategy._expire(time.monotonic() + strategy.settings.round_timeout + 1)
+    assert strategy.fed.rejected["timeout"] == 1 and not strategy.sent and not strategy.versions.open["c2"]
+
+
+def test_buffered_run_config_and_refusals():
+    """mode = "buffered" with the StalenessConfig keys; what buffered mode refuses, each in one line."""
+    cfg, flower = run_settings({"profile": PROFILE, "mode": "buffered", "buffer-size": 3, "max-staleness": "",
+                                "staleness-exponent": 0.0})
+    assert flower.mode == "buffered" and flower.staleness == StalenessConfig(buffer_size=3, exponent=0.0)
+    assert not cfg.robustness.aggregation.centre_check  # off unless asked for, as serve's buffered mode
+    with pytest.raises(ValueError, match="mode is 'sync' or 'buffered'"):
+        run_settings({"profile": PROFILE, "mode": "async"})
+    base = dict(assignment="coverage", clients=2, max_samples_per_client=64)
+    refused = {"fraction-evaluate": (dict(base), FlowerSettings(mode="buffered", fraction_evaluate=0.5)),
+               "--aggregator median": (dict(base, robustness=run_settings({"profile": PROFILE, "aggregator": "median"})[0].robustness),
+                                       FlowerSettings(mode="buffered")),
+               "centre check": (dict(base), FlowerSettings(mode="buffered")),
+               "--assignment paper": (dict(base, assignment="paper", robustness=cfg.robustness), FlowerSettings(mode="buffered"))}
+    for why, (kw, flower_settings) in refused.items():
+        with pytest.raises(ValueError, match=f"mode buffered refuses this: .*{why}"):
+            BufferedStrategy.for_run(SimConfig(PROFILE, **kw), flower_settings)
+
+
+@pytest.mark.slow
+def test_flwr_run_buffered_on_the_simulation_engine(tmp_path):
+    """`flwr run` of the example with mode = "buffered" on Flower's simulation engine: 3 nodes of different
+    tiers, K = 2, 3 versions, every node in some version, the staleness of every update in the metrics."""
+    overrides = (f"mode='buffered' buffer-size=2 rounds=3 assignment='coverage' max-samples-per-client=64 "
+                 f"eval-every=0 eval-samples=200 fraction-evaluate=0.0 out='{tmp_path / 'out'}'")
+    run, _ = flwr_run(tmp_path / "flwr-home", overrides, "num-supernodes=3 client-resources-num-cpus=1 init-args-num-cpus=2",
+                      timeout=240)
+    assert run.returncode == 0 and (tmp_path / "out" / "metrics.jsonl").exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [r for r in rows(tmp_path / "out") if r.get("mode") == "buffered"]
+    assert [r["version"] for r in lines] == [1, 2, 3] and all(len(r["staleness"]) == 2 for r in lines)
+    assert {c for r in lines for c in r["reported"]} == {"c0", "c1", "c2"} and len(lines[-1]["accuracy"]) == 5

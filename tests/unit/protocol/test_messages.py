@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nefl.protocol.messages import (MAX_CONTROL_BYTES, MAX_DEPTH, TASK_VERSION, VERSION, Announce, AnnounceRefusal,
-                                   ClientStatus, Control, MessageError, ServerStatus, Task, UpdateRefusal, message_type,
+                                   ClientStatus, Control, FlowerTask, MessageError, ServerStatus, Task, UpdateRefusal, message_type,
                                    nesting_depth)
 from nefl.protocol.signing import KeyPin, Signer, parse_public_key, split_signed, verify
 
@@ -183,3 +183,14 @@ def test_msgspec_refuses_nan_and_infinity_literals():
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
         with pytest.raises(msgspec.DecodeError):
             msgspec.json.decode(b'{"x":' + literal + b"}")
+
+
+def test_flower_task_carries_the_buffered_version():
+    """A buffered Flower task names its model version; a round's task (and an older strategy's JSON) has none."""
+    task = FlowerTask(kind="train", round=12, submodel=2, lr=0.1, epochs=1, batch_size=32, profile_hash="abc", version=4)
+    assert FlowerTask.from_json(task.to_json()) == task
+    old = json.loads(task.to_json())
+    del old["version"]
+    assert FlowerTask.from_json(json.dumps(old).encode()).version is None
+    with pytest.raises(MessageError):
+        FlowerTask.from_json(json.dumps({**old, "version": -1}).encode())
