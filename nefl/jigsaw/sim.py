@@ -273,7 +273,7 @@ class ModuleFederation:
     def train_round(self, r: int, t: int, train_cfg: TrainConfig, score: Callable[[int, nn.Module], None]) -> dict:
         """Model-training round r (the t-th of the phase): execute, train on the task, aggregate."""
         sim = self.sim
-        results = [client.step(r, sim.task_loaders(c, r), self.exchange_of(c), train_cfg, sim.probe, explore=False)
+        results = [client.step(r, sim.task_loaders(c, r, t), self.exchange_of(c), train_cfg, sim.probe, explore=False)
                    for c, client in enumerate(self.clients)]
         for c, res in enumerate(results):
             score(c, res.model)
@@ -380,8 +380,8 @@ class JigsawSimulator:
     def policy_rounds(self) -> int:
         return self.cfg.policy_rounds if self.method.assemble else 0
 
-    def task_loaders(self, c: int, r: int) -> Loaders:
-        return self.shards[c].task(r)
+    def task_loaders(self, c: int, r: int, t: int | None = None) -> Loaders:
+        return self.shards[c].task(r, t)
 
     def evaluate(self) -> list[float]:
         accs = []
