@@ -83,7 +83,7 @@ class JigsawConfig:
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
     norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest ones stay far below)
-    local_guard: bool = True  # sharing methods: each client also trains its base model alone and keeps it when it validates better
+    local_guard: bool = True  # sharing methods: each client also trains its base model alone and keeps it unless the chain validates clearly better
     screen_returns: bool = True  # sources judge each module's returns together (nefl.jigsaw.screen); off: the norm bound alone
     attack: str | None = None  # the first `attackers` clients return poisoned copies in model training: flip, scale or layer
     attackers: int = 0
