@@ -28,9 +28,10 @@ base model the neighbours borrow from stays the paper's passive repository): fro
 batches a local-only client trains on in the same model-training round, so it is local-only training bit for bit
 and falling back costs nothing against training alone. The model it keeps is its chain with the modules as their
 sources averaged them when the chain scores better on the validation split by more than the split's noise
-(`clearly_better`), else its local path; the modules keep being shared either way. Under label skew an average of copies trained on other labels (a shared head above all)
-can score below what the client learns alone, and a short policy phase can leave a chain worse than the base
-model: the paper's reward (validation accuracy) is what tells the two apart, here applied to the deployed model.
+(`clearly_better`), else its local path; the modules keep being shared either way. Under label skew an average of
+copies trained on other labels (a shared head above all) can score below what the client learns alone, and a short
+policy phase can leave a chain worse than the base model: the paper's reward (validation accuracy) is what tells the
+two apart, here applied to the deployed model.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class ClientSettings:
     switch_cost: float  # nats per round trained the policy must prefer a new chain by before the client switches
     switch_patience: int  # consecutive rounds it must do so
     observation_decay: float
-    guard: bool  # keep a local path beside the chain and deploy it when the chain scores worse (JigsawClient)
+    guard: bool  # keep a local path beside the chain; deploy it unless the chain scores clearly better
 
 
 GUARD_Z = 1.0  # the chain is kept when it beats the local path on validation by this many standard errors

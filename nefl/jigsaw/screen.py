@@ -11,8 +11,8 @@ A return is judged by its change from the copy the source sent out (delta = retu
   of the round's returns when there are at least `min_peers`; with fewer, `margin` x the median of that
   tensor's accepted, unclipped delta norms in earlier rounds (the honest scale of this module, large early in
   training and shrinking later; a clipped change says nothing of that scale, and counting it at its bound would
-  let a lone liar raise its own bound round after round); with no history, `floor` x the larger of the sent tensor's norm and its share of the
-  module's norm.
+  let a lone liar raise its own bound round after round); with no history, `floor` x the larger of the sent
+  tensor's norm and its share of the module's norm.
 - batch-norm running statistics (running_*) are estimates of the activations, not trained weights: judged by
   size alone, their scale with no peers or history one unit per element (they start at 0 and 1 and honestly
   move by that much in a first round).
@@ -100,7 +100,7 @@ class ReturnScreen:
         deltas = [{k: st[k].float() - sent[k].float() for k in sent} for _, st in returns]
         enough = len(returns) >= cfg.min_peers
         verdict = Verdict([])
-        accepted: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]] = []  # (state, delta, clipped)
+        accepted: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]] = []  # state, delta, clipped
         bounds, majority = {}, {}
         for name in sent:
             bounds[name] = self._bound(key, name, sent, [_norm(d[name]) for d in deltas])
