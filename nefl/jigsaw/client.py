@@ -72,7 +72,7 @@ class ClientSettings:
     guard: bool  # keep a local path beside the chain; deploy it unless the chain scores clearly better
 
 
-GUARD_Z = 1.0  # the chain is kept when it beats the local path on validation by this many standard errors
+GUARD_Z = 2.0  # the chain is kept when it beats the local path on validation by this many standard errors
 
 
 @dataclass
