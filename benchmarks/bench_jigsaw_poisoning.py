@@ -7,8 +7,9 @@ of returned copies (nefl/jigsaw/screen.py) off (the fixed 5 x norm bound alone) 
 Fashion-MNIST, Dirichlet(0.1), --samples images per client, a short policy phase, every model-training round scored.
 Client 0 is the attacker (from the model-training phase on); the honest clients are the others. Per run: the honest
 clients' mean accuracy after the last round, the largest drop of an honest client's final accuracy below its
-control, and the lowest (accuracy - local-only accuracy) of any honest client in any round. The runs are
-independent and seeded: --jobs runs them in that many processes, with the same results.
+control, the lowest (accuracy - local-only accuracy) of any honest client in any round, and the returns the
+sources refused and the tensors they clipped over the run (in the control every one of them is honest). The runs
+are independent and seeded: --jobs runs them in that many processes, with the same results.
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ import torch
 from nefl.jigsaw.sim import ATTACKS, JigsawConfig, JigsawSimulator
 
 
-def curves(cfg: JigsawConfig) -> list[list[float]]:
-    """Every client's accuracy after each model-training round."""
+def curves(cfg: JigsawConfig) -> tuple[list[list[float]], dict[str, int]]:
+    """Every client's accuracy after each model-training round, and the returns refused (per reason) and tensors
+    clipped over the run."""
     torch.set_num_threads(1)
-    return [row["accuracy"] for row in JigsawSimulator(cfg).run().rounds if row["phase"] == "train"]
+    rows = JigsawSimulator(cfg).run().rounds
+    return [row["accuracy"] for row in rows if row["phase"] == "train"], rows[-1].get("rejected", {})
+
+
+def screened(rejected: dict[str, int]) -> tuple[int, int]:
+    """(returns refused by the norm bound or the screen, tensors clipped)."""
+    return sum(n for k, n in rejected.items() if k != "clipped"), rejected.get("clipped", 0)
 
 
 def main() -> None:
@@ -50,26 +58,29 @@ def main() -> None:
                                                                             attackers=1 if attack else 0, **base)
     with ProcessPoolExecutor(args.jobs) as pool:
         runs = dict(zip(configs, pool.map(curves, configs.values())))
-    rows: dict[str, list[tuple[float, float, float]]] = {}
+    rows: dict[str, list[tuple[float, float, float, int, int]]] = {}
     honest = range(1, args.clients)
     for seed in args.seeds:
-        local = runs[(seed, "local-only", False, None)]
+        local = runs[(seed, "local-only", False, None)][0]
         for screen in screens:
-            control = runs[(seed, "fedjigsaw", screen, None)]
+            control = runs[(seed, "fedjigsaw", screen, None)][0]
             for attack in (None, *ATTACKS):
-                run = runs[(seed, "fedjigsaw", screen, attack)]
+                run, rejected = runs[(seed, "fedjigsaw", screen, attack)]
                 final = statistics.fmean(run[-1][c] for c in honest)
                 drop = max(control[-1][c] - run[-1][c] for c in honest)
                 floor = min(run[t][c] - local[t][c] for t in range(len(run)) for c in honest)
-                rows.setdefault(f"{'screen' if screen else 'norm bound only'} | {attack or 'none (control)'}", []).append((final, drop, floor))
-                print(f"seed {seed} screen {screen} attack {attack}: {final:.3f} {drop:+.3f} {floor:+.3f}", flush=True)
-        rows.setdefault("local-only | none", []).append((statistics.fmean(local[-1][c] for c in honest), 0.0, 0.0))
-    print("\n| returns judged by | attack | honest mean acc | worst drop below control | worst (acc - local-only) in any round |")
-    print("|---|---|---|---|---|")
+                rows.setdefault(f"{'screen' if screen else 'norm bound only'} | {attack or 'none (control)'}", []).append(
+                    (final, drop, floor, *screened(rejected)))
+                print(f"seed {seed} screen {screen} attack {attack}: {final:.3f} {drop:+.3f} {floor:+.3f} "
+                      f"{dict(rejected)}", flush=True)
+        rows.setdefault("local-only | none", []).append((statistics.fmean(local[-1][c] for c in honest), 0.0, 0.0, 0, 0))
+    print("\n| returns judged by | attack | honest mean acc | worst drop below control | worst (acc - local-only) in any round "
+          "| returns refused / tensors clipped, all seeds |")
+    print("|---|---|---|---|---|---|")
     for name, vals in rows.items():
         mean = statistics.fmean(v[0] for v in vals)
         print(f"| {name} | {mean:.3f} ({', '.join(f'{v[0]:.3f}' for v in vals)}) | {max(v[1] for v in vals):+.3f} | "
-              f"{min(v[2] for v in vals):+.3f} |")
+              f"{min(v[2] for v in vals):+.3f} | {sum(v[3] for v in vals)} / {sum(v[4] for v in vals)} |")
 
 
 if __name__ == "__main__":

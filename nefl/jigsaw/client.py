@@ -23,16 +23,20 @@ A client without a policy (`assemble=False`) trains a fixed chain every round: i
 chain it is given (the fixed-chain ablations).
 
 The guard (`ClientSettings.guard`, given the base model's starting parameters): beside its chain the client trains
-a private copy of its base model on the same task data every round (its local path; never sent, so the base model
-the neighbours borrow from stays the paper's passive repository). The model it keeps is its chain with the modules
-as their sources averaged them, unless its local path scores better on the validation split; the modules keep
-being shared either way. Under label skew an average of copies trained on other labels (a shared head above all)
-can score below what the client learns alone, and a short policy phase can leave a chain worse than the base
-model: the paper's reward (validation accuracy) is what tells the two apart, here applied to the deployed model.
+a private copy of its base model on its task data in every model-training round (its local path; never sent, so the
+base model the neighbours borrow from stays the paper's passive repository): from the base model's start, on the
+batches a local-only client trains on in the same model-training round, so it is local-only training bit for bit
+and falling back costs nothing against training alone. The model it keeps is its chain with the modules as their
+sources averaged them when the chain scores better on the validation split by more than the split's noise
+(`clearly_better`), else its local path; the modules keep being shared either way. Under label skew an average of
+copies trained on other labels (a shared head above all) can score below what the client learns alone, and a short
+policy phase can leave a chain worse than the base model: the paper's reward (validation accuracy) is what tells the
+two apart, here applied to the deployed model.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,7 +69,10 @@ class ClientSettings:
     switch_cost: float  # nats per round trained the policy must prefer a new chain by before the client switches
     switch_patience: int  # consecutive rounds it must do so
     observation_decay: float
-    guard: bool  # keep a local path beside the chain and deploy it when the chain scores worse (JigsawClient)
+    guard: bool  # keep a local path beside the chain; deploy it unless the chain scores clearly better
+
+
+GUARD_Z = 2.0  # the chain is kept when it beats the local path on validation by this many standard errors
 
 
 @dataclass
@@ -74,6 +81,7 @@ class Loaders:
 
     train: Batches
     val: Batches
+    alone: Batches | None = None  # the guard's local path's batches (model training only: ClientShard.task)
 
 
 @dataclass
@@ -96,6 +104,21 @@ def probe_feature(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
     """E_data: a task-trained model's mean class probabilities on the shared probe images. A model trained on
     skewed labels predicts its frequent classes more often, so clients with alike label skews get alike E_data."""
     return model.eval()(probe).softmax(1).mean(0)
+
+
+@torch.no_grad()
+def hits(model: nn.Module, batches: Batches) -> torch.Tensor:
+    """Per image of `batches`, in order: whether the model classifies it right."""
+    model.eval()
+    return torch.cat([model(x).argmax(1) == y for x, y in batches])
+
+
+def clearly_better(a: torch.Tensor, b: torch.Tensor, z: float) -> bool:
+    """Whether hits `a` beat hits `b` on the same images by more than z standard errors of the paired difference
+    (McNemar's: only the images exactly one of the two gets right count). On a 200-image split two models of equal
+    accuracy differ by a few images by chance, and the guard must not trade its local path for that."""
+    wins, losses = int((a & ~b).sum()), int((~a & b).sum())
+    return wins - losses > z * math.sqrt(wins + losses)
 
 
 def chain_keys(chain: list[ModuleMeta] | None) -> list[str]:
@@ -202,7 +225,8 @@ class JigsawClient:
             got = exchange.fetch(ModuleFetch(federation=s.federation, client=self.client, source=m.source, round=r,
                                              position=m.position))
             start.update({f"{j}.{k}": v for k, v in got.items()})
-        self._train_local(loaders, train_cfg)  # first: its round's data come in the order a local-only client sees
+        if loaders.alone is not None:
+            self._train_local(loaders.alone, train_cfg)
         model = build_model(chain)
         res = local_train(model, start, loaders.train, train_cfg)
         trained = {k: start[k] + res.delta[k] for k in start}
@@ -223,11 +247,11 @@ class JigsawClient:
             if explore and episode is not None else None
         return StepResult(r, chain, changed, accuracy, res.loss, res.num_samples, cap, decision_s, model, episode, report)
 
-    def _train_local(self, loaders: Loaders, train_cfg: TrainConfig) -> None:
+    def _train_local(self, batches: Batches, train_cfg: TrainConfig) -> None:
         """The guard's local path: one more round of the base model on the task data, alone."""
         if self.local is None:
             return
-        res = local_train(build_model(self.base.metas(self.client)), self.local, loaders.train, train_cfg)
+        res = local_train(build_model(self.base.metas(self.client)), self.local, batches, train_cfg)
         self.local = {k: v + res.delta[k] for k, v in self.local.items()}
 
     def local_model(self) -> nn.Sequential | None:
@@ -240,15 +264,15 @@ class JigsawClient:
 
     def keep(self, shared: nn.Sequential, val: Batches, own: Batches) -> nn.Sequential:
         """The model the client keeps after a round: `shared` (its chain with the modules as their sources averaged
-        them) unless the guard's local path scores better on the validation split. Both get their BatchNorm
-        statistics recomputed on the client's own training data first, as they are deployed."""
+        them) where it is clearly better than the guard's local path on the validation split, else the local path.
+        Both get their BatchNorm statistics recomputed on the client's own training data first, as deployed."""
         recompute_bn_stats(shared, own)
         local = self.local_model()
         self.kept_local = False
         if local is None:
             return shared
         recompute_bn_stats(local, own)
-        self.kept_local = evaluate(local, val)[0] > evaluate(shared, val)[0]
+        self.kept_local = not clearly_better(hits(shared, val), hits(local, val), GUARD_Z)
         return local if self.kept_local else shared
 
     def _report(self, r: int, episode: Episode, accuracy: float, cap: float, samples: int, model: nn.Module,

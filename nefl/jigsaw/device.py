@@ -262,8 +262,8 @@ class JigsawDevice:
             if client.chain is not None and any(m.source not in self.exchange.active for m in client.chain):
                 client.chain = None  # a module of the chain is out of reach: assemble anew from what is
             try:
-                result = client.step(rnd.round, shard.task(rnd.round), self.exchange, train_cfg, self.probe,
-                                     explore=explore)
+                result = client.step(rnd.round, shard.task(rnd.round, None if explore else t), self.exchange, train_cfg,
+                                     self.probe, explore=explore)
             except PeerUnavailable as e:
                 log.warning(f"round {rnd.round}: client {e.source} did not send a module in "
                             f"{plan.fetch_timeout_s:.0f} s; masked for this round")

@@ -9,9 +9,10 @@ A return is judged by its change from the copy the source sent out (delta = retu
   coordinate-wise median of the round's deltas is refused (opposite to the majority).
 - size: a tensor's delta norm above its bound is clipped to it. The bound is `margin` x the median delta norm
   of the round's returns when there are at least `min_peers`; with fewer, `margin` x the median of that
-  tensor's accepted delta norms in earlier rounds (the honest scale of this module, large early in training
-  and shrinking later); with no history, `floor` x the larger of the sent tensor's norm and its share of the
-  module's norm.
+  tensor's accepted, unclipped delta norms in earlier rounds (the honest scale of this module, large early in
+  training and shrinking later; a clipped change says nothing of that scale, and counting it at its bound would
+  let a lone liar raise its own bound round after round); with no history, `floor` x the larger of the sent
+  tensor's norm and its share of the module's norm.
 - batch-norm running statistics (running_*) are estimates of the activations, not trained weights: judged by
   size alone, their scale with no peers or history one unit per element (they start at 0 and 1 and honestly
   move by that much in a first round).
@@ -99,7 +100,7 @@ class ReturnScreen:
         deltas = [{k: st[k].float() - sent[k].float() for k in sent} for _, st in returns]
         enough = len(returns) >= cfg.min_peers
         verdict = Verdict([])
-        accepted: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []  # (state, delta)
+        accepted: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]] = []  # state, delta, clipped
         bounds, majority = {}, {}
         for name in sent:
             bounds[name] = self._bound(key, name, sent, [_norm(d[name]) for d in deltas])
@@ -107,7 +108,7 @@ class ReturnScreen:
                 majority[name] = torch.stack([d[name] for d in deltas]).median(dim=0).values
         for (own, state), delta in zip(returns, deltas):
             if own:
-                accepted.append((state, delta))
+                accepted.append((state, delta, set()))
                 continue
             reason = None
             for name, d in delta.items():
@@ -130,11 +131,12 @@ class ReturnScreen:
                 verdict.clipped += len(over)
                 delta = {k: d * (bounds[k] / _norm(d)) if k in over else d for k, d in delta.items()}
                 state = {k: (sent[k].float() + delta[k]).to(sent[k].dtype) if k in over else state[k] for k in sent}
-            accepted.append((state, delta))
-        for _, delta in accepted:
+            accepted.append((state, delta, over))
+        for _, delta, over in accepted:
             for name, d in delta.items():
-                self.tensor_norms[(key, name)].append(_norm(d))
-        verdict.states = [state for state, _ in accepted]
+                if name not in over:
+                    self.tensor_norms[(key, name)].append(_norm(d))
+        verdict.states = [state for state, _, _ in accepted]
         return verdict
 
     def aggregate(self, key: str, sent: dict[str, torch.Tensor],

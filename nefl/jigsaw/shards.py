@@ -112,14 +112,19 @@ class ClientShard:
     def _seed(self, r: int) -> int:
         return self.spec.seed * 1_000_003 + r * 1009 + self.client
 
-    def task(self, r: int) -> Loaders:
+    def task(self, r: int, t: int | None = None) -> Loaders:
+        """Round r's loaders. In model-training round t (None in the policy phase) the guard's local path gets
+        the batches a local-only client (no policy phase) trains on in its round t, so it is that training."""
+        return Loaders(self._batches(r), self.val(), None if t is None else self._batches(t))
+
+    def _batches(self, r: int) -> BatchLoader:
         """The round's training batches are all full when the shard holds a batch or more: a device with 450
         images and batch 32 would otherwise end every round on a step of 2 images, whose BatchNorm statistics
         and gradient can undo the round (docs/fedjigsaw.md, Deploying). A new shuffle each round,
         so no image is left out for good."""
         idx = self.data.train
-        return Loaders(BatchLoader(self.train, idx, self.spec.batch_size, shuffle=True, augment=True, seed=self._seed(r),
-                                   drop_last=idx.numel() >= self.spec.batch_size), self.val())
+        return BatchLoader(self.train, idx, self.spec.batch_size, shuffle=True, augment=True, seed=self._seed(r),
+                           drop_last=idx.numel() >= self.spec.batch_size)
 
     def val(self) -> BatchLoader:
         """The held-out validation split (the reward; the guard's choice)."""

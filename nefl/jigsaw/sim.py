@@ -83,7 +83,7 @@ class JigsawConfig:
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
     observation_decay: float = 0.5  # weight of the past in a module's recent accuracy
     norm_bound: float = 5.0  # a returned module may differ from its source's copy by this x its norm (honest ones stay far below)
-    local_guard: bool = True  # sharing methods: each client also trains its base model alone and keeps it when it validates better
+    local_guard: bool = True  # sharing methods: each client also trains its base model alone and keeps it unless the chain validates clearly better
     screen_returns: bool = True  # sources judge each module's returns together (nefl.jigsaw.screen); off: the norm bound alone
     attack: str | None = None  # the first `attackers` clients return poisoned copies in model training: flip, scale or layer
     attackers: int = 0
@@ -273,7 +273,7 @@ class ModuleFederation:
     def train_round(self, r: int, t: int, train_cfg: TrainConfig, score: Callable[[int, nn.Module], None]) -> dict:
         """Model-training round r (the t-th of the phase): execute, train on the task, aggregate."""
         sim = self.sim
-        results = [client.step(r, sim.task_loaders(c, r), self.exchange_of(c), train_cfg, sim.probe, explore=False)
+        results = [client.step(r, sim.task_loaders(c, r, t), self.exchange_of(c), train_cfg, sim.probe, explore=False)
                    for c, client in enumerate(self.clients)]
         for c, res in enumerate(results):
             score(c, res.model)
@@ -380,8 +380,8 @@ class JigsawSimulator:
     def policy_rounds(self) -> int:
         return self.cfg.policy_rounds if self.method.assemble else 0
 
-    def task_loaders(self, c: int, r: int) -> Loaders:
-        return self.shards[c].task(r)
+    def task_loaders(self, c: int, r: int, t: int | None = None) -> Loaders:
+        return self.shards[c].task(r, t)
 
     def evaluate(self) -> list[float]:
         accs = []

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nefl.jigsaw.sim import JigsawConfig, JigsawResult, JigsawSimulator, device_budgets
-from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys
+from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys, clearly_better
 from nefl.nested.data import DATASETS, ArrayDataset
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport, arch_features, co_training_credit, observation
 from nefl.jigsaw.methods import METHODS, get_method
@@ -342,11 +342,13 @@ def test_e_data_reflects_each_clients_label_skew() -> None:
 
 # -- the guard: a local path beside the chain, kept when the shared chain validates worse ------------------
 
-def test_the_local_path_is_local_only_training_bit_for_bit() -> None:
-    """With no policy phase the guard's local path sees the data a local-only client sees, in the same order, from
-    the same start: the fallback is exactly what the client would have trained alone."""
-    fed = _small_sim("fedjigsaw", policy_rounds=0, rounds=2)
-    alone = _small_sim("local-only", policy_rounds=0, rounds=2)
+@pytest.mark.parametrize("policy_rounds", [0, 2])
+def test_the_local_path_is_local_only_training_bit_for_bit(policy_rounds: int) -> None:
+    """With a policy phase or without, the guard's local path starts with model training from the base model's start
+    and sees the batches a local-only client sees in each of its rounds, in the same order: the fallback is exactly
+    what the client would have trained alone, round for round."""
+    fed = _small_sim("fedjigsaw", policy_rounds=policy_rounds, rounds=2)
+    alone = _small_sim("local-only", rounds=2)
     fed.run(), alone.run()
     for c in range(3):
         mine = fed.fed.clients[c].local
@@ -356,20 +358,35 @@ def test_the_local_path_is_local_only_training_bit_for_bit() -> None:
         assert all(torch.allclose(mine[k].float(), theirs[k].float(), atol=1e-6) for k in mine), c
 
 
-def test_the_guard_keeps_the_local_path_only_when_the_shared_chain_validates_worse() -> None:
+def test_a_guarded_client_with_a_useless_chain_keeps_its_local_only_model() -> None:
+    """A chain zeroed after the run (chance at best) is never kept: the client ends at its local-only model, and
+    scores on its test set exactly what local-only training scores."""
+    sim, alone = _small_sim("fedjigsaw", rounds=2), _small_sim("local-only", rounds=2)
+    sim.run()
+    alone_acc = alone.run().accuracy
+    for c, (client, shard) in enumerate(zip(sim.fed.clients, sim.shards)):
+        broken = sim.fed.model(c)
+        for p in broken.parameters():
+            p.data.zero_()
+        kept = client.keep(broken, shard.val(), shard.own_train())
+        assert client.kept_local and kept is not broken
+        assert evaluate(kept, shard.local_test())[0] == alone_acc[c]
+
+
+def test_the_guard_keeps_the_chain_only_when_it_validates_better_beyond_noise() -> None:
     sim = _small_sim("fedjigsaw", rounds=1)
     sim.run()
     client, shard = sim.fed.clients[0], sim.shards[0]
-    local = client.local_model()
-    assert local is not None
-    broken = sim.fed.model(0)  # the chain as the sources averaged it, with every weight zeroed: chance at best
-    for p in broken.parameters():
-        p.data.zero_()
-    kept = client.keep(broken, shard.val(), shard.own_train())
-    assert client.kept_local and kept is not broken
-    assert all(torch.equal(a, b) for a, b in zip(kept.parameters(), local.parameters()))
-    same = client.local_model()  # a shared model that validates exactly as well: sharing wins the tie
-    assert client.keep(same, shard.val(), shard.own_train()) is same and not client.kept_local
+    same = client.local_model()  # a shared model that validates exactly as well: the local path keeps its place
+    assert same is not None and client.keep(same, shard.val(), shard.own_train()) is not same and client.kept_local
+    right, wrong = torch.ones(200, dtype=torch.bool), torch.zeros(200, dtype=torch.bool)
+    assert not clearly_better(right, right, 1.0)  # a tie
+    a, b = right.clone(), right.clone()
+    a[:3], b[3:9] = False, False  # 6 wins against 3 losses: 3 < sqrt(9), chance
+    assert not clearly_better(a, b, 1.0) and not clearly_better(b, a, 1.0)
+    c = right.clone()
+    c[:20] = False  # 20 wins, no loss: beyond sqrt(20)
+    assert clearly_better(right, c, 1.0) and clearly_better(right, wrong, 1.0) and not clearly_better(wrong, right, 1.0)
     off = _small_sim("fedjigsaw", rounds=1, local_guard=False)
     assert all(cl.local is None and cl.local_model() is None for cl in off.fed.clients)
 

@@ -135,6 +135,28 @@ def test_history_bounds_a_lone_return_after_the_first_rounds() -> None:
     assert verdict.clipped > 0  # 6 x the module's past changes: above margin x its history
 
 
+def test_a_lone_liar_cannot_raise_its_own_bound_round_after_round() -> None:
+    """A module returned each round by its source and one borrower that stretches its change to 4.5 x the module's
+    norm: the borrower's clipped change stays within margin x the source's own honest changes in every round (a
+    bound taken from a history that held the clipped changes would grow by half each round), so the module moves
+    per round at most (1 + margin) / 2 x an honest change."""
+    screen, s = ReturnScreen(), sent()
+    own_sizes: dict[str, list[float]] = {k: [] for k in s}
+    for r in range(8):
+        own = honest(s, r, scale=0.05)
+        bad = stretch(s, honest(s, 100 + r, scale=0.05))
+        new, verdict = screen.aggregate(KEY, s, [(True, own), (False, bad)])
+        if r > 0 and "jump" not in verdict.refused:
+            lied = {k: 2 * new[k] - own[k] for k in s}  # the average of two: what the liar's copy counted as
+            for k in s:
+                past = sorted(own_sizes[k])
+                median = past[len(past) // 2] if len(past) % 2 else 0.5 * (past[len(past) // 2 - 1] + past[len(past) // 2])
+                assert change(lied, s, k) <= screen.cfg.margin * median * (1 + 1e-4), (r, k)
+        for k in s:
+            own_sizes[k].append(change(own, s, k))
+        s = new
+
+
 def test_a_jump_far_above_the_module_history_keeps_the_previous_value() -> None:
     screen, s = ReturnScreen(ScreenConfig(margin=1e9)), sent()  # no clipping: the jump rule alone
     for r in range(3):
