@@ -59,6 +59,9 @@ TensorClip = Annotated[float, typer.Option(
 TensorNoise = Annotated[float, typer.Option(
     "--tensor-noise", min=0, help="Centre check: Gaussian noise on each kept update after the per-tensor clip, std = "
                                   "this x its tensor's reference per-element size; 0 turns it off.")]
+StepElement = Annotated[float, typer.Option(
+    "--step-element", min=0, help="Centre check: also hold each element of a per-submodel tensor's step to this x "
+                                  "that tensor's step bound, so a push in one channel is cut there; 0 (off) or >= 1.")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
 
 
@@ -77,6 +80,7 @@ class RobustnessOptions:
     max_norm_ratio: MaxNormRatio = _A.max_norm_ratio
     tensor_clip: TensorClip = _A.tensor_clip
     tensor_noise: TensorNoise = _A.tensor_noise
+    step_element: StepElement = _A.step_element
     root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
     def robustness(self) -> Robustness:
@@ -92,5 +96,6 @@ class RobustnessOptions:
                           adaptive_k=self.update_norm_k or None, mode="clip" if self.clip else "reject")
         agg = AggregationConfig(rule=self.aggregator, trim=self.trim, centre_check=centre_check,
                                 min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio,
-                                tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise)
+                                tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise,
+                                step_element=self.step_element)
         return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

@@ -4,11 +4,12 @@ own device key (tests/harness/attack_device.py), against a control without the a
 docs/security.md (`--section`, default `bench-attacks-serve`).
 
     PYTHONPATH=. python benchmarks/bench_attacks_serve.py [--rounds 12] [--late-rounds 24] [--aggregator RULE ...]
-        [--runs RUN ...] [--out DIR] [--section NAME] [--note TEXT]
+        [--runs RUN ...] [--serve-args "--step-element 1"] [--out DIR] [--section NAME] [--note TEXT]
 
 Every run uses `serve`'s defaults; `--aggregator default fltrust ...` measures other rules too, each against its
-own controls. Each federation's metrics are saved under --out (RULE/RUN.json); `--runs` reruns only those
-(a row needs its control: `--runs control neg-weights`), the others' saved metrics make the rest of the table.
+own controls; `--serve-args` adds serve options to every federation (controls included), named in the rows.
+Each federation's metrics are saved under --out (RULE/RUN.json); `--runs` reruns only those (a row needs
+its control: `--runs control neg-weights`), the others' saved metrics make the rest of the table.
 
 Issue 20's attacks, against `control` (the two honest devices alone):
   scaled-flip   -9 x its honest delta from round 1 (inside the 10 x weight-norm bound)
@@ -28,6 +29,7 @@ import argparse
 import datetime
 import json
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -250,12 +252,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "attacks-serve"), help="saved metrics")
     ap.add_argument("--section", default="bench-attacks-serve", help="the generated section of docs/security.md")
     ap.add_argument("--after", type=int, default=3, help="the drop vs control is judged at evaluated rounds after this")
+    ap.add_argument("--serve-args", default="", help="serve options added to every federation, one string")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="nefl-attacks-"))
     rows = []
     for rule in args.aggregator:
-        options = [] if rule == "default" else ["--aggregator", rule, "--no-centre-check"]
+        options = [*([] if rule == "default" else ["--aggregator", rule, "--no-centre-check"]),
+                   *shlex.split(args.serve_args)]
+        label = " ".join([rule, *shlex.split(args.serve_args)])
         saved = Path(args.out) / rule
         saved.mkdir(parents=True, exist_ok=True)
         for name in args.runs:
@@ -268,7 +273,7 @@ def main() -> None:
             atomic_write_text(saved / f"{name}.json", json.dumps(result))
             print(f"{rule} {name}: {time.monotonic() - t0:.0f} s", flush=True)
         runs = {n: saved_run(saved / f"{n}.json") for n in RUNS if (saved / f"{n}.json").exists()}
-        rows += [summary(f"{n} ({rule})", runs[n], runs[control], args.after) for n, control in ATTACKS.items()
+        rows += [summary(f"{n} ({label})", runs[n], runs[control], args.after) for n, control in ATTACKS.items()
                  if n in runs and control in runs]
     for r in rows:
         print(json.dumps(r))

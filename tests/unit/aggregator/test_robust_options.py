@@ -35,3 +35,14 @@ def test_tensor_clip_and_noise_reach_the_aggregation_config(command: str) -> Non
 def test_a_tensor_clip_below_one_or_a_negative_noise_is_refused(args: list[str]) -> None:
     with pytest.raises(click.exceptions.BadParameter):
         parsed("serve", args)
+
+
+@pytest.mark.parametrize("command", sorted(REQUIRED))
+def test_step_element_reaches_the_aggregation_config(command: str) -> None:
+    assert parsed(command, ["--step-element", "2"]).robustness().aggregation.step_element == 2.0
+    assert parsed(command, []).robustness().aggregation.step_element == AggregationConfig().step_element
+
+
+def test_a_step_element_between_zero_and_one_is_refused_with_its_reason() -> None:
+    with pytest.raises(ValueError, match="step_element"):
+        parsed("serve", ["--step-element", "0.5"]).robustness()
