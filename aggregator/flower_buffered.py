@@ -73,7 +73,7 @@ class BufferedStrategy(NeFLStrategy):
         self.driver.meta = lambda: self.versions.state_dict()
         self.sent: dict[str, Sent] = {}  # Flower message id -> the task it carries
         self._weights: dict[int, ArrayRecord] = {}  # submodel -> its arrays of the newest version
-        self._rejected: Counter[str] = Counter()  # since the last commit
+        self._rejected_before: Counter[str] = Counter()  # the federation's refusal counts at the last commit
 
     def _assigned(self, cid: str, task: int) -> int | None:
         issued = self.versions.open.get(cid, {}).get(task)
@@ -190,7 +190,6 @@ class BufferedStrategy(NeFLStrategy):
 
     def _count(self, reason: str, why: str) -> None:
         self.fed.reject(reason)
-        self._rejected[reason] += 1
         log.info(f"refused {reason}: {why}")
 
     def _commit(self, result: Result, started: float) -> float:
@@ -203,8 +202,10 @@ class BufferedStrategy(NeFLStrategy):
         version = self.versions.version
         self._weights.clear()
         losses = [m["loss"] for m in facts["clients"].values() if "loss" in m]
-        facts.update({"rejected": dict(self._rejected), "train_loss": sum(losses) / len(losses) if losses else None})
-        self._rejected = Counter()
+        rejected = Counter(self.fed.rejected)
+        facts.update({"rejected": dict(rejected - self._rejected_before),
+                      "train_loss": sum(losses) / len(losses) if losses else None})
+        self._rejected_before = rejected
         self.driver.record(version, facts, started)
         self.history.append(facts)
         result.train_metrics_clientapp[version] = round_metrics(facts)
