@@ -75,6 +75,10 @@ class SimData:
 class SimPolicy:
     policy_rounds: PolicyRoundsOption = D.policy_rounds
     critic_warmup: CriticWarmupOption = D.critic_warmup
+    policy_lr: Annotated[float, typer.Option(
+        min=0.0, help="The policies' learning rate (Adam) in the policy phase; 0: the policy never learns, while the "
+                      "policy phase still samples chains and trains modules (the control of a learned policy with "
+                      "equal training).")] = D.policy_lr
     switch_cost: Annotated[float, typer.Option(
         min=0.0, help="Nats per round the current chain was trained that the policy must prefer a new chain by before "
                       "a client switches to it in the model-training phase.")] = D.switch_cost

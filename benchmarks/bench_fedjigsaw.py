@@ -76,9 +76,10 @@ SMALL_START, SMALL_END = "<!-- bench-fedjigsaw-small:start -->", "<!-- bench-fed
 # four over every seed first, the ablations after, so a sweep cut short still answers the claim
 VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "shared-chain": ("shared-chain", {}),
             "random-chain": ("random-chain", {}), "untrained-policy": ("fedjigsaw", {"policy_rounds": 0}),
-            "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {})}
+            "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}), "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {})}
 CLAIMED = 4
-VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)"}
+VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)",
+                  "frozen-policy": "FedJigsaw, policy phase that does not learn (--policy-lr 0)"}
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from nefl.nested.train import TrainConfig, evaluate, recompute_bn_stats
 from nefl.support.fsio import atomic_write, atomic_write_text
 
 FEDERATION = "jigsaw-simulation"
+POLICY_FILE = "policies.safetensors"  # beside the checkpoint's state: every client's policy and the critic
 
 
 @dataclass
@@ -300,6 +301,14 @@ class ModuleFederation:
     def state(self) -> dict[str, torch.Tensor]:
         return {f"{key}/{k}": v for key, st in self.exchange.store.items() for k, v in st.items()}
 
+    def policies(self) -> dict[str, torch.Tensor]:
+        """Every client's policy (`c{i}/...`) and CoRe-Tune's critic (`critic/...`), for the checkpoint."""
+        flat = {f"c{c}/{k}": v for c, client in enumerate(self.clients) if client.agent
+                for k, v in client.agent.policy.state_dict().items()}
+        if self.server is not None:
+            flat.update({f"critic/{k}": v for k, v in self.server.critic.critic.state_dict().items()})
+        return flat
+
     def policy_parameters(self) -> tuple[int, int]:
         agent = self.clients[0].agent
         actor = sum(p.numel() for p in agent.policy.parameters()) if agent else 0
@@ -347,8 +356,15 @@ class WidthFederation:
     def state(self) -> dict[str, torch.Tensor]:
         return self.global_state
 
+    def policies(self) -> dict[str, torch.Tensor]:
+        return {}
+
     def policy_parameters(self) -> tuple[int, int]:
         return 0, 0
+
+
+def _save_tensors(path: Path, flat: dict[str, torch.Tensor]) -> None:
+    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in flat.items()}, tmp))
 
 
 # -- the simulator ------------------------------------------------------------------------------------
@@ -445,10 +461,12 @@ class JigsawSimulator:
                             [self.fed.describe(c) for c in range(cfg.clients)])
 
     def save(self, directory: Path, accs: list[float]) -> None:
-        """The checkpoint layout of `aggregator simulate`: state.safetensors + meta.json, written atomically."""
+        """The checkpoint layout of `aggregator simulate` (state.safetensors + meta.json), plus the methods with a
+        policy's policies and critic (policies.safetensors), each written atomically."""
         directory.mkdir(parents=True, exist_ok=True)
-        flat = self.fed.state()
-        atomic_write(directory / STATE_FILE, lambda tmp: save_file({k: v.contiguous() for k, v in flat.items()}, tmp))
+        _save_tensors(directory / STATE_FILE, self.fed.state())
+        if policies := self.fed.policies():
+            _save_tensors(directory / POLICY_FILE, policies)
         meta = {"round": self.policy_rounds + self.cfg.rounds - 1, "method": self.cfg.method, "accuracy": accs,
                 "architectures": [self.fed.describe(c) for c in range(self.cfg.clients)],
                 "bases": [b.name for b in self.bases], "budgets_mib": [b / 2**20 for b in self.budgets]}

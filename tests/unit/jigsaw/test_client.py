@@ -13,7 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nefl.jigsaw.sim import JigsawConfig, JigsawResult, JigsawSimulator, device_budgets
+from safetensors.torch import load_file
+
+from nefl.jigsaw.sim import POLICY_FILE, JigsawConfig, JigsawResult, JigsawSimulator, device_budgets
 from nefl.jigsaw.client import ClientSettings, JigsawClient, Loaders, StepResult, chain_keys, clearly_better
 from nefl.nested.data import DATASETS, ArrayDataset
 from nefl.jigsaw.coretune import CriticAdvice, PolicyReport, arch_features, co_training_credit, observation
@@ -405,3 +407,18 @@ def test_an_honest_run_does_not_fall_below_local_only() -> None:
     assert all(g >= a for gs, als in zip(guarded, alone) for g, a in zip(gs, als)), (guarded, alone)
     unguarded = _train_curves(_small_sim("fedjigsaw", local_guard=False, **kw).run())
     assert any(u < a - 0.1 for us, als in zip(unguarded, alone) for u, a in zip(us, als)), (unguarded, alone)
+
+
+def test_policies_and_the_critic_are_checkpointed_and_a_zero_policy_lr_learns_nothing(tmp_path) -> None:
+    learned = _small_sim("fedjigsaw", out=str(tmp_path / "learned"), rounds=1)
+    frozen = _small_sim("fedjigsaw", out=str(tmp_path / "frozen"), rounds=1, policy_lr=0.0)
+    start = {k: v.clone() for k, v in frozen.fed.policies().items()}
+    assert start.keys() == learned.fed.policies().keys()
+    assert any(k.startswith("critic/") for k in start) and {k.split("/")[0] for k in start} >= {"c0", "c1", "c2"}
+    learned.run()
+    assert [r["phase"] for r in frozen.run().rounds] == ["policy", "policy", "train"]
+    saved = {name: load_file(tmp_path / name / "checkpoint" / POLICY_FILE) for name in ("learned", "frozen")}
+    assert all(torch.equal(saved["learned"][k], v) for k, v in learned.fed.policies().items())
+    clients = [k for k in start if not k.startswith("critic/")]
+    assert all(torch.equal(saved["frozen"][k], start[k]) for k in clients)  # the policy phase ran; the policies stayed
+    assert not all(torch.equal(saved["learned"][k], start[k]) for k in clients)  # same seed, learning moved them
