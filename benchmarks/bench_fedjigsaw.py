@@ -130,8 +130,9 @@ def summarise(sim: JigsawSimulator, rows: list[dict]) -> dict:
                           "reward": statistics.fmean(r["reward"]), "advantage_abs": r["advantage_abs"],
                           "critic_abs_error": r.get("critic_abs_error"), "critic_warm": r.get("critic_warm")} for r in policy],
         "own_share": statistics.fmean(sum(k.startswith(f"c{c}.") for k in chain) / len(chain) for c, chain in enumerate(blocks)),
-        "users_per_module": statistics.fmean(len(u) for k, u in users.items() if k not in {ch[-1] for ch in final}),
-        "users_per_head": statistics.fmean(len(u) for k, u in users.items() if k in {ch[-1] for ch in final}),
+        # None for the PT baselines, whose clients train windows of one model, not chains of modules
+        "users_per_module": _mean([len(u) for k, u in users.items() if k not in {ch[-1] for ch in final}]),
+        "users_per_head": _mean([len(u) for k, u in users.items() if k in {ch[-1] for ch in final}]),
         "peer_heads": sum(not chain[-1].startswith(f"c{c}.") for c, chain in enumerate(final)),
         "trainers_per_module": [r.get("trainers_per_module") for r in train],
         "bytes_per_round": {k: statistics.fmean(r["bytes"][k] for r in train) for k in train[0]["bytes"]},
