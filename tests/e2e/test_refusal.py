@@ -73,6 +73,7 @@ def relay_site(procs: Procs, upstream: str) -> str:
     return f"mqtt://127.0.0.1:{site}"
 
 
+@pytest.mark.extended
 @needs_mosquitto
 @pytest.mark.timeout(300)
 def test_a_spent_token_enrols_no_one_in_a_fresh_run(procs):
