@@ -7,9 +7,7 @@ importing torch and loading the dataset.
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,47 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nefl.jigsaw.shards import device_budgets
 from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
-from nefl.jigsaw.zoo import load_base
-from tests.harness.procs import Procs, finish, free_port, needs_mosquitto, wait_for
+from tests.harness.jigsaw_federation import final_accuracy, rows, start_federation
+from tests.harness.procs import Procs, finish, needs_mosquitto, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 CFG = JigsawConfig(archs=("cnn-2", "cnn-3"), clients=4, rounds=2, policy_rounds=1, critic_warmup=0,
                    max_samples_per_client=160, val_samples=40, probe_samples=32, test_per_client=40, eval_every=0, seed=3)
-FEDERATION = "jig"
-
-
-def budgets(cfg: JigsawConfig) -> list[int]:
-    """The simulator's device budgets: given to the devices, they pick the bases their twins get."""
-    return [int(b) for b in device_budgets([load_base(a) for a in cfg.archs], cfg.clients, cfg.batch_size,
-                                           cfg.budget_headroom, cfg.seed)]
-
-
-def start_federation(procs: Procs, tmp: Path, cfg: JigsawConfig, fetch_timeout: float = 20, round_timeout: float = 120,
-                     poisoner: int | None = None) -> str:
-    port = free_port()
-    procs.mosquitto(port)
-    broker = f"mqtt://127.0.0.1:{port}"
-    procs.start("coordinator", [sys.executable, "-c", "from aggregator.cli import app; app()", "jigsaw-serve",
-                                "--devices", str(cfg.clients), "--broker", broker, "--federation", FEDERATION,
-                                "--archs", ",".join(cfg.archs), "--rounds", str(cfg.rounds),
-                                "--policy-rounds", str(cfg.policy_rounds), "--critic-warmup", str(cfg.critic_warmup),
-                                "--max-samples-per-client", str(cfg.max_samples_per_client),
-                                "--test-per-client", str(cfg.test_per_client), "--val-samples", str(cfg.val_samples),
-                                "--probe-samples", str(cfg.probe_samples),
-                                "--seed", str(cfg.seed), "--fetch-timeout", str(fetch_timeout),
-                                "--round-timeout", str(round_timeout), "--join-wait", "120", "--out", str(tmp / "run")])
-    for i, b in enumerate(budgets(cfg)):
-        entry = [str(ROOT / "tests" / "harness" / "jigsaw_poisoner.py")] if i == poisoner else ["-c", "from edge_client.cli import app; app()"]
-        procs.start(f"d{i}", [sys.executable, *entry, "jigsaw", "--broker", broker, "--federation", FEDERATION,
-                              "--client-id", f"d{i}", "--memory-budget", str(b), "--threads", "1", "--out", str(tmp / f"d{i}")])
-    return broker
-
-
-def rows(tmp: Path) -> list[dict]:
-    path = tmp / "run" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @pytest.mark.extended
@@ -83,7 +46,7 @@ def test_four_devices_over_mqtt_reproduce_the_simulator(tmp_path: Path) -> None:
             assert [[tuple(k) for k in mine["chains"][str(c)]] for c in range(4)] == \
                 [[tuple(int(x[1:]) for x in key.split(".")) for key in chain] for chain in twin["chains"]]
             assert mine["rejected"] == {}
-        final = json.loads((tmp_path / "run" / "final.json").read_text())["accuracy"]
+        final = final_accuracy(tmp_path)
         assert [final[f"d{c}"] for c in range(4)] == result.accuracy
         for c in range(4):  # the final chain's parameters, as the sources averaged them
             twin = {k: v for k, v in sim.fed.model(c).state_dict().items() if not k.endswith("num_batches_tracked")}
@@ -123,7 +86,7 @@ def test_a_device_that_goes_offline_mid_round_is_not_waited_for(hostile_run) -> 
     got = rows(tmp)
     assert [r["round"] for r in got] == [0, 1, 2, 3]
     assert got[1]["trained"] >= 3 and "2" not in got[2]["val_accuracy"] and got[2]["trained"] == 3
-    final = json.loads((tmp / "run" / "final.json").read_text())["accuracy"]
+    final = final_accuracy(tmp)
     assert set(final) == {"d0", "d1", "d3"} and all(a > 0.1 for a in final.values()), final
 
 
@@ -138,5 +101,5 @@ def test_a_poisoned_module_is_rejected_counted_and_its_source_unhurt(hostile_run
     for c in (0, 1):  # honest sources: their final chains are finite and score well above chance
         state = load_file(str(tmp / f"d{c}" / "final.safetensors"))
         assert all(torch.isfinite(v).all() and v.abs().max() < 1e3 for v in state.values())
-    final = json.loads((tmp / "run" / "final.json").read_text())["accuracy"]
+    final = final_accuracy(tmp)
     assert final["d0"] > 0.2 and final["d1"] > 0.2, final

@@ -71,3 +71,46 @@ def relay_site(procs: Procs, upstream: str) -> str:
         procs.env = env
     aggregator(procs, "enroll", "site-a", "--worker", "--public-key", key)
     return f"mqtt://127.0.0.1:{site}"
+
+
+@pytest.mark.extended
+@needs_mosquitto
+@pytest.mark.timeout(300)
+def test_a_spent_token_enrols_no_one_in_a_fresh_run(procs):
+    """Issue 42: a token spent in one run, replayed by someone else (another device key) into a fresh `serve` on the
+    same key directory without --resume, is refused for good; the device that spent it still takes part."""
+    port = free_port()
+    procs.mosquitto(port)
+    url = f"mqtt://127.0.0.1:{port}"
+    token = aggregator(procs, "enroll", "c1")
+    join = [sys.executable, "-c", "from edge_client.cli import app; app()", "join", "--broker", url, "--client-id", "c1",
+            "--federation", "t", "--threads", "1", "--max-samples", "64", "--no-calibrate"]
+
+    def serve(name: str) -> subprocess.Popen:  # a fresh run each time: its own checkpoint directory, no --resume
+        return procs.start(name, [*CLI, "serve", "--profile", PROFILE, "--checkpoint-dir", str(procs.tmp / name),
+                                  "--broker", url, "--federation", "t", "--rounds", "50", "--min-clients", "2",
+                                  "--round-timeout", str(ROUND_S), "--join-wait", "600", "--batch-size", "16"])
+
+    first = serve("run1")
+    procs.start("c1", [*join, "--join-token", token])
+    wait_for(lambda: "client c1 announced" in procs.log("run1"), 120, "c1 to enrol with its token")
+    for name in ("c1", "run1"):
+        procs.procs[name].kill()
+        procs.procs[name].wait(10)
+    assert first.returncode is not None
+
+    serve("run2")
+    env = procs.env
+    procs.env = {**env, "NEFL_CACHE_DIR": str(procs.tmp / "thief-cache")}  # another host: its own device key
+    try:
+        thief = procs.start("thief", [*join, "--join-token", token])
+    finally:
+        procs.env = env
+    try:
+        rc = thief.wait(120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the spent token's replay was not refused:\n{procs.log('thief')[-3000:]}") from None
+    lines = [line for line in procs.log("thief").splitlines() if "refused this device" in line]
+    assert rc == EXIT_REFUSED and len(lines) == 1 and "spent already" in lines[0], (rc, procs.log("thief")[-3000:])
+    procs.start("c1-again", join)  # the real device, its key pinned by the token it spent: no token needed
+    wait_for(lambda: procs.log("run2").count("client c1 announced") >= 1, 120, "the real c1 to take part in the fresh run")

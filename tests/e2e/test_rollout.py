@@ -290,3 +290,30 @@ def test_one_rollout_history_per_federation_and_no_replay_shown_as_current(procs
     status = aggregator("rollout", "status", "--json", *where)
     assert status.exit_code == 0, status.output
     assert json.loads(status.stdout)["rollout"]["seq"] == 2 and json.loads(status.stdout)["rollout"]["stable"] == 2
+
+
+@pytest.mark.extended
+def test_a_report_claimed_first_under_a_real_id_hides_no_device(procs, exports: dict[str, Path]) -> None:
+    """Issue 42: someone on the broker reports under an enrolled follower's id before that follower first reports
+    (signed by its own key, dated ahead, retained). `rollout status` counts it for nothing, and once the device
+    reports it shows, with what it runs."""
+    broker = free_port()
+    procs.mosquitto(broker)
+    publish(procs, broker, exports["v1"], 1)
+    real = Signer.load_or_create(procs.tmp, "d1.key")
+    assert aggregator("enroll", "d1", "--follower", "--public-key", real.public_text, "--federation", "t").exit_code == 0
+    thief = Signer.load_or_create(procs.tmp, "thief.key")
+    claim = DeployReport(client="d1", federation="t", key=thief.public_text, state="serving", version=1,
+                         time=time.time() + 3600, connection=2**40)
+    _publish_raw(broker, [(T.deploy_status("d1"), thief.sign(claim.to_json()))])
+
+    def devices() -> dict[str, dict]:
+        status = aggregator("rollout", "status", "--json", *broker_args(broker, procs))
+        assert status.exit_code == 0, status.output
+        return {d["client"]: d for d in json.loads(status.stdout)["devices"]}
+
+    assert devices() == {}  # the claim is no one's report
+    port = follow(procs, "d1", broker)  # enrols the same key again, then starts the device
+    listening({"d1": port})
+    wait_for(lambda: serving(port) == 1, 120, "d1 to serve v1")
+    wait_for(lambda: devices().get("d1", {}).get("version") == 1, 60, "d1's own report in rollout status")

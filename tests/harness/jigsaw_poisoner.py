@@ -1,7 +1,11 @@
-"""`edge-client jigsaw`, but every module it borrowed goes back to its source scaled x1000 (tests/e2e/test_jigsaw_mqtt.py).
+"""`edge-client jigsaw`, but the copies of other sources' modules it returns are poisoned:
 
-An honest device's protocol in every other respect: signed, on time, the right shapes; only the norm bound
-against the source's own copy can tell.
+    jigsaw_poisoner.py POISON POLICY_ROUNDS jigsaw ...   (the edge-client arguments follow)
+
+POISON x1000: every borrowed module goes back scaled x1000, from the first round (tests/e2e/test_jigsaw_mqtt.py);
+flip, scale or layer: the simulator's attacks (nefl/jigsaw/sim.py `poison`, as its PoisoningExchange applies them)
+from the model-training phase on (round >= POLICY_ROUNDS), so a run is the simulator's twin under that attack.
+An honest device's protocol in every other respect: signed, on time, the right shapes.
 """
 
 from __future__ import annotations
@@ -14,16 +18,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from edge_client.cli import app  # noqa: E402
 from nefl.jigsaw.broker import BrokerExchange  # noqa: E402
+from nefl.jigsaw.sim import poison  # noqa: E402
 
-honest = BrokerExchange.give_back
+ATTACK, POLICY_ROUNDS = sys.argv[1], int(sys.argv[2])
+del sys.argv[1:3]
+honest_fetch, honest_return = BrokerExchange.fetch, BrokerExchange.give_back
+sent: dict[tuple[int, int], dict] = {}
 
 
-def poisoned(self, msg, state):
+def fetch(self, req):
+    got = honest_fetch(self, req)
+    sent[(req.source, req.position)] = {k: v.clone() for k, v in got.items()}
+    return got
+
+
+def give_back(self, msg, state):
     if msg.source != self.me:
-        state = {k: v * 1000 for k, v in state.items()}
-        logging.getLogger("poisoner").warning(f"poisoned the copy of c{msg.source}.m{msg.position}")
-    return honest(self, msg, state)
+        if ATTACK == "x1000":
+            state = {k: v * 1000 for k, v in state.items()}
+        elif msg.round >= POLICY_ROUNDS:
+            state = poison(ATTACK, sent[(msg.source, msg.position)], state)
+        else:
+            return honest_return(self, msg, state)
+        logging.getLogger("poisoner").warning(f"poisoned the copy of c{msg.source}.m{msg.position} ({ATTACK})")
+    return honest_return(self, msg, state)
 
 
-BrokerExchange.give_back = poisoned
+BrokerExchange.fetch, BrokerExchange.give_back = fetch, give_back
 app()
