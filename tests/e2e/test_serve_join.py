@@ -164,7 +164,9 @@ def test_slow_evaluation_holds_no_round_and_ctrl_c_names_the_checkpoint(procs, t
     assert "evaluating round 0: submodel 1/5, 0/5,000 images" in log
     assert "round 3 accuracy" not in log  # its scores are still to come: an evaluation runs now
     agg.send_signal(signal.SIGINT)
-    assert agg.wait(30) == 0, procs.log("agg")[-3000:]
+    # serve waits up to 30 s for the evaluation's current batch (RoundDriver.stop_evaluating) before it exits: on a
+    # loaded machine that wait can run out, so the test allows it and a margin to exit
+    assert agg.wait(60) == 0, procs.log("agg")[-3000:]
     done = load_checkpoint(tmp_path / "run").meta["round"]
     assert done >= 3 and f"round {done} is the last checkpointed one: continue with --resume" in procs.log("agg")
     m = metrics(tmp_path)
