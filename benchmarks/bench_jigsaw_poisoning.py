@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -63,11 +64,8 @@ def over_mqtt(cfg: JigsawConfig) -> tuple[list[float], dict[str, int], float]:
                              poisoner=0 if cfg.attack else None, poison=cfg.attack or "x1000")
             finish(procs, "coordinator", 3600)
             final = final_accuracy(tmp)
-            rejected: dict[str, int] = {}
-            for row in rows(tmp):
-                for k, n in row.get("rejected", {}).items():
-                    rejected[k] = rejected.get(k, 0) + n
-            return [final[f"d{c}"] for c in range(cfg.clients)], rejected, time.monotonic() - t0
+            rejected = sum((Counter(row.get("rejected", {})) for row in rows(tmp)), Counter())
+            return [final[f"d{c}"] for c in range(cfg.clients)], dict(rejected), time.monotonic() - t0
         finally:
             procs.stop_all()
 

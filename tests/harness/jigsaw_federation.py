@@ -11,6 +11,7 @@ from pathlib import Path
 from nefl.jigsaw.shards import device_budgets
 from nefl.jigsaw.sim import JigsawConfig
 from nefl.jigsaw.zoo import load_base
+from nefl.nested.checkpoint import read_metrics
 from tests.harness.procs import Procs, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,9 +50,8 @@ def start_federation(procs: Procs, tmp: Path, cfg: JigsawConfig, fetch_timeout: 
 
 
 def rows(tmp: Path) -> list[dict]:
-    """The coordinator's metrics, one row per round closed."""
-    path = tmp / "run" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The coordinator's metrics, one row per round closed (a line torn mid-append is skipped)."""
+    return read_metrics(tmp / "run")
 
 
 def final_accuracy(tmp: Path) -> dict[str, float]:

@@ -33,13 +33,9 @@ def fetch(self, req):
 
 
 def give_back(self, msg, state):
-    if msg.source != self.me:
-        if ATTACK == "x1000":
-            state = {k: v * 1000 for k, v in state.items()}
-        elif msg.round >= POLICY_ROUNDS:
-            state = poison(ATTACK, sent[(msg.source, msg.position)], state)
-        else:
-            return honest_return(self, msg, state)
+    if msg.source != self.me and (ATTACK == "x1000" or msg.round >= POLICY_ROUNDS):
+        state = ({k: v * 1000 for k, v in state.items()} if ATTACK == "x1000"
+                 else poison(ATTACK, sent[(msg.source, msg.position)], state))
         logging.getLogger("poisoner").warning(f"poisoned the copy of c{msg.source}.m{msg.position} ({ATTACK})")
     return honest_return(self, msg, state)
 
