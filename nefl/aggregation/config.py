@@ -52,6 +52,10 @@ class AggregationConfig:
     # also clamp an element fewer copies cover than the tensor's best covered to its row's best covered range (widened);
     # off by default: it slows honest learning of the outer columns (docs/security.md, "The classifier merged per element")
     coordinate_rows: bool = False
+    # the held-out gate at commit (nefl/aggregation/gate.py): needs eval data on the server; off until measured
+    gate: bool = False
+    gate_z: float = 3.0  # a submodel trips when its paired loss z exceeds this (after gate_margin nats of slack)
+    gate_margin: float = 0.02
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold

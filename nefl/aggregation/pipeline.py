@@ -22,6 +22,7 @@ import torch
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
 from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.gate import Gate
 from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
@@ -65,13 +66,15 @@ class Pipeline:
     docs/security.md), else from `seed` (the simulator: reproducible)."""
 
     def __init__(self, layout: Layout, robustness: Robustness = Robustness(), weighting: Weighting = "uniform",
-                 reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None) -> None:
+                 reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None,
+                 gate: Gate | None = None) -> None:
         cfg = robustness.aggregation
         if cfg.spec.root_data and reference is None:
             raise ValueError(f"--aggregator {cfg.rule} needs root data on the server: give --root-data DATASET "
                              "(or --eval-dataset, whose test split it uses by default)")
         self.layout, self.robustness, self.cfg, self.weighting = layout, robustness, cfg, weighting
         self.reference, self.seed, self.secret = reference, seed, secret
+        self.gate, self.commits = gate, 0  # the held-out gate (nefl/aggregation/gate.py), last at commit
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self.steps = StepBound(layout, cfg) if cfg.centre_check else None
         self.sizes = SizeHistory(sorted(set(layout.global_shapes) - layout.inconsistent - layout.local),
@@ -118,6 +121,13 @@ class Pipeline:
         candidate = agg.finalize(state)
         bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
         problem = check_state(candidate, rb.max_weight_abs)
+        self.commits += 1
+        if problem is None and self.gate is not None:  # last: judge the finished candidate on held-out images
+            verdict = self.gate.judge(candidate, state, range(self.layout.num_submodels), self.round_seed((1 << 40) + self.commits))
+            if verdict.tripped:
+                problem = "gate: " + ", ".join(f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))
+            else:
+                self.gate.committed(candidate)
         if problem is None and self.steps is not None:
             self.steps.commit()
             if isinstance(agg, Screened):
