@@ -65,3 +65,36 @@ def test_ratchet_and_recovery():
     # recovery: a refused state is not committed, so the next honest round is judged against the last good one
     assert gate.recent[0] is best
     assert not gate.judge({k: W_TRUE + 0.001 for k in (0, 1)}, best, [0, 1], seed=6).tripped
+
+
+def test_pipeline_refuses_a_tripped_round_and_the_next_honest_round_commits():
+    from nefl.aggregation.config import AggregationConfig
+    from nefl.aggregation.pipeline import Pipeline, Robustness
+    from nefl.nested.profile import load_profile
+    from nefl.nested.state import GlobalState, Layout
+
+    layout = Layout.build(load_profile("resnet8-fmnist-w"))
+    start = GlobalState.init(layout, seed=0)
+    k = layout.num_submodels - 1
+    name = sorted(layout.upload_shapes(k))[-1]
+
+    def loss(state, j, idx):  # a loss that grows with the distance of one tensor of submodel j from the start
+        d = (state.extract(layout, j)[name].double() - start.extract(layout, j)[name].double()).abs().max()
+        return d + 0.01 * torch.sin(idx.double())
+
+    gate = Gate(loss, 1000, size=128)
+    p = Pipeline(layout, Robustness(aggregation=AggregationConfig(centre_check=False)), gate=gate)
+
+    def round_(state, scale):
+        agg = p.begin_round(state, {}, 1)
+        for j in range(layout.num_submodels):
+            agg.add(j, {n: torch.zeros(s) for n, s in layout.upload_shapes(j).items()})
+        poison = {n: torch.zeros(s) for n, s in layout.upload_shapes(k).items()}
+        poison[name] += scale
+        agg.add(k, poison)
+        return p.commit(agg, state)
+
+    bad = round_(start, 5.0)  # one update poisons one tensor of one submodel
+    assert bad.state is None and bad.problem.startswith("gate:") and f"submodel {k}" in bad.problem
+    good = round_(start, 0.0)  # recovery: the old state stayed, the next honest round commits from it
+    assert good.state is not None and good.problem is None
