@@ -512,11 +512,11 @@ def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tup
     if cfg.robustness.aggregation.gate:
         if test is None:
             log.warning("--gate: the server holds no held-out data; the gate is off (give --eval-dataset)")
-        else:  # the gate's images: the last root_samples of what evaluation would score, left out of it
-            test, gate_set = split_root(test, cfg.root_samples)
+        else:  # the gate's images: the last gate_samples of what evaluation would score, left out of it
+            test, gate_set = split_root(test, cfg.robustness.aggregation.gate_samples)
             gate = make_gate(layout, gate_set, cfg.robustness.aggregation)
             if cfg.workers or cfg.remote_workers:
-                log.warning("--gate with workers: it judges the merged candidate; attribution needs the round's updates")
+                log.warning("--gate with workers: a round merged from partials carries no updates to leave out; a tripped one is refused whole")
     evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,
                                       test=test) if test is not None else None
     return evaluator, root, gate

@@ -22,7 +22,8 @@ import torch
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
 from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
-from nefl.aggregation.gate import Gate
+from nefl.aggregation.attribution import Recorded, leave_out, without
+from nefl.aggregation.gate import Baseline, Gate, Verdict
 from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
@@ -74,7 +75,7 @@ class Pipeline:
                              "(or --eval-dataset, whose test split it uses by default)")
         self.layout, self.robustness, self.cfg, self.weighting = layout, robustness, cfg, weighting
         self.reference, self.seed, self.secret = reference, seed, secret
-        self.gate, self.commits = gate, 0  # the held-out gate (nefl/aggregation/gate.py), last at commit
+        self.gate = gate  # the held-out gate (nefl/aggregation/gate.py), last at commit
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self.steps = StepBound(layout, cfg) if cfg.centre_check else None
         self.sizes = SizeHistory(sorted(set(layout.global_shapes) - layout.inconsistent - layout.local),
@@ -97,7 +98,15 @@ class Pipeline:
     def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
                     weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
         """A fresh aggregate for round `index`, which starts from `state` with these (client -> submodel) tasks;
-        `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them)."""
+        `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them). With the
+        gate, the aggregate also keeps the round's updates, so that a tripped round can leave some out."""
+        agg = self._begin(state, assignments, index, weight_norm)
+        if self.gate is None:
+            return agg
+        return Recorded(agg, self.cfg.gate_attribute, dict(assignments), index, weight_norm)
+
+    def _begin(self, state: GlobalState, assignments: Mapping[str, int], index: int,
+               weight_norm: Callable[[int], float] | None) -> RoundAggregate:
         seed = self.round_seed(index)
         inner = self.cfg.spec.load().begin(RoundContext(self.layout, self.cfg, self.weighting, index, seed, self.reference))
         if not self.cfg.centre_check:
@@ -114,22 +123,62 @@ class Pipeline:
 
     def commit(self, agg: RoundAggregate, state: GlobalState) -> Commit:
         """The round's new state from `agg` (begun from `state`, which is not modified), unless it is not finite
-        and bounded; the step bound's history moves on only with a committed state."""
+        and bounded or the gate refuses it and every round without a few of its updates; the step bound's history
+        moves on only with a committed state."""
         rb = self.robustness
         if rb.dp_noise_multiplier > 0:
             as_mergeable(agg).add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self.noise)
-        candidate = agg.finalize(state)
-        bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
-        problem = check_state(candidate, rb.max_weight_abs)
-        self.commits += 1
+        chosen = agg.inner if isinstance(agg, Recorded) else agg
+        candidate, bounded, problem = self._finish(chosen, state)
         if problem is None and self.gate is not None:  # last: judge the finished candidate on held-out images
-            verdict = self.gate.judge(candidate, state, range(self.layout.num_submodels), self.round_seed((1 << 40) + self.commits))
+            base = self.gate.baseline(state, range(self.layout.num_submodels))
+            verdict = self.gate.judge(candidate, base)
             if verdict.tripped:
-                problem = "gate: " + ", ".join(f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))
-            else:
-                self.gate.committed(candidate)
+                attributable = isinstance(agg, Recorded) and agg.attributable
+                chosen, candidate, bounded, passed = (self._leave_out(agg, state, base, verdict) if attributable
+                                                      else (None, state, {}, None))
+                problem = None if chosen is not None else "gate: " + ", ".join(
+                    f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))
+                verdict = passed or verdict
+            if problem is None:
+                self.gate.committed(candidate, verdict)
         if problem is None and self.steps is not None:
             self.steps.commit()
-            if isinstance(agg, Screened):
-                self.sizes.commit(agg.sizes)
+            if isinstance(chosen, Screened):
+                self.sizes.commit(chosen.sizes)
         return Commit(candidate if problem is None else None, problem, bounded)
+
+    def _finish(self, agg: RoundAggregate, state: GlobalState) -> tuple[GlobalState, dict[int, int], str | None]:
+        """The aggregate's candidate state, the step bound applied, and why it cannot commit (None: it can)."""
+        candidate = agg.finalize(state)
+        bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
+        return candidate, bounded, check_state(candidate, self.robustness.max_weight_abs)
+
+    def _leave_out(self, agg: Recorded, state: GlobalState, base: Baseline, verdict: Verdict
+                   ) -> tuple[RoundAggregate | None, GlobalState, dict[int, int], Verdict | None]:
+        """The round without the fewest updates (greedy, nefl/aggregation/attribution.py) that passes the gate: its
+        aggregate (None: no such set within gate_max_out), candidate, step-bound counts and verdict; `agg` reports
+        it."""
+        parts = agg.parts
+
+        def rebuild(out: frozenset[int]) -> tuple[RoundAggregate, GlobalState, dict[int, int], str | None]:
+            kept = without(parts, out)
+            sub = self._begin(state, {p.client: p.k for p in kept}, agg.index, agg.weight_norm)
+            for p in kept:
+                sub.add_validated(p.k, p.delta, p.samples, client=p.client)
+            return sub, *self._finish(sub, state)
+
+        def trial(out: frozenset[int]) -> Verdict | None:
+            _, candidate, _, problem = rebuild(out)
+            return None if problem is not None else self.gate.judge(candidate, base)
+
+        out = leave_out(len(parts), min(len(parts) - 1, max(1, int(self.cfg.gate_max_out * len(parts)))), trial)
+        agg.gate_facts = {"tripped": {k + 1: round(d, 4) for k, d in sorted(verdict.tripped.items())},
+                          "worst_z": round(verdict.rank[0], 2)}
+        if out is None:
+            return None, state, {}, None
+        sub, candidate, bounded, _ = rebuild(out)  # once more: the step bound's pending history is this one's
+        agg.chosen = sub
+        agg.gate_dropped = {parts[i].client: "gate" for i in sorted(out)}
+        agg.gate_facts["left_out"] = sorted(agg.gate_dropped)
+        return sub, candidate, bounded, self.gate.judge(candidate, base)
