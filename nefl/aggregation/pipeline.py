@@ -23,7 +23,7 @@ from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundCon
 from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.attribution import Recorded, leave_out, without
-from nefl.aggregation.gate import Baseline, Gate, Verdict
+from nefl.aggregation.gate import Baseline, Gate, Verdict, paired_z
 from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
@@ -128,20 +128,10 @@ class Pipeline:
         rb = self.robustness
         if rb.dp_noise_multiplier > 0:
             as_mergeable(agg).add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self.noise)
-        chosen = agg.inner if isinstance(agg, Recorded) else agg
+        chosen: RoundAggregate | None = agg.inner if isinstance(agg, Recorded) else agg
         candidate, bounded, problem = self._finish(chosen, state)
         if problem is None and self.gate is not None:  # last: judge the finished candidate on held-out images
-            base = self.gate.baseline(state, range(self.layout.num_submodels))
-            verdict = self.gate.judge(candidate, base)
-            if verdict.tripped:
-                attributable = isinstance(agg, Recorded) and agg.attributable
-                chosen, candidate, bounded, passed = (self._leave_out(agg, state, base, verdict) if attributable
-                                                      else (None, state, {}, None))
-                problem = None if chosen is not None else "gate: " + ", ".join(
-                    f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))
-                verdict = passed or verdict
-            if problem is None:
-                self.gate.committed(candidate, verdict)
+            chosen, candidate, bounded, problem = self._gate(agg, chosen, state, candidate, bounded)
         if problem is None and self.steps is not None:
             self.steps.commit()
             if isinstance(chosen, Screened):
@@ -154,31 +144,75 @@ class Pipeline:
         bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
         return candidate, bounded, check_state(candidate, self.robustness.max_weight_abs)
 
-    def _leave_out(self, agg: Recorded, state: GlobalState, base: Baseline, verdict: Verdict
-                   ) -> tuple[RoundAggregate | None, GlobalState, dict[int, int], Verdict | None]:
-        """The round without the fewest updates (greedy, nefl/aggregation/attribution.py) that passes the gate: its
-        aggregate (None: no such set within gate_max_out), candidate, step-bound counts and verdict; `agg` reports
-        it."""
-        parts = agg.parts
+    def _gate(self, agg: RoundAggregate, chosen: RoundAggregate, state: GlobalState, candidate: GlobalState,
+              bounded: dict[int, int]) -> tuple[RoundAggregate | None, GlobalState, dict[int, int], str | None]:
+        """The held-out gate on a finished candidate (nefl/aggregation/gate.py). Where the round's updates were
+        kept (nefl/aggregation/attribution.py), each one whose removal makes the candidate better on the gate set
+        (the paired z of its harm, pooled over the submodels, above gate_z) is left out first; then a candidate that
+        still trips leaves out the fewest further updates that make it pass, or the round is refused."""
+        gate, subs = self.gate, range(self.layout.num_submodels)
+        base = gate.baseline(state, subs)
+        verdict = gate.judge(candidate, base)
+        if not (isinstance(agg, Recorded) and agg.attributable and len(agg.parts) >= 2):
+            if verdict.tripped:
+                return None, state, {}, _refusal(verdict)
+            gate.committed(candidate, verdict)
+            return chosen, candidate, bounded, None
+        n = len(agg.parts)
+        max_out = min(n - 1, max(1, int(self.cfg.gate_max_out * n)))
+        harm = self._harm(agg, state, base, verdict)
+        out = frozenset(sorted(harm, key=lambda i: -harm[i])[:max_out])
+        agg.gate_facts = {**({"harm_z": {agg.parts[i].client: round(z, 2) for i, z in sorted(harm.items())}} if harm else {}),
+                          **({"tripped": {k + 1: round(d, 4) for k, d in sorted(verdict.tripped.items())},
+                              "worst_z": round(verdict.rank[0], 2)} if verdict.tripped else {})}
+        if out:
+            chosen, candidate, bounded, verdict = self._without(agg, state, base, out)
+        if verdict.tripped:
+            found = leave_out(n, max_out, lambda o: self._trial(agg, state, base, o))
+            if found is None:
+                agg.gate_dropped = {}
+                return None, state, {}, _refusal(verdict)
+            chosen, candidate, bounded, verdict = self._without(agg, state, base, found)
+            out = found
+        agg.chosen = chosen
+        agg.gate_dropped = {agg.parts[i].client: "gate" for i in sorted(out)}
+        if out:
+            agg.gate_facts["left_out"] = sorted(agg.gate_dropped)
+        gate.committed(candidate, verdict)
+        return chosen, candidate, bounded, None
 
-        def rebuild(out: frozenset[int]) -> tuple[RoundAggregate, GlobalState, dict[int, int], str | None]:
-            kept = without(parts, out)
-            sub = self._begin(state, {p.client: p.k for p in kept}, agg.index, agg.weight_norm)
-            for p in kept:
-                sub.add_validated(p.k, p.delta, p.samples, client=p.client)
-            return sub, *self._finish(sub, state)
+    def _rebuild(self, agg: Recorded, state: GlobalState, out: frozenset[int]
+                 ) -> tuple[RoundAggregate, GlobalState, dict[int, int], str | None]:
+        """The round's aggregate without the updates `out`, finished (`_finish`)."""
+        kept = without(agg.parts, out)
+        sub = self._begin(state, {p.client: p.k for p in kept}, agg.index, agg.weight_norm)
+        for p in kept:
+            sub.add_validated(p.k, p.delta, p.samples, client=p.client)
+        return sub, *self._finish(sub, state)
 
-        def trial(out: frozenset[int]) -> Verdict | None:
-            _, candidate, _, problem = rebuild(out)
-            return None if problem is not None else self.gate.judge(candidate, base)
+    def _trial(self, agg: Recorded, state: GlobalState, base: Baseline, out: frozenset[int]) -> Verdict | None:
+        _, candidate, _, problem = self._rebuild(agg, state, out)
+        return None if problem is not None else self.gate.judge(candidate, base)
 
-        out = leave_out(len(parts), min(len(parts) - 1, max(1, int(self.cfg.gate_max_out * len(parts)))), trial)
-        agg.gate_facts = {"tripped": {k + 1: round(d, 4) for k, d in sorted(verdict.tripped.items())},
-                          "worst_z": round(verdict.rank[0], 2)}
-        if out is None:
-            return None, state, {}, None
-        sub, candidate, bounded, _ = rebuild(out)  # once more: the step bound's pending history is this one's
-        agg.chosen = sub
-        agg.gate_dropped = {parts[i].client: "gate" for i in sorted(out)}
-        agg.gate_facts["left_out"] = sorted(agg.gate_dropped)
+    def _without(self, agg: Recorded, state: GlobalState, base: Baseline, out: frozenset[int]
+                 ) -> tuple[RoundAggregate, GlobalState, dict[int, int], Verdict]:
+        """The round without `out`, rebuilt last so the step bound's pending history is this one's, and judged."""
+        sub, candidate, bounded, _ = self._rebuild(agg, state, out)
         return sub, candidate, bounded, self.gate.judge(candidate, base)
+
+    def _harm(self, agg: Recorded, state: GlobalState, base: Baseline, verdict: Verdict) -> dict[int, float]:
+        """Update index -> the paired z of the round's loss with it over the round without it (per image, the mean
+        over the submodels; gate_margin of slack), for those above gate_z."""
+        full = torch.stack(list(verdict.losses.values())).mean(0)
+        harm = {}
+        for i in range(len(agg.parts)):
+            v = self._trial(agg, state, base, frozenset({i}))
+            if v is not None:
+                z = paired_z(full - self.gate.margin, torch.stack(list(v.losses.values())).mean(0))
+                if z > self.gate.z:
+                    harm[i] = z
+        return harm
+
+
+def _refusal(verdict: Verdict) -> str:
+    return "gate: " + ", ".join(f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))

@@ -63,7 +63,7 @@ def test_ratchet_and_recovery():
     assert not gate.judge({k: W_TRUE + 0.001 for k in (0, 1)}, gate.baseline(best, [0, 1])).tripped
 
 
-def _one_tensor_pipeline(attribute: int):
+def _one_tensor_pipeline(attribute: int, target: float = 0.0, honest: float = 0.0):
     from nefl.aggregation.config import AggregationConfig
     from nefl.aggregation.pipeline import Pipeline, Robustness
     from nefl.nested.profile import load_profile
@@ -74,8 +74,8 @@ def _one_tensor_pipeline(attribute: int):
     k = layout.num_submodels - 1
     name = sorted(layout.upload_shapes(k))[-1]
 
-    def loss(state, j):  # a loss that grows with the distance of one tensor of submodel j from the start
-        d = (state.extract(layout, j)[name].double() - start.extract(layout, j)[name].double()).abs().max()
+    def loss(state, j):  # a loss that grows with the distance of one tensor of submodel j from start + `target`
+        d = (state.extract(layout, j)[name].double() - start.extract(layout, j)[name].double() - target).abs().max()
         return d + 0.01 * torch.sin(torch.arange(128).double())
 
     gate = Gate(loss)
@@ -85,7 +85,9 @@ def _one_tensor_pipeline(attribute: int):
     def round_(state, scales):  # one honest (zero) update per submodel, and one update per scale poisoning one tensor
         agg = p.begin_round(state, {}, 1)
         for j in range(layout.num_submodels):
-            agg.add(j, {n: torch.zeros(s) for n, s in layout.upload_shapes(j).items()}, client=f"h{j}")
+            step = {n: torch.zeros(s) for n, s in layout.upload_shapes(j).items()}
+            step[name] += honest
+            agg.add(j, step, client=f"h{j}")
         for i, scale in enumerate(scales):
             poison = {n: torch.zeros(s) for n, s in layout.upload_shapes(k).items()}
             poison[name] += scale
@@ -99,12 +101,26 @@ def test_a_tripped_round_commits_without_the_update_that_tripped_it():
     start, k, round_ = _one_tensor_pipeline(attribute=32)
     agg, done = round_(start, [5.0])
     assert done.problem is None and agg.dropped == {"evil0": "gate"}
-    assert agg.facts()["gate"]["left_out"] == ["evil0"] and k + 1 in agg.facts()["gate"]["tripped"]
+    facts = agg.facts()["gate"]
+    assert facts["left_out"] == ["evil0"] and list(facts["harm_z"]) == ["evil0"] and k + 1 in facts["tripped"]
     for n, t in done.state.consistent.items():  # the honest updates are zero: what committed is the start
         assert torch.equal(t, start.consistent[n]), n
     # two poisoners of six honest updates: both left out; a round of poisoners alone cannot pass and is refused
     agg, done = round_(start, [5.0, 3.0])
     assert done.problem is None and sorted(agg.dropped) == ["evil0", "evil1"]
+
+
+def test_a_poison_that_an_honest_round_hides_is_left_out():
+    # every honest update takes the tensor to its target (loss 1 -> 0); the poison pulls back, but the round as a
+    # whole still improves on the last state, so only the round without it shows what it costs
+    start, k, round_ = _one_tensor_pipeline(attribute=32, target=1.0, honest=1.0)
+    agg, done = round_(start, [-0.5])
+    facts = agg.facts()["gate"]
+    assert done.problem is None and agg.dropped == {"evil0": "gate"}
+    assert "tripped" not in facts and list(facts["harm_z"]) == ["evil0"]
+    _, clean = round_(start, [])
+    for n, t in done.state.consistent.items():  # what committed is the honest round's state
+        assert torch.equal(t, clean.state.consistent[n]), n
 
 
 def test_without_attribution_a_tripped_round_is_refused_and_the_next_honest_round_commits():
