@@ -63,8 +63,9 @@ StepElement = Annotated[float, typer.Option(
     "--step-element", min=0, help="Centre check: also hold each element of a per-submodel tensor's step to this x "
                                   "that tensor's step bound, so a push in one channel is cut there; 0 (off) or >= 1.")]
 GateOpt = Annotated[bool, typer.Option(
-    "--gate/--no-gate", help="Refuse a round whose state is worse on a held-out gate set (paired loss z-test per "
-                             "submodel, against the best of the last 3 committed states); needs --eval-dataset.")]
+    "--gate/--no-gate", help="Judge each round on held-out test images: leave out the updates that make it worse "
+                             "(leave-one-out), and refuse a round still worse than the best of the last 3 committed "
+                             "states; needs --eval-dataset (simulate: its test split).")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
 
 
