@@ -23,6 +23,7 @@ import torch
 from aggregator.assignment import Assignment, Candidate, coverage_order, get_policy
 from aggregator.rejected import Rejected
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, Weighting
+from nefl.aggregation.gate import Gate
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.aggregation.robust import UpdateGuard, UpdateRejected, reference_norm
 from nefl.aggregation.step_bound import StepBound
@@ -114,7 +115,7 @@ class Federation:
                  assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
                  trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3,
                  reference: ReferenceUpdate | None = None, rule_seed: int | None = None,
-                 rule_secret: bytes | None = None) -> None:
+                 rule_secret: bytes | None = None, gate: Gate | None = None) -> None:
         """`robustness`, `weighting`, `reference` (the server's root updates), `rule_seed` (the rule's draws,
         stable across restarts; default `seed`) and `rule_secret` (a server's: the draws then come from it, not the
         seed) make the aggregation pipeline (nefl/aggregation/pipeline.py)."""
@@ -125,7 +126,7 @@ class Federation:
         self.limits = limits
         self.offline_grace_s = offline_grace_s
         self.aggregator = Pipeline(layout, robustness, weighting, reference, seed if rule_seed is None else rule_seed,
-                                   rule_secret)
+                                   rule_secret, gate)
         self._bounded: dict[int, int] = {}  # submodel -> its tensors the step bound scaled down this round
         self._reference: dict[int, float] = {}  # submodel -> norm of its current weights, once per round
         self.clients: dict[str, ClientInfo] = {}

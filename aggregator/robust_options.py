@@ -62,6 +62,10 @@ TensorNoise = Annotated[float, typer.Option(
 StepElement = Annotated[float, typer.Option(
     "--step-element", min=0, help="Centre check: also hold each element of a per-submodel tensor's step to this x "
                                   "that tensor's step bound, so a push in one channel is cut there; 0 (off) or >= 1.")]
+GateOpt = Annotated[bool, typer.Option(
+    "--gate/--no-gate", help="Judge each round on held-out test images: leave out the updates that make it worse "
+                             "(leave-one-out), and refuse a round still worse than the best of the last 3 committed "
+                             "states; needs --eval-dataset (simulate: its test split).")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
 
 
@@ -81,6 +85,7 @@ class RobustnessOptions:
     tensor_clip: TensorClip = _A.tensor_clip
     tensor_noise: TensorNoise = _A.tensor_noise
     step_element: StepElement = _A.step_element
+    gate: GateOpt = _A.gate
     root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
     def robustness(self) -> Robustness:
@@ -97,5 +102,5 @@ class RobustnessOptions:
         agg = AggregationConfig(rule=self.aggregator, trim=self.trim, centre_check=centre_check,
                                 min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio,
                                 tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise,
-                                step_element=self.step_element)
+                                step_element=self.step_element, gate=self.gate)
         return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

@@ -40,6 +40,8 @@ from aggregator.link import Link
 from aggregator.metrics import Observer
 from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
+from aggregator.gatedata import make_gate
+from nefl.aggregation.gate import Gate
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.staleness import StalenessConfig
@@ -316,11 +318,11 @@ class Server:
         self.cfg, self.topics = cfg, Topics(cfg.federation)
         train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                 schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
-        evaluator, root = _evaluation(cfg, layout, train_cfg)
+        evaluator, root, gate = _evaluation(cfg, layout, train_cfg)
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
                               assignment=cfg.assignment,
-                              reference=root, rule_secret=rule_secret or secrets.token_bytes(32))
+                              reference=root, rule_secret=rule_secret or secrets.token_bytes(32), gate=gate)
         self.fed.load_state_dict(start.meta)  # the bounds' history and the update counts survive a restart
         self.fed.defer_direct = bool(cfg.workers or cfg.remote_workers)  # what reaches this process then is a resend
         out = Path(cfg.checkpoint_dir)
@@ -494,7 +496,8 @@ class Server:
                  f"{self.cfg.rounds}")
 
 
-def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tuple[Evaluator | None, RootUpdates | None]:
+def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tuple[Evaluator | None, RootUpdates | None,
+                                                                                  Gate | None]:
     """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset);
     when both use one test split, the root images are left out of what evaluation scores."""
     root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.spec.root_data else None
@@ -505,9 +508,18 @@ def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tup
                                     load_dataset(root_name, cfg.data_root, train=False), cfg.root_samples)
         test = held if root_name == cfg.eval_dataset else test
         root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed)
+    gate = None
+    if cfg.robustness.aggregation.gate:
+        if test is None:
+            log.warning("--gate: the server holds no held-out data; the gate is off (give --eval-dataset)")
+        else:  # the gate's images: the last gate_samples of what evaluation would score, left out of it
+            test, gate_set = split_root(test, cfg.robustness.aggregation.gate_samples)
+            gate = make_gate(layout, gate_set, cfg.robustness.aggregation)
+            if cfg.workers or cfg.remote_workers:
+                log.warning("--gate with workers: a round merged from partials carries no updates to leave out; a tripped one is refused whole")
     evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,
                                       test=test) if test is not None else None
-    return evaluator, root
+    return evaluator, root, gate
 
 
 def load_start(cfg: ServeConfig) -> Start:

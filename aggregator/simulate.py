@@ -25,9 +25,11 @@ import torch
 from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
+from aggregator.gatedata import make_gate
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.attack_oracle import PipelineOracle
+from nefl.aggregation.gate import Gate
 from nefl.aggregation.attacks import Attack, Knowledge, craft, poison_dataset, triggered_test
 from nefl.aggregation.pipeline import Pipeline
 from nefl.nested.data import ArrayDataset, BatchLoader, load_dataset
@@ -94,21 +96,21 @@ def attacker_ids(cfg: SimConfig) -> set[str]:
 
 
 def new_federation(layout: Layout, cfg: SimConfig, reference: RootUpdates | None = None,
-                   tiers: dict[str, int] | None = None) -> Federation:
+                   tiers: dict[str, int] | None = None, gate: Gate | None = None) -> Federation:
     """The server's round state of a simulated run, from the seeded initial weights, no client known yet."""
     return Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
                       cfg.weighting, cfg.seed, robustness=cfg.robustness, assignment=cfg.assignment, tiers=tiers,
-                      reference=reference)
+                      reference=reference, gate=gate)
 
 
 def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int],
-                         reference: RootUpdates | None = None) -> Federation:
+                         reference: RootUpdates | None = None, gate: Gate | None = None) -> Federation:
     """The server's round state with every client online and announcing its tier's bound once, as
     a device does over MQTT; `samples` is each client's partition size."""
     k = layout.num_submodels
     ids = client_ids(cfg.clients)
     tiers = {cid: tier_of(c, cfg.clients, k) for c, cid in enumerate(ids)}
-    fed = new_federation(layout, cfg, reference, tiers)
+    fed = new_federation(layout, cfg, reference, tiers, gate)
     for cid, n in zip(ids, samples):
         fed.set_online(cid, True, now=0.0)
         fed.announce(cid, Announce(client=cid, samples=max(1, n), max_submodel=tier_bound(tiers[cid], k) + 1), now=0.0)
@@ -143,6 +145,7 @@ class ServerSide:
     test: ArrayDataset
     reference: RootUpdates | None  # the root updates of a rule that needs root data
     cfg: SimConfig
+    gate: Gate | None = None  # the held-out gate (--gate): its images held out of the evaluation too
 
     @classmethod
     def build(cls, cfg: SimConfig, device: str) -> ServerSide:
@@ -163,7 +166,11 @@ class ServerSide:
         if agg.spec.root_data:  # the root set is held out of the evaluation, as on the server
             test, root_set = split_root(test, cfg.root_samples)
             root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, device)
-        return cls(layout, train_cfg, train, test, root, cfg)
+        gate = None
+        if agg.gate:  # the gate's images come after the root set's, held out of the evaluation as on the server
+            test, gate_set = split_root(test, agg.gate_samples)
+            gate = make_gate(layout, gate_set, agg)
+        return cls(layout, train_cfg, train, test, root, cfg, gate)
 
     def evaluator(self, test: ArrayDataset, device: str) -> Evaluator:
         """Every submodel scored on `test` (the test images, or a triggered copy of them)."""
@@ -182,7 +189,7 @@ class Simulator(RoundTransport):
         self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
         self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
         self.attackers = attacker_ids(cfg)
-        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.reference)
+        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.reference, server.gate)
         self.evaluator = server.evaluator(self.test, self.device)
         self.backdoor = None
         if cfg.attack is not None and cfg.attack.backdoor:

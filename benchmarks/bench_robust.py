@@ -56,6 +56,7 @@ console = Console()
 RULES: dict[str, AggregationConfig] = {
     "nefedavg": AggregationConfig(centre_check=False),
     "default": AggregationConfig(),
+    "gate": AggregationConfig(gate=True),  # the default plus the held-out gate at commit (nefl/aggregation/gate.py)
     "median": AggregationConfig(rule="median", centre_check=False),
     "trimmed-mean": AggregationConfig(rule="trimmed-mean", centre_check=False),
     "krum": AggregationConfig(rule="krum", centre_check=False),

@@ -52,6 +52,13 @@ class AggregationConfig:
     # also clamp an element fewer copies cover than the tensor's best covered to its row's best covered range (widened);
     # off by default: it slows honest learning of the outer columns (docs/security.md, "The classifier merged per element")
     coordinate_rows: bool = False
+    # the held-out gate at commit (nefl/aggregation/gate.py): needs eval data on the server; off until measured
+    gate: bool = False
+    gate_z: float = 3.0  # a submodel trips when its paired loss z exceeds this (after gate_margin nats of slack)
+    gate_margin: float = 0.02
+    gate_samples: int = 512  # held-out images the gate scores every candidate on (the last of the test split)
+    gate_attribute: int = 32  # a round of at most this many updates keeps copies, so a tripped round can leave some out
+    gate_max_out: float = 0.5  # the most updates left out of one round, as a share of them (at least one)
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold
@@ -78,7 +85,11 @@ class AggregationConfig:
                 and self.tensor_noise >= 0):
             raise ValueError(f"need tensor_clip >= 1 and tensor_noise >= 0 (finite), got {self.tensor_clip}, "
                              f"{self.tensor_noise}")
-
+        if not (math.isfinite(self.gate_z) and self.gate_z > 0 and math.isfinite(self.gate_margin)
+                and self.gate_margin >= 0 and self.gate_samples >= 2 and self.gate_attribute >= 0 and 0 < self.gate_max_out < 1):
+            raise ValueError(f"need gate_z > 0, gate_margin >= 0, gate_samples >= 2, gate_attribute >= 0 and gate_max_out "
+                             f"in (0, 1), got {self.gate_z}, {self.gate_margin}, {self.gate_samples}, "
+                             f"{self.gate_attribute}, {self.gate_max_out}")
         if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
             raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "
                              f"{self.coordinate_max}")

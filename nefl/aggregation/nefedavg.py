@@ -167,6 +167,8 @@ class Mergeable(Protocol):
 
 def as_mergeable(agg: RoundAggregate) -> Mergeable:
     """`agg` where partials or DP noise need a Mergeable; a ValueError that says why for any other rule."""
+    unwrap = getattr(agg, "mergeable_inner", None)  # the gate's recording wrapper (nefl/aggregation/attribution.py)
+    agg = unwrap() if unwrap is not None else agg
     if not isinstance(agg, Mergeable):
         raise ValueError(f"the {agg.name} aggregator holds every update of a round in one process: it cannot ship or "
                          "merge partial aggregates (run it without --workers and relays) nor take DP noise, which is "

@@ -22,6 +22,8 @@ import torch
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
 from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.attribution import Recorded, leave_out, without
+from nefl.aggregation.gate import Baseline, Gate, Verdict, paired_z
 from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
@@ -65,13 +67,15 @@ class Pipeline:
     docs/security.md), else from `seed` (the simulator: reproducible)."""
 
     def __init__(self, layout: Layout, robustness: Robustness = Robustness(), weighting: Weighting = "uniform",
-                 reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None) -> None:
+                 reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None,
+                 gate: Gate | None = None) -> None:
         cfg = robustness.aggregation
         if cfg.spec.root_data and reference is None:
             raise ValueError(f"--aggregator {cfg.rule} needs root data on the server: give --root-data DATASET "
                              "(or --eval-dataset, whose test split it uses by default)")
         self.layout, self.robustness, self.cfg, self.weighting = layout, robustness, cfg, weighting
         self.reference, self.seed, self.secret = reference, seed, secret
+        self.gate = gate  # the held-out gate (nefl/aggregation/gate.py), last at commit
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         self.steps = StepBound(layout, cfg) if cfg.centre_check else None
         self.sizes = SizeHistory(sorted(set(layout.global_shapes) - layout.inconsistent - layout.local),
@@ -94,7 +98,15 @@ class Pipeline:
     def begin_round(self, state: GlobalState, assignments: Mapping[str, int], index: int = 0,
                     weight_norm: Callable[[int], float] | None = None) -> RoundAggregate:
         """A fresh aggregate for round `index`, which starts from `state` with these (client -> submodel) tasks;
-        `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them)."""
+        `weight_norm(k)`: the norm of submodel k's weights (a worker holds no weights, its plan has them). With the
+        gate, the aggregate also keeps the round's updates, so that a tripped round can leave some out."""
+        agg = self._begin(state, assignments, index, weight_norm)
+        if self.gate is None:
+            return agg
+        return Recorded(agg, self.cfg.gate_attribute, dict(assignments), index, weight_norm)
+
+    def _begin(self, state: GlobalState, assignments: Mapping[str, int], index: int,
+               weight_norm: Callable[[int], float] | None) -> RoundAggregate:
         seed = self.round_seed(index)
         inner = self.cfg.spec.load().begin(RoundContext(self.layout, self.cfg, self.weighting, index, seed, self.reference))
         if not self.cfg.centre_check:
@@ -111,15 +123,96 @@ class Pipeline:
 
     def commit(self, agg: RoundAggregate, state: GlobalState) -> Commit:
         """The round's new state from `agg` (begun from `state`, which is not modified), unless it is not finite
-        and bounded; the step bound's history moves on only with a committed state."""
+        and bounded or the gate refuses it and every round without a few of its updates; the step bound's history
+        moves on only with a committed state."""
         rb = self.robustness
         if rb.dp_noise_multiplier > 0:
             as_mergeable(agg).add_noise(rb.dp_noise_multiplier * rb.bound.max_norm, self.noise)
-        candidate = agg.finalize(state)
-        bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
-        problem = check_state(candidate, rb.max_weight_abs)
+        chosen: RoundAggregate | None = agg.inner if isinstance(agg, Recorded) else agg
+        candidate, bounded, problem = self._finish(chosen, state)
+        if problem is None and self.gate is not None:  # last: judge the finished candidate on held-out images
+            chosen, candidate, bounded, problem = self._gate(agg, chosen, state, candidate, bounded)
         if problem is None and self.steps is not None:
             self.steps.commit()
-            if isinstance(agg, Screened):
-                self.sizes.commit(agg.sizes)
+            if isinstance(chosen, Screened):
+                self.sizes.commit(chosen.sizes)
         return Commit(candidate if problem is None else None, problem, bounded)
+
+    def _finish(self, agg: RoundAggregate, state: GlobalState) -> tuple[GlobalState, dict[int, int], str | None]:
+        """The aggregate's candidate state, the step bound applied, and why it cannot commit (None: it can)."""
+        candidate = agg.finalize(state)
+        bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
+        return candidate, bounded, check_state(candidate, self.robustness.max_weight_abs)
+
+    def _gate(self, agg: RoundAggregate, chosen: RoundAggregate, state: GlobalState, candidate: GlobalState,
+              bounded: dict[int, int]) -> tuple[RoundAggregate | None, GlobalState, dict[int, int], str | None]:
+        """The held-out gate on a finished candidate (nefl/aggregation/gate.py). Where the round's updates were
+        kept (nefl/aggregation/attribution.py), each one whose removal makes the candidate better on the gate set
+        (the paired z of its harm, pooled over the submodels, above gate_z) is left out first; then a candidate that
+        still trips leaves out the fewest further updates that make it pass, or the round is refused."""
+        gate, subs = self.gate, range(self.layout.num_submodels)
+        base = gate.baseline(state, subs)
+        verdict = gate.judge(candidate, base)
+        if not (isinstance(agg, Recorded) and agg.attributable and len(agg.parts) >= 2):
+            if verdict.tripped:
+                return None, state, {}, _refusal(verdict)
+            gate.committed(candidate, verdict)
+            return chosen, candidate, bounded, None
+        n = len(agg.parts)
+        max_out = min(n - 1, max(1, int(self.cfg.gate_max_out * n)))
+        harm = self._harm(agg, state, base, verdict)
+        out = frozenset(sorted(harm, key=lambda i: -harm[i])[:max_out])
+        agg.gate_facts = {**({"harm_z": {agg.parts[i].client: round(z, 2) for i, z in sorted(harm.items())}} if harm else {}),
+                          **({"tripped": {k + 1: round(d, 4) for k, d in sorted(verdict.tripped.items())},
+                              "worst_z": round(verdict.rank[0], 2)} if verdict.tripped else {})}
+        if out:
+            chosen, candidate, bounded, verdict = self._without(agg, state, base, out)
+        if verdict.tripped:
+            found = leave_out(n, max_out, lambda o: self._trial(agg, state, base, o))
+            if found is None:
+                agg.gate_dropped = {}
+                return None, state, {}, _refusal(verdict)
+            chosen, candidate, bounded, verdict = self._without(agg, state, base, found)
+            out = found
+        agg.chosen = chosen
+        agg.gate_dropped = {agg.parts[i].client: "gate" for i in sorted(out)}
+        if out:
+            agg.gate_facts["left_out"] = sorted(agg.gate_dropped)
+        gate.committed(candidate, verdict)
+        return chosen, candidate, bounded, None
+
+    def _rebuild(self, agg: Recorded, state: GlobalState, out: frozenset[int]
+                 ) -> tuple[RoundAggregate, GlobalState, dict[int, int], str | None]:
+        """The round's aggregate without the updates `out`, finished (`_finish`)."""
+        kept = without(agg.parts, out)
+        sub = self._begin(state, {p.client: p.k for p in kept}, agg.index, agg.weight_norm)
+        for p in kept:
+            sub.add_validated(p.k, p.delta, p.samples, client=p.client)
+        return sub, *self._finish(sub, state)
+
+    def _trial(self, agg: Recorded, state: GlobalState, base: Baseline, out: frozenset[int]) -> Verdict | None:
+        _, candidate, _, problem = self._rebuild(agg, state, out)
+        return None if problem is not None else self.gate.judge(candidate, base)
+
+    def _without(self, agg: Recorded, state: GlobalState, base: Baseline, out: frozenset[int]
+                 ) -> tuple[RoundAggregate, GlobalState, dict[int, int], Verdict]:
+        """The round without `out`, rebuilt last so the step bound's pending history is this one's, and judged."""
+        sub, candidate, bounded, _ = self._rebuild(agg, state, out)
+        return sub, candidate, bounded, self.gate.judge(candidate, base)
+
+    def _harm(self, agg: Recorded, state: GlobalState, base: Baseline, verdict: Verdict) -> dict[int, float]:
+        """Update index -> the paired z of the round's loss with it over the round without it (per image, the mean
+        over the submodels; gate_margin of slack), for those above gate_z."""
+        full = torch.stack(list(verdict.losses.values())).mean(0)
+        harm = {}
+        for i in range(len(agg.parts)):
+            v = self._trial(agg, state, base, frozenset({i}))
+            if v is not None:
+                z = paired_z(full - self.gate.margin, torch.stack(list(v.losses.values())).mean(0))
+                if z > self.gate.z:
+                    harm[i] = z
+        return harm
+
+
+def _refusal(verdict: Verdict) -> str:
+    return "gate: " + ", ".join(f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))

@@ -140,3 +140,20 @@ def test_the_attack_suite_runs_every_server_option_in_the_simulator(tmp_path) ->
     assert r.exit_code == 0, r.output
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["dp_epsilon"] > 0 and "agreement" not in last  # DP turns the centre check off
+
+
+@pytest.mark.skipif(not SYSTEM_FASHION_MNIST_DIR.exists(), reason="needs apt-get install dataset-fashion-mnist")
+def test_the_gate_is_the_servers_in_the_simulator() -> None:
+    """`simulate --gate`: the federation judges commits on gate_samples test images that evaluation no longer scores."""
+    from aggregator.simulate import ServerSide
+    from nefl.aggregation.pipeline import Robustness
+
+    plain = ServerSide.build(SimConfig("resnet8-fmnist-w"), "cpu")
+    cfg = SimConfig("resnet8-fmnist-w", robustness=Robustness(aggregation=AggregationConfig(gate=True)))
+    gated = ServerSide.build(cfg, "cpu")
+    assert plain.gate is None and gated.gate is not None
+    assert len(gated.test) == len(plain.test) - AggregationConfig().gate_samples
+    fed = simulated_federation(gated.layout, cfg, [10] * cfg.clients, gated.reference, gated.gate)
+    assert fed.aggregator.gate is gated.gate
+    scores = gated.gate.scores(fed.state, [0])[0]  # per-image losses on every gate image
+    assert scores.shape == (AggregationConfig().gate_samples,) and torch.isfinite(scores).all()
