@@ -160,6 +160,7 @@ class Pipeline:
             return chosen, candidate, bounded, None
         n = len(agg.parts)
         max_out = min(n - 1, max(1, int(self.cfg.gate_max_out * n)))
+        pending = self.steps.pending() if self.steps is not None else None  # the whole round's, before any trial
         harm = self._harm(agg, state, base, verdict)
         out = frozenset(sorted(harm, key=lambda i: -harm[i])[:max_out])
         agg.gate_facts = {**({"harm_z": {agg.parts[i].client: round(z, 2) for i, z in sorted(harm.items())}} if harm else {}),
@@ -178,6 +179,8 @@ class Pipeline:
         agg.gate_dropped = {agg.parts[i].client: "gate" for i in sorted(out)}
         if out:
             agg.gate_facts["left_out"] = sorted(agg.gate_dropped)
+        elif pending is not None:  # the whole round commits: its step-bound history, not the last trial's
+            self.steps.restore(pending)
         gate.committed(candidate, verdict)
         return chosen, candidate, bounded, None
 

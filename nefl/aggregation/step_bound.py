@@ -336,6 +336,13 @@ class StepBound:
             self._pending[name] = statistics.median(well)
         return out
 
+    def pending(self) -> tuple[dict[str, float], set[tuple[int, str]], list[dict[str, torch.Tensor]]]:
+        """What `commit` would record (the last `apply`'s): kept across the gate's trial candidates, each bounded too."""
+        return self._pending, self._repairing, self._candidate
+
+    def restore(self, pending: tuple[dict[str, float], set[tuple[int, str]], list[dict[str, torch.Tensor]]]) -> None:
+        self._pending, self._repairing, self._candidate = pending
+
     def commit(self) -> None:
         """The round's state was committed: its medians (rounds with enough copies) join the history, its copies
         the anchors' window."""

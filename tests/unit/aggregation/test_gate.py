@@ -149,3 +149,30 @@ def test_leave_out_finds_the_bad_set_when_it_is_small_enough():
             assert got == bad
         else:
             assert got is None
+
+
+def test_a_round_the_gate_passes_commits_what_the_pipeline_without_it_commits():
+    """The screen's trial candidates are bounded by the step bound too; what it remembers is the whole round's."""
+    from nefl.aggregation.pipeline import Pipeline, Robustness
+    from nefl.nested.profile import load_profile
+    from nefl.nested.state import GlobalState, Layout
+
+    layout = Layout.build(load_profile("resnet8-fmnist-w"))
+    flat = Gate(lambda state, j: 0.01 * torch.sin(torch.arange(64).double()))  # scores every state alike
+    gated, plain = (Pipeline(layout, Robustness(), gate=g) for g in (flat, None))
+    gen = torch.Generator().manual_seed(5)
+    states = [GlobalState.init(layout, seed=0)] * 2
+    for r in range(3):
+        updates = [(j, c, {n: 0.01 * torch.randn(s, generator=gen) for n, s in layout.upload_shapes(j).items()})
+                   for j in range(layout.num_submodels) for c in range(3)]
+        for i, p in enumerate((gated, plain)):
+            agg = p.begin_round(states[i], {f"c{j}{c}": j for j, c, _ in updates}, r)
+            for j, c, d in updates:
+                agg.add(j, {n: t.clone() for n, t in d.items()}, client=f"c{j}{c}")
+            done = p.commit(agg, states[i])
+            assert done.problem is None
+            states[i] = done.state
+    for n in states[0].consistent:
+        assert torch.equal(states[0].consistent[n], states[1].consistent[n]), n
+    assert gated.steps.history == plain.steps.history and any(gated.steps.history.values())
+    assert repr(gated.steps.anchor.state_dict()) == repr(plain.steps.anchor.state_dict())
