@@ -2,9 +2,11 @@
 stalls training when one device poisons every round.
 
 `Recorded` is a round's aggregate that keeps a copy of each update it is given (up to `cap`) beside the rule's own
-aggregate. When the gate trips, `leave_out` searches greedily: each step re-aggregates the round without each
-remaining update in turn and leaves out the one whose absence brings the candidate closest to passing (Verdict.rank), until the candidate passes or `max_out` updates are out; the round then commits without them
-(each named in the round's `dropped`, reason "gate"). A partial merged in (workers, relays) carries no updates, and
+aggregate, so that Pipeline.commit can re-aggregate the round without some of them (its leave-one-out screen). When
+the gate still trips, `leave_out` searches greedily: each step re-aggregates the round without each remaining
+update in turn and leaves out the one whose absence brings the candidate closest to passing (Verdict.rank), until
+the candidate passes or `max_out` updates are out; the round then commits without them (each named in the round's
+`dropped`, reason "gate"). A partial merged in (workers, relays) carries no updates, and
 neither does a round beyond `cap`: such a round is judged whole and refused when it trips.
 """
 
@@ -36,11 +38,10 @@ class Recorded(RoundAggregate):
     `Pipeline.commit`, `chosen` is the aggregate the committed state came from (the round without the updates the
     gate left out, or `inner`); `dropped` and `facts` report it."""
 
-    def __init__(self, inner: RoundAggregate, cap: int, assignments: dict[str, int], index: int,
-                 weight_norm: Callable[[int], float] | None) -> None:
+    def __init__(self, inner: RoundAggregate, cap: int, index: int, weight_norm: Callable[[int], float] | None) -> None:
         self.inner = self.chosen = inner
         self.layout, self.weighting, self.name = inner.layout, inner.weighting, inner.name
-        self.cap, self.assignments, self.index, self.weight_norm = cap, assignments, index, weight_norm
+        self.cap, self.index, self.weight_norm = cap, index, weight_norm
         self.parts: list[Part] = []
         self.attributable = True
         self.gate_facts: dict[str, Any] = {}
@@ -89,8 +90,8 @@ class Recorded(RoundAggregate):
 
 def leave_out(n: int, max_out: int, trial: Callable[[frozenset[int]], Verdict | None]) -> frozenset[int] | None:
     """The updates (indices of the round's `n`) to leave out, at most `max_out`, found greedily: each step leaves out
-    the one whose absence brings the candidate closest to passing (Verdict.rank); None when no such set passes. `trial(out)`: the gate's
-    verdict on the round without `out`, None where that round has no finite, bounded state."""
+    the one whose absence brings the candidate closest to passing (Verdict.rank); None when no such set passes.
+    `trial(out)`: the gate's verdict on the round without `out`, None where that round has no finite, bounded state."""
     out: frozenset[int] = frozenset()
     while len(out) < max_out:
         scored = [(v.rank, i, v) for i in range(n) if i not in out

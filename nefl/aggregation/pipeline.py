@@ -103,7 +103,7 @@ class Pipeline:
         agg = self._begin(state, assignments, index, weight_norm)
         if self.gate is None:
             return agg
-        return Recorded(agg, self.cfg.gate_attribute, dict(assignments), index, weight_norm)
+        return Recorded(agg, self.cfg.gate_attribute, index, weight_norm)
 
     def _begin(self, state: GlobalState, assignments: Mapping[str, int], index: int,
                weight_norm: Callable[[int], float] | None) -> RoundAggregate:
@@ -161,7 +161,14 @@ class Pipeline:
         n = len(agg.parts)
         max_out = min(n - 1, max(1, int(self.cfg.gate_max_out * n)))
         pending = self.steps.pending() if self.steps is not None else None  # the whole round's, before any trial
-        harm = self._harm(agg, state, base, verdict)
+        tried: dict[frozenset[int], Verdict | None] = {}  # the screen's one-out trials are the search's first step
+
+        def trial(o: frozenset[int]) -> Verdict | None:
+            if o not in tried:
+                tried[o] = self._trial(agg, state, base, o)
+            return tried[o]
+
+        harm = self._harm(len(agg.parts), verdict, trial)
         out = frozenset(sorted(harm, key=lambda i: -harm[i])[:max_out])
         agg.gate_facts = {**({"harm_z": {agg.parts[i].client: round(z, 2) for i, z in sorted(harm.items())}} if harm else {}),
                           **({"tripped": {k + 1: round(d, 4) for k, d in sorted(verdict.tripped.items())},
@@ -169,7 +176,7 @@ class Pipeline:
         if out:
             chosen, candidate, bounded, verdict = self._without(agg, state, base, out)
         if verdict.tripped:
-            found = leave_out(n, max_out, lambda o: self._trial(agg, state, base, o))
+            found = leave_out(n, max_out, trial)
             if found is None:
                 agg.gate_dropped = {}
                 return None, state, {}, _refusal(verdict)
@@ -203,13 +210,13 @@ class Pipeline:
         sub, candidate, bounded, _ = self._rebuild(agg, state, out)
         return sub, candidate, bounded, self.gate.judge(candidate, base)
 
-    def _harm(self, agg: Recorded, state: GlobalState, base: Baseline, verdict: Verdict) -> dict[int, float]:
-        """Update index -> the paired z of the round's loss with it over the round without it (per image, the mean
-        over the submodels; gate_margin of slack), for those above gate_z."""
+    def _harm(self, n: int, verdict: Verdict, trial: Callable[[frozenset[int]], Verdict | None]) -> dict[int, float]:
+        """Update index (of the round's `n`) -> the paired z of the round's loss with it over the round without it
+        (`trial`; per image, the mean over the submodels; gate_margin of slack), for those above gate_z."""
         full = torch.stack(list(verdict.losses.values())).mean(0)
         harm = {}
-        for i in range(len(agg.parts)):
-            v = self._trial(agg, state, base, frozenset({i}))
+        for i in range(n):
+            v = trial(frozenset({i}))
             if v is not None:
                 z = paired_z(full - self.gate.margin, torch.stack(list(v.losses.values())).mean(0))
                 if z > self.gate.z:
