@@ -54,8 +54,9 @@ class AggregationConfig:
     coordinate_rows: bool = False
     # the held-out gate at commit (nefl/aggregation/gate.py): needs eval data on the server; off until measured
     gate: bool = False
-    gate_z: float = 3.0  # a submodel trips when its paired loss z exceeds this (after gate_margin nats of slack)
-    gate_margin: float = 0.02
+    gate_z: float = 3.0  # a submodel trips when its paired loss or error z exceeds this (after the margin's slack)
+    gate_margin: float = 0.02  # nats of loss
+    gate_error_margin: float = 0.03  # top-1 accuracy (a share of the gate set)
     gate_samples: int = 512  # held-out images the gate scores every candidate on (the last of the test split)
     gate_attribute: int = 32  # a round of at most this many updates keeps copies, so a tripped round can leave some out
     gate_max_out: float = 0.5  # the most updates left out of one round, as a share of them (at least one)
@@ -86,9 +87,11 @@ class AggregationConfig:
             raise ValueError(f"need tensor_clip >= 1 and tensor_noise >= 0 (finite), got {self.tensor_clip}, "
                              f"{self.tensor_noise}")
         if not (math.isfinite(self.gate_z) and self.gate_z > 0 and math.isfinite(self.gate_margin)
-                and self.gate_margin >= 0 and self.gate_samples >= 2 and self.gate_attribute >= 0 and 0 < self.gate_max_out < 1):
-            raise ValueError(f"need gate_z > 0, gate_margin >= 0, gate_samples >= 2, gate_attribute >= 0 and gate_max_out "
-                             f"in (0, 1), got {self.gate_z}, {self.gate_margin}, {self.gate_samples}, "
+                and self.gate_margin >= 0 and 0 <= self.gate_error_margin < 1 and self.gate_samples >= 2
+                and self.gate_attribute >= 0 and 0 < self.gate_max_out < 1):
+            raise ValueError(f"need gate_z > 0, gate_margin >= 0, gate_error_margin in [0, 1), gate_samples >= 2, "
+                             f"gate_attribute >= 0 and gate_max_out in (0, 1), got {self.gate_z}, {self.gate_margin}, "
+                             f"{self.gate_error_margin}, {self.gate_samples}, "
                              f"{self.gate_attribute}, {self.gate_max_out}")
         if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
             raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "

@@ -23,7 +23,7 @@ from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundCon
 from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
 from nefl.aggregation.attribution import Recorded, leave_out, without
-from nefl.aggregation.gate import Baseline, Gate, Verdict, paired_z
+from nefl.aggregation.gate import Baseline, Gate, Verdict, pooled
 from nefl.aggregation.nefedavg import as_mergeable
 from nefl.aggregation.robust import NormBound, UpdateGuard, check_state, reference_norm
 from nefl.aggregation.step_bound import StepBound
@@ -171,7 +171,8 @@ class Pipeline:
         harm = self._harm(len(agg.parts), verdict, trial)
         out = frozenset(sorted(harm, key=lambda i: -harm[i])[:max_out])
         agg.gate_facts = {**({"harm_z": {agg.parts[i].client: round(z, 2) for i, z in sorted(harm.items())}} if harm else {}),
-                          **({"tripped": {k + 1: round(d, 4) for k, d in sorted(verdict.tripped.items())},
+                          **({"tripped": {k + 1: {"loss": round(t.loss, 4), "top1": round(t.top1, 4)}
+                                          for k, t in sorted(verdict.tripped.items())},
                               "worst_z": round(verdict.rank[0], 2)} if verdict.tripped else {})}
         if out:
             chosen, candidate, bounded, verdict = self._without(agg, state, base, out)
@@ -211,18 +212,20 @@ class Pipeline:
         return sub, candidate, bounded, self.gate.judge(candidate, base)
 
     def _harm(self, n: int, verdict: Verdict, trial: Callable[[frozenset[int]], Verdict | None]) -> dict[int, float]:
-        """Update index (of the round's `n`) -> the paired z of the round's loss with it over the round without it
-        (`trial`; per image, the mean over the submodels; gate_margin of slack), for those above gate_z."""
-        full = torch.stack(list(verdict.losses.values())).mean(0)
+        """Update index (of the round's `n`) -> how much worse the round is with it than without it (`trial`): the
+        gate's paired z (loss and error, per image the mean over the submodels, with the gate's slack), for those
+        above gate_z."""
+        full = pooled(verdict.scores.values())
         harm = {}
         for i in range(n):
             v = trial(frozenset({i}))
             if v is not None:
-                z = paired_z(full - self.gate.margin, torch.stack(list(v.losses.values())).mean(0))
+                z = self.gate.worse_z(full, pooled(v.scores.values()))
                 if z > self.gate.z:
                     harm[i] = z
         return harm
 
 
 def _refusal(verdict: Verdict) -> str:
-    return "gate: " + ", ".join(f"submodel {k} loss +{d:.3f}" for k, d in sorted(verdict.tripped.items()))
+    return "gate: " + ", ".join(f"submodel {k + 1} loss {t.loss:+.3f}, top-1 {t.top1:+.3f}"
+                                for k, t in sorted(verdict.tripped.items()))

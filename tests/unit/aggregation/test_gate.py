@@ -10,7 +10,7 @@ import random
 import torch
 
 from nefl.aggregation.attribution import leave_out
-from nefl.aggregation.gate import Gate, Verdict, paired_z
+from nefl.aggregation.gate import Gate, Scores, Trip, Verdict, paired_z
 
 N = 400
 X = torch.randn(N, 4, generator=torch.Generator().manual_seed(1))
@@ -19,7 +19,7 @@ Y = X @ W_TRUE + 0.1 * torch.randn(N, generator=torch.Generator().manual_seed(2)
 
 
 def evaluate(state, k):  # state: submodel -> weights; per-image squared error
-    return (X @ state[k] - Y) ** 2
+    return Scores((X @ state[k] - Y) ** 2)
 
 
 def test_paired_z_matches_brute_force():
@@ -76,7 +76,7 @@ def _one_tensor_pipeline(attribute: int, target: float = 0.0, honest: float = 0.
 
     def loss(state, j):  # a loss that grows with the distance of one tensor of submodel j from start + `target`
         d = (state.extract(layout, j)[name].double() - start.extract(layout, j)[name].double() - target).abs().max()
-        return d + 0.01 * torch.sin(torch.arange(128).double())
+        return Scores(d + 0.01 * torch.sin(torch.arange(128).double()))
 
     gate = Gate(loss)
     cfg = AggregationConfig(centre_check=False, gate=True, gate_attribute=attribute)
@@ -126,7 +126,7 @@ def test_a_poison_that_an_honest_round_hides_is_left_out():
 def test_without_attribution_a_tripped_round_is_refused_and_the_next_honest_round_commits():
     start, k, round_ = _one_tensor_pipeline(attribute=0)
     _, bad = round_(start, [5.0])  # one update poisons one tensor of one submodel
-    assert bad.state is None and bad.problem.startswith("gate:") and f"submodel {k}" in bad.problem
+    assert bad.state is None and bad.problem.startswith("gate:") and f"submodel {k + 1} " in bad.problem
     _, good = round_(start, [])  # recovery: the old state stayed, the next honest round commits from it
     assert good.state is not None and good.problem is None
 
@@ -140,7 +140,7 @@ def test_leave_out_finds_the_bad_set_when_it_is_small_enough():
 
         def trial(out, bad=bad):
             left = len(bad - out) + 0.01 * len(out - bad)  # each bad update still in costs far more than an honest out
-            return Verdict({0: left} if bad - out else {}, {0: left}, left)
+            return Verdict({0: Trip(left, 0.0)} if bad - out else {}, {0: left}, left)
 
         got = leave_out(n, max_out, trial)
         if not bad:
@@ -158,7 +158,7 @@ def test_a_round_the_gate_passes_commits_what_the_pipeline_without_it_commits():
     from nefl.nested.state import GlobalState, Layout
 
     layout = Layout.build(load_profile("resnet8-fmnist-w"))
-    flat = Gate(lambda state, j: 0.01 * torch.sin(torch.arange(64).double()))  # scores every state alike
+    flat = Gate(lambda state, j: Scores(0.01 * torch.sin(torch.arange(64).double())))  # scores every state alike
     gated, plain = (Pipeline(layout, Robustness(), gate=g) for g in (flat, None))
     gen = torch.Generator().manual_seed(5)
     states = [GlobalState.init(layout, seed=0)] * 2
@@ -176,3 +176,30 @@ def test_a_round_the_gate_passes_commits_what_the_pipeline_without_it_commits():
         assert torch.equal(states[0].consistent[n], states[1].consistent[n]), n
     assert gated.steps.history == plain.steps.history and any(gated.steps.history.values())
     assert repr(gated.steps.anchor.state_dict()) == repr(plain.steps.anchor.state_dict())
+
+
+def test_a_one_class_push_that_barely_moves_the_loss_trips_on_error():
+    # near-uniform outputs (early training): a push toward class 0 flips most predictions to it while the mean
+    # cross-entropy moves by less than the loss margin, so only the error measure sees it
+    g = torch.Generator().manual_seed(4)
+    n, classes = 512, 4
+    y = torch.randint(0, classes, (n,), generator=g)
+    logits = 0.2 * torch.nn.functional.one_hot(y, classes) + 0.05 * torch.randn(n, classes, generator=g)
+
+    def scores(state, k):
+        out = logits + state
+        return Scores(torch.nn.functional.cross_entropy(out, y, reduction="none"), (out.argmax(1) != y).double())
+
+    push = torch.tensor([0.25, 0.0, 0.0, 0.0])
+    loss_only = Gate(lambda s, k: Scores(scores(s, k).loss))
+    both = Gate(scores)
+    base_state = torch.zeros(classes)
+    cand = scores(push, 0)
+    ref = scores(base_state, 0)
+    assert (ref.wrong.mean() - cand.wrong.mean()).item() < -0.3  # top-1 falls by more than 30 points
+    assert (cand.loss.mean() - ref.loss.mean()).item() < loss_only.margin
+    assert not loss_only.judge(push, loss_only.baseline(base_state, [0])).tripped
+    v = both.judge(push, both.baseline(base_state, [0]))
+    assert v.tripped[0].top1 < -0.3 and v.z[0] > both.z
+    honest = torch.tensor([-0.01, 0.01, 0.0, 0.0])  # a small change that flips a few predictions passes
+    assert not both.judge(honest, both.baseline(base_state, [0])).tripped

@@ -155,5 +155,6 @@ def test_the_gate_is_the_servers_in_the_simulator() -> None:
     assert len(gated.test) == len(plain.test) - AggregationConfig().gate_samples
     fed = simulated_federation(gated.layout, cfg, [10] * cfg.clients, gated.reference, gated.gate)
     assert fed.aggregator.gate is gated.gate
-    scores = gated.gate.scores(fed.state, [0])[0]  # per-image losses on every gate image
-    assert scores.shape == (AggregationConfig().gate_samples,) and torch.isfinite(scores).all()
+    scores = gated.gate.scores(fed.state, [0])[0]  # per-image loss and error on every gate image
+    assert scores.loss.shape == scores.wrong.shape == (AggregationConfig().gate_samples,)
+    assert torch.isfinite(scores.loss).all() and set(scores.wrong.tolist()) <= {0.0, 1.0}
