@@ -24,7 +24,8 @@ def test_mobilenet_federation_over_the_embedded_broker(procs, tmp_path: Path) ->
                         "--profile", "mobilenetv2-fmnist-wd", "--checkpoint-dir", str(tmp_path / "run"),
                         "--embedded-port", str(port), "--federation", "t", "--rounds", "2", "--clients-per-round", "2",
                         "--min-clients", "1", "--round-timeout", "60", "--join-wait", "3", "--batch-size", "16",
-                        "--eval-dataset", "fashion-mnist", "--eval-samples", "100"])
+                        "--eval-dataset", "fashion-mnist", "--eval-samples", "100",
+                        "--final-eval-samples", "500"])  # the last round too (by default the whole split)
     wait_for(lambda: port_open(port), 60, "the embedded broker")
     for i, sub in enumerate((2, 5), start=1):
         procs.client(f"c{i}", f"mqtt://127.0.0.1:{port}",
