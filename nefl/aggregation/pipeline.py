@@ -213,14 +213,17 @@ class Pipeline:
 
     def _harm(self, n: int, verdict: Verdict, trial: Callable[[frozenset[int]], Verdict | None]) -> dict[int, float]:
         """Update index (of the round's `n`) -> how much worse the round is with it than without it (`trial`): the
-        gate's paired z (loss and error, per image the mean over the submodels, with the gate's slack), for those
-        above gate_z."""
+        gate's paired z (loss and error, with the gate's slack), the largest of that per submodel and that of the
+        per-image mean over the submodels, for those above gate_z. Per submodel, because the mean dilutes a poison of
+        one submodel's own tensors (its batch norm, its step sizes) by the number of submodels; the mean, because a
+        harm spread thin over every submodel may stay under the bar in each."""
         full = pooled(verdict.scores.values())
         harm = {}
         for i in range(n):
             v = trial(frozenset({i}))
             if v is not None:
-                z = self.gate.worse_z(full, pooled(v.scores.values()))
+                z = max(self.gate.worse_z(full, pooled(v.scores.values())),
+                        *(self.gate.worse_z(verdict.scores[k], v.scores[k]) for k in verdict.scores))
                 if z > self.gate.z:
                     harm[i] = z
         return harm

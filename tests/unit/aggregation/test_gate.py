@@ -63,7 +63,7 @@ def test_ratchet_and_recovery():
     assert not gate.judge({k: W_TRUE + 0.001 for k in (0, 1)}, gate.baseline(best, [0, 1])).tripped
 
 
-def _one_tensor_pipeline(attribute: int, target: float = 0.0, honest: float = 0.0):
+def _one_tensor_pipeline(attribute: int, target: float = 0.0, honest: float = 0.0, widest_only: bool = False):
     from nefl.aggregation.config import AggregationConfig
     from nefl.aggregation.pipeline import Pipeline, Robustness
     from nefl.nested.profile import load_profile
@@ -76,6 +76,7 @@ def _one_tensor_pipeline(attribute: int, target: float = 0.0, honest: float = 0.
 
     def loss(state, j):  # a loss that grows with the distance of one tensor of submodel j from start + `target`
         d = (state.extract(layout, j)[name].double() - start.extract(layout, j)[name].double() - target).abs().max()
+        d = d if not widest_only or j == k else torch.zeros(())  # widest_only: no other submodel's loss sees it
         return Scores(d + 0.01 * torch.sin(torch.arange(128).double()))
 
     gate = Gate(loss)
@@ -121,6 +122,16 @@ def test_a_poison_that_an_honest_round_hides_is_left_out():
     _, clean = round_(start, [])
     for n, t in done.state.consistent.items():  # what committed is the honest round's state
         assert torch.equal(t, clean.state.consistent[n]), n
+
+
+def test_a_poison_of_one_submodel_that_the_mean_over_submodels_hides_is_left_out():
+    # the round improves on the last state; the poison costs its submodel 0.05 (above the 0.02 margin) and the mean
+    # over the submodels 0.01 (below it), so only the per-submodel screen sees it
+    start, k, round_ = _one_tensor_pipeline(attribute=32, target=1.0, honest=1.0, widest_only=True)
+    agg, done = round_(start, [0.9])
+    facts = agg.facts()["gate"]
+    assert done.problem is None and agg.dropped == {"evil0": "gate"}
+    assert "tripped" not in facts and list(facts["harm_z"]) == ["evil0"]
 
 
 def test_without_attribution_a_tripped_round_is_refused_and_the_next_honest_round_commits():
