@@ -1,6 +1,7 @@
-"""The held-out gate's data side (nefl/aggregation/gate.py holds its statistics): per-image cross-entropy and 0/1
-error of a submodel on the server's gate set, the last `gate_samples` images of the evaluation's test split (left out of what
-evaluation scores, like FLTrust's root set: aggregator/rootdata.py split_root), all of them for every state."""
+"""The held-out gate's data side (nefl/aggregation/gate.py holds its statistics): per-image cross-entropy
+and 0/1 error of a submodel on the server's gate set, the last `gate_samples` images of the evaluation's
+test split (left out of what evaluation scores, like FLTrust's root set: aggregator/rootdata.py
+split_root), all of them for every state."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ class Scores:
     """One state's per-image scores on the gate set, for one submodel (or pooled over submodels)."""
 
     loss: torch.Tensor
-    wrong: torch.Tensor | None = None  # 0/1 per image; None: the loss alone judges
+    wrong: torch.Tensor  # 0/1 per image
 
 
 Evaluate = Callable[[object, int], Scores]  # (state, submodel) -> its scores on the gate set
@@ -50,15 +50,13 @@ def paired_z(candidate: torch.Tensor, reference: torch.Tensor) -> float:
 def pooled(scores: Iterable[Scores]) -> Scores:
     """Per image, the mean over submodels of each measure."""
     scores = list(scores)
-    wrong = [s.wrong for s in scores]
-    return Scores(torch.stack([s.loss for s in scores]).mean(0),
-                  None if any(w is None for w in wrong) else torch.stack(wrong).mean(0))
+    return Scores(torch.stack([s.loss for s in scores]).mean(0), torch.stack([s.wrong for s in scores]).mean(0))
 
 
 @dataclass(frozen=True)
 class Trip:
     loss: float  # candidate - reference mean loss (nats)
-    top1: float  # candidate - reference top-1 accuracy (0 where not scored)
+    top1: float  # candidate - reference top-1 accuracy
 
 
 @dataclass(frozen=True)
@@ -94,10 +92,8 @@ class Gate:
     def worse_z(self, candidate: Scores, reference: Scores) -> float:
         """The larger paired z of the candidate's loss (less `margin`) and error (less `error_margin`) over the
         reference's."""
-        z = paired_z(candidate.loss - self.margin, reference.loss)
-        if candidate.wrong is not None and reference.wrong is not None:
-            z = max(z, paired_z(candidate.wrong - self.error_margin, reference.wrong))
-        return z
+        return max(paired_z(candidate.loss - self.margin, reference.loss),
+                   paired_z(candidate.wrong - self.error_margin, reference.wrong))
 
     def scores(self, state: object, submodels: Sequence[int]) -> dict[int, Scores]:
         """`state`'s scores by submodel: kept ones for a committed state, else scored now."""
@@ -108,9 +104,8 @@ class Gate:
         refs = [self.scores(current, submodels), *[scores for s, scores in self.recent if s is not current]]
         best = {}
         for k in submodels:
-            loss = min((r[k].loss for r in refs), key=lambda t: t.mean().item())
-            wrong = [r[k].wrong for r in refs]
-            best[k] = Scores(loss, None if any(w is None for w in wrong) else min(wrong, key=lambda t: t.mean().item()))
+            best[k] = Scores(min((r[k].loss for r in refs), key=lambda t: t.mean().item()),
+                             min((r[k].wrong for r in refs), key=lambda t: t.mean().item()))
         return Baseline(best)
 
     def judge(self, candidate: object, base: Baseline) -> Verdict:
@@ -120,8 +115,7 @@ class Gate:
             zs[k], above = self.worse_z(cand, best), (cand.loss.mean() - best.loss.mean()).item()
             excess += max(0.0, above)
             if zs[k] > self.z:
-                top1 = 0.0 if cand.wrong is None or best.wrong is None else (best.wrong.mean() - cand.wrong.mean()).item()
-                tripped[k] = Trip(above, top1)
+                tripped[k] = Trip(above, (best.wrong.mean() - cand.wrong.mean()).item())
         return Verdict(tripped, zs, excess, scores)
 
     def committed(self, state: object, verdict: Verdict) -> None:

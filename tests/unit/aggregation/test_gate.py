@@ -18,8 +18,12 @@ W_TRUE = torch.tensor([1.0, -2.0, 0.5, 3.0])
 Y = X @ W_TRUE + 0.1 * torch.randn(N, generator=torch.Generator().manual_seed(2))
 
 
+def loss_scores(loss):  # a measure without top-1 (a regression): no image ever counts as wrong
+    return Scores(loss, torch.zeros_like(loss))
+
+
 def evaluate(state, k):  # state: submodel -> weights; per-image squared error
-    return Scores((X @ state[k] - Y) ** 2)
+    return loss_scores((X @ state[k] - Y) ** 2)
 
 
 def test_paired_z_matches_brute_force():
@@ -77,7 +81,7 @@ def _one_tensor_pipeline(attribute: int, target: float = 0.0, honest: float = 0.
     def loss(state, j):  # a loss that grows with the distance of one tensor of submodel j from start + `target`
         d = (state.extract(layout, j)[name].double() - start.extract(layout, j)[name].double() - target).abs().max()
         d = d if not widest_only or j == k else torch.zeros(())  # widest_only: no other submodel's loss sees it
-        return Scores(d + 0.01 * torch.sin(torch.arange(128).double()))
+        return loss_scores(d + 0.01 * torch.sin(torch.arange(128).double()))
 
     gate = Gate(loss)
     cfg = AggregationConfig(centre_check=False, gate=True, gate_attribute=attribute)
@@ -169,7 +173,7 @@ def test_a_round_the_gate_passes_commits_what_the_pipeline_without_it_commits():
     from nefl.nested.state import GlobalState, Layout
 
     layout = Layout.build(load_profile("resnet8-fmnist-w"))
-    flat = Gate(lambda state, j: Scores(0.01 * torch.sin(torch.arange(64).double())))  # scores every state alike
+    flat = Gate(lambda state, j: loss_scores(0.01 * torch.sin(torch.arange(64).double())))  # scores every state alike
     gated, plain = (Pipeline(layout, Robustness(), gate=g) for g in (flat, None))
     gen = torch.Generator().manual_seed(5)
     states = [GlobalState.init(layout, seed=0)] * 2
@@ -202,7 +206,7 @@ def test_a_one_class_push_that_barely_moves_the_loss_trips_on_error():
         return Scores(torch.nn.functional.cross_entropy(out, y, reduction="none"), (out.argmax(1) != y).double())
 
     push = torch.tensor([0.25, 0.0, 0.0, 0.0])
-    loss_only = Gate(lambda s, k: Scores(scores(s, k).loss))
+    loss_only = Gate(lambda s, k: loss_scores(scores(s, k).loss))
     both = Gate(scores)
     base_state = torch.zeros(classes)
     cand = scores(push, 0)
