@@ -140,6 +140,8 @@ QUICK_BUDGET = Budget(rounds=2, samples_per_client=100, eval_samples=500)
 # 10 rounds at batch 32 in a probe, its BN statistics barely past their initial values).
 FAMILY_BUDGET = Budget(rounds=10, samples_per_client=160, eval_samples=1000)
 FAMILY_BATCH = 16
+CURVE_POINTS = 6  # evaluations during a run (on CURVE_SAMPLES test images), so a table can say whether it flattened
+CURVE_SAMPLES = 1000
 # the paper's aggregation, as every method here was measured before the kit grew its defences: plain NeFedAvg,
 # no centre check, no norm bound (their cost is measured in docs/security.md)
 PAPER_AGGREGATION = Robustness(bound=NormBound(relative=None, adaptive_k=None),
@@ -158,7 +160,8 @@ def run_job(job: Job, progress_queue) -> dict:
     v, b = ALL_VARIANTS[job.variant], job.budget
     cfg = SimConfig(profile=v.profile, method=v.resolve(), dataset="fashion-mnist", clients=b.clients,
                     per_round=b.per_round, rounds=b.rounds, non_iid=SETTINGS[job.setting], seed=job.seed,
-                    eval_every=0, final_eval_samples=b.eval_samples, max_samples_per_client=b.samples_per_client,
+                    eval_every=max(1, b.rounds // CURVE_POINTS), eval_samples=CURVE_SAMPLES,
+                    final_eval_samples=b.eval_samples, max_samples_per_client=b.samples_per_client,
                     out=job.checkpoint, batch_size=FAMILY_BATCH if job.variant in FAMILY_VARIANTS else 32,
                     robustness=PAPER_AGGREGATION)
     sim = Simulator(cfg)
@@ -169,6 +172,7 @@ def run_job(job: Job, progress_queue) -> dict:
         "gammas": [s.gamma for s in sim.layout.profile.submodels],
         "accuracy": res.accuracy, "worst": res.worst, "avg": res.avg, "seconds": res.seconds,
         "steps": learned_steps(sim),
+        "curve": [{"round": row["round"], "worst": row["worst"], "avg": row["avg"]} for row in res.rounds if "worst" in row],
     }
     path = Path(job.path)
     path.parent.mkdir(parents=True, exist_ok=True)
