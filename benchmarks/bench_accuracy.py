@@ -142,8 +142,9 @@ FAMILY_BUDGET = Budget(rounds=10, samples_per_client=160, eval_samples=1000)
 FAMILY_BATCH = 16
 CURVE_POINTS = 6  # evaluations during a run (on CURVE_SAMPLES test images), so a table can say whether it flattened
 CURVE_SAMPLES = 1000
-# the paper's aggregation, as every method here was measured before the kit grew its defences: plain NeFedAvg,
-# no centre check, no norm bound (their cost is measured in docs/security.md)
+PAIRED_REFERENCE = "nefl-wd"  # the method the paired table sets against every other
+# the paper's aggregation, for every method: plain NeFedAvg, no centre check, no norm bound (the kit's defences and
+# their cost are docs/security.md's)
 PAPER_AGGREGATION = Robustness(bound=NormBound(relative=None, adaptive_k=None),
                                aggregation=AggregationConfig(centre_check=False))
 
@@ -215,6 +216,46 @@ def steps_table(groups: dict, setting: str, budget: Budget) -> list[str]:
     for name, r in rows:
         cells = [f"{min(v):.2f} / {sum(v) / len(v):.2f} / {max(v):.2f}" if v else "-" for v in r["steps"]]
         lines.append(f"| {name} | {r['seed']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def paired_table(groups: dict, settings: list[str], names: list[str]) -> list[str]:
+    """NeFL-WD minus each other method seed by seed: a seed draws the same partition, tiers and clients for every
+    method, so the paired difference is free of the partition's share of the seed spread."""
+    if PAIRED_REFERENCE not in names:
+        return []
+    lines = ["", f"`{PAIRED_REFERENCE}` minus each other method, seed by seed (a seed draws the same partition, tiers and "
+             "clients for every method): worst / avg submodel top-1 difference in points, its mean over seeds, and the "
+             f"seeds where `{PAIRED_REFERENCE}` is ahead.", "",
+             "| setting | vs method | worst, per seed | avg, per seed | worst, mean | avg, mean | seeds ahead (worst / avg) |",
+             "|---|---|---|---|---|---|---|"]
+    for s in settings:
+        ref = {r["seed"]: r for r in groups.get((s, PAIRED_REFERENCE), [])}
+        for name in names:
+            pairs = [(ref[r["seed"]], r) for r in groups.get((s, name), []) if r["seed"] in ref]
+            if name == PAIRED_REFERENCE or not pairs:
+                continue
+            dw, da = ([100 * (a[m] - b[m]) for a, b in pairs] for m in ("worst", "avg"))
+            lines.append(f"| {SETTING_TITLES[s]} | {name} | {', '.join(f'{d:+.2f}' for d in dw)} | "
+                         f"{', '.join(f'{d:+.2f}' for d in da)} | {sum(dw) / len(dw):+.2f} | {sum(da) / len(da):+.2f} | "
+                         f"{sum(d > 0 for d in dw)} / {sum(d > 0 for d in da)} of {len(pairs)} |")
+    return lines
+
+
+def curve_table(groups: dict, setting: str, names: list[str], budget: Budget) -> list[str]:
+    """Worst / avg during training (mean over seeds), for the runs that recorded a curve: has it flattened?"""
+    rows = {n: runs for n in names if (runs := groups.get((setting, n))) and all(r.get("curve") for r in runs)}
+    if not rows:
+        return []
+    rounds = [c["round"] for c in next(iter(rows.values()))[0]["curve"]]
+    lines = ["", f"During training ({setting_title(setting, budget)}): worst / avg submodel top-1 (%), mean over seeds, "
+             f"on the first {CURVE_SAMPLES:,} test images (after the last round, its {budget.eval_samples:,}).", "",
+             "| method | " + " | ".join(f"round {r}" for r in rounds) + " |", "|---|" + "---|" * len(rounds)]
+    for name, runs in rows.items():
+        points = [r["curve"] for r in runs]
+        cells = [f"{100 * sum(p[i]['worst'] for p in points) / len(points):.1f} / "
+                 f"{100 * sum(p[i]['avg'] for p in points) / len(points):.1f}" for i in range(len(rounds))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -346,7 +387,8 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
         f"- budget: ResNet-20 (1 input channel), 5 submodels gamma = 0.2 .. 1, {budget.clients} clients, "
         f"{budget.per_round} per round, {budget.rounds} rounds, 1 local epoch, batch 32, SGD lr 0.1 (x0.1 at 1/2 and "
         f"3/4 of the rounds), the paper's tiers; {budget.samples_per_client} training images per client; top-1 on the "
-        f"first {budget.eval_samples:,} Fashion-MNIST test images after the last round; seeds {', '.join(map(str, seeds))}. "
+        f"first {budget.eval_samples:,} Fashion-MNIST test images after the last round; seeds {', '.join(map(str, seeds))}; "
+        "plain NeFedAvg for every method (no centre check, no norm bound: the paper's aggregation). "
         + budget_note(budget, quick),
         (f"- wall time of this invocation: {wall / 60:.1f} min for {ran} run(s), {len(results) - ran} more read from disk; "
          if ran else f"- this invocation only rewrote the report: all {len(results)} runs were read from disk; ")
@@ -368,11 +410,13 @@ def report(results: list[dict], budget: Budget, command: str, wall: float, ran: 
         paper = "{:.2f} / {:.2f}".format(*PAPER[name]) if name in PAPER else ""
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {paper} |")
     lines += ["", "Methods: " + "; ".join(f"`{n}` {VARIANTS[n].description} (`{VARIANTS[n].profile}`)" for n in names) + "."]
+    lines += paired_table(groups, settings, names)
     lines += ladder_table(names)
     for s in settings:
         img = img_dir / f"accuracy-{section + '-' if section else ''}{s}.png"
         plot_setting(s, groups, budget, len(seeds), img)
         lines += per_submodel_table(groups, s, names, budget, setting_title(s, budget))
+        lines += curve_table(groups, s, names, budget)
         rel = os.path.relpath(img, doc.parent)
         lines += ["", f"![per-submodel accuracy, {setting_title(s, budget)}]({rel})", "",
                   "The plot puts each submodel at its realised parameter ratio (the table of realised sizes above), "
