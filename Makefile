@@ -67,9 +67,10 @@ bench-scale: env system-deps  ## fleet load test: mosquitto + aggregator workers
 bench-observability: env system-deps  ## round time with and without --http, metrics/dashboard costs, dashboard screenshot -> docs/operations.md
 	$(PY) benchmarks/bench_observability.py
 
-bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST (about an hour), then ViT-tiny/MobileNetV2/ResNet-20 ladders (about 45 min); resumable -> docs/results.md
+bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations on Fashion-MNIST (about an hour), the same 8 methods at 60 rounds over 3 seeds (about 2 h), then ViT-tiny/MobileNetV2/ResNet-20 ladders (about 45 min); resumable -> docs/results.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_accuracy.py
+	$(PY) benchmarks/bench_accuracy.py --rounds 60 --seeds 3 --out benchmarks/results/accuracy-60r-3s --section long-3s
 	$(PY) benchmarks/bench_accuracy.py --families
 
 bench-sim: env system-deps  ## the simulator's rounds per second and time outside training: main's code vs this tree's one-by-one and --batch-clients paths on one seeded run (about 6 minutes on 2 cores; DEVICE=cuda on a GPU), the paper protocol's estimated time -> docs/benchmarks.md
