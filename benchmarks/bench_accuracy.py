@@ -43,7 +43,7 @@ import torch
 from rich.console import Console
 
 from aggregator.simulate import SimConfig, Simulator
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG
 from nefl.aggregation.pipeline import Robustness
 from nefl.aggregation.robust import NormBound
 from provenance import commit_label, cpu_name, load_average  # benchmarks/ is the script directory, on sys.path
@@ -146,7 +146,7 @@ PAIRED_REFERENCE = "nefl-wd"  # the method the paired table sets against every o
 # the paper's aggregation, for every method: plain NeFedAvg, no centre check, no norm bound (the kit's defences and
 # their cost are docs/security.md's)
 PAPER_AGGREGATION = Robustness(bound=NormBound(relative=None, adaptive_k=None),
-                               aggregation=AggregationConfig(centre_check=False))
+                               aggregation=PLAIN_NEFEDAVG)
 
 
 def markers(section: str) -> tuple[str, str]:

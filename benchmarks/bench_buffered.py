@@ -32,7 +32,7 @@ from rich.console import Console
 from aggregator.fleet import CoverageConfig, FleetConfig, FleetMode
 from aggregator.fleet_sim import FleetSimulator
 from aggregator.simulate import SimConfig
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG
 from nefl.aggregation.pipeline import Robustness
 from nefl.aggregation.staleness import Normalise, StalenessConfig
 from nefl.support.fsio import atomic_write_text
@@ -116,7 +116,7 @@ def run_job(job: Job, progress_queue) -> dict:
     b = job.budget
     cfg = SimConfig(b.profile, dataset="fashion-mnist", clients=b.clients, per_round=b.concurrency,
                     non_iid=SETTINGS[job.setting], seed=job.seed, max_samples_per_client=b.samples_per_client,
-                    eval_samples=b.eval_samples, robustness=Robustness(aggregation=AggregationConfig(centre_check=False)))
+                    eval_samples=b.eval_samples, robustness=Robustness(aggregation=PLAIN_NEFEDAVG))
     fleet, staleness = fleet_configs(RUNS[job.name], b)
     started = time.time()
     sim = FleetSimulator(cfg, fleet, staleness)

@@ -44,7 +44,7 @@ from nefl.aggregation.attacks import Attack
 from nefl.support.fsio import atomic_write_text
 from nefl.nested.profile import load_profile
 from nefl.aggregation.pipeline import Pipeline, Robustness
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG, AggregationConfig
 from nefl.nested.state import GlobalState, Layout
 from provenance import commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
 from sweep import run_sweep
@@ -54,7 +54,7 @@ DOC = ROOT / "docs" / "security.md"
 console = Console()
 
 RULES: dict[str, AggregationConfig] = {
-    "nefedavg": AggregationConfig(centre_check=False),
+    "nefedavg": PLAIN_NEFEDAVG,
     "default": AggregationConfig(),
     "gate": AggregationConfig(gate=True),  # the default plus the held-out gate at commit (nefl/aggregation/gate.py)
     "median": AggregationConfig(rule="median", centre_check=False),

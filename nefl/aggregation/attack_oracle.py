@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from nefl.aggregation.attack_search import flat
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.nested.state import GlobalState, Layout
 
@@ -34,7 +34,7 @@ class PipelineOracle:
     def __init__(self, defended: Pipeline, state: GlobalState, honest: Sequence[tuple[int, Delta]], k: int, index: int,
                  slack: float = SLACK) -> None:
         self.defended, self.state, self.honest, self.k, self.index, self.slack = defended, state, list(honest), k, index, slack
-        plain = replace(defended.robustness, aggregation=AggregationConfig(centre_check=False))
+        plain = replace(defended.robustness, aggregation=PLAIN_NEFEDAVG)
         self.plain = Pipeline(defended.layout, plain, defended.weighting, None, defended.seed, defended.secret)
         self.base = self._step(self.defended, None)
         self.plain_base = self._step(self.plain, None)

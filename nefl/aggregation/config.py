@@ -106,3 +106,7 @@ class AggregationConfig:
     def mergeable(self) -> bool:
         """Whether partial aggregates of several processes merge exactly (workers and relays)."""
         return self.spec.mergeable
+
+
+# the paper's NeFedAvg with nothing in front of it: every update merged, no centre check (the benchmarks' baseline)
+PLAIN_NEFEDAVG = AggregationConfig(centre_check=False)

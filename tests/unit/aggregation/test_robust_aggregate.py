@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nefl.aggregation.centre_check import Screened
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG, AggregationConfig
 from nefl.aggregation.coverage import Sketch, coverage_cells, distinct_sample, shared_core
 from nefl.aggregation.median import coordinate_median
 from nefl.aggregation.nefedavg import Mergeable, NeFedAvg, as_mergeable
@@ -23,7 +23,7 @@ from nefl.nested.state import GlobalState, Layout
 from tests.harness.brute_force import assert_state_close, brute_force, random_updates
 from tests.harness.helpers import FULL, off_the_wire, random_ladder, tiny_profile
 
-NO_CHECK = AggregationConfig(centre_check=False)
+NO_CHECK = PLAIN_NEFEDAVG
 
 
 def begin(layout: Layout, state: GlobalState, cfg: AggregationConfig, assignments=None, reference=None):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG, AggregationConfig
 from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.aggregation.robust import NormBound
 from nefl.aggregation.staleness import StalenessConfig
@@ -20,7 +20,7 @@ from nefl.nested.state import GlobalState, Layout
 from tests.harness.brute_force import assert_state_close, brute_force, random_updates
 from tests.harness.helpers import random_ladder
 
-PLAIN = Robustness(aggregation=AggregationConfig(centre_check=False))
+PLAIN = Robustness(aggregation=PLAIN_NEFEDAVG)
 
 
 def _setup(seed: int, n: int = 3) -> tuple[Layout, GlobalState, list]:

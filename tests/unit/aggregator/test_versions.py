@@ -13,7 +13,7 @@ import torch
 from aggregator.federation import Federation, Rejected, Update
 from aggregator.fleet import CoverageConfig
 from aggregator.versions import OPEN_PER_CLIENT, RESUME_TASK_GAP, Versions
-from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.config import PLAIN_NEFEDAVG, AggregationConfig
 from nefl.aggregation.pipeline import Robustness
 from nefl.aggregation.robust import NormBound
 from nefl.aggregation.staleness import StalenessConfig
@@ -23,7 +23,7 @@ from nefl.nested.state import GlobalState, Layout
 from nefl.protocol.messages import Announce, Decline
 from nefl.protocol.wire import ChunkHeader
 
-PLAIN = Robustness(aggregation=AggregationConfig(centre_check=False))
+PLAIN = Robustness(aggregation=PLAIN_NEFEDAVG)
 
 
 def _versions(k: int = 2, max_staleness: int = 2, robustness: Robustness = PLAIN, rule: CoverageConfig = CoverageConfig(),
