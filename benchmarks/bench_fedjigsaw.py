@@ -73,10 +73,12 @@ SMALL = Budget(rounds=8, policy_rounds=4, critic_warmup=1, samples_per_client=40
                local_epochs=5, batch_size=16)
 SMALL_START, SMALL_END = "<!-- bench-fedjigsaw-small:start -->", "<!-- bench-fedjigsaw-small:end -->"
 # the small-data sweep's variants: a method, or a method with other settings (the untrained policy); the claim's
-# four over every seed first, the ablations after, so a sweep cut short still answers the claim
-VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "shared-chain": ("shared-chain", {}),
-            "random-chain": ("random-chain", {}), "untrained-policy": ("fedjigsaw", {"policy_rounds": 0}),
-            "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}), "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {})}
+# four (FedJigsaw against training alone, the learned policy against the untrained one, one shared chain) over every
+# seed first, the ablations and the partial-training baselines after, so a sweep cut short still answers the claim
+VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "untrained-policy": ("fedjigsaw", {"policy_rounds": 0}),
+            "shared-chain": ("shared-chain", {}), "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}),
+            "random-chain": ("random-chain", {}), "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
+            "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {})}
 CLAIMED = 4
 VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)",
                   "frozen-policy": "FedJigsaw, policy phase that does not learn (--policy-lr 0)"}
@@ -555,8 +557,8 @@ def main() -> None:
     ap.add_argument("--policy-rounds", type=int, default=Budget.policy_rounds)
     ap.add_argument("--samples", type=int, default=Budget.samples_per_client, help="Training images per client.")
     ap.add_argument("--test-samples", type=int, default=Budget.test_per_client, help="Local test images per client.")
-    ap.add_argument("--small", action="store_true", help="The small-data sweep (Dir(1.0), 40 images per client) into its "
-                                                         "own section of the doc.")
+    ap.add_argument("--small", action="store_true", help="The small-data sweep (Dir(1.0) and Dir(0.1), 40 images per "
+                                                         "client) into its own section of the doc.")
     ap.add_argument("--eval-every", type=int, default=Budget.eval_every, help="Model-training rounds between evaluations.")
     ap.add_argument("--render", action="store_true",
                     help="Write the doc from this budget's finished runs only (a sweep still running, or one cut short).")
@@ -567,8 +569,8 @@ def main() -> None:
         budget, seeds = SMALL, args.seeds
         out = ROOT / (args.out or "runs/bench-fedjigsaw-small")
         groups = [list(VARIANTS)[:CLAIMED], list(VARIANTS)[CLAIMED:]]
-        jobs = [Job("dir-1.0", v, seed, str(out / f"{v}-seed{seed}.json"), budget)
-                for group in groups for seed in range(seeds) for v in group]
+        jobs = [Job(setting, v, seed, str(out / setting / f"{v}-seed{seed}.json"), budget)
+                for group in groups for seed in range(seeds) for setting in SETTINGS for v in group]
         results = [r for j in jobs if (r := load_result(Path(j.path), budget))] if args.render else run_sweep(jobs, args.jobs, budget)
         command = "benchmarks/bench_fedjigsaw.py " + shlex.join(sys.argv[1:])
         write_section(DOC, SMALL_START, SMALL_END, small_report(results, budget, len(jobs), command, args.note))

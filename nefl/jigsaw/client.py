@@ -26,9 +26,10 @@ The guard (`ClientSettings.guard`, given the base model's starting parameters): 
 a private copy of its base model on its task data in every model-training round (its local path; never sent, so the
 base model the neighbours borrow from stays the paper's passive repository): from the base model's start, on the
 batches a local-only client trains on in the same model-training round, so it is local-only training bit for bit
-and falling back costs nothing against training alone. The model it keeps is its chain with the modules as their
-sources averaged them when the chain scores better on the validation split by more than the split's noise
-(`clearly_better`), else its local path; the modules keep being shared either way. Under label skew an average of
+and falling back costs nothing against training alone. The model it keeps is its chain as it trained it in the
+round (from the modules as their sources averaged them the round before: `trained_model`, what Algorithm 2 scores)
+when the chain scores better on the validation split by more than the split's noise (`clearly_better`), else its
+local path; the modules keep being shared either way. Under label skew an average of
 copies trained on other labels (a shared head above all) can score below what the client learns alone, and a short
 policy phase can leave a chain worse than the base model: the paper's reward (validation accuracy) is what tells the
 two apart, here applied to the deployed model.
@@ -155,6 +156,7 @@ class JigsawClient:
         if settings.guard and base_start is not None:
             self.local = {f"{j}.{k}": v.clone() for j, m in enumerate(base.metas(client)) for k, v in base_start[m.key].items()}
         self.kept_local = False  # the last kept model was the local path
+        self.trained: dict[str, torch.Tensor] | None = None  # the chain's parameters after the last round's local training
 
     # -- joining ------------------------------------------------------------------------------------
 
@@ -240,7 +242,7 @@ class JigsawClient:
         if changed:
             self.left.add(tuple(chain_keys(self.chain)))
         self.held = 1 if changed or self.chain is None else self.held + 1
-        self.chain = chain
+        self.chain, self.trained = chain, trained  # together: a step cut short leaves the last whole pair
         fixed = fixed_bytes(self.base.input, s.batch_size)
         cap = (peak_bytes(chain, self.base.input, s.batch_size) - fixed) / (self.budget - fixed)
         report = self._report(r, episode, accuracy, cap, res.num_samples, model, probe) \
@@ -262,9 +264,19 @@ class JigsawClient:
         load_module_state(model, self.local)
         return model
 
+    def trained_model(self) -> nn.Sequential:
+        """The chain as this client trained it in its last round, from the modules as their sources averaged them
+        the round before, on its own data: the model Algorithm 2 scores (lines 7-9), personalised, and what the
+        client deploys. Its copies of the modules still go back to their sources to be averaged."""
+        if self.chain is None or self.trained is None:
+            raise RuntimeError(f"client {self.client}: no round trained yet")
+        model = build_model(self.chain)
+        load_module_state(model, self.trained)
+        return model
+
     def keep(self, shared: nn.Sequential, val: Batches, own: Batches) -> nn.Sequential:
-        """The model the client keeps after a round: `shared` (its chain with the modules as their sources averaged
-        them) where it is clearly better than the guard's local path on the validation split, else the local path.
+        """The model the client keeps after a round: `shared` (its chain, as `trained_model` gives it) where it is
+        clearly better than the guard's local path on the validation split, else the local path.
         Both get their BatchNorm statistics recomputed on the client's own training data first, as deployed."""
         recompute_bn_stats(shared, own)
         local = self.local_model()

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from nefl.jigsaw.broker import BrokerExchange, Peer, PeerUnavailable, largest_module_bytes, module_bytes
 from nefl.jigsaw.client import JigsawClient, StepResult
@@ -32,10 +31,8 @@ from nefl.jigsaw.coretune import MAX_REPORT_BYTES, CriticAdvice
 from nefl.jigsaw.methods import get_method
 from nefl.jigsaw.shards import ClientShard, client_data, initial_modules, module_seed
 from nefl.jigsaw.screen import ReturnScreen
-from nefl.jigsaw.symbio import ModuleFetch
-from nefl.jigsaw.zoo import BaseArch, base_for_budget, build_model, load_base
+from nefl.jigsaw.zoo import BaseArch, base_for_budget, load_base
 from nefl.nested.data import load_dataset
-from nefl.nested.state import load_module_state
 from nefl.nested.train import evaluate
 from nefl.protocol import signing
 from nefl.protocol.messages import MessageError, decode
@@ -305,28 +302,17 @@ class JigsawDevice:
         client.learn(result, advice)  # type: ignore[arg-type]
 
     def _finish(self, rnd: JigsawRound, client: JigsawClient, shard: ClientShard) -> None:
-        """The final chain with its modules as their sources averaged them (or the guard's local path, where it
+        """The final chain as this device trained it in the last round (or the guard's local path, where it
         validates better: JigsawClient.keep), scored on the local test set."""
         assert self.exchange is not None
-        if client.chain is None:
+        if client.chain is None or client.trained is None:
             return
-        state: dict[str, torch.Tensor] = {}
-        try:
-            for j, m in enumerate(client.chain):
-                got = self.exchange.fetch(ModuleFetch(federation=self.cfg.federation, client=self.me, source=m.source,
-                                                      round=rnd.round, position=m.position))
-                state.update({f"{j}.{k}": v for k, v in got.items()})
-        except PeerUnavailable as e:
-            log.warning(f"final model: client {e.source} did not send its module; not scored")
-            return
-        model: nn.Sequential = build_model(client.chain)
-        load_module_state(model, state)
-        model = client.keep(model, shard.val(), shard.own_train())
+        model = client.keep(client.trained_model(), shard.val(), shard.own_train())
         self.final_accuracy = evaluate(model, shard.local_test())[0]
         self.final_state = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
         plan = self.plan
         assert plan is not None
-        rejected, traffic = self.exchange.take_counters()  # the last round's late copies and the final fetches
+        rejected, traffic = self.exchange.take_counters()  # the last round's late copies
         done = RoundDone(federation=plan.federation, run=plan.run, client=self.me, round=rnd.round, trained=True,
                          accuracy=self.final_accuracy, loss=0.0, chain=[(m.source, m.position) for m in client.chain],
                          changed=False, returned=[], masked=[], rejected=rejected, traffic=traffic,

@@ -286,13 +286,10 @@ class ModuleFederation:
         return chain
 
     def model(self, c: int) -> nn.Sequential:
-        """The model client c keeps after this round: its chain with the modules' parameters after this round's
-        aggregation, or its local path where the guard prefers it (JigsawClient.keep)."""
-        chain = self.chain(c)
-        model = build_model(chain)
-        load_module_state(model, {f"{j}.{k}": v for j, m in enumerate(chain) for k, v in self.exchange.store[m.key].items()})
-        shard = self.sim.shards[c]
-        return self.clients[c].keep(model, shard.val(), shard.own_train())
+        """The model client c keeps after this round: its chain as it trained it this round (Algorithm 2's scored
+        model, JigsawClient.trained_model), or its local path where the guard prefers it (JigsawClient.keep)."""
+        client, shard = self.clients[c], self.sim.shards[c]
+        return client.keep(client.trained_model(), shard.val(), shard.own_train())
 
     def describe(self, c: int) -> list[str]:
         """A chain as module names: c3.m1 = client 3's module 1 (with its type and output channels)."""

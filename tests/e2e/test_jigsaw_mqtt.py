@@ -48,14 +48,14 @@ def test_four_devices_over_mqtt_reproduce_the_simulator(tmp_path: Path) -> None:
             assert mine["rejected"] == {}
         final = final_accuracy(tmp_path)
         assert [final[f"d{c}"] for c in range(4)] == result.accuracy
-        for c in range(4):  # the final chain's parameters, as the sources averaged them
+        for c in range(4):  # the final chain's parameters, as the device trained them in the last round
             twin = {k: v for k, v in sim.fed.model(c).state_dict().items() if not k.endswith("num_batches_tracked")}
             mine = load_file(str(tmp_path / f"d{c}" / "final.safetensors"))
             assert set(mine) == set(twin)
             assert all(torch.equal(mine[k], twin[k]) for k in twin), c  # one torch thread on both sides: same float order
         moved = {k: sum(r["bytes"].get(k, 0) for r in got) for k in ("module_out", "module_in", "return_out", "return_in")}
         # each side counts what it sent or received into its next report: a source that reported its last round before
-        # a borrower's final fetch reached it (a fast host) never reports those module bytes, nor a return that came
+        # a borrower's fetch reached it (a fast host) never reports those module bytes, nor a return that came
         # after its last report; the receiving side of a module and the sending side of a return always report first
         assert 0 < moved["module_out"] <= moved["module_in"] and 0 < moved["return_in"] <= moved["return_out"], moved
     finally:
