@@ -71,6 +71,11 @@ class SimData:
     data_root: DataRootOption = D.data_root
 
 
+CommonPriorOption = Annotated[float, typer.Option(
+    min=0.0, help="The policies' starting logit bonus (learnable) for each step of the common chain, the smallest base "
+                  "model with its head, so clients start out training one chain together; 0: off.")]
+
+
 @option_group("Policy")
 class SimPolicy:
     policy_rounds: PolicyRoundsOption = D.policy_rounds
@@ -79,6 +84,7 @@ class SimPolicy:
         min=0.0, help="The policies' learning rate (Adam) in the policy phase; 0: the policy never learns, while the "
                       "policy phase still samples chains and trains modules (the control of a learned policy with "
                       "equal training).")] = D.policy_lr
+    common_prior: CommonPriorOption = D.common_prior
     switch_cost: Annotated[float, typer.Option(
         min=0.0, help="Nats per round the current chain was trained that the policy must prefer a new chain by before "
                       "a client switches to it in the model-training phase.")] = D.switch_cost
@@ -202,6 +208,7 @@ class DeviceData:
 class DevicePolicy:
     policy_rounds: PolicyRoundsOption = D.policy_rounds
     critic_warmup: CriticWarmupOption = D.critic_warmup
+    common_prior: CommonPriorOption = D.common_prior
 
 
 @option_group("Checks and timeouts")

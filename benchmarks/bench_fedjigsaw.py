@@ -77,11 +77,13 @@ SMALL_START, SMALL_END = "<!-- bench-fedjigsaw-small:start -->", "<!-- bench-fed
 # seed first, the ablations and the partial-training baselines after, so a sweep cut short still answers the claim
 VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "untrained-policy": ("fedjigsaw", {"policy_rounds": 0}),
             "shared-chain": ("shared-chain", {}), "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}),
-            "random-chain": ("random-chain", {}), "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
+            "no-prior": ("fedjigsaw", {"common_prior": 0.0}), "random-chain": ("random-chain", {}),
+            "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
             "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {})}
 CLAIMED = 4
 VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)",
-                  "frozen-policy": "FedJigsaw, policy phase that does not learn (--policy-lr 0)"}
+                  "frozen-policy": "FedJigsaw, policy phase that does not learn (--policy-lr 0)",
+                  "no-prior": "FedJigsaw without the common-chain prior (--common-prior 0)"}
 
 
 @dataclass(frozen=True)
@@ -485,32 +487,43 @@ def report(results: list[dict], overheads: list[dict], budget: Budget, planned: 
 
 
 def small_report(results: list[dict], budget: Budget, planned: int, command: str, note: str) -> list[str]:
-    """The small-data section: each variant's mean and spread over the declared seeds, FedJigsaw against each other
-    variant seed by seed, and how many clients train each used module."""
-    groups: dict[str, list[dict]] = {}
-    for r in sorted(results, key=lambda r: r["seed"]):
-        groups.setdefault(r["method"], []).append(r)
+    """The small-data section: per setting, each variant's mean and spread over the declared seeds, FedJigsaw
+    against each other variant seed by seed, and how many clients train each used module."""
     seeds = sorted({r["seed"] for r in results})
     lines = ["", measured_line(command, note, results, planned),
-             f"Setting: Fashion-MNIST, Dir(1.0), {budget.clients} clients (CNN family, bases from their budgets), "
+             f"Setting: Fashion-MNIST, {budget.clients} clients (CNN family, bases from their budgets), "
              f"{budget.samples_per_client} training images per client, {budget.local_epochs} local epochs at batch "
              f"{budget.batch_size}; the reward's validation split: {budget.val_samples} held-out images per client; "
              f"{budget.policy_rounds} policy-phase rounds (the methods with a policy; critic values after "
              f"{budget.critic_warmup}) then {budget.rounds} model-training rounds; scored on {budget.test_per_client} "
-             f"local test images per client after the last round. Seeds declared before running: "
-             f"{', '.join(map(str, range(max(seeds) + 1 if seeds else 0)))}.", "",
+             f"local test images per client after the last round: the model each client keeps (its chain as it trained "
+             f"it in the last round, or its local path where the guard prefers it; the PT baselines' global model's "
+             f"window). Seeds declared before running: {', '.join(map(str, range(max(seeds) + 1 if seeds else 0)))}."]
+    for setting in SETTINGS:
+        runs = [r for r in results if r["setting"] == setting]
+        if runs:
+            lines += _small_setting(setting, runs, budget)
+    return [*lines, ""]
+
+
+def _small_setting(setting: str, results: list[dict], budget: Budget) -> list[str]:
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(results, key=lambda r: r["seed"]):
+        groups.setdefault(r["method"], []).append(r)
+    lines = ["", f"**{SETTING_TITLES[setting]}.**", "",
              "| variant | mean local top-1 (%), mean over seeds | std over seeds | per seed | worst client, mean over seeds "
-             "| clients per used block | clients per used head | peer heads | min per run |", "|---|---|---|---|---|---|---|---|---|"]
+             "| after its own last training, per seed | clients per used block | clients per used head | peer heads "
+             "| min per run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in VARIANTS:
         runs = groups.get(name)
         if not runs:
             continue
-        means = [100 * r["mean"] for r in runs]
+        means, trained = [100 * r["mean"] for r in runs], [100 * r["trained_mean"] for r in runs]
         lines.append(f"| {VARIANT_TITLES[name]} | {statistics.fmean(means):.2f} | "
                      f"{statistics.stdev(means) if len(means) > 1 else 0.0:.2f} | {', '.join(f'{m:.1f}' for m in means)} | "
                      f"{statistics.fmean(100 * min(r['accuracy']) for r in runs):.1f} | "
-                     f"{statistics.fmean(r['users_per_module'] for r in runs):.2f} | "
-                     f"{statistics.fmean(r['users_per_head'] for r in runs):.2f} | "
+                     f"{', '.join(f'{m:.1f}' for m in trained)} | "
+                     f"{_users(runs, 'users_per_module')} | {_users(runs, 'users_per_head')} | "
                      f"{statistics.fmean(r['peer_heads'] for r in runs):.1f} | "
                      f"{statistics.fmean(r['seconds'] for r in runs) / 60:.1f} |")
     lines += ["", "FedJigsaw against each other variant, seed by seed (same partition, same budgets): the difference "
@@ -542,7 +555,13 @@ def small_report(results: list[dict], budget: Budget, planned: int, command: str
     lines += ["", "Clients training each borrowed or own module in the last five model-training rounds (mean over the "
               "modules trained in a round, runs pooled): " + "; ".join(
                   f"{VARIANT_TITLES[n]} {statistics.fmean(ts):.2f}" for n, ts in trainers if ts) + "."]
-    return [*lines, ""]
+    return lines
+
+
+def _users(runs: list[dict], key: str) -> str:
+    """Clients per used module or head, mean over runs; a dash for the PT baselines, which train windows."""
+    values = [r[key] for r in runs if r[key] is not None]
+    return f"{statistics.fmean(values):.2f}" if values else "-"
 
 
 def main() -> None:

@@ -71,6 +71,7 @@ class ClientSettings:
     switch_patience: int  # consecutive rounds it must do so
     observation_decay: float
     guard: bool  # keep a local path beside the chain; deploy it unless the chain scores clearly better
+    common_prior: float | None = None  # the policies' starting logit bonus for the common chain (AttenAssemble); None: off
 
 
 GUARD_Z = 2.0  # the chain is kept when it beats the local path on validation by this many standard errors
@@ -142,7 +143,8 @@ class JigsawClient:
         self.client, self.base, self.budget, self.settings = client, base, budget, settings
         self.data_feature = data_feature.float()
         self.agent = PolicyAgent(len(data_feature), lr=settings.policy_lr, gamma=settings.gamma, tau=settings.tau,
-                                 seed=seed if policy_seed is None else policy_seed) if assemble else None
+                                 seed=seed if policy_seed is None else policy_seed, prior=settings.common_prior) \
+            if assemble else None
         self.log = ObservationLog(settings.observation_decay)
         self.chain: list[ModuleMeta] | None = None if assemble else fixed
         self.prior_feature = torch.full((base.classes,), 1.0 / base.classes)  # E_data before this round (h_t's part)

@@ -64,7 +64,7 @@ class AttenAssemble(nn.Module):
     """pi(a | s) = softmax(q W_Q (K W_K)^T / (tau sqrt(d))) over the valid candidate tokens."""
 
     def __init__(self, data_dim: int, d_model: int = 32, heads: int = 2, layers: int = 1, tau: float = 1.0,
-                 max_len: int = 16) -> None:
+                 max_len: int = 16, prior: float | None = None) -> None:
         super().__init__()
         self.d_model, self.tau = d_model, tau
         self.data_enc = nn.Linear(data_dim, d_model)
@@ -75,9 +75,14 @@ class AttenAssemble(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.w_q = nn.Linear(d_model, d_model, bias=False)
         self.w_k = nn.Linear(d_model, d_model, bias=False)
+        # the common-chain prior: a learnable logit bonus for the next step of the federation's common chain (its next
+        # block, STOP once it is complete, its head), so clients start out choosing one chain that all of them train
+        self.prior = nn.Parameter(torch.tensor(float(prior))) if prior is not None else None
 
-    def logits(self, data: torch.Tensor, state: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """data [data_dim], state [N, F], candidates [K, F], valid [K] bool -> logits [K], -inf where invalid."""
+    def logits(self, data: torch.Tensor, state: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor,
+               common: torch.Tensor | None = None) -> torch.Tensor:
+        """data [data_dim], state [N, F], candidates [K, F], valid [K] bool -> logits [K], -inf where invalid;
+        `common` [K] bool marks the common chain's next step, which gets the prior's bonus."""
         if not bool(valid.any()):
             raise ValueError("no valid action: the zoo's valid-action rule should never allow this")
         n = state.shape[0]
@@ -89,6 +94,8 @@ class AttenAssemble(nn.Module):
         h = self.encoder(seq, src_key_padding_mask=ignore)[0]
         q, keys = self.w_q(h[0]), self.w_k(h[1 + n:])
         raw = keys @ q / (self.tau * math.sqrt(self.d_model))
+        if self.prior is not None and common is not None:
+            raw = raw + self.prior * common.float()
         return raw.masked_fill(~valid, -math.inf)
 
 
@@ -100,6 +107,7 @@ class Step:
     candidates: torch.Tensor  # tokens of the valid blocks, then STOP [K + 1, F]
     valid: torch.Tensor
     action: int
+    common: torch.Tensor | None = None  # the candidates that continue the common chain (with a prior)
 
 
 @dataclass
@@ -123,8 +131,14 @@ def _decide(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor
     state = torch.tensor([tokens(m) for m in chosen]).reshape(len(chosen), TOKEN_FEATURES)
     cand = torch.tensor([tokens(m) for m in cands] + [tokens(None)])
     mask = torch.tensor([True] * len(cands) + [stop])
-    step = Step(state, cand, mask, -1)
-    return cands, step, policy.logits(data, state, cand, mask)
+    common = None
+    if policy.prior is not None:
+        blocks = [m for m in zoo.common if m.kind != "head"]
+        on_track = list(chosen) == blocks[:len(chosen)]
+        following = blocks[len(chosen)] if on_track and len(chosen) < len(blocks) else None
+        common = torch.tensor([m == following for m in cands] + [on_track and len(chosen) == len(blocks)])
+    step = Step(state, cand, mask, -1, common)
+    return cands, step, policy.logits(data, state, cand, mask, common)
 
 
 def _decide_head(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.Tensor,
@@ -134,7 +148,8 @@ def _decide_head(policy: AttenAssemble, zoo: Zoo, tokens: TokenFn, data: torch.T
     state = torch.tensor([tokens(m) for m in blocks]).reshape(len(blocks), TOKEN_FEATURES)
     cand = torch.tensor([tokens(m) for m in heads])
     mask = torch.ones(len(heads), dtype=torch.bool)
-    return heads, Step(state, cand, mask, -1), policy.logits(data, state, cand, mask)
+    common = torch.tensor([list(blocks) + [h] == list(zoo.common) for h in heads]) if policy.prior is not None else None
+    return heads, Step(state, cand, mask, -1, common), policy.logits(data, state, cand, mask, common)
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -203,7 +218,7 @@ def terminal_reward(accuracy: float, exp: float, cap: float, alpha: float, beta:
 
 
 def log_probs(policy: AttenAssemble, episode: Episode) -> torch.Tensor:
-    return torch.stack([policy.logits(episode.data, s.state, s.candidates, s.valid).log_softmax(0)[s.action]
+    return torch.stack([policy.logits(episode.data, s.state, s.candidates, s.valid, s.common).log_softmax(0)[s.action]
                         for s in episode.steps])
 
 
@@ -213,9 +228,9 @@ class PolicyAgent:
     which is kept up to date in both cases so it is warm when the server goes away."""
 
     def __init__(self, data_dim: int, lr: float = 1e-2, gamma: float = 0.95, tau: float = 1.0, seed: int = 0,
-                 baseline_decay: float = 0.8) -> None:
+                 baseline_decay: float = 0.8, prior: float | None = None) -> None:
         torch.manual_seed(seed)
-        self.policy = AttenAssemble(data_dim, tau=tau)
+        self.policy = AttenAssemble(data_dim, tau=tau, prior=prior)
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=lr)
         self.gamma = gamma
         self.baseline: float | None = None

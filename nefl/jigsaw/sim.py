@@ -39,7 +39,7 @@ from nefl.jigsaw.policy import TOKEN_FEATURES
 from nefl.jigsaw.shards import ClientShard, ShardSpec, client_data, device_budgets, initial_modules, module_seed
 from nefl.jigsaw.screen import ReturnScreen
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, neighbours, state_bytes
-from nefl.jigsaw.zoo import ModuleMeta, Zoo, base_for_budget, build_model, load_base, peak_bytes, random_chain
+from nefl.jigsaw.zoo import ModuleMeta, Zoo, base_for_budget, build_model, common_chain, load_base, peak_bytes, random_chain
 from nefl.nested.checkpoint import META_FILE, STATE_FILE, append_metrics
 from nefl.nested.data import get_dataset_info, load_dataset
 from nefl.nested.state import load_module_state, module_state
@@ -79,6 +79,9 @@ class JigsawConfig:
     gamma: float = 0.95  # discount of the Monte-Carlo returns
     tau: float = 1.0  # pointer temperature
     policy_lr: float = 0.05  # Adam
+    # the policies' starting logit bonus for each step of the common chain (the smallest base model, head included),
+    # learnable; 0: off (the policies start without a preferred chain; docs/fedjigsaw.md, "The common chain")
+    common_prior: float = 3.0
     execution_temperature: float = 0.0  # model-training phase: 0 decodes greedily
     switch_cost: float = 1.0  # nats per round held a new chain must gain under the policy before a client switches to it
     switch_patience: int = 3  # consecutive rounds the policy must prefer the same new chain so
@@ -106,7 +109,8 @@ class JigsawConfig:
     def settings(self, max_blocks: int) -> ClientSettings:
         return ClientSettings(FEDERATION, max_blocks, self.batch_size, self.reward_alpha(), self.beta, self.gamma, self.tau,
                               self.policy_lr, self.execution_temperature, self.switch_cost, self.switch_patience,
-                              self.observation_decay, self.local_guard and get_method(self.method).share)
+                              self.observation_decay, self.local_guard and get_method(self.method).share,
+                              self.common_prior or None)
 
     def coretune(self, federation: str, classes: int) -> CoReTune:
         """CoRe-Tune's server step for this configuration (the simulator's and jigsaw-serve's alike)."""
@@ -203,8 +207,7 @@ class ModuleFederation:
         """Client c's chain under a method without a policy (JigsawMethod.fixed)."""
         bases, cfg = self.sim.bases, self.cfg
         if self.method.fixed == "shared":
-            owner = min(range(cfg.clients), key=lambda j: (peak_bytes(bases[j].metas(j), self.sim.input, cfg.batch_size), j))
-            return bases[owner].metas(owner)
+            return common_chain([m for j in range(cfg.clients) for m in bases[j].metas(j)], self.sim.input, cfg.batch_size)
         if self.method.fixed == "random":
             visible = bases[c].metas(c) + [m for j in self.links[c] for m in bases[j].metas(j)]
             zoo = Zoo.build(visible, self.sim.input, cfg.batch_size, self.max_blocks)

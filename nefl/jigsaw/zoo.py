@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated
 
@@ -222,6 +223,16 @@ def _finish_table(modules: Sequence[ModuleMeta], dims: set[Dims], batch_size: in
     return tuple(table)
 
 
+def common_chain(modules: Sequence[ModuleMeta], input_dims: Dims, batch_size: int) -> list[ModuleMeta]:
+    """The one chain every client can train together: the smallest base model among the sources' (its modules in
+    position order, head last; ties to the lowest source), which fits every budget that fits a base model."""
+    bases: dict[int, list[ModuleMeta]] = {}
+    for m in modules:
+        bases.setdefault(m.source, []).append(m)
+    source = min(bases, key=lambda s: (peak_bytes(bases[s], input_dims, batch_size), s))
+    return sorted(bases[source], key=lambda m: (m.kind == "head", m.position))
+
+
 @dataclass(frozen=True)
 class Zoo:
     """The candidate modules one client sees (its own and its neighbours'), with the cheapest way to
@@ -248,6 +259,11 @@ class Zoo:
     @staticmethod
     def _dims(modules: Sequence[ModuleMeta], input_dims: Dims) -> set[Dims]:
         return {input_dims} | {m.d_in for m in modules} | {m.d_out for m in modules}
+
+    @cached_property
+    def common(self) -> tuple[ModuleMeta, ...]:
+        """The federation's common chain as this zoo sees it (`common_chain`)."""
+        return tuple(common_chain(self.modules, self.input, self.batch_size))
 
     def heads_for(self, dims: Dims) -> list[ModuleMeta]:
         """The heads that can close an assembly ending at `dims`, the client's own and its neighbours' alike

@@ -20,7 +20,8 @@ from nefl.jigsaw.policy import (
 )
 from nefl.jigsaw.symbio import InProcessExchange, MetadataBroadcast, ModuleFetch, ModuleReturn, neighbours, source_average
 from nefl.jigsaw.zoo import (
-    BASES_DIR, ArchError, ModuleMeta, Zoo, build_model, check_chain, list_bases, load_base, model_cost, parse_base, peak_bytes,
+    BASES_DIR, ArchError, ModuleMeta, Zoo, build_model, check_chain, common_chain, list_bases, load_base, model_cost, parse_base,
+    peak_bytes,
 )
 from nefl.protocol.messages import MessageError
 from nefl.aggregation.rolling import aggregate_windows, extract, extract_state, rolled_window
@@ -516,3 +517,42 @@ def test_coretune_withholds_its_values_until_warm_and_gives_the_papers_exp() -> 
     want = exploration_bonus([torch.tensor(r.data_feature) for r in reports], arch)
     assert [a.exp for a in advice] == pytest.approx(want, abs=1e-6)
     assert errors[-1] < errors[0] / 3  # the critic learns the returns it is trained on
+
+
+def test_the_common_chain_is_the_smallest_base_model_head_included() -> None:
+    zoo = _toy_zoo()
+    assert [m.key for m in zoo.common] == ["c0.m0", "c0.m1", "c0.m2"]
+    bigger_first = [ModuleMeta(source=5, position=p, type=m.type, d_in=m.d_in, d_out=m.d_out) for p, m in enumerate(zoo.common)]
+    assert [m.key for m in common_chain([*bigger_first, *zoo.modules], zoo.input, zoo.batch_size)] == \
+        ["c0.m0", "c0.m1", "c0.m2"]  # a tie goes to the lowest source, whatever the order announced
+
+
+def test_the_common_chain_prior_adds_its_bonus_to_the_common_step_only_and_nothing_without_it() -> None:
+    torch.manual_seed(0)
+    plain = AttenAssemble(10)
+    torch.manual_seed(0)
+    biased = AttenAssemble(10, prior=2.5)
+    assert plain.prior is None and sum(p.numel() for p in biased.parameters()) == sum(p.numel() for p in plain.parameters()) + 1
+    g = torch.Generator().manual_seed(3)
+    data, state, cands = torch.rand(10, generator=g), torch.rand(2, TOKEN_FEATURES, generator=g), torch.rand(6, TOKEN_FEATURES, generator=g)
+    valid = torch.tensor([True, True, False, True, True, True])
+    common = torch.tensor([False, True, False, False, False, False])
+    expected = plain.logits(data, state, cands, valid) + 2.5 * common.float()
+    assert torch.equal(biased.logits(data, state, cands, valid, common), expected)
+    assert torch.equal(biased.logits(data, state, cands, valid), plain.logits(data, state, cands, valid))
+
+
+def test_an_untrained_policy_with_the_prior_decodes_the_common_chain_and_reinforce_can_unlearn_it() -> None:
+    zoo, gen = _toy_zoo(), torch.Generator().manual_seed(0)
+    data = torch.rand(10, generator=gen)
+    for seed in range(4):
+        agent = PolicyAgent(10, seed=seed, prior=20.0)
+        assert assemble(agent.policy, zoo, TOKENS, data, math.inf, 0, temperature=0).metas == list(zoo.common)
+    agent = PolicyAgent(10, lr=0.05, seed=0, prior=1.0)
+    common_first = lambda: math.exp(chain_log_prob(agent.policy, zoo, TOKENS, data, math.inf, 0, list(zoo.common)))  # noqa: E731
+    before = common_first()
+    for _ in range(80):  # the neighbour's first block is what pays
+        ep = assemble(agent.policy, zoo, TOKENS, data, math.inf, 0, temperature=1.0, generator=gen)
+        agent.update(ep, 1.0 if ep.metas[0].source == 1 else 0.0)
+    assert agent.policy.prior is not None and float(agent.policy.prior.detach()) < 1.0
+    assert before > 0.6 and common_first() < 0.1
