@@ -76,8 +76,9 @@ bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations
 bench-sim: env system-deps  ## the simulator's rounds per second and time outside training: main's code vs this tree's one-by-one and --batch-clients paths on one seeded run (about 6 minutes on 2 cores; DEVICE=cuda on a GPU), the paper protocol's estimated time -> docs/benchmarks.md
 	$(PY) benchmarks/bench_sim.py --device $(or $(DEVICE),cpu)
 
-bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRolex and its ablations on Fashion-MNIST, about 4 h on 2 free cores at the default budget, resumable -> docs/fedjigsaw.md
+bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRolex and its ablations on Fashion-MNIST: the small-data sweep (40 images a client, about 40 min on 2 free cores), then the default budget (about 4 h), resumable -> docs/fedjigsaw.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
+	$(PY) benchmarks/bench_fedjigsaw.py --small
 	$(PY) benchmarks/bench_fedjigsaw.py
 
 bench-robust: env system-deps  ## every aggregation rule against issue 20 and issue 41 poisoning attacks at 0-30% attackers, IID and Dir(0.5), seeds 0-2, and its cost -> docs/security.md

@@ -76,14 +76,18 @@ SMALL_START, SMALL_END = "<!-- bench-fedjigsaw-small:start -->", "<!-- bench-fed
 # four (FedJigsaw against training alone, the learned policy against the untrained one, one shared chain) over every
 # seed first, the ablations and the partial-training baselines after, so a sweep cut short still answers the claim
 VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "untrained-policy": ("fedjigsaw", {"policy_rounds": 0}),
-            "shared-chain": ("shared-chain", {}), "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}),
+            "shared-chain": ("shared-chain", {}),
+            # training alone for as many rounds as FedJigsaw trains on the task (its policy phase trains too)
+            "local-only-equal": ("local-only", {"rounds": SMALL.rounds + SMALL.policy_rounds}),
+            "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}),
             "no-prior": ("fedjigsaw", {"common_prior": 0.0}), "random-chain": ("random-chain", {}),
             "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
             "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {})}
 CLAIMED = 4
 VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)",
                   "frozen-policy": "FedJigsaw, policy phase that does not learn (--policy-lr 0)",
-                  "no-prior": "FedJigsaw without the common-chain prior (--common-prior 0)"}
+                  "no-prior": "FedJigsaw without the common-chain prior (--common-prior 0)",
+                  "local-only-equal": f"Local only, {SMALL.rounds + SMALL.policy_rounds} rounds (FedJigsaw's policy + model-training rounds)"}
 
 
 @dataclass(frozen=True)
