@@ -1,6 +1,7 @@
 """Where clients have too little data alone (issue 43), sharing pays: on a small Dir(1.0) federation of real
-Fashion-MNIST (10 clients, 40 training images each: docs/fedjigsaw.md's small-data budget, seed 0) FedJigsaw
-ends ahead of training alone by more than a point, with its clients training shared modules together."""
+Fashion-MNIST (10 clients, 40 training images each: docs/fedjigsaw.md's small-data budget, seed 0), FedJigsaw's
+untrained policy decodes the common chain for every client, and with the same training rounds as training alone
+it ends ahead of it by more than a point (measured: 76.31 against 74.14)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ SMALL = dict(clients=10, rounds=8, policy_rounds=4, critic_warmup=1, max_samples
              val_samples=200, eval_every=0, local_epochs=5, batch_size=16, non_iid=1.0, seed=0)
 
 
-def _mean_accuracy(method: str) -> tuple[float, JigsawSimulator]:
+def _mean_accuracy(method: str, **kw) -> tuple[float, JigsawSimulator]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the figures in docs/fedjigsaw.md were measured so
     try:
-        sim = JigsawSimulator(JigsawConfig(method=method, **SMALL))
+        sim = JigsawSimulator(JigsawConfig(method=method, **{**SMALL, **kw}))
         accs = sim.run().accuracy
     finally:
         torch.set_num_threads(threads)
@@ -26,12 +27,8 @@ def _mean_accuracy(method: str) -> tuple[float, JigsawSimulator]:
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_fedjigsaw_beats_training_alone_on_small_data() -> None:
+def test_the_common_chain_beats_training_alone_on_small_data() -> None:
     alone, _ = _mean_accuracy("local-only")
-    shared, sim = _mean_accuracy("fedjigsaw")
+    shared, sim = _mean_accuracy("fedjigsaw", policy_rounds=0)  # no policy phase: the same 8 rounds of training
+    assert all(sim.fed.chain(c) == list(sim.fed.clients[c].zoo.common) for c in range(sim.cfg.clients))
     assert shared > alone + 0.01, (shared, alone)
-    users: dict[str, int] = {}
-    for c in range(sim.cfg.clients):
-        for m in sim.fed.chain(c):
-            users[m.key] = users.get(m.key, 0) + 1
-    assert max(users.values()) >= sim.cfg.clients // 2, users  # co-training: half the clients or more on a module
