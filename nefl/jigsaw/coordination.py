@@ -24,7 +24,7 @@ from nefl.support.settings import TrainConfig
 MAX_PLAN_BYTES = 1 << 20
 MAX_DEVICES = 1024
 Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-Phase = Literal["policy", "train", "end", "over"]  # end: fetch the final modules and score them; over: leave
+Phase = Literal["policy", "train", "end", "over"]  # end: score the chain as last trained; over: leave
 Clients = Annotated[list[ClientIndex], msgspec.Meta(max_length=4 * MAX_DEVICES)]
 
 
@@ -66,7 +66,8 @@ class JigsawPlan(Message, frozen=True, tag="jigsaw_plan", tag_field="type"):
 
 class JigsawRound(Message, frozen=True, tag="jigsaw_round", tag_field="type"):
     """Coordinator -> devices (retained, signed): round `round` opens. After the last one, phase "end" closes it
-    (sources average, devices fetch their final chain and score it on their local test set), then "over"."""
+    (sources average the last returns, devices score the chain as they last trained it, or their local path, on their
+    local test set), then "over"."""
 
     federation: Name
     run: Name
