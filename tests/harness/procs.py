@@ -59,7 +59,10 @@ class Procs:
         return p
 
     def aggregator(self, name: str, args: list[str]) -> subprocess.Popen:
-        return self.start(name, [sys.executable, "-c", "from aggregator.cli import app; app()", "serve",
+        # SIGINT raises KeyboardInterrupt in serve (as Ctrl-C does) however the test runner was started: one run in
+        # the background of a non-interactive shell hands its children SIGINT ignored, and Python keeps it so
+        ctrl_c = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        return self.start(name, [sys.executable, "-c", ctrl_c + "from aggregator.cli import app; app()", "serve",
                                  "--profile", PROFILE, "--checkpoint-dir", str(self.tmp / "run"), *args])
 
     def client(self, name: str, broker: str, args: list[str]) -> subprocess.Popen:
