@@ -59,9 +59,11 @@ class Procs:
         return p
 
     def aggregator(self, name: str, args: list[str]) -> subprocess.Popen:
-        # SIGINT raises KeyboardInterrupt in serve (as Ctrl-C does) however the test runner was started: one run in
-        # the background of a non-interactive shell hands its children SIGINT ignored, and Python keeps it so
-        ctrl_c = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        # SIGINT raises KeyboardInterrupt in serve (as Ctrl-C does) whatever the test process hands down: in one full
+        # CI run serve ignored the test's SIGINT (SIGINT ignored or blocked is inherited across exec; the cause was not
+        # found), so the child unblocks it and installs Python's own handler first
+        ctrl_c = ("import signal; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                  "signal.signal(signal.SIGINT, signal.default_int_handler); ")
         return self.start(name, [sys.executable, "-c", ctrl_c + "from aggregator.cli import app; app()", "serve",
                                  "--profile", PROFILE, "--checkpoint-dir", str(self.tmp / "run"), *args])
 
