@@ -65,10 +65,10 @@ class Evaluator:
     def _accuracy(self, state: GlobalState, n: int, progress: Progress | None) -> list[float]:
         out = []
         for k, model in enumerate(self.modules):
-            load_module_state(model, state.extract(self.layout, k))
-            if self.calib is not None:
-                recompute_bn_stats(model, self.calib, self.device)
-                self._record_stats(model, state, k)
+            if self.calib is not None:  # static BN: the recomputed statistics are its (never uploaded) local tensors
+                recalibrate(self.layout, model, state, k, self.calib, self.layout.local, self.device)
+            else:
+                load_module_state(model, state.extract(self.layout, k))
             correct = 0
             for start in range(0, n, CHUNK):
                 if progress is not None:
@@ -79,8 +79,13 @@ class Evaluator:
             out.append(round(correct / n, 4))
         return out
 
-    def _record_stats(self, model: torch.nn.Module, state: GlobalState, k: int) -> None:
-        """Submodel k's recomputed statistics become its (never uploaded) per-submodel tensors."""
-        trained = module_state(model)
-        for name in self.layout.local & state.inconsistent[k].keys():
-            state.inconsistent[k][name] = trained[name].detach().cpu().clone()
+
+def recalibrate(layout: Layout, model: torch.nn.Module, state: GlobalState, k: int, batches: BatchLoader,
+                names: frozenset[str], device: str = "cpu") -> None:
+    """Submodel k of `state` loaded into `model` (its module), its batch-norm statistics recomputed as exact batch
+    statistics over `batches`, and those of them named in `names` written back into `state`."""
+    load_module_state(model, state.extract(layout, k))
+    recompute_bn_stats(model, batches, device)
+    trained = module_state(model)
+    for name in names & state.inconsistent[k].keys():
+        state.inconsistent[k][name] = trained[name].detach().cpu().clone()

@@ -24,7 +24,7 @@ from aggregator.assignment import Assignment, Candidate, coverage_order, get_pol
 from aggregator.rejected import Rejected
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, Weighting
 from nefl.aggregation.gate import Gate
-from nefl.aggregation.pipeline import Pipeline, Robustness
+from nefl.aggregation.pipeline import Pipeline, Robustness, Statistics
 from nefl.aggregation.robust import UpdateGuard, UpdateRejected, reference_norm
 from nefl.aggregation.step_bound import StepBound
 from nefl.aggregation.update_check import UpdateError, check_update
@@ -115,10 +115,12 @@ class Federation:
                  assignment: Assignment = "coverage", tiers: Mapping[str, int] | None = None,
                  trained_updates: Sequence[int] | None = None, warn_untrained_after: int = 3,
                  reference: ReferenceUpdate | None = None, rule_seed: int | None = None,
-                 rule_secret: bytes | None = None, gate: Gate | None = None) -> None:
+                 rule_secret: bytes | None = None, gate: Gate | None = None,
+                 statistics: Statistics | None = None) -> None:
         """`robustness`, `weighting`, `reference` (the server's root updates), `rule_seed` (the rule's draws,
         stable across restarts; default `seed`) and `rule_secret` (a server's: the draws then come from it, not the
-        seed) make the aggregation pipeline (nefl/aggregation/pipeline.py)."""
+        seed), `gate` and `statistics` (the server's held-out checks and running statistics) make the aggregation
+        pipeline (nefl/aggregation/pipeline.py)."""
         if min_clients < 1 or clients_per_round < min_clients:
             raise ValueError("need 1 <= --min-clients <= --clients-per-round")
         self.layout, self.state, self.name = layout, state, federation
@@ -126,7 +128,7 @@ class Federation:
         self.limits = limits
         self.offline_grace_s = offline_grace_s
         self.aggregator = Pipeline(layout, robustness, weighting, reference, seed if rule_seed is None else rule_seed,
-                                   rule_secret, gate)
+                                   rule_secret, gate, statistics)
         self._bounded: dict[int, int] = {}  # submodel -> its tensors the step bound scaled down this round
         self._reference: dict[int, float] = {}  # submodel -> norm of its current weights, once per round
         self.clients: dict[str, ClientInfo] = {}

@@ -73,7 +73,7 @@ class FleetSimulator:
         self.fleet = Fleet.build(fleet, [m / macs[-1] for m in macs], steps, cfg.seed)
         # sync: a round's updates are one buffer of staleness 0 (K: all that arrive; the round closes it)
         buffer_cfg = staleness if fleet.mode == "buffered" else replace(staleness, buffer_size=fleet.concurrency)
-        pipeline = Pipeline(self.layout, cfg.robustness, cfg.weighting, seed=cfg.seed)
+        pipeline = Pipeline(self.layout, cfg.robustness, cfg.weighting, seed=cfg.seed, statistics=server.statistics)
         self.buffer = VersionBuffer(pipeline, buffer_cfg, GlobalState.init(self.layout, seed=cfg.seed))
         self.result = FleetResult(fleet.mode)
         self.out = Path(cfg.out) if cfg.out else None

@@ -97,7 +97,7 @@ class NeFLStrategy(Strategy, RoundHooks):
         device = str(check_device(cfg.device))
         server = ServerSide.build(cfg, device)
         layout = server.layout
-        fed = new_federation(layout, cfg, server.reference, tiers={}, gate=server.gate)
+        fed = new_federation(layout, cfg, server.reference, tiers={}, gate=server.gate, statistics=server.statistics)
         join = FlowerJoin(profile=layout.profile.name, method=layout.method.name, profile_hash=layout.profile.hash,
                           dataset=cfg.dataset or layout.profile.dataset, seed=cfg.seed, non_iid=cfg.non_iid,
                           max_samples=cfg.max_samples_per_client,

@@ -66,6 +66,12 @@ GateOpt = Annotated[bool, typer.Option(
     "--gate/--no-gate", help="Judge each round on held-out test images: leave out the updates that make it worse "
                              "(leave-one-out), and refuse a round still worse than the best of the last 3 committed "
                              "states; needs --eval-dataset (simulate: its test split).")]
+ServerStats = Annotated[bool, typer.Option(
+    "--server-stats/--device-stats", help="Batch norm's running statistics: the server's own, recomputed at every "
+                                          "commit on held-out test images (needs --eval-dataset; simulate: its test "
+                                          "split), or the devices' merged values.")]
+StatsSamples = Annotated[int, typer.Option(
+    "--stats-samples", min=1, help="--server-stats: held-out test images the running statistics are recomputed on.")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
 
 
@@ -86,6 +92,8 @@ class RobustnessOptions:
     tensor_noise: TensorNoise = _A.tensor_noise
     step_element: StepElement = _A.step_element
     gate: GateOpt = _A.gate
+    server_stats: ServerStats = _A.server_stats
+    stats_samples: StatsSamples = _A.stats_samples
     root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
     def robustness(self) -> Robustness:
@@ -102,5 +110,6 @@ class RobustnessOptions:
         agg = AggregationConfig(rule=self.aggregator, trim=self.trim, centre_check=centre_check,
                                 min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio,
                                 tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise,
-                                step_element=self.step_element, gate=self.gate)
+                                step_element=self.step_element, gate=self.gate, server_stats=self.server_stats,
+                                stats_samples=self.stats_samples)
         return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

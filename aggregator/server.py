@@ -41,6 +41,7 @@ from aggregator.metrics import Observer
 from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
 from aggregator.gatedata import make_gate
+from aggregator.statsdata import ServerStatistics
 from nefl.aggregation.gate import Gate
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
@@ -318,11 +319,12 @@ class Server:
         self.cfg, self.topics = cfg, Topics(cfg.federation)
         train_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                 schedule=cfg.lr_schedule, warmup_rounds=cfg.warmup_rounds)
-        evaluator, root, gate = _evaluation(cfg, layout, train_cfg)
+        evaluator, root, gate, statistics = _evaluation(cfg, layout, train_cfg)
         self.fed = Federation(layout, start.state, cfg.federation, cfg.clients_per_round, cfg.min_clients,
                               cfg.round_timeout, seed=cfg.seed + next_round, robustness=cfg.robustness, limits=cfg.limits,
                               assignment=cfg.assignment,
-                              reference=root, rule_secret=rule_secret or secrets.token_bytes(32), gate=gate)
+                              reference=root, rule_secret=rule_secret or secrets.token_bytes(32), gate=gate,
+                              statistics=statistics)
         self.fed.load_state_dict(start.meta)  # the bounds' history and the update counts survive a restart
         self.fed.defer_direct = bool(cfg.workers or cfg.remote_workers)  # what reaches this process then is a resend
         out = Path(cfg.checkpoint_dir)
@@ -496,10 +498,11 @@ class Server:
                  f"{self.cfg.rounds}")
 
 
-def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tuple[Evaluator | None, RootUpdates | None,
-                                                                                  Gate | None]:
-    """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset);
-    when both use one test split, the root images are left out of what evaluation scores."""
+def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig
+                ) -> tuple[Evaluator | None, RootUpdates | None, Gate | None, ServerStatistics | None]:
+    """The evaluator and, under FLTrust, the root updates (--root-data, else the evaluation dataset), the gate and
+    the server's running statistics; when they use one test split, their images are left out of what evaluation
+    scores."""
     root_name = (cfg.root_data or cfg.eval_dataset) if cfg.robustness.aggregation.spec.root_data else None
     test = load_dataset(cfg.eval_dataset, cfg.data_root, train=False) if cfg.eval_dataset else None
     root = None
@@ -517,9 +520,17 @@ def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig) -> tup
             gate = make_gate(layout, gate_set, cfg.robustness.aggregation)
             if cfg.workers or cfg.remote_workers:
                 log.warning("--gate with workers: a round merged from partials carries no updates to leave out; a tripped one is refused whole")
+    statistics = None
+    if cfg.robustness.aggregation.server_stats and layout.stats:
+        if test is None:
+            log.warning("the server holds no held-out data: batch norm's running statistics are the devices' merged "
+                        "values (give --eval-dataset for the server's own, docs/security.md)")
+        else:  # their images: the last stats_samples of what evaluation would score (after the gate's), left out of it
+            test, stats_set = split_root(test, cfg.robustness.aggregation.stats_samples)
+            statistics = ServerStatistics(layout, stats_set)
     evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,
                                       test=test) if test is not None else None
-    return evaluator, root, gate
+    return evaluator, root, gate, statistics
 
 
 def load_start(cfg: ServeConfig) -> Start:

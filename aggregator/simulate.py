@@ -26,6 +26,7 @@ from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
 from aggregator.gatedata import make_gate
+from aggregator.statsdata import ServerStatistics
 from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.attack_oracle import PipelineOracle
@@ -96,21 +97,22 @@ def attacker_ids(cfg: SimConfig) -> set[str]:
 
 
 def new_federation(layout: Layout, cfg: SimConfig, reference: RootUpdates | None = None,
-                   tiers: dict[str, int] | None = None, gate: Gate | None = None) -> Federation:
+                   tiers: dict[str, int] | None = None, gate: Gate | None = None,
+                   statistics: ServerStatistics | None = None) -> Federation:
     """The server's round state of a simulated run, from the seeded initial weights, no client known yet."""
     return Federation(layout, GlobalState.init(layout, seed=cfg.seed), FEDERATION, cfg.per_round, 1, math.inf,
                       cfg.weighting, cfg.seed, robustness=cfg.robustness, assignment=cfg.assignment, tiers=tiers,
-                      reference=reference, gate=gate)
+                      reference=reference, gate=gate, statistics=statistics)
 
 
-def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int],
-                         reference: RootUpdates | None = None, gate: Gate | None = None) -> Federation:
+def simulated_federation(layout: Layout, cfg: SimConfig, samples: Sequence[int], reference: RootUpdates | None = None,
+                         gate: Gate | None = None, statistics: ServerStatistics | None = None) -> Federation:
     """The server's round state with every client online and announcing its tier's bound once, as
     a device does over MQTT; `samples` is each client's partition size."""
     k = layout.num_submodels
     ids = client_ids(cfg.clients)
     tiers = {cid: tier_of(c, cfg.clients, k) for c, cid in enumerate(ids)}
-    fed = new_federation(layout, cfg, reference, tiers, gate)
+    fed = new_federation(layout, cfg, reference, tiers, gate, statistics)
     for cid, n in zip(ids, samples):
         fed.set_online(cid, True, now=0.0)
         fed.announce(cid, Announce(client=cid, samples=max(1, n), max_submodel=tier_bound(tiers[cid], k) + 1), now=0.0)
@@ -146,6 +148,7 @@ class ServerSide:
     reference: RootUpdates | None  # the root updates of a rule that needs root data
     cfg: SimConfig
     gate: Gate | None = None  # the held-out gate (--gate): its images held out of the evaluation too
+    statistics: ServerStatistics | None = None  # the server's running statistics: their images held out too
 
     @classmethod
     def build(cls, cfg: SimConfig, device: str) -> ServerSide:
@@ -170,7 +173,11 @@ class ServerSide:
         if agg.gate:  # the gate's images come after the root set's, held out of the evaluation as on the server
             test, gate_set = split_root(test, agg.gate_samples)
             gate = make_gate(layout, gate_set, agg)
-        return cls(layout, train_cfg, train, test, root, cfg, gate)
+        statistics = None
+        if agg.server_stats and layout.stats:  # after the gate's, held out of the evaluation as on the server
+            test, stats_set = split_root(test, agg.stats_samples)
+            statistics = ServerStatistics(layout, stats_set, device)
+        return cls(layout, train_cfg, train, test, root, cfg, gate, statistics)
 
     def evaluator(self, test: ArrayDataset, device: str) -> Evaluator:
         """Every submodel scored on `test` (the test images, or a triggered copy of them)."""
@@ -189,7 +196,8 @@ class Simulator(RoundTransport):
         self.modules = [self.layout.module(k).to(self.device) for k in range(self.layout.num_submodels)]
         self.client_index = {cid: c for c, cid in enumerate(client_ids(cfg.clients))}
         self.attackers = attacker_ids(cfg)
-        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.reference, server.gate)
+        self.fed = simulated_federation(self.layout, cfg, [len(p) for p in self.parts], server.reference, server.gate,
+                                        server.statistics)
         self.evaluator = server.evaluator(self.test, self.device)
         self.backdoor = None
         if cfg.attack is not None and cfg.attack.backdoor:

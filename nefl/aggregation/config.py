@@ -60,6 +60,12 @@ class AggregationConfig:
     gate_samples: int = 512  # held-out images the gate scores every candidate on (the last of the test split)
     gate_attribute: int = 32  # a round of at most this many updates keeps copies, so a tripped round can leave some out
     gate_max_out: float = 0.5  # the most updates left out of one round, as a share of them (at least one)
+    # batch norm's running statistics recomputed by the server at commit, as exact batch statistics over stats_samples
+    # held-out images of its own (after the gate's, left out of evaluation), in place of the devices' merged values: they
+    # are estimates, not learned, so no device's word is needed for them (nefl/aggregation/pipeline.py); a server with
+    # no data (serve without --eval-dataset) keeps the devices' merged values
+    server_stats: bool = True
+    stats_samples: int = 512
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold
@@ -93,6 +99,8 @@ class AggregationConfig:
                              f"gate_attribute >= 0 and gate_max_out in (0, 1), got {self.gate_z}, {self.gate_margin}, "
                              f"{self.gate_error_margin}, {self.gate_samples}, "
                              f"{self.gate_attribute}, {self.gate_max_out}")
+        if self.stats_samples < 1:
+            raise ValueError(f"need stats_samples >= 1, got {self.stats_samples}")
         if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
             raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "
                              f"{self.coordinate_max}")
@@ -108,5 +116,6 @@ class AggregationConfig:
         return self.spec.mergeable
 
 
-# the paper's NeFedAvg with nothing in front of it: every update merged, no centre check (the benchmarks' baseline)
-PLAIN_NEFEDAVG = AggregationConfig(centre_check=False)
+# the paper's NeFedAvg with nothing in front of it: every update merged (running statistics too), no centre check (the
+# benchmarks' baseline)
+PLAIN_NEFEDAVG = AggregationConfig(centre_check=False, server_stats=False)

@@ -5,7 +5,8 @@ passed intake and a committed state, in the order it acts.
 2. the centre check in front of the rule the config names in nefl/aggregation/registry.py, with every tensor of an
    update judged by its size against the round's and its history's (`begin_round`);
 3. at commit: DP noise on the sums (Mergeable rules), finalize, the step bound on every tensor (with the centre
-   check), the state check (finite, within max_weight_abs), and the tensor sizes' history (`commit`).
+   check), the server's own running statistics (`statistics`, where it holds data: they replace the devices'), the
+   state check (finite, within max_weight_abs), and the tensor sizes' history (`commit`).
 
 `serve`, its workers and coordinator, and `simulate` all hold one through aggregator/federation.py.
 """
@@ -30,6 +31,9 @@ from nefl.aggregation.step_bound import StepBound
 from nefl.aggregation.tensor_screen import SizeHistory
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import DEFAULT_MAX_ABS
+
+# recomputes every submodel's batch-norm running statistics in a candidate state, in place, from the server's images
+Statistics = Callable[[GlobalState], None]
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,13 @@ class Pipeline:
     """A federation's aggregation (see the module docstring). `reference`: the server's root updates, for a rule
     whose registry entry needs root data. The rule's and the centre check's draws (the sketch's positions) come
     from `secret` mixed with the round where one is given (a server: positions nobody can compute in advance,
-    docs/security.md), else from `seed` (the simulator: reproducible)."""
+    docs/security.md), else from `seed` (the simulator: reproducible). `statistics`: the server's running statistics
+    (AggregationConfig.server_stats), which then replace the devices' in every candidate; the step bound leaves them
+    out."""
 
     def __init__(self, layout: Layout, robustness: Robustness = Robustness(), weighting: Weighting = "uniform",
                  reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None,
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, statistics: Statistics | None = None) -> None:
         cfg = robustness.aggregation
         if cfg.spec.root_data and reference is None:
             raise ValueError(f"--aggregator {cfg.rule} needs root data on the server: give --root-data DATASET "
@@ -76,8 +82,10 @@ class Pipeline:
         self.layout, self.robustness, self.cfg, self.weighting = layout, robustness, cfg, weighting
         self.reference, self.seed, self.secret = reference, seed, secret
         self.gate = gate  # the held-out gate (nefl/aggregation/gate.py), last at commit
+        self.statistics = statistics
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
-        self.steps = StepBound(layout, cfg) if cfg.centre_check else None
+        server_held = layout.stats if statistics is not None else frozenset()
+        self.steps = StepBound(layout, cfg, server_held) if cfg.centre_check else None
         self.sizes = SizeHistory(sorted(set(layout.global_shapes) - layout.inconsistent - layout.local),
                                                  frozenset(layout.inconsistent), cfg) if cfg.centre_check else None
         self.noise = torch.Generator()
@@ -139,9 +147,12 @@ class Pipeline:
         return Commit(candidate if problem is None else None, problem, bounded)
 
     def _finish(self, agg: RoundAggregate, state: GlobalState) -> tuple[GlobalState, dict[int, int], str | None]:
-        """The aggregate's candidate state, the step bound applied, and why it cannot commit (None: it can)."""
+        """The aggregate's candidate state, the step bound applied, the server's running statistics in place of the
+        devices', and why it cannot commit (None: it can)."""
         candidate = agg.finalize(state)
         bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
+        if self.statistics is not None:
+            self.statistics(candidate)
         return candidate, bounded, check_state(candidate, self.robustness.max_weight_abs)
 
     def _gate(self, agg: RoundAggregate, chosen: RoundAggregate, state: GlobalState, candidate: GlobalState,

@@ -238,11 +238,12 @@ class _Anchor:
 
 
 class StepBound:
-    """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies), and the copies'
-    anchors."""
+    """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies) but those the
+    server sets itself (`server_held`: its running statistics), and the copies' anchors."""
 
-    def __init__(self, layout: Layout, cfg: AggregationConfig) -> None:
-        self.names = sorted(layout.inconsistent - layout.local)
+    def __init__(self, layout: Layout, cfg: AggregationConfig, server_held: frozenset[str] = frozenset()) -> None:
+        self.server_held = server_held
+        self.names = sorted(layout.inconsistent - layout.local - server_held)
         self.k, self.peers, self.window = cfg.step_k, cfg.min_cover, cfg.step_window
         self.element = cfg.step_element
         consistent = {n: cells(layout, n) for n in sorted(set(layout.global_shapes) - layout.inconsistent)}
@@ -356,10 +357,16 @@ class StepBound:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resumed server keeps its bounds and anchors (a checkpoint without anchors leaves them empty, to be
-        rebuilt over the next rounds); refuses a history that is not finite sizes per known tensor, or anchors that
-        are not finite values per known copy."""
+        rebuilt over the next rounds; what it holds of tensors the server now sets itself is dropped); refuses a
+        history that is not finite sizes per known tensor, or anchors that are not finite values per known copy."""
+        if isinstance(state, dict) and isinstance(state.get("history"), dict):
+            state = {**state, "history": {n: h for n, h in state["history"].items() if n not in self.server_held}}
+        anchors = state.get("anchors", []) if isinstance(state, dict) else None
+        if isinstance(anchors, list):
+            anchors = [a for a in anchors if not (isinstance(a, list) and len(a) == 3 and isinstance(a[1], str)
+                                                  and a[1] in self.server_held)]
         load_history(self.history, state, "step-bound")
-        self.anchor.load_state_dict(state.get("anchors", []), self._shapes)
+        self.anchor.load_state_dict(anchors, self._shapes)
 
 
 def load_history(history: dict[str, deque[float]], state: dict[str, Any], what: str) -> None:

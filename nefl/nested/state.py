@@ -73,6 +73,11 @@ class Layout:
     def num_submodels(self) -> int:
         return len(self.sub_shapes)
 
+    @property
+    def stats(self) -> frozenset[str]:
+        """The running statistics devices upload (batch norm's, per submodel); a static-BN method uploads none."""
+        return frozenset(n for n in self.inconsistent - self.local if n.rsplit(".", 1)[-1] in BN_STATS)
+
     def upload_shapes(self, k: int) -> dict[str, torch.Size]:
         """Tensors a client training submodel k sends back: everything it trained."""
         return {n: s for n, s in self.sub_shapes[k].items() if n not in self.local}
