@@ -247,7 +247,7 @@ def overhead(side: str) -> dict:
         params = sum(p.numel() for p in agent.policy.parameters())
     else:
         episodes = [assemble(agent.policy, zoo, tokens_for(c, log, 0), data, budget, c, generator=gen) for c in range(10)]
-        reports = [PolicyReport(federation="f", client=c, round=0, accuracy=0.5, cap=0.5, data_feature=data.tolist(),
+        reports = [PolicyReport(federation="f", client=c, round=0, accuracy=0.5, cap=0.5, samples=54, data_feature=data.tolist(),
                                 chain=[(m.source, m.position) for m in ep.metas],
                                 observations=[observation(data, s.state, 7).tolist() for s in ep.steps])
                    for c, ep in enumerate(episodes)]
