@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from aggregator.gatedata import make_gate
+from aggregator.statsdata import ServerStatistics
+from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.gate import Gate
 from nefl.nested.data import ArrayDataset, BatchLoader
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import DEFAULT_ROOT_SAMPLES
@@ -29,6 +33,21 @@ def split_root(test: ArrayDataset, samples: int) -> tuple[ArrayDataset, ArrayDat
     cut = len(test) - samples
     return (ArrayDataset(test.images[:cut], test.labels[:cut], test.info),
             ArrayDataset(test.images[cut:], test.labels[cut:], test.info))
+
+
+def held_out(test: ArrayDataset, layout: Layout, agg: AggregationConfig, device: str = "cpu"
+             ) -> tuple[ArrayDataset, Gate | None, ServerStatistics | None]:
+    """(what evaluation scores, the held-out gate under `agg.gate`, the server's running statistics under
+    `agg.server_stats` where the layout has any): each takes the last images of `test`, the gate's first, left out of
+    evaluation as the root set is."""
+    gate = statistics = None
+    if agg.gate:
+        test, gate_set = split_root(test, agg.gate_samples)
+        gate = make_gate(layout, gate_set, agg)
+    if agg.server_stats and layout.stats:
+        test, stats_set = split_root(test, agg.stats_samples)
+        statistics = ServerStatistics(layout, stats_set, device)
+    return test, gate, statistics
 
 
 @dataclass

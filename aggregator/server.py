@@ -40,10 +40,9 @@ from aggregator.link import Link
 from aggregator.metrics import Observer
 from aggregator.partials import WorkerPool
 from aggregator.resends import Resends
-from aggregator.gatedata import make_gate
 from aggregator.statsdata import ServerStatistics
 from nefl.aggregation.gate import Gate
-from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
+from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, held_out, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.staleness import StalenessConfig
 from nefl.nested.checkpoint import (METRICS_FILE, CheckpointError, has_checkpoint, load_checkpoint, read_metrics,
@@ -511,23 +510,16 @@ def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig
                                     load_dataset(root_name, cfg.data_root, train=False), cfg.root_samples)
         test = held if root_name == cfg.eval_dataset else test
         root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed)
-    gate = None
-    if cfg.robustness.aggregation.gate:
-        if test is None:
-            log.warning("--gate: the server holds no held-out data; the gate is off (give --eval-dataset)")
-        else:  # the gate's images: the last gate_samples of what evaluation would score, left out of it
-            test, gate_set = split_root(test, cfg.robustness.aggregation.gate_samples)
-            gate = make_gate(layout, gate_set, cfg.robustness.aggregation)
-            if cfg.workers or cfg.remote_workers:
-                log.warning("--gate with workers: a round merged from partials carries no updates to leave out; a tripped one is refused whole")
-    statistics = None
-    if cfg.robustness.aggregation.server_stats and layout.stats:
-        if test is None:
-            log.warning("the server holds no held-out data: batch norm's running statistics are the devices' merged "
-                        "values (give --eval-dataset for the server's own, docs/security.md)")
-        else:  # their images: the last stats_samples of what evaluation would score (after the gate's), left out of it
-            test, stats_set = split_root(test, cfg.robustness.aggregation.stats_samples)
-            statistics = ServerStatistics(layout, stats_set)
+    agg, gate, statistics = cfg.robustness.aggregation, None, None
+    if test is not None:
+        test, gate, statistics = held_out(test, layout, agg)
+    elif agg.gate:
+        log.warning("--gate: the server holds no held-out data; the gate is off (give --eval-dataset)")
+    if test is None and agg.server_stats and layout.stats:
+        log.warning("the server holds no held-out data: batch norm's running statistics are the devices' merged "
+                    "values (give --eval-dataset for the server's own, docs/security.md)")
+    if gate is not None and (cfg.workers or cfg.remote_workers):
+        log.warning("--gate with workers: a round merged from partials carries no updates to leave out; a tripped one is refused whole")
     evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,
                                       test=test) if test is not None else None
     return evaluator, root, gate, statistics

@@ -25,9 +25,8 @@ import torch
 from aggregator.assignment import Assignment
 from aggregator.evaluation import Evaluator
 from aggregator.federation import Federation, Rejected, Robustness, Update
-from aggregator.gatedata import make_gate
 from aggregator.statsdata import ServerStatistics
-from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, split_root
+from aggregator.rootdata import DEFAULT_ROOT_SAMPLES, RootUpdates, held_out, split_root
 from aggregator.rounds import RoundDriver, RunPlan, RoundTransport
 from nefl.aggregation.attack_oracle import PipelineOracle
 from nefl.aggregation.gate import Gate
@@ -169,14 +168,7 @@ class ServerSide:
         if agg.spec.root_data:  # the root set is held out of the evaluation, as on the server
             test, root_set = split_root(test, cfg.root_samples)
             root = RootUpdates(layout, root_set, train_cfg, cfg.rounds, cfg.root_samples, cfg.seed, device)
-        gate = None
-        if agg.gate:  # the gate's images come after the root set's, held out of the evaluation as on the server
-            test, gate_set = split_root(test, agg.gate_samples)
-            gate = make_gate(layout, gate_set, agg)
-        statistics = None
-        if agg.server_stats and layout.stats:  # after the gate's, held out of the evaluation as on the server
-            test, stats_set = split_root(test, agg.stats_samples)
-            statistics = ServerStatistics(layout, stats_set, device)
+        test, gate, statistics = held_out(test, layout, agg, device)  # after the root set's, as on the server
         return cls(layout, train_cfg, train, test, root, cfg, gate, statistics)
 
     def evaluator(self, test: ArrayDataset, device: str) -> Evaluator:
