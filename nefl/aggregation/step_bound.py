@@ -34,9 +34,13 @@ the same tensor's cells this round covered by at least `WELL` updates (averages 
 and the tensor's cell history, one entry per round that moved a well-covered cell, that round's median
 over them. Cells covered by `peers` or more (the classifier's bias, the shared core) are bounded by `k` x the
 median of that history alone, so no round moves any tensor far; warm-up as above, no bound until the history
-holds `peers` entries. The history is measured before bounding, so honest rounds that all propose larger steps
-(repairing a bad commit) bring the bound along within half a window; a per-submodel copy, which only its own
-submodel's updates repair, may always step back toward its anchor (`_Anchor`). Coverage counts the updates
+holds `peers` entries. The classifier's cells are also judged class by class (`by_rows`): each row of a cell (a
+class's weights over the ring's features; its bias element) is held to the cell's limit, so a push on one class (the
+bias push) cannot pass at sqrt(classes) x that limit inside the cell's RMS over all classes. The pool and the history
+stay whole cells, so honest rounds that all propose repairing one class raise the bound as they would for the cell.
+The history is measured before bounding, so honest rounds that all propose larger steps (repairing a bad commit)
+bring the bound along within half a window; a per-submodel copy, which only its own submodel's updates repair, may
+always step back toward its anchor (`_Anchor`). Coverage counts the updates
 the rule was given (`RoundAggregate.updates`): a rule that drops one counts it still, so a cell it left to
 one update may count as two.
 """
@@ -93,6 +97,16 @@ def cells(layout: Layout, name: str) -> list[tuple[list[Box], list[int]]] | None
     return [(ring(outer, shapes[i + 1] if i + 1 < len(shapes) else None),
              [k for k, s in enumerate(layout.sub_shapes) if name in s and all(a >= b for a, b in zip(s[name], outer))])
             for i, outer in enumerate(shapes)]
+
+
+def by_rows(layout: Layout, name: str) -> bool:
+    """Whether the cells of `name` are also judged row by row: a tensor whose leading dim no slice cuts while a later
+    one is cut (the classifier: a row per class, its columns the nested features), and its bias (a class's element)."""
+    shapes = {s[name] for s in layout.sub_shapes if name in s}
+    weight = name.removesuffix("bias") + "weight"
+    if len(layout.global_shapes[name]) == 1 and name.endswith("bias") and weight in layout.global_shapes:
+        return by_rows(layout, weight) and layout.global_shapes[weight][0] == layout.global_shapes[name][0]
+    return len(layout.global_shapes[name]) >= 2 and len(shapes) > 1 and len({s[0] for s in shapes}) == 1
 
 
 class _Copies:
@@ -237,6 +251,20 @@ class _Anchor:
         self.past, self._medians = past, {}
 
 
+def _hold_rows(name: str, boxes: list[Box], old: torch.Tensor, new: torch.Tensor, limit: float) -> bool:
+    """Scale each row (leading index: a class) of a cell's step in `new` (in place) whose RMS over the cell's boxes
+    is above `limit` down to it; whether any was."""
+    steps = [torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0).double() for b in boxes]
+    sums = sum(s.square().reshape(len(s), -1).sum(1) for s in steps)
+    size = (sums / sum(s[0].numel() for s in steps)).sqrt()
+    factor = torch.where(size > limit, limit / size, 1.0)
+    if not bool((factor < 1).any()):
+        return False
+    for b, s in zip(boxes, steps):
+        new[b] = _apply(name, old[b], (s * factor.view(-1, *([1] * (s.dim() - 1)))).to(new.dtype))
+    return True
+
+
 class StepBound:
     """The bound's history across rounds, one per inconsistent tensor name (all submodels' copies) but those the
     server sets itself (`server_held`: its running statistics), and the copies' anchors."""
@@ -248,6 +276,7 @@ class StepBound:
         self.element = cfg.step_element
         consistent = {n: cells(layout, n) for n in sorted(set(layout.global_shapes) - layout.inconsistent)}
         self.cells = {n: c for n, c in consistent.items() if c is not None}
+        self.rows = frozenset(n for n in self.cells if by_rows(layout, n))
         self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in [*self.names, *self.cells]}
         self._pending: dict[str, float] = {}  # this round's medians, for the history once the round commits
         self._copies, self._cells = _Copies(layout, self.names), _Cells(layout, self.cells)
@@ -317,7 +346,8 @@ class StepBound:
                      old: torch.Tensor, new: torch.Tensor, updates: list[int]) -> list[int]:
         """Scale each thin cell's step in `new` (in place) to k x the median of the well-covered cells and
         history, and each cell covered by `peers` or more to k x the median of the history alone (`sizes`: the
-        cells' step sizes); returns the largest covering submodel of each cell scaled down."""
+        cells' step sizes), and in a tensor judged by rows (`by_rows`) each row of a cell to that cell's limit;
+        returns the submodels that are the largest covering a cell scaled down (once each)."""
         moved = []
         for (boxes, ks), size in zip(cells_, sizes):
             cover = sum(updates[k] for k in ks)
@@ -333,9 +363,11 @@ class StepBound:
                     step = torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0)
                     new[b] = _apply(name, old[b], step * (limit / size))
                 out.append(max(ks))
+            if name in self.rows and math.isfinite(limit) and _hold_rows(name, boxes, old, new, limit):
+                out.append(max(ks))
         if well:
             self._pending[name] = statistics.median(well)
-        return out
+        return sorted(set(out))
 
     def pending(self) -> tuple[dict[str, float], set[tuple[int, str]], list[dict[str, torch.Tensor]]]:
         """What `commit` would record (the last `apply`'s): kept across the gate's trial candidates, each bounded too."""
