@@ -34,10 +34,12 @@ the same tensor's cells this round covered by at least `WELL` updates (averages 
 and the tensor's cell history, one entry per round that moved a well-covered cell, that round's median
 over them. Cells covered by `peers` or more (the classifier's bias, the shared core) are bounded by `k` x the
 median of that history alone, so no round moves any tensor far; warm-up as above, no bound until the history
-holds `peers` entries. The classifier's cells are also judged class by class (`by_rows`): each row of a cell (a
-class's weights over the ring's features; its bias element) is held to the cell's limit, so a push on one class (the
-bias push) cannot pass at sqrt(classes) x that limit inside the cell's RMS over all classes. The pool and the history
-stay whole cells, so honest rounds that all propose repairing one class raise the bound as they would for the cell.
+holds `peers` entries. The classifier is also judged class by class (`by_rows`): each row of a cell (a class's
+weights over the ring's features; its bias element) is held to the cell's limit, so a push on one class (the bias
+push) cannot pass at sqrt(classes) x that limit inside the cell's RMS over all classes; in a thin cell, also to `k`
+x the median row of the well-covered cells and their own history (`ROWS`), a typical class's step rather than a
+whole cell's, which also ends the warm-up in round 1. A well-covered cell's rows are held to the cell's limit only,
+from whole cells' history, so honest rounds that all propose repairing one class there raise the bound as before.
 The history is measured before bounding, so honest rounds that all propose larger steps (repairing a bad commit)
 bring the bound along within half a window; a per-submodel copy, which only its own submodel's updates repair, may
 always step back toward its anchor (`_Anchor`). Coverage counts the updates
@@ -64,6 +66,7 @@ from nefl.aggregation.config import AggregationConfig
 POSITIVE = ("running_var",)  # tensors a valid model keeps > 0: bounded in log space
 _TINY = 1e-30  # a non-positive running variance counts as this before its log
 WELL = 2  # a cell covered by at least this many updates is an average no lone update decides: it joins the pool
+ROWS = "#rows"  # suffix of a tensor judged by rows: its history of per-row sizes, beside the cells' own
 
 Box = tuple[slice, ...]
 
@@ -251,12 +254,18 @@ class _Anchor:
         self.past, self._medians = past, {}
 
 
+def _row_steps(name: str, boxes: list[Box], old: torch.Tensor, new: torch.Tensor
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A cell's steps box by box, and each row's (leading index: a class) step RMS over the cell's boxes."""
+    steps = [torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0).double() for b in boxes]
+    sums = sum(s.square().reshape(len(s), -1).sum(1) for s in steps)
+    return steps, (sums / sum(s[0].numel() for s in steps)).sqrt()
+
+
 def _hold_rows(name: str, boxes: list[Box], old: torch.Tensor, new: torch.Tensor, limit: float) -> bool:
     """Scale each row (leading index: a class) of a cell's step in `new` (in place) whose RMS over the cell's boxes
     is above `limit` down to it; whether any was."""
-    steps = [torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0).double() for b in boxes]
-    sums = sum(s.square().reshape(len(s), -1).sum(1) for s in steps)
-    size = (sums / sum(s[0].numel() for s in steps)).sqrt()
+    steps, size = _row_steps(name, boxes, old, new)
     factor = torch.where(size > limit, limit / size, 1.0)
     if not bool((factor < 1).any()):
         return False
@@ -277,7 +286,8 @@ class StepBound:
         consistent = {n: cells(layout, n) for n in sorted(set(layout.global_shapes) - layout.inconsistent)}
         self.cells = {n: c for n, c in consistent.items() if c is not None}
         self.rows = frozenset(n for n in self.cells if by_rows(layout, n))
-        self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window) for n in [*self.names, *self.cells]}
+        self.history: dict[str, deque[float]] = {n: deque(maxlen=self.window)
+                                                 for n in [*self.names, *self.cells, *(n + ROWS for n in self.rows)]}
         self._pending: dict[str, float] = {}  # this round's medians, for the history once the round commits
         self._copies, self._cells = _Copies(layout, self.names), _Cells(layout, self.cells)
         self.anchor = _Anchor(self.window)
@@ -346,7 +356,8 @@ class StepBound:
                      old: torch.Tensor, new: torch.Tensor, updates: list[int]) -> list[int]:
         """Scale each thin cell's step in `new` (in place) to k x the median of the well-covered cells and
         history, and each cell covered by `peers` or more to k x the median of the history alone (`sizes`: the
-        cells' step sizes), and in a tensor judged by rows (`by_rows`) each row of a cell to that cell's limit;
+        cells' step sizes), and in a tensor judged by rows (`by_rows`) each row of a cell to that cell's limit, of a
+        thin cell also to k x the median of the well-covered cells' rows and their history (`ROWS`);
         returns the submodels that are the largest covering a cell scaled down (once each)."""
         moved = []
         for (boxes, ks), size in zip(cells_, sizes):
@@ -355,6 +366,10 @@ class StepBound:
                 moved.append((boxes, ks, cover, size))
         well = [size for _, _, cover, size in moved if cover >= WELL and math.isfinite(size)]
         thin, own = self.limit(name, well), self.limit(name, [])
+        rows = name in self.rows
+        well_rows = [r for boxes, _, cover, _ in moved if rows and cover >= WELL
+                     for r in _row_steps(name, boxes, old, new)[1].tolist() if math.isfinite(r)]
+        thin_rows = self.limit(name + ROWS, well_rows) if rows else math.inf
         out = []
         for boxes, ks, cover, size in moved:
             limit = thin if cover < self.peers else own
@@ -363,10 +378,13 @@ class StepBound:
                     step = torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0)
                     new[b] = _apply(name, old[b], step * (limit / size))
                 out.append(max(ks))
-            if name in self.rows and math.isfinite(limit) and _hold_rows(name, boxes, old, new, limit):
+            row_limit = min(limit, thin_rows) if cover < self.peers else limit
+            if rows and math.isfinite(row_limit) and _hold_rows(name, boxes, old, new, row_limit):
                 out.append(max(ks))
         if well:
             self._pending[name] = statistics.median(well)
+        if well_rows:
+            self._pending[name + ROWS] = statistics.median(well_rows)
         return sorted(set(out))
 
     def pending(self) -> tuple[dict[str, float], set[tuple[int, str]], list[dict[str, torch.Tensor]]]:

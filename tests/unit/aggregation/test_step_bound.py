@@ -221,8 +221,9 @@ def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: lis
     coverage their updates; per tensor, the moved cells covered twice or more and the history make the pool,
     a cell covered by fewer than `peers` above k x its median is scaled to it, one covered by more above k x the
     history's median (once it holds `peers` entries) to that, and then each of its rows (the classifier's classes:
-    `by_rows_brute`) above that limit to it. Returns the new state and this round's history
-    entries (the median of the well-covered cells)."""
+    `by_rows_brute`) above that limit to it, in a thin cell above k x the median of the well-covered cells' rows and
+    their own history (`#rows`) where that is lower. Returns the new state and this round's history entries (the
+    median of the well-covered cells, and of their rows)."""
     out, entries = new.clone(), {}
     for name, full in layout.global_shapes.items():
         if name in layout.inconsistent:
@@ -245,21 +246,33 @@ def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: lis
                 cells_.append((idxs, step, size, cover))
         well = [size for _, _, size, cover in cells_ if cover >= 2]
         pool, own = well + history.get(name, []), history.get(name, [])
+        rows = by_rows_brute(layout, name)
+
+        def row_sizes(idxs: list[tuple[int, ...]], step: list[float]) -> dict[int, list[int]]:
+            return {r: [j for j, i in enumerate(idxs) if i[0] == r] for r in sorted({i[0] for i in idxs})}
+
+        well_rows = [math.sqrt(sum(step[j] ** 2 for j in row) / len(row)) for idxs, step, _, cover in cells_ if rows
+                     and cover >= 2 for row in row_sizes(idxs, step).values()]
+        rows_pool = well_rows + history.get(name + "#rows", [])
         for idxs, step, size, cover in cells_:
             by = pool if cover < peers else own
             limit = k_ * statistics.median(by) if len(by) >= peers else math.inf
             if size > limit:
                 step = [x * limit / size for x in step]
-            if by_rows_brute(layout, name) and math.isfinite(limit):  # then each class's row
-                for r in {i[0] for i in idxs}:
-                    row = [j for j, i in enumerate(idxs) if i[0] == r]
+            row_limit = limit
+            if cover < peers and len(rows_pool) >= peers:
+                row_limit = min(limit, k_ * statistics.median(rows_pool))
+            if rows and math.isfinite(row_limit):  # then each class's row
+                for row in row_sizes(idxs, step).values():
                     rms_ = math.sqrt(sum(step[j] ** 2 for j in row) / len(row))
-                    for j in row if rms_ > limit else []:
-                        step[j] *= limit / rms_
+                    for j in row if rms_ > row_limit else []:
+                        step[j] *= row_limit / rms_
             for i, x in zip(idxs, step):
                 out.consistent[name][i] = float(o[i]) + x
         if well:
             entries[name] = statistics.median(well)
+        if well_rows:
+            entries[name + "#rows"] = statistics.median(well_rows)
     return out, entries
 
 
@@ -288,8 +301,8 @@ def test_the_bound_matches_brute_force(seed: int) -> None:
         for n in got.consistent:
             torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
         bound.commit()
-        for n in bound.cells:  # a round's entry is the median of its well-covered cells, and only then
-            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
+        for n in [n for n in bound.history if n not in bound.names]:  # a round's entry is the median of its
+            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])  # well-covered cells, and only then
         state = got
 
 
