@@ -81,6 +81,11 @@ def _step(name: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new.clamp_min(_TINY).log() - old.log() if positive(name) else new - old
 
 
+def _finite_step(name: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`_step` with NaN and infinities as 0: what a bad value's element may still move by once bounded."""
+    return torch.nan_to_num(_step(name, old, new), nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def _apply(name: str, old: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     out = old.double() * step.exp() if positive(name) else old.double() + step
     return out.to(old.dtype)
@@ -257,7 +262,7 @@ class _Anchor:
 def _row_steps(name: str, boxes: list[Box], old: torch.Tensor, new: torch.Tensor
                ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A cell's steps box by box, and each row's (leading index: a class) step RMS over the cell's boxes."""
-    steps = [torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0).double() for b in boxes]
+    steps = [_finite_step(name, old[b], new[b]) for b in boxes]
     sums = sum(s.square().reshape(len(s), -1).sum(1) for s in steps)
     return steps, (sums / sum(s[0].numel() for s in steps)).sqrt()
 
@@ -327,7 +332,7 @@ class StepBound:
                     self._repairing.add((k, name))
                 elif size > limit or not math.isfinite(size) or invalid[i]:
                     o = old.inconsistent[k][name]
-                    step = torch.nan_to_num(_step(name, o, new.inconsistent[k][name]), nan=0.0, posinf=0.0, neginf=0.0)
+                    step = _finite_step(name, o, new.inconsistent[k][name])
                     size = rms(step)
                     if size > limit:
                         step = step * (limit / size)
@@ -375,7 +380,7 @@ class StepBound:
             limit = thin if cover < self.peers else own
             if size > limit:
                 for b in boxes:
-                    step = torch.nan_to_num(_step(name, old[b], new[b]), nan=0.0, posinf=0.0, neginf=0.0)
+                    step = _finite_step(name, old[b], new[b])
                     new[b] = _apply(name, old[b], step * (limit / size))
                 out.append(max(ks))
             row_limit = min(limit, thin_rows) if cover < self.peers else limit
