@@ -57,9 +57,7 @@ class Screened(RoundAggregate):
 
     The small shared tensors (the classifier; at most `coordinate_max` elements) of the kept updates, as clipped, are
     also held, and at finalize merged per element by a trimmed mean in place of the rule's average
-    (nefl/aggregation/coordinate.py): no direction vote judges them under non-IID data. Those of the updates the vote
-    dropped are held too (clipped per tensor): where the kept copies are too few to trim, a median over all judged
-    ones does not depend on the vote having dropped the right update."""
+    (nefl/aggregation/coordinate.py): no direction vote judges them under non-IID data."""
 
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
@@ -276,12 +274,10 @@ class Screened(RoundAggregate):
             self.medians.pop(i, None)
             own = self.own.pop(i)
             references = self.references.pop(i, None) or self.sizes.bounds(h.k, own)
-            factors = clip_factors(own, references, self.cfg.tensor_clip)
             if vote and i in short:
                 self.dropped[h.client] = "against_centre"
-                self.copies.add({n: h.delta[n] * factors.get(n, 1.0) for n in self.copies.names & h.delta.keys()},
-                                kept=False)
                 continue
+            factors = clip_factors(own, references, self.cfg.tensor_clip)
             if factors:
                 self.tensors_clipped[h.client] = len(factors)
             # the whole-update clip measures and scales what the step bound does not judge alone (its thin copies)

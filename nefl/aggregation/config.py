@@ -46,8 +46,7 @@ class AggregationConfig:
     tensor_noise: float = 0.0  # Gaussian noise on each kept update after clipping: std = this x its tensor's reference
     # with the centre check: consistent tensors of at most coordinate_max elements (the classifier) merged per element by
     # a trimmed mean cutting this fraction (at least one) of the covering kept copies at each end where min_cover cover an
-    # element, or of the kept and the vote's dropped copies where the kept are fewer (nefl/aggregation/coordinate.py);
-    # 0: off
+    # element (nefl/aggregation/coordinate.py); 0: off
     coordinate_trim: float = 0.2
     coordinate_max: int = 1024
     # also clamp an element fewer copies cover than the tensor's best covered to its row's best covered range (widened);

@@ -9,15 +9,7 @@ merged per element: of the c kept updates that cover an element, max(1, floor(`c
 end and the rest averaged (unweighted), in place of the rule's average, wherever c >= `min_cover`: in a round of three
 (`serve` with few devices) the element's median, so one attacker of three moves it no further than the honest edge.
 An attacker who knows the rule can still place its value at the edge of the honest values it cannot see, a bias of
-at most the honest spread per element. The vote in front (nefl/aggregation/centre_check.py) can err in a round of
-three: honest updates of submodels far apart in size align weakly, and an attacker that is honest but for the push
-points the same way as the honest update nearest its own size, so the vote may drop the other honest one. The two
-kept copies are then too few to trim, and their mean takes half the push. So the copies of the updates the vote dropped
-(clipped per tensor, as a kept one would be) are held too, and where fewer than `min_cover` kept copies (at least one)
-cover an element, its step is the trimmed mean of the kept and dropped copies covering it, when those reach `min_cover`
-and the dropped among them are no more than the cut at each end (`judged`): were they all hostile and on one side, they
-are cut. A dropped attacker then moves such an element only within the range of the honest copies, by at most half
-their spread in a round of three; with enough kept copies the dropped ones are not used. Nesting concentrates attackers: the outer columns of the classifier's weight
+at most the honest spread per element. Nesting concentrates attackers: the outer columns of the classifier's weight
 are covered only by the updates of the wider submodels, where an attacker on one of them is a larger share than 20%
 (or the only other copy). So, as an option (`coordinate_rows`, off by default: it slows honest learning of those
 columns, docs/security.md), an element fewer copies cover than the tensor's best covered ones (all of the round's
@@ -28,8 +20,8 @@ spreads wider); a nested model's submodels share structure, so a push on one cla
 honest steps. A row with none of the best covered (the stem conv's outer output channels) keeps its steps.
 
 Nested coverage: a copy of submodel k covers the leading corner of its shape, so each element's pool is the copies
-whose corner holds it (NaN elsewhere, sorted last). Cost: a copy of these tensors per judged update (a few KiB) and one
-sort per tensor at finalize (twice where the vote dropped some); partials shipped by workers carry no copies, so a merged aggregate keeps the rule's
+whose corner holds it (NaN elsewhere, sorted last). Cost: a copy of these tensors per kept update (a few KiB) and one
+sort per tensor at finalize; partials shipped by workers carry no copies, so a merged aggregate keeps the rule's
 average (`Copies.complete`).
 """
 
@@ -64,24 +56,6 @@ def trimmed(copies: list[torch.Tensor], shape: torch.Size, trim: float) -> tuple
     return torch.where(keep, ordered, 0.0).sum(0) / (count - 2 * cut).clamp_min(1), count
 
 
-def judged(kept: list[torch.Tensor], dropped: list[torch.Tensor], shape: torch.Size, trim: float, least: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`trimmed` over the kept copies, but where fewer than `least` kept ones (and at least one) cover an element:
-    there over the kept and the dropped copies covering it, when those reach `least` and the dropped ones among them
-    are no more than the trimmed mean cuts at each end (all hostile and on one side, they are cut), so that a vote
-    that dropped an honest update in a round of three leaves the classifier to a median rather than to the mean of
-    the two it kept; and how many copies each element's mean is over."""
-    mean, count = trimmed(kept, shape, trim) if kept else (torch.zeros(shape, dtype=torch.float64),
-                                                           torch.zeros(shape, dtype=torch.long))
-    if not dropped:
-        return mean, count
-    every, total = trimmed(kept + dropped, shape, trim)
-    spare = total - count
-    cut = torch.floor(trim * total).long().clamp_min(1)
-    use = (count > 0) & (count < least) & (total >= least) & (spare <= cut)
-    return torch.where(use, every, mean), torch.where(use, total, count)
-
-
 def averaged(count: torch.Tensor, trim: float, least: int) -> torch.Tensor:
     """Per element, how many copies its step averages: those left by `trimmed` where `least` cover it, else all."""
     cut = torch.floor(trim * count).long().clamp_min(1)
@@ -106,37 +80,35 @@ def within_rows(step: torch.Tensor, count: torch.Tensor, kept: torch.Tensor) -> 
 
 
 class Copies:
-    """The copies of the small tensors of one round's kept updates, and of those the vote dropped."""
+    """The kept updates' copies of the small tensors of one round."""
 
     def __init__(self, names: frozenset[str], trim: float, least: int, rows: bool = False) -> None:
         self.names, self.trim, self.least, self.rows = names, trim, least, rows
         self.by_name: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        self.dropped: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.complete = True  # False once partials without copies were merged in
 
-    def add(self, delta: Mapping[str, torch.Tensor], kept: bool = True) -> None:
-        """An update's small tensors, as the rule receives them (after the clips), or as the vote dropped them."""
-        into = self.by_name if kept else self.dropped
+    def add(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """A kept update's small tensors, as the rule receives them (after the clips)."""
         for name in self.names & delta.keys():
-            into[name].append(delta[name].detach().to(torch.float32, copy=True))
+            self.by_name[name].append(delta[name].detach().to(torch.float32, copy=True))
 
     @property
     def held(self) -> list[torch.Tensor]:
         """Every copy held (for the aggregate's held bytes)."""
-        return [c for pool in (self.by_name, self.dropped) for copies in pool.values() for c in copies]
+        return [c for copies in self.by_name.values() for c in copies]
 
     def apply(self, old: GlobalState, new: GlobalState) -> int:
-        """`new`'s small tensors' steps replaced by the trimmed mean where `least` copies cover an element (`judged`
-        where the kept ones are too few), and those of elements fewer copies cover than the best covered ones, with
-        `rows`, held to the range of their row's best covered steps (`within_rows`); the elements whose step changed."""
+        """`new`'s small tensors' steps replaced by the trimmed mean where `least` copies cover an element, and those of
+        elements fewer copies cover than the best covered ones, with `rows`, held to the range of their row's best
+        covered steps (`within_rows`); the elements whose step changed."""
         if not self.complete:
             return 0
         changed = 0
         for name, copies in self.by_name.items():
-            if len(copies) + len(self.dropped[name]) < self.least:
+            if len(copies) < self.least:
                 continue
             base = old.consistent[name].double()
-            mean, count = judged(copies, self.dropped[name], base.shape, self.trim, self.least)
+            mean, count = trimmed(copies, base.shape, self.trim)
             step = torch.where(count >= self.least, mean, new.consistent[name].double() - base)
             if self.rows:
                 step = within_rows(step, count, averaged(count, self.trim, self.least))
