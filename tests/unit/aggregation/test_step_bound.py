@@ -215,6 +215,11 @@ def by_rows_brute(layout: Layout, name: str) -> bool:
     return len(layout.global_shapes[name]) >= 2 and len(shapes) > 1 and len({s[0] for s in shapes}) == 1
 
 
+def row_positions(idxs: list[tuple[int, ...]]) -> list[list[int]]:
+    """The positions in a cell's element list `idxs` of each row (leading index: a class), row by row."""
+    return [[j for j, i in enumerate(idxs) if i[0] == r] for r in sorted({i[0] for i in idxs})]
+
+
 def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: list[int], history: dict[str, list[float]],
                 k_: float, peers: int) -> tuple[GlobalState, dict[str, float]]:
     """The cell rule element by element: each element's cell is the set of submodels whose slice holds it, its
@@ -248,11 +253,8 @@ def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: lis
         pool, own = well + history.get(name, []), history.get(name, [])
         rows = by_rows_brute(layout, name)
 
-        def row_sizes(idxs: list[tuple[int, ...]], step: list[float]) -> dict[int, list[int]]:
-            return {r: [j for j, i in enumerate(idxs) if i[0] == r] for r in sorted({i[0] for i in idxs})}
-
         well_rows = [math.sqrt(sum(step[j] ** 2 for j in row) / len(row)) for idxs, step, _, cover in cells_ if rows
-                     and cover >= 2 for row in row_sizes(idxs, step).values()]
+                     and cover >= 2 for row in row_positions(idxs)]
         rows_pool = well_rows + history.get(name + "#rows", [])
         for idxs, step, size, cover in cells_:
             by = pool if cover < peers else own
@@ -263,7 +265,7 @@ def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: lis
             if cover < peers and len(rows_pool) >= peers:
                 row_limit = min(limit, k_ * statistics.median(rows_pool))
             if rows and math.isfinite(row_limit):  # then each class's row
-                for row in row_sizes(idxs, step).values():
+                for row in row_positions(idxs):
                     rms_ = math.sqrt(sum(step[j] ** 2 for j in row) / len(row))
                     for j in row if rms_ > row_limit else []:
                         step[j] *= row_limit / rms_
@@ -301,8 +303,9 @@ def test_the_bound_matches_brute_force(seed: int) -> None:
         for n in got.consistent:
             torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
         bound.commit()
-        for n in [n for n in bound.history if n not in bound.names]:  # a round's entry is the median of its
-            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])  # well-covered cells, and only then
+        # the cells' and rows' histories: a round's entry is the median of its well-covered cells, and only then
+        for n in [n for n in bound.history if n not in bound.names]:
+            assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
         state = got
 
 
