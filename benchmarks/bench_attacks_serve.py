@@ -176,7 +176,14 @@ def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> in
     return sum(n for k, n in m.get("steps_bounded", {}).items() if k in mine)
 
 
-def summary(name: str, run: dict, control: dict, after: int) -> dict:
+def drops(ours: dict[int, list[float]], theirs: dict[int, list[float]]) -> dict[int, float]:
+    """Round -> the largest amount by which any submodel's top-1 in `ours` is below `theirs`, at rounds both scored."""
+    return {r: round(max(b - a for a, b in zip(ours[r], theirs[r])), 4) for r in ours if r in theirs}
+
+
+def summary(name: str, run: dict, control: dict, after: int, excluded: dict | None = None) -> dict:
+    """One run's row. `excluded`: the federation without the third device (the attacker left out), the best a
+    defence can do where it cannot recover the attacker's honest work."""
     rounds = [m for m in run["metrics"] if m["round"] >= 1 and "reported" in m]  # not the background scores' lines
     served = {m["round"]: m["accuracy"] for m in run["metrics"] if m.get("accuracy")}
     base = {m["round"]: m["accuracy"] for m in control["metrics"] if m.get("accuracy")}
@@ -184,12 +191,14 @@ def summary(name: str, run: dict, control: dict, after: int) -> dict:
     honest = {"c1", "c2"}
     evil = [m for m in rounds if "evil" in m.get("participants", [])]
     ours, theirs = evaluated(run), evaluated(control)
-    gaps = {r: round(max(b - a for a, b in zip(ours[r], theirs[r])), 4) for r in ours if r in theirs}
+    gaps = drops(ours, theirs)
+    left_out = drops(ours, evaluated(excluded)) if excluded is not None else {}
     backdoor = {int(r): v for r, v in run.get("backdoor", {}).items()}
     return {
         "name": name, "rounds": len(rounds), "accuracy": last, "control": ctl,
         "worst_gap": max(b - a for a, b in zip(last, ctl)),
         "gaps": gaps, "worst_gap_after": max((g for r, g in gaps.items() if r > after), default=None),
+        "left_out_after": max((g for r, g in left_out.items() if r > after), default=None),
         "backdoor": backdoor, "backdoor_max": max((max(v) for v in backdoor.values()), default=None),
         "backdoor_last": backdoor[max(backdoor)] if backdoor else None,
         "honest_missing": sum(len(honest - set(m["reported"])) for m in rounds),
@@ -230,6 +239,14 @@ def write_doc(rows: list[dict], note: str, section: str, after: int) -> None:
                   "| run | " + " | ".join(f"r{g}" for g in rounds) + " |", "|---|" + "---|" * len(rounds)]
         lines += [f"| {r['name']} | " + " | ".join(f"{r['gaps'][g]:+.2f}" if g in r["gaps"] else "-" for g in rounds) + " |"
                   for r in gapped]
+    compared = [r for r in rows if r.get("left_out_after") is not None]
+    if compared:
+        lines += ["", f"Against the attacker left out (the two honest devices alone: `control`, the best a defence can do "
+                      f"without recovering the attacker's own training): the largest drop of any submodel's top-1 at an "
+                      f"evaluated round after round {after}, below the honest control and below the attacker left out "
+                      "(negative: above it):", "",
+                  "| run | below the honest control | below the attacker left out |", "|---|---|---|"]
+        lines += [f"| {r['name']} | {r['worst_gap_after']:+.3f} | {r['left_out_after']:+.3f} |" for r in compared]
     doors = [r for r in rows if r.get("backdoor")]
     if doors:
         lines += ["", "Backdoor success per submodel (triggered test images not of the target class that it calls the "
@@ -273,8 +290,9 @@ def main() -> None:
             atomic_write_text(saved / f"{name}.json", json.dumps(result))
             print(f"{rule} {name}: {time.monotonic() - t0:.0f} s", flush=True)
         runs = {n: saved_run(saved / f"{n}.json") for n in RUNS if (saved / f"{n}.json").exists()}
-        rows += [summary(f"{n} ({label})", runs[n], runs[control], args.after) for n, control in ATTACKS.items()
-                 if n in runs and control in runs]
+        rows += [summary(f"{n} ({label})", runs[n], runs[control], args.after,
+                         runs.get("control") if control == "honest-3" else None)
+                 for n, control in ATTACKS.items() if n in runs and control in runs]
     for r in rows:
         print(json.dumps(r))
     write_doc(rows, args.note, args.section, args.after)
