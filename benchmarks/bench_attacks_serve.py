@@ -161,10 +161,12 @@ def saved_run(path: Path) -> dict:
 
 
 def evaluated(run: dict) -> dict[int, list[float]]:
-    """Round -> top-1 per submodel: every round's checkpoint where they were kept, else the rounds serve scored."""
+    """Round -> top-1 per submodel on the evaluation images: every round's checkpoint where they were kept, else the
+    rounds serve scored on them (not its final score, on the whole test split)."""
     if run.get("accuracy"):
         return {int(r): a for r, a in run["accuracy"].items()}
-    return {m["round"]: m["accuracy"] for m in run["metrics"] if m["round"] >= 1 and m.get("accuracy")}
+    return {m["round"]: m["accuracy"] for m in run["metrics"]
+            if m["round"] >= 1 and m.get("accuracy") and m.get("eval_samples", EVAL_SAMPLES) == EVAL_SAMPLES}
 
 
 def bounded(m: dict, clients: set[str], but: frozenset[str] = frozenset()) -> int:
