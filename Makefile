@@ -35,10 +35,10 @@ test: env env-flower system-deps  ## unit tests and a few end-to-end runs (about
 	$(FLOWER_PY) -c 'import flwr'  # tests/integration/test_flower.py skips without Flower; here it must run
 	$(FLOWER_PY) -m pytest -q -rs tests/integration/test_flower.py $(PYTEST_ARGS)
 
-test-extended: env system-deps  ## the longer end-to-end runs `make test` leaves out (about 13 minutes on 2 cores)
+test-extended: env system-deps  ## the longer end-to-end runs `make test` leaves out (about 16 minutes on 2 cores)
 	$(PY) -m pytest -q --durations=15 -m extended $(PYTEST_ARGS)
 
-test-all: test test-extended  ## everything: what CI runs (about 25 minutes on 2 cores)
+test-all: test test-extended  ## everything: what CI runs (about 30 minutes on 2 cores)
 
 test-under-load: env env-flower system-deps  ## `make test-all` with two busy-loop processes beside it: the suite must hold on a loaded machine
 	scripts/with-busy-loops.sh $(MAKE) --no-print-directory test-all
