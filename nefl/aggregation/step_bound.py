@@ -71,6 +71,12 @@ ROWS = "#rows"  # suffix of a tensor judged by rows: its history of per-row size
 Box = tuple[slice, ...]
 
 
+def middle(sizes: list[float]) -> float:
+    """The pools' and history's median: the lower one of an even count, so that half the copies (two attackers of four
+    submodels a round) cannot raise the bound; the mean of the middle two would be halfway to theirs."""
+    return statistics.median_low(sizes)
+
+
 def positive(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in POSITIVE
 
@@ -303,7 +309,7 @@ class StepBound:
     def limit(self, name: str, sizes: list[float]) -> float:
         """k x the median of this round's copies' sizes and the tensor's history; inf during warm-up."""
         pool = [*sizes, *self.history[name]]
-        return self.k * statistics.median(pool) if len(pool) >= self.peers else math.inf
+        return self.k * middle(pool) if len(pool) >= self.peers else math.inf
 
     def apply(self, old: GlobalState, new: GlobalState, updates: list[int]) -> dict[int, int]:
         """Bound every moved copy of `new` in place (the round's candidate), and every thinly covered cell of
@@ -346,7 +352,7 @@ class StepBound:
                         new.inconsistent[k][name] = _apply(name, o, cut)
                         bounded[k] = bounded.get(k, 0) + 1
             if len(finite) >= self.peers:
-                self._pending[name] = statistics.median(finite)
+                self._pending[name] = middle(finite)
         self._candidate = new.inconsistent
         return bounded
 
@@ -387,9 +393,9 @@ class StepBound:
             if rows and math.isfinite(row_limit) and _hold_rows(name, boxes, old, new, row_limit):
                 out.append(max(ks))
         if well:
-            self._pending[name] = statistics.median(well)
+            self._pending[name] = middle(well)
         if well_rows:
-            self._pending[name + ROWS] = statistics.median(well_rows)
+            self._pending[name + ROWS] = middle(well_rows)
         return sorted(set(out))
 
     def pending(self) -> tuple[dict[str, float], set[tuple[int, str]], list[dict[str, torch.Tensor]]]:
