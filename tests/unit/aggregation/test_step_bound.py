@@ -38,7 +38,7 @@ def moved(layout: Layout, state: GlobalState, ks: list[int], gen: torch.Generato
 
 def brute(old: GlobalState, new: GlobalState, history: dict[str, list[float]], k_: float, peers: int) -> GlobalState:
     """The rule written element by element: per tensor name, every copy that moved; its step (log ratio for a
-    running variance); the median of the copies' RMS and the history; each copy above k x that scaled to it."""
+    running variance); the lower median of the copies' RMS and the history; each copy above k x that scaled to it."""
     out = new.clone()
     names = sorted({n for d in old.inconsistent for n in d})
     for name in names:
@@ -53,7 +53,7 @@ def brute(old: GlobalState, new: GlobalState, history: dict[str, list[float]], k
             step = [math.log(max(float(b), 1e-30)) - math.log(float(a)) if log else float(b) - float(a) for a, b in zip(o, n)]
             copies.append((k, o, step, math.sqrt(sum(x * x for x in step) / max(1, len(step))), log))
         pool = [c[3] for c in copies] + history.get(name, [])
-        limit = k_ * statistics.median(pool) if len(pool) >= peers else math.inf
+        limit = k_ * statistics.median_low(pool) if len(pool) >= peers else math.inf
         for k, o, step, size, log in copies:
             if size > limit:
                 step = [x * limit / size for x in step]
@@ -81,8 +81,27 @@ def test_a_lone_minus_weights_copy_is_bounded_by_its_peers_and_variances_stay_po
     assert bool((new.inconsistent[2][var] > 0).all()) and bool(new.inconsistent[2][var].isfinite().all())
     peers = [float((new.inconsistent[k][gamma] - state.inconsistent[k][gamma]).square().mean().sqrt()) for k in (0, 1)]
     step = float((new.inconsistent[2][gamma] - state.inconsistent[2][gamma]).square().mean().sqrt())
-    assert step == pytest.approx(CFG.step_k * statistics.median([*peers, 1.0]), rel=1e-4)  # the median of 3 copies
+    assert step == pytest.approx(CFG.step_k * statistics.median_low([*peers, 1.0]), rel=1e-4)  # the median of 3 copies
     assert float(new.inconsistent[2][gamma].min()) > 0.8  # gamma was 1: the attacker moved it by at most ~0.1
+
+
+def test_two_flipped_copies_of_four_cannot_raise_the_bound() -> None:
+    """bench_robust's IID seed 1, round 1: four submodels trained, two of them half attackers whose batch norm and
+    step sizes flip (averaged: gamma 1 -> 0 and 1/3). A median of the four sizes is halfway to the attackers' and
+    let both through; the lower median is an honest copy's, so both are held to k x that."""
+    layout = Layout.build(tiny_profile([(0.25, 0.25, FULL), (0.5, 0.5, FULL), (0.75, 0.75, FULL), (1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    new = moved(layout, state, [0, 2], torch.Generator().manual_seed(0), [0.01, 0.01])  # two honest copies
+    for k, share in ((1, 1.0), (3, 2 / 3)):  # the flip (-2 x the weights) averaged with 1 and 2 honest updates
+        for n, t in state.inconsistent[k].items():
+            new.inconsistent[k][n] = t * 3.0 ** share if n.endswith("running_var") else t - share * t
+    gamma, _ = gamma_and_var(layout)
+    bounded = StepBound(layout, CFG).apply(state, new, [2, 2, 0, 3])
+    assert bounded.get(1, 0) > 0 and bounded.get(3, 0) > 0 and 0 not in bounded and 2 not in bounded
+    honest = max(float((new.inconsistent[k][gamma] - state.inconsistent[k][gamma]).square().mean().sqrt()) for k in (0, 2))
+    for k in (1, 3):  # held to k x the honest size: gamma stays near 1 (the mean of the middle two allowed 1.0)
+        step = float((new.inconsistent[k][gamma] - state.inconsistent[k][gamma]).square().mean().sqrt())
+        assert step <= CFG.step_k * honest * (1 + 1e-4) and float(new.inconsistent[k][gamma].min()) > 0.9
 
 
 def test_warm_up_leaves_a_round_with_too_few_sizes_unbounded_and_history_ends_it() -> None:
@@ -258,12 +277,12 @@ def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: lis
         rows_pool = well_rows + history.get(name + "#rows", [])
         for idxs, step, size, cover in cells_:
             by = pool if cover < peers else own
-            limit = k_ * statistics.median(by) if len(by) >= peers else math.inf
+            limit = k_ * statistics.median_low(by) if len(by) >= peers else math.inf
             if size > limit:
                 step = [x * limit / size for x in step]
             row_limit = limit
             if cover < peers and len(rows_pool) >= peers:
-                row_limit = min(limit, k_ * statistics.median(rows_pool))
+                row_limit = min(limit, k_ * statistics.median_low(rows_pool))
             if rows and math.isfinite(row_limit):  # then each class's row
                 for row in row_positions(idxs):
                     rms_ = math.sqrt(sum(step[j] ** 2 for j in row) / len(row))
@@ -272,9 +291,9 @@ def brute_cells(layout: Layout, old: GlobalState, new: GlobalState, updates: lis
             for i, x in zip(idxs, step):
                 out.consistent[name][i] = float(o[i]) + x
         if well:
-            entries[name] = statistics.median(well)
+            entries[name] = statistics.median_low(well)
         if well_rows:
-            entries[name + "#rows"] = statistics.median(well_rows)
+            entries[name + "#rows"] = statistics.median_low(well_rows)
     return out, entries
 
 
@@ -334,7 +353,7 @@ def test_a_lone_minus_weights_on_the_outer_ring_is_bounded_and_so_are_well_cover
     step = [float((new.consistent[name][b] - state.consistent[name][b]).square().mean().sqrt()) for b in outer]
     weight = float(state.consistent[name][outer[0]].square().mean().sqrt())
     assert max(step) <= CFG.step_k * 0.02 and max(step) < weight / 10  # -weights would have moved it by its size
-    limit = CFG.step_k * statistics.median(bound.history[name])
+    limit = CFG.step_k * statistics.median_low(bound.history[name])
     for b in inner:  # covered by all three updates: NeFedAvg's average, scaled to the bound
         size = float((new.consistent[name][b] - state.consistent[name][b]).square().mean().sqrt())
         assert size == pytest.approx(limit, rel=1e-5) and not torch.equal(new.consistent[name][b], plain.consistent[name][b])
@@ -494,7 +513,7 @@ def test_non_finite_and_non_positive_values_and_negative_zero() -> None:
     old_var, got_var = state.inconsistent[2][var], new.inconsistent[2][var]
     assert bool((got_var > 0).all()) and bool(got_var.isfinite().all()) and got_var[0] == old_var[0]
     peers = [float((new.inconsistent[k][var] / state.inconsistent[k][var]).log().square().mean().sqrt()) for k in (0, 1)]
-    limit = CFG.step_k * statistics.median([*peers, 0.01, 0.01, 0.01])
+    limit = CFG.step_k * statistics.median_low([*peers, 0.01, 0.01, 0.01])
     assert float((got_var / old_var).double().log().square().mean().sqrt()) == pytest.approx(limit, rel=1e-4)
     got_gamma = new.inconsistent[2][gamma]
     assert got_gamma[0] == state.inconsistent[2][gamma][0] and torch.equal(got_gamma[1:], rule.inconsistent[2][gamma][1:])
