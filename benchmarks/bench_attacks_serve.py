@@ -17,10 +17,11 @@ Issue 20's attacks, against `control` (the two honest devices alone):
   late-start    -9 x its honest delta from round 12, after the adaptive bound's warm-up (the ratchet)
 Issue 41's, from round 1 with each attack's default scale (nefl/aggregation/attacks.py), against `honest-3` (the
 third device honest, as issue 41 measures): bias-push, bn-poison, layer-local, boosted-backdoor, alie, min-max,
-min-sum and adaptive. Reported: each submodel's top-1 at every round serve scored against the control's at that
-round (the control's every checkpoint is scored), and for the backdoor (and the control) the share of triggered test
-images (not of the target class) each submodel calls the target, at every round (each round's committed checkpoint
-is copied as it appears).
+min-sum and adaptive, also against `control` (the attacker left out: what a perfect filter leaves). Reported: each
+submodel's top-1 at every round against the control's at that round (each round's committed checkpoint is copied as
+it appears and scored after the run; older saved runs hold only the rounds serve scored, which depend on timing),
+and for the backdoor (and the honest third) the share of triggered test images (not of the target class) each
+submodel calls the target, at every round.
 """
 
 from __future__ import annotations
@@ -101,13 +102,13 @@ class SnapshotKeeper:
         return sorted(p for p in self.keep.iterdir() if p.is_dir()) if self.keep.exists() else []
 
 
-def scores(snapshots: list[Path], accuracy: bool) -> dict[str, dict[int, list[float]]]:
-    """Per committed round: each submodel's share of triggered test images (not of the target class) it calls the
-    backdoor's target and, with `accuracy` (the control: the attacked runs are compared with it at the rounds serve
-    scored), its top-1 on the evaluation images."""
+def scores(snapshots: list[Path], backdoor: bool) -> dict[str, dict[int, list[float]]]:
+    """Per committed round: each submodel's top-1 on the evaluation images (every round, whichever rounds serve
+    scored while it ran: those depend on timing) and, with `backdoor`, its share of triggered test images (not of the
+    target class) it calls the backdoor's target."""
     torch.set_num_threads(1)
     test = load_dataset("fashion-mnist", train=False)
-    sets = {**({"accuracy": test} if accuracy else {}), "backdoor": triggered_test(test, BACKDOOR_TARGET)}
+    sets = {"accuracy": test, **({"backdoor": triggered_test(test, BACKDOOR_TARGET)} if backdoor else {})}
     out: dict[str, dict[int, list[float]]] = {key: {} for key in sets}
     evaluators: dict[str, Evaluator] = {}
     for snap in snapshots:
@@ -122,8 +123,8 @@ def scores(snapshots: list[Path], accuracy: bool) -> dict[str, dict[int, list[fl
 def federation(rounds: int, attack: tuple[str, str, int] | None, work: Path, rule: list[str]) -> dict:
     """One federation: mosquitto, serve (its defaults, plus `rule`: the options that choose another aggregation
     rule), two honest joins and, if given, the (kind, scale, first round) device (kind `honest`: a plain join). Its
-    metrics lines and, where its rounds' checkpoints were kept (the honest control, backdoors), every round's backdoor
-    success and the control's top-1."""
+    metrics lines, every committed round's top-1 from its kept checkpoints and, for the honest third and the
+    backdoors, every round's backdoor success."""
     run = Run(work)
     keeper = None
     try:
@@ -139,19 +140,20 @@ def federation(rounds: int, attack: tuple[str, str, int] | None, work: Path, rul
         for i in (1, 2):
             run.start(f"c{i}", [PY, "-c", "from edge_client.cli import app; app()", *join, "--client-id", f"c{i}",
                                 "--partition", f"{i}/8"])
+        keeper = SnapshotKeeper(work / "run", work / "keep")
         if attack is not None:
             kind, scale, first = attack
             device = (["-c", "from edge_client.cli import app; app()"] if kind == "honest"
                       else ["-m", "tests.harness.attack_device", kind, scale, str(first)])
             run.start("evil", [PY, *device, *join, "--client-id", "evil", "--partition", "3/8"])
-            if kind == "honest" or kind in BACKDOORS:  # the control's backdoor success is the baseline
-                keeper = SnapshotKeeper(work / "run", work / "keep")
         run.finish(agg, 120 * rounds + 300)  # room for a loaded 2-core machine's slow rounds
     finally:
         run.stop()
         snapshots = keeper.stop() if keeper is not None else []
     lines = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"metrics": lines, **(scores(snapshots, attack[0] == "honest") if snapshots else {})}
+    # the honest third's backdoor success is the baseline
+    backdoor = attack is not None and (attack[0] == "honest" or attack[0] in BACKDOORS)
+    return {"metrics": lines, **(scores(snapshots, backdoor) if snapshots else {})}
 
 
 def saved_run(path: Path) -> dict:
