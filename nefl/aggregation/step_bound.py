@@ -12,8 +12,8 @@ other submodels' batch norm of the same layer: peers of the same round, honest w
 and the tensor's history, one entry per earlier round that moved at least `peers` copies, that round's
 median over its copies (every median here is the lower one of an even count: `middle`). A copy above the
 bound is scaled down to it. The history is never built from a lone copy or a pair (which one update
-decides), so an attacker that is the only trainer of a submodel
-cannot ratchet it; it moves only while it controls most copies of a round. Warm-up: no bound until the
+decides), so an attacker that is the only trainer of a submodel cannot ratchet it; it moves only while it
+controls most copies of a round. Warm-up: no bound until the
 pool holds `peers` sizes (round 1 already, when `peers` submodels trained). Honest steps are clipped when
 one copy's step exceeds `k` x the median of its peers and history, e.g. a submodel trained for the first
 time after the others settled; it then moves at most `k` x the typical step per round.

@@ -322,7 +322,7 @@ def test_the_bound_matches_brute_force(seed: int) -> None:
         for n in got.consistent:
             torch.testing.assert_close(got.consistent[n], want_cells.consistent[n], rtol=1e-5, atol=1e-6)
         bound.commit()
-        # the cells' and rows' histories: a round's entry is the median of its well-covered cells, and only then
+        # the cells' and rows' histories: a round's entry is the lower median of its well-covered cells, and only then
         for n in [n for n in bound.history if n not in bound.names]:
             assert list(bound.history[n]) == pytest.approx([*past[n], *([entries[n]] if n in entries else [])])
         state = got
