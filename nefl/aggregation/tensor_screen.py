@@ -7,7 +7,8 @@ step size) hides in the rest. Here each named tensor of an update is measured on
 of different widths compare, as the copies of a per-submodel tensor (its batch norm, its step sizes) of different
 submodels do. So every update that carries tensor `name` adds one size to the tensor's pool, whatever its width.
 
-The reference of a tensor is a median:
+The reference of a tensor is a median, the lower one of an even count (as the step bound's: half the copies cannot
+raise it):
 - a shared tensor at least `min_cover` of the round's updates carry: the median of the round's sizes and the
   tensor's history, the update's own size included (a minority of attackers moves a median by at most their count
   of ranks, toward the honest sizes' edge, never past it);
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from nefl.aggregation.config import AggregationConfig
-from nefl.aggregation.step_bound import load_history
+from nefl.aggregation.step_bound import load_history, middle
 
 Sizes = dict[str, tuple[float, float]]  # tensor name -> (per-element RMS, squared L2 norm) of one update's tensor
 
@@ -86,12 +86,12 @@ class TensorSizes:
         where this check leaves it to the step bound (a thin per-submodel copy) or in warm-up."""
         values, least = self.values.get(self._key(name, k), []), self.cfg.min_cover
         if name in self.per_submodel:
-            return statistics.median(values) if len(values) >= least else math.inf
+            return middle(values) if len(values) >= least else math.inf
         if len(values) < least:  # thin: the others and the history, never itself (as many others as well covered)
             i = bisect.bisect_left(values, own)
             values, least = values[:i] + values[i + 1:], least - 1
         pool = [*values, *self.history.get(name, ())]
-        return statistics.median(pool) if len(pool) >= least else math.inf
+        return middle(pool) if len(pool) >= least else math.inf
 
     def bounds(self, k: int, sizes: Sizes) -> dict[str, float]:
         """Per tensor of an update of submodel k (its `sizes`, added), its reference."""
@@ -99,7 +99,7 @@ class TensorSizes:
 
     def medians(self) -> dict[str, float]:
         """The round's median size of each shared tensor at least `min_cover` updates carried: its history entries."""
-        return {n: statistics.median(v) for (n, k), v in self.values.items() if k < 0 and len(v) >= self.cfg.min_cover}
+        return {n: middle(v) for (n, k), v in self.values.items() if k < 0 and len(v) >= self.cfg.min_cover}
 
 
 def clip_factors(sizes: Sizes, references: Mapping[str, float], clip: float) -> dict[str, float]:

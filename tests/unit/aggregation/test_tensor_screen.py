@@ -30,11 +30,11 @@ def rms(t: torch.Tensor) -> float:
 
 def brute_references(layout: Layout, ups: list[tuple[int, dict]], history: dict[str, list[float]], hold: int,
                      min_cover: int) -> list[dict[str, float]]:
-    """Per update and tensor, its reference by the definition, over the updates judged with it (the first `hold`
-    together, each later one with those before it and itself): a per-submodel tensor, the median of its copy's
-    sizes in the updates of its submodel once `min_cover` carry it (else none); a shared one, the median of its sizes
-    in the updates that carry it and the history once `min_cover` carry it, else of the others' and the history
-    once they are `min_cover` - 1; none in warm-up."""
+    """Per update and tensor, its reference by the definition (every median the lower one of an even count), over the
+    updates judged with it (the first `hold` together, each later one with those before it and itself): a
+    per-submodel tensor, the median of its copy's sizes in the updates of its submodel once `min_cover` carry it (else
+    none); a shared one, the median of its sizes in the updates that carry it and the history once `min_cover` carry
+    it, else of the others' and the history once they are `min_cover` - 1; none in warm-up."""
     out = []
     for i, (k, delta) in enumerate(ups):
         seen = ups[:max(hold, i + 1)]
@@ -44,14 +44,14 @@ def brute_references(layout: Layout, ups: list[tuple[int, dict]], history: dict[
                 continue
             if name in layout.inconsistent:
                 values = [rms(d[name]) for kk, d in seen if kk == k]
-                refs[name] = statistics.median(values) if len(values) >= min_cover else math.inf
+                refs[name] = statistics.median_low(values) if len(values) >= min_cover else math.inf
                 continue
             values, least = [rms(d[name]) for _, d in seen if name in d], min_cover
             if len(values) < min_cover:
                 values.remove(rms(t))
                 least -= 1
             pool = values + history.get(name, [])
-            refs[name] = statistics.median(pool) if len(pool) >= least else math.inf
+            refs[name] = statistics.median_low(pool) if len(pool) >= least else math.inf
         out.append(refs)
     return out
 
@@ -160,10 +160,10 @@ def test_a_thin_tensor_is_judged_by_its_peers_and_history_never_by_itself() -> N
     sizes = TensorSizes({"t": [0.01, 0.02, 0.03]}, frozenset({"bn"}), cfg)
     sizes.add(0, {"t": (5.0, 25.0)})  # alone on it this round
     assert sizes.reference("t", 0, 5.0) == 0.02
-    sizes.add(1, {"t": (0.04, 0.0016)})  # two: still thin, each judged by the other and the history
-    assert sizes.reference("t", 0, 5.0) == pytest.approx(0.025) and sizes.reference("t", 1, 0.04) == pytest.approx(0.025)
+    sizes.add(1, {"t": (0.04, 0.0016)})  # two: still thin, each judged by the other and the history (lower median)
+    assert sizes.reference("t", 0, 5.0) == 0.02 and sizes.reference("t", 1, 0.04) == 0.02
     sizes.add(2, {"t": (0.05, 0.0025)})  # three carry it: the round's median with its own, and the history
-    assert sizes.reference("t", 0, 5.0) == pytest.approx(0.035)
+    assert sizes.reference("t", 0, 5.0) == 0.03
     assert TensorSizes({}, frozenset(), cfg).reference("t", 0, 1.0) == math.inf  # warm-up: nothing to judge by
     thin = TensorSizes({}, frozenset(), cfg)
     for k, size in enumerate((1.0, 2.0)):
@@ -171,10 +171,19 @@ def test_a_thin_tensor_is_judged_by_its_peers_and_history_never_by_itself() -> N
     assert thin.reference("t", 0, 1.0) == math.inf  # two, no history: one other is no centre
     assert TensorSizes({"t": [3.0]}, frozenset(), cfg).values == {}
     thin.history["t"] = [3.0]
-    assert thin.reference("t", 0, 1.0) == 2.5  # the other and the history
+    assert thin.reference("t", 0, 1.0) == 2.0  # the other and the history, the lower of two
     for k in (0, 0, 0, 1):  # a per-submodel tensor: by the copies of its own submodel, once 3 carry it
         sizes.add(k, {"bn": (float(k + 1), 1.0)})
     assert sizes.reference("bn", 0, 1.0) == 1.0 and sizes.reference("bn", 1, 2.0) == math.inf
+
+
+def test_two_outsized_copies_of_four_cannot_raise_the_reference() -> None:
+    """Half a round's copies of a tensor (two attackers of four) leave its reference at the honest sizes: the mean of
+    the middle two would be halfway to theirs, and 3 x that would pass them whole."""
+    sizes = TensorSizes({}, frozenset(), AggregationConfig())
+    for k, size in enumerate((0.01, 0.02, 10.0, 10.0)):
+        sizes.add(k, {"t": (size, size * size)})
+    assert sizes.reference("t", 2, 10.0) == 0.02
 
 
 def test_the_history_takes_only_rounds_with_enough_copies_and_survives_a_checkpoint() -> None:
