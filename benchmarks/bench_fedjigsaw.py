@@ -80,7 +80,8 @@ VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "u
             # training alone for as many rounds as FedJigsaw trains on the task (its policy phase trains too)
             "local-only-equal": ("local-only", {"rounds": SMALL.rounds + SMALL.policy_rounds}),
             "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}),
-            "no-prior": ("fedjigsaw", {"common_prior": 0.0}), "random-chain": ("random-chain", {}),
+            "no-prior": ("fedjigsaw", {"common_prior": 0.0}), "shared-body": ("shared-body", {}),
+            "random-chain": ("random-chain", {}),
             "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
             "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {})}
 CLAIMED = 4

@@ -14,7 +14,7 @@ from typing import Literal
 from nefl.nested.profile import METHOD_NAMES as NEFL_METHOD_NAMES
 
 Family = Literal["modules", "widths"]
-Fixed = Literal["base", "shared", "random"]
+Fixed = Literal["base", "shared", "shared-body", "random"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ METHODS: dict[str, JigsawMethod] = {m.name: m for m in (
     JigsawMethod("shared-chain", "One shared chain", "modules", "every client trains the same chain, head included: the "
                  "smallest base model in the federation, from its first owner (Eq. 2 averages all copies)",
                  share=True, fixed="shared"),
+    JigsawMethod("shared-body", "One shared body, own heads", "modules", "every client trains shared-chain's blocks "
+                 "under its own head (a personal head on a shared body)", share=True, fixed="shared-body"),
     JigsawMethod("random-chain", "Random fixed chain", "modules", "each client draws one valid chain (head included) "
                  "uniformly from its own and its neighbours' modules and keeps it", share=True, fixed="random"),
     JigsawMethod("pt-heterofl", "HeteroFL (PT)", "widths", "width prefix of the largest base architecture, "

@@ -206,8 +206,13 @@ class ModuleFederation:
     def _fixed_chain(self, c: int) -> list[ModuleMeta]:
         """Client c's chain under a method without a policy (JigsawMethod.fixed)."""
         bases, cfg = self.sim.bases, self.cfg
-        if self.method.fixed == "shared":
-            return common_chain([m for j in range(cfg.clients) for m in bases[j].metas(j)], self.sim.input, cfg.batch_size)
+        if self.method.fixed in ("shared", "shared-body"):
+            common = common_chain([m for j in range(cfg.clients) for m in bases[j].metas(j)], self.sim.input, cfg.batch_size)
+            if self.method.fixed == "shared":
+                return common
+            # the common blocks under the client's own head where it reads their output (the CNN family's all do)
+            own = [m for m in bases[c].metas(c) if m.kind == "head" and m.d_in == common[-1].d_in]
+            return common[:-1] + own[:1] if own else common
         if self.method.fixed == "random":
             visible = bases[c].metas(c) + [m for j in self.links[c] for m in bases[j].metas(j)]
             zoo = Zoo.build(visible, self.sim.input, cfg.batch_size, self.max_blocks)

@@ -221,6 +221,9 @@ def test_every_method_runs_its_phases_on_real_data(method: str) -> None:
             assert chains[0] == [x.key for x in sim.bases[0].metas(0)]
         if m.fixed == "shared":  # the smallest base model, head included, for everyone
             assert chains[0] == chains[1] == chains[2] and len({k.split(".")[0] for k in chains[0]}) == 1
+        if m.fixed == "shared-body":  # the same blocks for everyone, each client under its own head
+            assert chains[0][:-1] == chains[1][:-1] == chains[2][:-1] and len({k.split(".")[0] for k in chains[0][:-1]}) == 1
+            assert [chain[-1].split(".")[0] for chain in chains] == ["c0", "c1", "c2"]
         return
     policy_rows = res.rounds[:2]
     assert all(len(r["reward"]) == 3 for r in policy_rows)
