@@ -1,7 +1,8 @@
 """Where clients have too little data alone (issue 43), sharing pays: on a small Dir(1.0) federation of real
 Fashion-MNIST (10 clients, 40 training images each: docs/fedjigsaw.md's small-data budget, seed 0), FedJigsaw's
 untrained policy decodes the common chain for every client, and with the same training rounds as training alone
-it ends ahead of it by more than a point (measured: 76.31 against 74.14)."""
+it ends ahead of it by more than a point (measured: 72.89 against 70.22 on the local test that follows the
+shard's label mix; 76.31 against 74.14 when it followed the training images')."""
 
 from __future__ import annotations
 
