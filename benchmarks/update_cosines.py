@@ -20,6 +20,7 @@ import numpy as np
 
 import bench_robust as br  # benchmarks/ is the script directory, on sys.path
 from nefl.aggregation import centre_check
+from nefl.aggregation.coverage import pairwise_cosines
 
 Round = tuple[list[str], np.ndarray]  # the round's clients, in arrival order, and their sketches
 
@@ -42,8 +43,8 @@ def record(rounds: list[Round]) -> None:
 
 
 def describe(r: int, clients: list[str], sketches: np.ndarray, attackers: set[str]) -> str:
-    unit = sketches / np.linalg.norm(sketches, axis=1, keepdims=True)
-    cos = unit @ unit.T
+    norms = np.linalg.norm(sketches, axis=1)
+    cos = pairwise_cosines(sketches, norms, sketches, norms)  # the centre check's own cosine
     bad = [i for i, c in enumerate(clients) if c in attackers]
     good = [i for i in range(len(clients)) if i not in bad]
     aa = ", ".join(f"{cos[a, b]:.2f}" for a, b in combinations(bad, 2)) or "-"
