@@ -16,6 +16,8 @@ the doc from the runs finished so far. Also measures the decision overhead (the
 paper's Table 2) in fresh processes: `_overhead client` (one client's policy: execute with the switching rule, and
 a policy-phase assemble + REINFORCE update) and `_overhead server` (CoRe-Tune's step for 10 clients).
 --quick: 2 + 2 rounds, 60 images per client, one seed, Dir(1.0) only, into runs/bench-fedjigsaw-quick.
+--small: the small-data sweep (40 images per client; its own variants and ablations, and a reference that is not
+federated: one model trained on every client's images pooled, `pooled_reference`) into its own section.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from pathlib import Path
 
 import torch
 
+from nefl.jigsaw.shards import initial_modules, module_seed
 from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
+from nefl.jigsaw.zoo import build_model, common_chain
+from nefl.nested.data import BatchLoader
+from nefl.nested.state import load_module_state
+from nefl.nested.train import evaluate, local_train, recompute_bn_stats
 from nefl.support.fsio import atomic_write_text
 from nefl.jigsaw.methods import METHODS, JigsawMethod
 from provenance import commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
@@ -80,15 +87,23 @@ VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "u
             # training alone for as many rounds as FedJigsaw trains on the task (its policy phase trains too)
             "local-only-equal": ("local-only", {"rounds": SMALL.rounds + SMALL.policy_rounds}),
             "frozen-policy": ("fedjigsaw", {"policy_lr": 0.0}),
-            "no-prior": ("fedjigsaw", {"common_prior": 0.0}), "shared-body": ("shared-body", {}),
+            "no-prior": ("fedjigsaw", {"common_prior": 0.0}),
+            "untrained-no-prior": ("fedjigsaw", {"policy_rounds": 0, "common_prior": 0.0}), "shared-body": ("shared-body", {}),
             "random-chain": ("random-chain", {}),
             "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
-            "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {})}
+            "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {}),
+            # not a federation: what sharing could reach at most, roughly (pooled_reference)
+            "pooled": ("pooled", {})}
 CLAIMED = 4
+# the learned policy against the untrained one, with the common-chain prior (the default) and without it
+LEARNED = [("fedjigsaw", "untrained-policy", "With the prior (the default)"),
+           ("no-prior", "untrained-no-prior", "Without the prior (--common-prior 0)")]
 VARIANT_TITLES = {**TITLES, "untrained-policy": "FedJigsaw, untrained policy (--policy-rounds 0)",
                   "frozen-policy": "FedJigsaw, policy phase that does not learn (--policy-lr 0)",
                   "no-prior": "FedJigsaw without the common-chain prior (--common-prior 0)",
-                  "local-only-equal": f"Local only, {SMALL.rounds + SMALL.policy_rounds} rounds (FedJigsaw's policy + model-training rounds)"}
+                  "untrained-no-prior": "FedJigsaw without the prior, untrained policy (--common-prior 0 --policy-rounds 0)",
+                  "local-only-equal": f"Local only, {SMALL.rounds + SMALL.policy_rounds} rounds (FedJigsaw's policy + model-training rounds)",
+                  "pooled": "Reference, not federated: one model on every client's images pooled, then a round on the client's own"}
 
 
 @dataclass(frozen=True)
@@ -151,24 +166,59 @@ def summarise(sim: JigsawSimulator, rows: list[dict]) -> dict:
     }
 
 
-def run_job(job: Job) -> dict:
-    """Worker: one federation with one torch thread; the summary lands atomically in job.path."""
-    torch.set_num_threads(1)
+def _config(job: Job, method: str, overrides: dict) -> JigsawConfig:
     b = job.budget
-    method, overrides = VARIANTS.get(job.method, (job.method, {}))
     settings = dict(clients=b.clients, rounds=b.rounds, policy_rounds=b.policy_rounds, critic_warmup=b.critic_warmup,
                     non_iid=SETTINGS[job.setting], seed=job.seed, max_samples_per_client=b.samples_per_client,
                     test_per_client=b.test_per_client, val_samples=b.val_samples, eval_every=b.eval_every,
                     local_epochs=b.local_epochs, batch_size=b.batch_size, out=str(Path(job.path).with_suffix("")))
-    cfg = JigsawConfig(method=method, **{**settings, **overrides})
-    sim = JigsawSimulator(cfg)
-    res = sim.run()
-    out = {"setting": job.setting, "method": job.method, "seed": job.seed, "budget": dataclasses.asdict(b),
-           "seconds": res.seconds, **summarise(sim, res.rounds)}
+    return JigsawConfig(method=method, **{**settings, **overrides})
+
+
+def run_job(job: Job) -> dict:
+    """Worker: one federation (or a pooled reference) with one torch thread; the summary lands atomically in
+    job.path."""
+    torch.set_num_threads(1)
+    method, overrides = VARIANTS.get(job.method, (job.method, {}))
+    if method == "pooled":
+        summary = pooled_reference(JigsawSimulator(_config(job, "local-only", {"out": None})))
+    else:
+        sim = JigsawSimulator(_config(job, method, overrides))
+        res = sim.run()
+        summary = {"seconds": res.seconds, **summarise(sim, res.rounds)}
+    out = {"setting": job.setting, "method": job.method, "seed": job.seed, "budget": dataclasses.asdict(job.budget), **summary}
     path = Path(job.path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(out, indent=1))
     return out
+
+
+def pooled_reference(sim: JigsawSimulator) -> dict:
+    """What sharing could reach at most, roughly: the common chain trained on every client's training images pooled
+    in one place, for as many passes over them as a FedJigsaw client makes over its own (policy phase and model
+    training), then scored per client on its local test after a round of its own training (BatchNorm statistics
+    on its own data), as the federations' chains are scored."""
+    t0 = time.perf_counter()
+    cfg = sim.cfg
+    chain = common_chain([m for c in range(cfg.clients) for m in sim.bases[c].metas(c)], sim.input, cfg.batch_size)
+    source = initial_modules(sim.bases[chain[0].source].metas(chain[0].source), module_seed(cfg.seed, chain[0].source))
+    start = {f"{j}.{k}": v for j, m in enumerate(chain) for k, v in source[m.key].items()}
+    pooled = torch.cat([d.train for d in sim.data]).sort().values
+    batches = BatchLoader(sim.train, pooled, cfg.batch_size, shuffle=True, augment=True, seed=cfg.seed, drop_last=True)
+    epochs = (cfg.policy_rounds + cfg.rounds) * cfg.local_epochs
+    res = local_train(build_model(chain), start, batches, dataclasses.replace(sim.train_cfg, local_epochs=epochs))
+    state = {k: start[k] + res.delta[k] for k in start}
+    accs = []
+    for c, shard in enumerate(sim.shards):
+        model = build_model(chain)
+        tuned = local_train(model, state, sim.task_loaders(c, cfg.policy_rounds + cfg.rounds).train, sim.train_cfg)
+        load_module_state(model, {k: state[k] + tuned.delta[k] for k in state})
+        recompute_bn_stats(model, shard.own_train())
+        accs.append(evaluate(model, shard.local_test())[0])
+    mean, std = statistics.fmean(accs), statistics.pstdev(accs)
+    return {"seconds": time.perf_counter() - t0, "accuracy": accs, "mean": mean, "std": std, "trained_accuracy": accs,
+            "trained_mean": mean, "trained_std": std, "users_per_module": None, "users_per_head": None, "peer_heads": 0,
+            "trainers_per_module": [], "policy_phase": []}
 
 
 def load_result(path: Path, budget: Budget) -> dict | None:
@@ -536,18 +586,26 @@ def _small_setting(setting: str, results: list[dict], budget: Budget) -> list[st
               "difference is beyond the seed spread (the larger of the two variants' standard deviations over seeds).", "",
               "| FedJigsaw vs | difference per seed (points) | mean | std | seed spread | beyond the spread? |",
               "|---|---|---|---|---|---|"]
-    mine = {r["seed"]: 100 * r["mean"] for r in groups.get("fedjigsaw", [])}
     for name in VARIANTS:
-        other = {r["seed"]: 100 * r["mean"] for r in groups.get(name, [])}
-        common = sorted(set(mine) & set(other))
-        if name == "fedjigsaw" or len(common) < 2:
-            continue
-        diffs = [mine[k] - other[k] for k in common]
-        spread = max(statistics.stdev(mine.values()), statistics.stdev(other.values()))
-        mean = statistics.fmean(diffs)
-        lines.append(f"| {VARIANT_TITLES[name]} | {', '.join(f'{d:+.1f}' for d in diffs)} | {mean:+.2f} | "
-                     f"{statistics.stdev(diffs):.2f} | {spread:.2f} | {'yes' if abs(mean) > spread else 'no'} "
-                     f"({'ahead' if mean > 0 else 'behind'}) |")
+        if name != "fedjigsaw" and (row := _versus(groups, "fedjigsaw", name, VARIANT_TITLES[name])):
+            lines.append(row)
+    learned = [row for a, b, title in LEARNED if (row := _versus(groups, a, b, title))]
+    if learned:
+        lines += ["", "The learned policy against the untrained one (the same settings, no policy phase), with and "
+                  "without the common-chain prior:", "",
+                  "| learned vs untrained | difference per seed (points) | mean | std | seed spread | beyond the spread? |",
+                  "|---|---|---|---|---|---|", *learned]
+    # an oracle above the pooled reference: per client the better of it and training alone, picked on the test itself
+    alone = {r["seed"]: r["accuracy"] for r in groups.get("local-only", [])}
+    groups = {**groups, "oracle": [{"seed": r["seed"], "mean": statistics.fmean(map(max, r["accuracy"], alone[r["seed"]]))}
+                                   for r in groups.get("pooled", []) if r["seed"] in alone]}
+    ceiling = [row for name, title in (("pooled", "The pooled reference"), ("oracle", "Per client the better of the pooled "
+                                       "reference and training alone, picked on the test split (an oracle)"))
+               if (row := _versus(groups, name, "local-only", title))]
+    if ceiling:
+        lines += ["", "How much sharing could lend at all: references that are not federated, against training alone:", "",
+                  "| reference vs local only | difference per seed (points) | mean | std | seed spread | beyond the spread? |",
+                  "|---|---|---|---|---|---|", *ceiling]
     policy = [r for name in ("fedjigsaw", "no-coretune", "no-symbio") for r in groups.get(name, [])]
     if policy:
         acc = statistics.fmean(p["val_accuracy"] for r in policy for p in r["policy_phase"])
@@ -561,6 +619,20 @@ def _small_setting(setting: str, results: list[dict], budget: Budget) -> list[st
               "modules trained in a round, runs pooled): " + "; ".join(
                   f"{VARIANT_TITLES[n]} {statistics.fmean(ts):.2f}" for n, ts in trainers if ts) + "."]
     return lines
+
+
+def _versus(groups: dict[str, list[dict]], a: str, b: str, title: str) -> str | None:
+    """A table row: variant a's mean minus b's, seed by seed, its mean and std, and whether the mean is beyond the
+    seed spread (the larger of the two variants' standard deviations over seeds); None under two common seeds."""
+    mine, other = ({r["seed"]: 100 * r["mean"] for r in groups.get(v, [])} for v in (a, b))
+    common = sorted(set(mine) & set(other))
+    if len(common) < 2:
+        return None
+    diffs = [mine[k] - other[k] for k in common]
+    spread = max(statistics.stdev(mine.values()), statistics.stdev(other.values()))
+    mean = statistics.fmean(diffs)
+    return (f"| {title} | {', '.join(f'{d:+.1f}' for d in diffs)} | {mean:+.2f} | {statistics.stdev(diffs):.2f} | "
+            f"{spread:.2f} | {'yes' if abs(mean) > spread else 'no'} ({'ahead' if mean > 0 else 'behind'}) |")
 
 
 def _users(runs: list[dict], key: str) -> str:
