@@ -76,7 +76,7 @@ bench-accuracy: env system-deps  ## NeFL vs FjORD/HeteroFL/DepthFL and ablations
 bench-sim: env system-deps  ## the simulator's rounds per second and time outside training: main's code vs this tree's one-by-one and --batch-clients paths on one seeded run (about 6 minutes on 2 cores; DEVICE=cuda on a GPU), the paper protocol's estimated time -> docs/benchmarks.md
 	$(PY) benchmarks/bench_sim.py --device $(or $(DEVICE),cpu)
 
-bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRolex and its ablations on Fashion-MNIST: the small-data sweep (40 images a client, about 40 min on 2 free cores), then the default budget (about 4 h), resumable -> docs/fedjigsaw.md
+bench-fedjigsaw: env system-deps  ## FedJigsaw vs local training, HeteroFL/FedRolex and its ablations on Fashion-MNIST: the small-data sweep (40 images a client, about an hour on 2 free cores), then the default budget (about 4 h), resumable -> docs/fedjigsaw.md
 	$(PY) -m pip install -q -e '.[full,test,dp,bench]'
 	$(PY) benchmarks/bench_fedjigsaw.py --small
 	$(PY) benchmarks/bench_fedjigsaw.py
