@@ -92,7 +92,7 @@ VARIANTS = {"local-only": ("local-only", {}), "fedjigsaw": ("fedjigsaw", {}), "u
             "random-chain": ("random-chain", {}),
             "no-coretune": ("no-coretune", {}), "no-symbio": ("no-symbio", {}),
             "pt-heterofl": ("pt-heterofl", {}), "pt-fedrolex": ("pt-fedrolex", {}),
-            # not a federation: what sharing could reach at most, roughly (pooled_reference)
+            # not a federation: a reference for what sharing could lend (pooled_reference)
             "pooled": ("pooled", {})}
 CLAIMED = 4
 # the learned policy against the untrained one, with the common-chain prior (the default) and without it
@@ -194,10 +194,11 @@ def run_job(job: Job) -> dict:
 
 
 def pooled_reference(sim: JigsawSimulator) -> dict:
-    """What sharing could reach at most, roughly: the common chain trained on every client's training images pooled
+    """A reference for what sharing could lend: the common chain trained on every client's training images pooled
     in one place, for as many passes over them as a FedJigsaw client makes over its own (policy phase and model
     training), then scored per client on its local test after a round of its own training (BatchNorm statistics
-    on its own data), as the federations' chains are scored."""
+    on its own data), as the federations' chains are scored. Not a bound: under strong label skew a client's own
+    model can beat it, hence the report's oracle row (per client the better of the two)."""
     t0 = time.perf_counter()
     cfg = sim.cfg
     chain = common_chain([m for c in range(cfg.clients) for m in sim.bases[c].metas(c)], sim.input, cfg.batch_size)
