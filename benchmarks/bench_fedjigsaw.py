@@ -45,7 +45,7 @@ from nefl.jigsaw.sim import JigsawConfig, JigsawSimulator
 from nefl.jigsaw.zoo import build_model, common_chain
 from nefl.nested.data import BatchLoader
 from nefl.nested.state import load_module_state
-from nefl.nested.train import evaluate, local_train, recompute_bn_stats
+from nefl.nested.train import local_train
 from nefl.support.fsio import atomic_write_text
 from nefl.jigsaw.methods import METHODS, JigsawMethod
 from provenance import commit_label, cpu_name, load_average, write_section  # benchmarks/ is the script directory, on sys.path
@@ -181,7 +181,7 @@ def run_job(job: Job) -> dict:
     torch.set_num_threads(1)
     method, overrides = VARIANTS.get(job.method, (job.method, {}))
     if method == "pooled":
-        summary = pooled_reference(JigsawSimulator(_config(job, "local-only", {"out": None})))
+        summary = pooled_reference(JigsawSimulator(_config(job, "local-only", {})))
     else:
         sim = JigsawSimulator(_config(job, method, overrides))
         res = sim.run()
@@ -214,8 +214,7 @@ def pooled_reference(sim: JigsawSimulator) -> dict:
         model = build_model(chain)
         tuned = local_train(model, state, sim.task_loaders(c, cfg.policy_rounds + cfg.rounds).train, sim.train_cfg)
         load_module_state(model, {k: state[k] + tuned.delta[k] for k in state})
-        recompute_bn_stats(model, shard.own_train())
-        accs.append(evaluate(model, shard.local_test())[0])
+        accs.append(shard.score(model))
     mean, std = statistics.fmean(accs), statistics.pstdev(accs)
     return {"seconds": time.perf_counter() - t0, "accuracy": accs, "mean": mean, "std": std, "trained_accuracy": accs,
             "trained_mean": mean, "trained_std": std, "users_per_module": None, "users_per_head": None, "peer_heads": 0,

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+from torch import nn
 
 from nefl.jigsaw.client import Loaders
 from nefl.jigsaw.zoo import BaseArch, ModuleMeta, build_module, fixed_bytes, peak_bytes
 from nefl.nested.data import ArrayDataset, BatchLoader, partition_dirichlet
 from nefl.nested.state import module_state
+from nefl.nested.train import evaluate, recompute_bn_stats
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +139,12 @@ class ClientShard:
 
     def local_test(self) -> BatchLoader:
         return plain(self.test, self.data.test)
+
+    def score(self, model: nn.Module) -> float:
+        """`model` as deployed on this client: BatchNorm statistics recomputed on its own images, then its top-1 on
+        its local test split."""
+        recompute_bn_stats(model, self.own_train())
+        return evaluate(model, self.local_test())[0]
 
 
 def plain(dataset: ArrayDataset, idx: torch.Tensor) -> BatchLoader:

@@ -43,7 +43,7 @@ from nefl.jigsaw.zoo import ModuleMeta, Zoo, base_for_budget, build_model, commo
 from nefl.nested.checkpoint import META_FILE, STATE_FILE, append_metrics
 from nefl.nested.data import get_dataset_info, load_dataset
 from nefl.nested.state import load_module_state, module_state
-from nefl.nested.train import TrainConfig, evaluate, recompute_bn_stats
+from nefl.nested.train import TrainConfig, evaluate
 from nefl.support.fsio import atomic_write, atomic_write_text
 
 FEDERATION = "jigsaw-simulation"
@@ -405,12 +405,7 @@ class JigsawSimulator:
         return self.shards[c].task(r, t)
 
     def evaluate(self) -> list[float]:
-        accs = []
-        for c in range(self.cfg.clients):
-            model = self.fed.model(c)
-            recompute_bn_stats(model, self.shards[c].own_train())
-            accs.append(evaluate(model, self.shards[c].local_test())[0])
-        return accs
+        return [shard.score(self.fed.model(c)) for c, shard in enumerate(self.shards)]
 
     def _rounds(self) -> Iterator[dict]:
         """Every round's metrics row, policy phase first."""
