@@ -70,6 +70,11 @@ ServerStats = Annotated[bool, typer.Option(
     "--server-stats/--device-stats", help="Batch norm's running statistics: the server's own, recomputed at every "
                                           "commit on held-out test images (needs --eval-dataset; simulate: its test "
                                           "split), or the devices' merged values.")]
+ClassifierRows = Annotated[bool, typer.Option(
+    "--classifier-rows/--no-classifier-rows", help="With --server-stats: take each class's classifier row back from "
+                                                   "the round's plain average where that lowers the loss on the "
+                                                   "server's images (the per-element merge cuts honest pushes under "
+                                                   "label skew).")]
 StatsSamples = Annotated[int, typer.Option(
     "--stats-samples", min=1, help="--server-stats: held-out test images the running statistics are recomputed on.")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
@@ -94,6 +99,7 @@ class RobustnessOptions:
     gate: GateOpt = _A.gate
     server_stats: ServerStats = _A.server_stats
     stats_samples: StatsSamples = _A.stats_samples
+    classifier_rows: ClassifierRows = _A.classifier_rows
     root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
     def robustness(self) -> Robustness:
@@ -111,5 +117,5 @@ class RobustnessOptions:
                                 min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio,
                                 tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise,
                                 step_element=self.step_element, gate=self.gate, server_stats=self.server_stats,
-                                stats_samples=self.stats_samples)
+                                stats_samples=self.stats_samples, classifier_rows=self.classifier_rows)
         return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

@@ -3,7 +3,10 @@ applies them at commit): every submodel's, recomputed on each candidate state as
 `stats_samples` held-out images of the evaluation's test split (after the gate's, left out of what evaluation scores,
 like FLTrust's root set: aggregator/rootdata.py split_root). Running statistics are estimates of the activations'
 mean and variance, not learned parameters, so the server needs no device's word for them: whatever a device uploads
-for them is merged and then overwritten."""
+for them is merged and then overwritten.
+
+The same images, with their labels, judge the classifier's rows (AggregationConfig.classifier_rows): `features` gives
+each submodel's penultimate features of a candidate, for nefl/aggregation/coordinate.py's choose_rows."""
 
 from __future__ import annotations
 
@@ -11,8 +14,19 @@ import torch
 
 from aggregator.evaluation import recalibrate
 from nefl.nested.data import ArrayDataset, BatchLoader
-from nefl.nested.state import GlobalState, Layout
+from nefl.nested.state import GlobalState, Layout, load_module_state
 from nefl.support.threads import all_cores
+
+
+def head_names(layout: Layout) -> tuple[str, str] | None:
+    """The classifier's (weight, bias) names: the last linear layer of the submodels, where both tensors are shared by
+    every submodel's nesting (consistent); None for a model without one."""
+    linear = [n for n, m in layout.module(0).named_modules() if isinstance(m, torch.nn.Linear)]
+    if not linear:
+        return None
+    names = (f"{linear[-1]}.weight", f"{linear[-1]}.bias")
+    shared = all(n in layout.global_shapes and n not in layout.inconsistent and n not in layout.local for n in names)
+    return names if shared else None
 
 
 class ServerStatistics:
@@ -22,6 +36,7 @@ class ServerStatistics:
         self.layout, self.device = layout, device
         self.batches = BatchLoader(data, torch.arange(len(data)), 256, False, False, 0)
         self.modules: dict[int, torch.nn.Module] = {}
+        self.head = head_names(layout)
 
     def __call__(self, state: GlobalState) -> None:
         with all_cores():
@@ -29,3 +44,28 @@ class ServerStatistics:
                 if k not in self.modules:
                     self.modules[k] = self.layout.module(k).to(self.device)
                 recalibrate(self.layout, self.modules[k], state, k, self.batches, self.layout.stats, self.device)
+
+    @torch.no_grad()
+    def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every submodel's input to the classifier on the server's images (one tensor each, in order) and their
+        labels: the submodel of `state` as committed, its running statistics included."""
+        assert self.head is not None
+        head = self.head[0].removesuffix(".weight")
+        labels = torch.cat([y for _, y in self.batches])
+        out: list[torch.Tensor] = []
+        with all_cores():
+            for k in range(self.layout.num_submodels):
+                if k not in self.modules:
+                    self.modules[k] = self.layout.module(k).to(self.device)
+                model = self.modules[k]
+                load_module_state(model, state.extract(self.layout, k))
+                got: list[torch.Tensor] = []
+                hook = model.get_submodule(head).register_forward_hook(lambda _m, i, _o: got.append(i[0].cpu()))
+                try:
+                    model.eval()
+                    for x, _ in self.batches:
+                        model(x.to(self.device))
+                finally:
+                    hook.remove()
+                out.append(torch.cat(got))
+        return out, labels

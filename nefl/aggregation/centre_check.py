@@ -317,7 +317,8 @@ class Screened(RoundAggregate):
         return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
                 **({"tensors_clipped": dict(sorted(self.tensors_clipped.items()))} if self.tensors_clipped else {}),
                 **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {}),
-                **({"trimmed_elements": self.trimmed} if self.trimmed else {})}
+                **({"trimmed_elements": self.trimmed} if self.trimmed else {}),
+                **({"rows_from_average": self.copies.from_average} if self.copies.from_average else {})}
 
 
 class ScreenedSums(Screened):

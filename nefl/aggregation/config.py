@@ -66,6 +66,9 @@ class AggregationConfig:
     # no data (serve without --eval-dataset) keeps the devices' merged values
     server_stats: bool = True
     stats_samples: int = 512
+    # with server_stats and the per-element merge: each class's classifier row and bias taken back from the round's
+    # plain average where that lowers the loss on the server's images (nefl/aggregation/coordinate.py, choose_rows)
+    classifier_rows: bool = True
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold

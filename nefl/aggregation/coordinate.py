@@ -19,6 +19,12 @@ smaller submodels share), widened by sqrt of how many more copies those average 
 spreads wider); a nested model's submodels share structure, so a push on one class's row is held near that class's
 honest steps. A row with none of the best covered (the stem conv's outer output channels) keeps its steps.
 
+Where the server holds labelled images of its own (its running statistics', nefl/aggregation/pipeline.py), the merge
+costs nothing it can see: under label skew the few honest copies that push a class hardest are the ones it cuts (the
+clients that hold that class), and that cost 1.6 points of average accuracy at Dirichlet(0.5) (docs/security.md). So
+`AggregationConfig.classifier_rows` takes back, class by class, the rule's average of that class's classifier row and
+bias where it lowers the server's loss (`choose_rows`): a push that hurts clean images never lowers it.
+
 Nested coverage: a copy of submodel k covers the leading corner of its shape, so each element's pool is the copies
 whose corner holds it (NaN elsewhere, sorted last). Cost: a copy of these tensors per kept update (a few KiB) and one
 sort per tensor at finalize; partials shipped by workers carry no copies, so a merged aggregate keeps the rule's
@@ -79,6 +85,31 @@ def within_rows(step: torch.Tensor, count: torch.Tensor, kept: torch.Tensor) -> 
     return torch.where(core | ~mask.any(1).reshape(-1, *([1] * (step.dim() - 1))), step, clamped)
 
 
+def head_loss(weight: torch.Tensor, bias: torch.Tensor, features: list[torch.Tensor], labels: torch.Tensor) -> float:
+    """The classifier's cross-entropy summed over the images and the submodels: each submodel's penultimate features
+    (`features`, one (images x its width) tensor each) read by the leading columns of `weight` (its nested corner)."""
+    return sum(float(torch.nn.functional.cross_entropy(x @ weight[:, :x.shape[1]].T + bias, labels, reduction="sum"))
+               for x in features)
+
+
+def choose_rows(merged: tuple[torch.Tensor, torch.Tensor], average: tuple[torch.Tensor, torch.Tensor],
+                features: list[torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The classifier (weight, bias) with each class's row and bias taken from `average` (the rule's plain average)
+    in place of `merged` (the per-element merge) where that lowers `head_loss` on the server's images, class by class
+    in order, each against the rows chosen before it (greedy); and the classes taken. Never above `merged`'s loss."""
+    weight, bias = merged[0].double().clone(), merged[1].double().clone()
+    features = [x.double() for x in features]
+    best, taken = head_loss(weight, bias, features, labels), []
+    for c in range(len(bias)):
+        w, b = weight.clone(), bias.clone()
+        w[c], b[c] = average[0][c].double(), average[1][c].double()
+        loss = head_loss(w, b, features, labels)
+        if loss < best:
+            weight, bias, best = w, b, loss
+            taken.append(c)
+    return weight.to(merged[0].dtype), bias.to(merged[1].dtype), taken
+
+
 class Copies:
     """The kept updates' copies of the small tensors of one round."""
 
@@ -86,6 +117,8 @@ class Copies:
         self.names, self.trim, self.least, self.rows = names, trim, least, rows
         self.by_name: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         self.complete = True  # False once partials without copies were merged in
+        self.average: dict[str, torch.Tensor] = {}  # the rule's average of each tensor `apply` merged, before it did
+        self.from_average: list[int] = []  # classes whose classifier row the server took back from `average`
 
     def add(self, delta: Mapping[str, torch.Tensor]) -> None:
         """A kept update's small tensors, as the rule receives them (after the clips)."""
@@ -108,6 +141,7 @@ class Copies:
             if len(copies) < self.least:
                 continue
             base = old.consistent[name].double()
+            self.average[name] = new.consistent[name]
             mean, count = trimmed(copies, base.shape, self.trim)
             step = torch.where(count >= self.least, mean, new.consistent[name].double() - base)
             if self.rows:

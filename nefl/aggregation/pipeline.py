@@ -5,8 +5,8 @@ passed intake and a committed state, in the order it acts.
 2. the centre check in front of the rule the config names in nefl/aggregation/registry.py, with every tensor of an
    update judged by its size against the round's and its history's (`begin_round`);
 3. at commit: DP noise on the sums (Mergeable rules), finalize, the step bound on every tensor (with the centre
-   check), the server's own running statistics (`statistics`, where it holds data: they replace the devices'), the
-   state check (finite, within max_weight_abs), and the tensor sizes' history (`commit`).
+   check), the server's own running statistics (`statistics`, where it holds data: they replace the devices') and
+   its choice of the classifier's rows on the same images, the state check (finite, within max_weight_abs), and the tensor sizes' history (`commit`).
 
 `serve`, its workers and coordinator, and `simulate` all hold one through aggregator/federation.py.
 """
@@ -17,12 +17,14 @@ import functools
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from nefl.aggregation.aggregate import ReferenceUpdate, RoundAggregate, RoundContext, Weighting
 from nefl.aggregation.centre_check import Screened, screened
 from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.coordinate import Copies, choose_rows
 from nefl.aggregation.attribution import Recorded, leave_out, without
 from nefl.aggregation.gate import Baseline, Gate, Verdict, pooled
 from nefl.aggregation.nefedavg import as_mergeable
@@ -32,8 +34,15 @@ from nefl.aggregation.tensor_screen import SizeHistory
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import DEFAULT_MAX_ABS
 
-# recomputes every submodel's batch-norm running statistics in a candidate state, in place, from the server's images
-Statistics = Callable[[GlobalState], None]
+class Statistics(Protocol):
+    """The server's own images at commit (aggregator/statsdata.py): every submodel's batch-norm running statistics
+    recomputed in a candidate state, in place; and the classifier's inputs there, for its rows' choice."""
+
+    head: tuple[str, str] | None  # the classifier's (weight, bias) names; None: no row choice
+
+    def __call__(self, state: GlobalState) -> None: ...
+
+    def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,8 @@ class Pipeline:
     whose registry entry needs root data. The rule's and the centre check's draws (the sketch's positions) come
     from `secret` mixed with the round where one is given (a server: positions nobody can compute in advance,
     docs/security.md), else from `seed` (the simulator: reproducible). `statistics`: the server's running statistics
-    (AggregationConfig.server_stats), which then replace the devices' in every candidate; the step bound leaves them
-    out."""
+    (AggregationConfig.server_stats), which then replace the devices' in every candidate (the step bound leaves them
+    out), and whose images choose the classifier's rows (AggregationConfig.classifier_rows)."""
 
     def __init__(self, layout: Layout, robustness: Robustness = Robustness(), weighting: Weighting = "uniform",
                  reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None,
@@ -153,7 +162,20 @@ class Pipeline:
         bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
         if self.statistics is not None:
             self.statistics(candidate)
+            if self.cfg.classifier_rows and isinstance(agg, Screened):
+                self._classifier_rows(agg.copies, candidate)
         return candidate, bounded, check_state(candidate, self.robustness.max_weight_abs)
+
+    def _classifier_rows(self, copies: Copies, candidate: GlobalState) -> None:
+        """Each class's classifier row taken back from the rule's average where that lowers the loss on the server's
+        images (nefl/aggregation/coordinate.py, choose_rows); the classes taken go to the round's facts."""
+        head = self.statistics.head
+        if head is None or not all(n in copies.average for n in head):
+            return
+        features, labels = self.statistics.features(candidate)
+        weight, bias = head
+        merged, average = (candidate.consistent[weight], candidate.consistent[bias]), (copies.average[weight], copies.average[bias])
+        candidate.consistent[weight], candidate.consistent[bias], copies.from_average = choose_rows(merged, average, features, labels)
 
     def _gate(self, agg: RoundAggregate, chosen: RoundAggregate, state: GlobalState, candidate: GlobalState,
               bounded: dict[int, int]) -> tuple[RoundAggregate | None, GlobalState, dict[int, int], str | None]:

@@ -64,9 +64,10 @@ def batch_statistics(state: GlobalState, k: int, data: ArrayDataset) -> dict[str
 
 def test_the_servers_statistics_replace_the_devices_and_nothing_else_changes() -> None:
     state, data = GlobalState.init(LAYOUT, seed=0), images()
-    server = Pipeline(LAYOUT, statistics=ServerStatistics(LAYOUT, data))
+    rows_off = Robustness(aggregation=AggregationConfig(classifier_rows=False))  # the rows' choice: test_classifier_rows
+    server = Pipeline(LAYOUT, rows_off, statistics=ServerStatistics(LAYOUT, data))
     honest = commit(server, state, 0.01)
-    poisoned = commit(Pipeline(LAYOUT, statistics=ServerStatistics(LAYOUT, data)), state, 1000.0)
+    poisoned = commit(Pipeline(LAYOUT, rows_off, statistics=ServerStatistics(LAYOUT, data)), state, 1000.0)
     plain = commit(Pipeline(LAYOUT), state, 0.01)  # the devices' statistics merged, as before
     assert LAYOUT.stats and not (LAYOUT.stats & set(server.steps.names))  # the step bound leaves them to the server
     for k in range(LAYOUT.num_submodels):
