@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from nefl.nested.arch import Arch
 from nefl.nested.profile import Profile, SubmodelSpec
+from nefl.nested.state import GlobalState, Layout
+from nefl.nested.tensors import corner
 
 TINY_BASIC = Arch("tiny_basic", "basic", (2, 2), (4, 8), 4, "cifar")
 TINY_BOTTLENECK = Arch("tiny_bottleneck", "bottleneck", (2, 1), (2, 4), 4, "cifar")
@@ -40,3 +44,13 @@ def off_the_wire(delta: dict) -> dict:
     from nefl.nested.tensorfile import decode_tensors, encode_tensors
 
     return decode_tensors("fp32", np.frombuffer(encode_tensors(delta), dtype=np.uint8))
+
+
+def aligned_deltas(layout: Layout, state: GlobalState, tasks: dict[str, int], spread: float
+                   ) -> dict[str, dict[str, torch.Tensor]]:
+    """Client -> a seeded delta of its submodel (`tasks`): one common step of 0.01 per element in every tensor (its
+    nested corner) plus `spread` of its own noise, so the centre check keeps every update."""
+    g = torch.Generator().manual_seed(2)
+    common = {n: torch.randn(s, generator=g) * 0.01 for n, s in layout.global_shapes.items()}
+    return {client: {n: common[n][corner(t.shape)] + torch.randn(t.shape, generator=g) * spread
+                     for n, t in state.slices(layout, k).items()} for client, k in tasks.items()}

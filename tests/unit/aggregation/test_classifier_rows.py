@@ -19,7 +19,7 @@ from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.nested.data import ArrayDataset, get_dataset_info
 from nefl.nested.profile import load_profile
 from nefl.nested.state import GlobalState, Layout
-from nefl.nested.tensors import corner
+from tests.harness.helpers import aligned_deltas
 
 LAYOUT = Layout.build(load_profile("resnet8-fmnist-w"))
 
@@ -91,11 +91,8 @@ def one_round(rows: bool, push: float) -> tuple[GlobalState, GlobalState, dict]:
                         statistics=ServerStatistics(LAYOUT, images()))
     tasks = {f"c{k}": k for k in range(LAYOUT.num_submodels)}
     agg = pipeline.begin_round(state, tasks, 1)
-    g = torch.Generator().manual_seed(2)
-    common = {n: torch.randn(s, generator=g) * 0.01 for n, s in LAYOUT.global_shapes.items()}
-    for client, k in tasks.items():
-        delta = {n: common[n][corner(t.shape)] + torch.randn(t.shape, generator=g) * 0.003
-                 for n, t in state.slices(LAYOUT, k).items()}
+    for client, delta in aligned_deltas(LAYOUT, state, tasks, 0.003).items():
+        k = tasks[client]
         if k == LAYOUT.num_submodels - 1:
             delta["fc.bias"][0] += push
         agg.add_validated(k, delta, 10, client=client)

@@ -14,7 +14,7 @@ from nefl.aggregation.pipeline import Pipeline, Robustness
 from nefl.nested.data import SYSTEM_FASHION_MNIST_DIR, ArrayDataset, get_dataset_info
 from nefl.nested.profile import load_profile
 from nefl.nested.state import GlobalState, Layout, load_module_state
-from nefl.nested.tensors import corner
+from tests.harness.helpers import aligned_deltas
 
 LAYOUT = Layout.build(load_profile("resnet8-fmnist-w"))
 TASKS = {"a": 0, "b": 1, "c": 2}
@@ -30,11 +30,8 @@ def commit(pipeline: Pipeline, state: GlobalState, stats_step: float) -> GlobalS
     """One round of TASKS: small seeded steps on every tensor, the shared ones in one direction (so the centre check
     keeps all three); each running statistic moved by `stats_step` x itself (1000: a device's poison)."""
     agg = pipeline.begin_round(state, TASKS, 1)
-    g = torch.Generator().manual_seed(2)
-    common = {n: torch.randn(s, generator=g) * 0.01 for n, s in LAYOUT.global_shapes.items()}
-    for client, k in TASKS.items():
-        delta = {n: common[n][corner(t.shape)] + torch.randn(t.shape, generator=g) * 0.001
-                 for n, t in state.slices(LAYOUT, k).items()}
+    for client, delta in aligned_deltas(LAYOUT, state, TASKS, 0.001).items():
+        k = TASKS[client]
         for n in LAYOUT.stats & delta.keys():
             delta[n] = stats_step * state.inconsistent[k][n].abs()
         agg.add_validated(k, delta, 10, client=client)
