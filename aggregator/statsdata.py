@@ -30,7 +30,8 @@ def head_names(layout: Layout) -> tuple[str, str] | None:
 
 
 class ServerStatistics:
-    """Callable (state) -> None: the running statistics of every submodel in `state` recomputed in place."""
+    """Callable (state) -> None: the running statistics of every submodel in `state` recomputed in place; and
+    `features`, the classifier's inputs on the same images."""
 
     def __init__(self, layout: Layout, data: ArrayDataset, device: str = "cpu") -> None:
         self.layout, self.device = layout, device

@@ -19,9 +19,9 @@ smaller submodels share), widened by sqrt of how many more copies those average 
 spreads wider); a nested model's submodels share structure, so a push on one class's row is held near that class's
 honest steps. A row with none of the best covered (the stem conv's outer output channels) keeps its steps.
 
-Where the server holds labelled images of its own (its running statistics', nefl/aggregation/pipeline.py), the merge
-costs nothing it can see: under label skew the few honest copies that push a class hardest are the ones it cuts (the
-clients that hold that class), and that cost 1.6 points of average accuracy at Dirichlet(0.5) (docs/security.md). So
+The merge has a cost: under label skew the few honest copies that push a class hardest are the ones it cuts (the
+clients that hold that class), about 1.6 points of average accuracy at Dirichlet(0.5) (docs/security.md). Where the
+server holds labelled images of its own (its running statistics', nefl/aggregation/pipeline.py), it can see that. So
 `AggregationConfig.classifier_rows` takes back, class by class, the rule's average of that class's classifier row and
 bias where it lowers the server's loss (`choose_rows`): a push that hurts clean images never lowers it.
 

@@ -6,7 +6,8 @@ passed intake and a committed state, in the order it acts.
    update judged by its size against the round's and its history's (`begin_round`);
 3. at commit: DP noise on the sums (Mergeable rules), finalize, the step bound on every tensor (with the centre
    check), the server's own running statistics (`statistics`, where it holds data: they replace the devices') and
-   its choice of the classifier's rows on the same images, the state check (finite, within max_weight_abs), and the tensor sizes' history (`commit`).
+   its choice of the classifier's rows on the same images, the state check (finite, within max_weight_abs), and the
+   tensor sizes' history (`commit`).
 
 `serve`, its workers and coordinator, and `simulate` all hold one through aggregator/federation.py.
 """
@@ -33,6 +34,7 @@ from nefl.aggregation.step_bound import StepBound
 from nefl.aggregation.tensor_screen import SizeHistory
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import DEFAULT_MAX_ABS
+
 
 class Statistics(Protocol):
     """The server's own images at commit (aggregator/statsdata.py): every submodel's batch-norm running statistics
@@ -173,9 +175,10 @@ class Pipeline:
         if head is None or not all(n in copies.average for n in head):
             return
         features, labels = self.statistics.features(candidate)
-        weight, bias = head
-        merged, average = (candidate.consistent[weight], candidate.consistent[bias]), (copies.average[weight], copies.average[bias])
-        candidate.consistent[weight], candidate.consistent[bias], copies.from_average = choose_rows(merged, average, features, labels)
+        merged = tuple(candidate.consistent[n] for n in head)
+        average = tuple(copies.average[n] for n in head)
+        weight, bias, copies.from_average = choose_rows(merged, average, features, labels)
+        candidate.consistent[head[0]], candidate.consistent[head[1]] = weight, bias
 
     def _gate(self, agg: RoundAggregate, chosen: RoundAggregate, state: GlobalState, candidate: GlobalState,
               bounded: dict[int, int]) -> tuple[RoundAggregate | None, GlobalState, dict[int, int], str | None]:

@@ -44,7 +44,8 @@ def test_choose_rows_is_the_class_by_class_greedy_choice_on_the_servers_loss(see
     g = torch.Generator().manual_seed(seed)
     merged = (torch.randn(classes, width, generator=g), torch.randn(classes, generator=g))
     average = (torch.randn(classes, width, generator=g), torch.randn(classes, generator=g))
-    features = [torch.randn(images, w, generator=g) for w in sorted(torch.randint(1, width + 1, (subs,), generator=g).tolist())]
+    widths = sorted(torch.randint(1, width + 1, (subs,), generator=g).tolist())  # each submodel's nested corner
+    features = [torch.randn(images, w, generator=g) for w in widths]
     labels = torch.randint(0, classes, (images,), generator=g)
     weight, bias, taken = choose_rows(merged, average, features, labels)
     # the reference: class by class in order, a row taken where the written-out loss falls
@@ -110,7 +111,8 @@ def test_through_the_pipeline_rows_come_only_from_the_merge_or_the_average_and_a
     _, on, facts = one_round(True, 5.0)
     taken = facts.get("rows_from_average", [])
     assert 0 not in taken  # the push raises class 0 on every image, all of class 1
-    step_on, step_off = on.consistent["fc.bias"] - state.consistent["fc.bias"], off.consistent["fc.bias"] - state.consistent["fc.bias"]
+    step_on = on.consistent["fc.bias"] - state.consistent["fc.bias"]
+    step_off = off.consistent["fc.bias"] - state.consistent["fc.bias"]
     assert step_on[0] == step_off[0] and abs(float(step_on[0])) < 0.1
     for c in range(10):  # every other tensor, and every row not taken, commits as without the choice
         if c not in taken:
