@@ -36,15 +36,20 @@ class ServerStatistics:
     def __init__(self, layout: Layout, data: ArrayDataset, device: str = "cpu") -> None:
         self.layout, self.device = layout, device
         self.batches = BatchLoader(data, torch.arange(len(data)), 256, False, False, 0)
+        self.labels = data.labels  # in the batches' order (no shuffle)
         self.modules: dict[int, torch.nn.Module] = {}
         self.head = head_names(layout)
+
+    def _module(self, k: int) -> torch.nn.Module:
+        """Submodel k's module, built once and reused at every commit."""
+        if k not in self.modules:
+            self.modules[k] = self.layout.module(k).to(self.device)
+        return self.modules[k]
 
     def __call__(self, state: GlobalState) -> None:
         with all_cores():
             for k in range(self.layout.num_submodels):
-                if k not in self.modules:
-                    self.modules[k] = self.layout.module(k).to(self.device)
-                recalibrate(self.layout, self.modules[k], state, k, self.batches, self.layout.stats, self.device)
+                recalibrate(self.layout, self._module(k), state, k, self.batches, self.layout.stats, self.device)
 
     @torch.no_grad()
     def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -52,13 +57,10 @@ class ServerStatistics:
         labels: the submodel of `state` as committed, its running statistics included."""
         assert self.head is not None
         head = self.head[0].removesuffix(".weight")
-        labels = torch.cat([y for _, y in self.batches])
         out: list[torch.Tensor] = []
         with all_cores():
             for k in range(self.layout.num_submodels):
-                if k not in self.modules:
-                    self.modules[k] = self.layout.module(k).to(self.device)
-                model = self.modules[k]
+                model = self._module(k)
                 load_module_state(model, state.extract(self.layout, k))
                 got: list[torch.Tensor] = []
                 hook = model.get_submodule(head).register_forward_hook(lambda _m, i, _o: got.append(i[0].cpu()))
@@ -69,4 +71,4 @@ class ServerStatistics:
                 finally:
                     hook.remove()
                 out.append(torch.cat(got))
-        return out, labels
+        return out, self.labels
