@@ -75,6 +75,13 @@ ClassifierRows = Annotated[bool, typer.Option(
                                                    "the round's plain average where that lowers the loss on the "
                                                    "server's images (the per-element merge cuts honest pushes under "
                                                    "label skew).")]
+FinetuneEpochs = Annotated[int, typer.Option(
+    "--finetune-epochs", min=0, help="With --server-stats: passes of every submodel over the server's images at each "
+                                     "commit, before its running statistics (unlearns what clean images do not "
+                                     "exercise, a backdoor's trigger); 1 is what docs/security.md measured, 0 "
+                                     "(the default) turns it off.")]
+FinetuneLr = Annotated[float, typer.Option(
+    "--finetune-lr", min=0, help="--finetune-epochs: the server's learning rate.")]
 StatsSamples = Annotated[int, typer.Option(
     "--stats-samples", min=1, help="--server-stats: held-out test images the running statistics are recomputed on.")]
 RootSamples = Annotated[int, typer.Option("--root-samples", min=1, help="fltrust: images in the root set.")]
@@ -100,6 +107,8 @@ class RobustnessOptions:
     server_stats: ServerStats = _A.server_stats
     stats_samples: StatsSamples = _A.stats_samples
     classifier_rows: ClassifierRows = _A.classifier_rows
+    finetune_epochs: FinetuneEpochs = _A.finetune_epochs
+    finetune_lr: FinetuneLr = _A.finetune_lr
     root_samples: RootSamples = DEFAULT_ROOT_SAMPLES
 
     def robustness(self) -> Robustness:
@@ -117,5 +126,6 @@ class RobustnessOptions:
                                 min_agree=self.min_agree, max_norm_ratio=self.max_norm_ratio,
                                 tensor_clip=self.tensor_clip, tensor_noise=self.tensor_noise,
                                 step_element=self.step_element, gate=self.gate, server_stats=self.server_stats,
-                                stats_samples=self.stats_samples, classifier_rows=self.classifier_rows)
+                                stats_samples=self.stats_samples, classifier_rows=self.classifier_rows,
+                                finetune_epochs=self.finetune_epochs, finetune_lr=self.finetune_lr)
         return Robustness(bound, self.max_weight_abs, self.dp_noise_multiplier, aggregation=agg)

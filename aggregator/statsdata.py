@@ -5,6 +5,11 @@ like FLTrust's root set: aggregator/rootdata.py split_root). Running statistics 
 mean and variance, not learned parameters, so the server needs no device's word for them: whatever a device uploads
 for them is merged and then overwritten.
 
+Before that, the server fine-tunes every submodel of the candidate on the same images with their labels
+(AggregationConfig.finetune_epochs, `finetune`): the clients' merged step then passes through training on clean
+images, which unlearns what those images do not exercise (a backdoor's trigger path; docs/security.md, "The server
+fine-tunes at commit").
+
 The same images, with their labels, judge the classifier's rows (AggregationConfig.classifier_rows): `features` gives
 each submodel's penultimate features of a candidate, for nefl/aggregation/coordinate.py's choose_rows."""
 
@@ -13,9 +18,14 @@ from __future__ import annotations
 import torch
 
 from aggregator.evaluation import recalibrate
+from nefl.aggregation.nefedavg import NeFedAvg
 from nefl.nested.data import ArrayDataset, BatchLoader
 from nefl.nested.state import GlobalState, Layout, load_module_state
+from nefl.nested.train import local_train
+from nefl.support.settings import TrainConfig
 from nefl.support.threads import all_cores
+
+FINETUNE_BATCH = 16  # the fine-tuning's batch size: 32 steps a pass over the 512 images
 
 
 def head_names(layout: Layout) -> tuple[str, str] | None:
@@ -35,7 +45,9 @@ class ServerStatistics:
 
     def __init__(self, layout: Layout, data: ArrayDataset, device: str = "cpu") -> None:
         self.layout, self.device = layout, device
+        self.data = data
         self.batches = BatchLoader(data, torch.arange(len(data)), 256, False, False, 0)
+        self.finetuned = 0  # commits fine-tuned so far: each one's batches are shuffled with its own seed
         self.labels = data.labels  # in the batches' order (no shuffle)
         self.modules: dict[int, torch.nn.Module] = {}
         self.head = head_names(layout)
@@ -50,6 +62,22 @@ class ServerStatistics:
         with all_cores():
             for k in range(self.layout.num_submodels):
                 recalibrate(self.layout, self._module(k), state, k, self.batches, self.layout.stats, self.device)
+
+    def finetune(self, state: GlobalState, lr: float, epochs: int) -> None:
+        """Every submodel of `state` trained `epochs` passes over the server's images at `lr` (shuffled, augmented, as a
+        device trains), and their deltas merged into `state` in place by NeFedAvg, as a round of one device per submodel
+        would be."""
+        self.finetuned += 1
+        merged, config = NeFedAvg(self.layout), TrainConfig(lr=lr, local_epochs=epochs)
+        with all_cores():
+            for k in range(self.layout.num_submodels):
+                batches = BatchLoader(self.data, None, FINETUNE_BATCH, True, True, 1000 * self.finetuned + k)
+                trained = local_train(self._module(k), state.extract(self.layout, k), batches, config,
+                                      upload=self.layout.upload_shapes(k), device=self.device)
+                merged.add_validated(k, trained.delta)
+        new = merged.finalize(state)
+        state.consistent.update(new.consistent)
+        state.inconsistent[:] = new.inconsistent
 
     @torch.no_grad()
     def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -69,6 +69,12 @@ class AggregationConfig:
     # with server_stats and the per-element merge: each class's classifier row and bias taken back from the round's
     # plain average where that lowers the loss on the server's images (nefl/aggregation/coordinate.py, choose_rows)
     classifier_rows: bool = True
+    # with server_stats: every submodel fine-tuned on the server's images at commit (finetune_epochs passes at
+    # finetune_lr, merged by NeFedAvg; aggregator/statsdata.py, finetune), before the running statistics and the rows'
+    # choice: what clean images do not exercise (a backdoor's trigger path) is unlearned. Off (0) until it is cheaper:
+    # it trains every submodel at each commit, and the server's round waits for it (docs/security.md)
+    finetune_epochs: int = 0
+    finetune_lr: float = 0.01
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold
@@ -104,6 +110,9 @@ class AggregationConfig:
                              f"{self.gate_attribute}, {self.gate_max_out}")
         if self.stats_samples < 1:
             raise ValueError(f"need stats_samples >= 1, got {self.stats_samples}")
+        if self.finetune_epochs < 0 or not (math.isfinite(self.finetune_lr) and self.finetune_lr > 0):
+            raise ValueError(f"need --finetune-epochs >= 0 and --finetune-lr > 0 (finite), got {self.finetune_epochs}, "
+                             f"{self.finetune_lr}")
         if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
             raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "
                              f"{self.coordinate_max}")

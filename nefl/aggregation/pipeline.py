@@ -37,12 +37,15 @@ from nefl.support.settings import DEFAULT_MAX_ABS
 
 
 class Statistics(Protocol):
-    """The server's own images at commit (aggregator/statsdata.py): every submodel's batch-norm running statistics
-    recomputed in a candidate state, in place; and the classifier's inputs there, for its rows' choice."""
+    """The server's own images at commit (aggregator/statsdata.py): every submodel fine-tuned on them in a candidate
+    state, and its batch-norm running statistics recomputed there, in place; and the classifier's inputs there, for its
+    rows' choice."""
 
     head: tuple[str, str] | None  # the classifier's (weight, bias) names; None: no row choice
 
     def __call__(self, state: GlobalState) -> None: ...
+
+    def finetune(self, state: GlobalState, lr: float, epochs: int) -> None: ...
 
     def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]: ...
 
@@ -81,7 +84,8 @@ class Pipeline:
     from `secret` mixed with the round where one is given (a server: positions nobody can compute in advance,
     docs/security.md), else from `seed` (the simulator: reproducible). `statistics`: the server's running statistics
     (AggregationConfig.server_stats), which then replace the devices' in every candidate (the step bound leaves them
-    out), and whose images choose the classifier's rows (AggregationConfig.classifier_rows)."""
+    out), and whose images fine-tune every candidate (AggregationConfig.finetune_epochs) and choose the classifier's
+    rows (AggregationConfig.classifier_rows)."""
 
     def __init__(self, layout: Layout, robustness: Robustness = Robustness(), weighting: Weighting = "uniform",
                  reference: ReferenceUpdate | None = None, seed: int = 0, secret: bytes | None = None,
@@ -158,11 +162,13 @@ class Pipeline:
         return Commit(candidate if problem is None else None, problem, bounded)
 
     def _finish(self, agg: RoundAggregate, state: GlobalState) -> tuple[GlobalState, dict[int, int], str | None]:
-        """The aggregate's candidate state, the step bound applied, the server's running statistics in place of the
-        devices', and why it cannot commit (None: it can)."""
+        """The aggregate's candidate state, the step bound applied, fine-tuned on the server's images and their running
+        statistics in place of the devices', and why it cannot commit (None: it can)."""
         candidate = agg.finalize(state)
         bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
         if self.statistics is not None:
+            if self.cfg.finetune_epochs:
+                self.statistics.finetune(candidate, self.cfg.finetune_lr, self.cfg.finetune_epochs)
             self.statistics(candidate)
             if self.cfg.classifier_rows and isinstance(agg, Screened):
                 self._classifier_rows(agg.copies, candidate)
