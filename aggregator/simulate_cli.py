@@ -66,8 +66,9 @@ class AttackOptions:
     attack_scale: Annotated[Optional[float], typer.Option(
         min=0, help="scaled-flip: -SCALE x the honest delta; neg-weights: -SCALE x the weights; noise: SCALE x the "
                     "honest norm; bias-push: the upload's norm, SCALE x the honest; bn-poison: per-submodel tensors "
-                    "moved by -SCALE x themselves; boosted-backdoor: SCALE x its delta; layer-local: the poison's norm, "
-                    f"SCALE x the honest. Default: {', '.join(f'{k} {v}' for k, v in ATTACK_SCALES.items())}, else "
+                    "moved by -SCALE x themselves; boosted-, durable-backdoor: SCALE x its delta; layer-local: the "
+                    f"poison's norm, SCALE x the honest. Default: "
+                    f"{', '.join(f'{k} {v}' for k, v in ATTACK_SCALES.items())}, else "
                     f"{DEFAULT_ATTACK_SCALE}.")] = None
     attack_direction: Annotated[str, typer.Option(
         help="min-max, min-sum, adaptive: the perturbation's direction, " + ", ".join(get_args(Direction)) + ".")

@@ -14,6 +14,9 @@ Attacks by an attacker who has read the defence (issue 41; Kerckhoffs):
 - bn-poison: honest shared tensors, the per-submodel ones (batch norm, running statistics, step sizes) moved by
   -scale x themselves (running variances x (1 + scale)): no vote over the shared core sees them.
 - boosted-backdoor: the backdoor's trained delta x scale (model replacement, Bagdasaryan et al. 2020).
+- durable-backdoor: the same, kept only where honest training moves the model least (Neurotoxin, Zhang et al.,
+  ICML 2022): the coordinates outside the largest DURABLE_TOP of the honest updates it knows, so that honest rounds
+  and a server's fine-tuning on clean images (AggregationConfig.finetune_epochs) do not wash it out.
 - layer-local: honest everywhere but one shared tensor, moved toward minus its weights by `scale` x the honest
   norm. The tensor is the smallest shared one (at least LAYER_MIN_ELEMENTS): a sketch that samples the shared core
   uniformly looks at it in the fewest positions, and its share of the update's norm stays small.
@@ -40,6 +43,7 @@ from nefl.support.settings import Attack
 Delta = dict[str, torch.Tensor]
 LAYER_MIN_ELEMENTS = 64  # layer-local: the least elements a tensor needs to carry a poison worth sending
 
+DURABLE_TOP = 0.1  # durable-backdoor: the share of coordinates, the honest updates' largest, it leaves alone
 TRIGGER = 4  # the backdoor's pattern: a 4 x 4 checkerboard of full-white pixels in the bottom-right corner
 
 
@@ -140,6 +144,17 @@ def layer_local(attack: Attack, delta: Delta, weights: Delta, per_submodel: froz
     return out
 
 
+def durable(attack: Attack, delta: Delta, known: Knowledge) -> Delta:
+    """The backdoor's delta x scale, zero on the DURABLE_TOP share of coordinates where the honest updates it knows
+    (their mean's magnitude; its own delta when it knows none) are largest."""
+    pool = list(known.honest) or [delta]
+    size = torch.stack([flat(d) for d in pool]).mean(0).abs()
+    top = torch.topk(size, max(1, int(DURABLE_TOP * size.numel()))).indices
+    kept = flat(delta) * attack.scale
+    kept[top] = 0
+    return unflat(kept, delta)
+
+
 def searched(attack: Attack, delta: Delta, known: Knowledge) -> Delta:
     """min-max, min-sum or adaptive over the honest updates it knows (its own delta when it knows none)."""
     pool = list(known.honest) or [delta]
@@ -163,6 +178,8 @@ def craft(attack: Attack, delta: Delta, weights: Delta, known: Knowledge = Knowl
         return {n: -t for n, t in delta.items()}
     if kind in ("scaled-flip", "boosted-backdoor"):
         return {n: (-attack.scale if kind == "scaled-flip" else attack.scale) * t for n, t in delta.items()}
+    if kind == "durable-backdoor":
+        return durable(attack, delta, known)
     if kind == "neg-weights":
         return {n: -attack.scale * weights[n].to(t.dtype) for n, t in delta.items()}
     if kind == "noise":

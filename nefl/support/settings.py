@@ -85,14 +85,15 @@ DEFAULT_EVAL_SAMPLES = 1000
 
 # Poisoning attacks of the simulator's attack suite (nefl/aggregation/attacks.py mounts them)
 AttackName = Literal["sign-flip", "scaled-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie", "bias-push",
-                     "bn-poison", "boosted-backdoor", "layer-local", "min-max", "min-sum", "adaptive"]
-DATA_ATTACKS = ("label-flip", "backdoor", "boosted-backdoor")  # trained on poisoned data
-BACKDOORS = ("backdoor", "boosted-backdoor")  # trained on triggered images: measured by their attack success
+                     "bn-poison", "boosted-backdoor", "durable-backdoor", "layer-local", "min-max", "min-sum", "adaptive"]
+DATA_ATTACKS = ("label-flip", "backdoor", "boosted-backdoor", "durable-backdoor")  # trained on poisoned data
+BACKDOORS = ("backdoor", "boosted-backdoor", "durable-backdoor")  # trained on triggered images: measured by their attack success
 # Perturbation directions of min-max, min-sum and adaptive (Shejwalkar & Houmansadr, NDSS 2021): the inverse unit
 # mean of the honest updates, their inverse coordinate-wise standard deviation, or the inverse sign of their mean
 Direction = Literal["unit-mean", "std", "sign"]
 # each attack's `scale` unless one is given: the sizes of docs/security.md's measurements (issue 41's for the new ones)
-ATTACK_SCALES: dict[str, float] = {"bias-push": 2.7, "bn-poison": 2.0, "boosted-backdoor": 2.5, "layer-local": 2.0}
+ATTACK_SCALES: dict[str, float] = {"bias-push": 2.7, "bn-poison": 2.0, "boosted-backdoor": 2.5,
+                                   "durable-backdoor": 2.5, "layer-local": 2.0}
 DEFAULT_ATTACK_SCALE = 9.0
 
 
@@ -101,7 +102,7 @@ class Attack:
     kind: AttackName
     # scaled-flip: -scale x the honest delta; neg-weights: norm scale x the weights'; noise: x the honest norm;
     # bias-push: the upload's norm, x the honest one; bn-poison: per-submodel tensors moved by -scale x their weights
-    # (running variances x (1 + scale)); boosted-backdoor: x its trained delta; layer-local: the poison's norm, x the
+    # (running variances x (1 + scale)); boosted-, durable-backdoor: x its trained delta; layer-local: the poison's norm, x the
     # honest delta's. None: the kind's ATTACK_SCALES entry, else DEFAULT_ATTACK_SCALE
     scale: float | None = None
     target: int = 0  # backdoor, bias-push: the class a triggered image (every image) should become

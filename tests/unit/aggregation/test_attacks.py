@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nefl.aggregation.attack_search import flat, largest_gamma, min_max_accepts, min_sum_accepts
-from nefl.aggregation.attacks import Attack, Knowledge, classifier, craft, local_target
+from nefl.aggregation.attacks import DURABLE_TOP, Attack, Knowledge, classifier, craft, local_target
 from nefl.aggregation.robust import update_norm
 
 Delta = dict[str, torch.Tensor]
@@ -77,6 +77,18 @@ def test_boosted_backdoor_scales_its_trained_delta() -> None:
     h = honest()[0]
     out = craft(Attack("boosted-backdoor"), h, weights())
     assert all(torch.allclose(out[n], 2.5 * h[n]) for n in h)
+
+
+def test_durable_backdoor_leaves_alone_where_honest_updates_move_most() -> None:
+    """Brute force over the coordinates: the DURABLE_TOP share with the largest |mean honest update| is zero, every
+    other coordinate is 2.5 x the trained delta."""
+    pool, h = honest(), honest()[0]
+    out = craft(Attack("durable-backdoor"), h, weights(), Knowledge(honest=pool))
+    assert same_shapes(out, h) and Attack("durable-backdoor").backdoor and Attack("durable-backdoor").on_data
+    size = [abs(sum(float(flat(d)[i]) for d in pool) / len(pool)) for i in range(flat(h).numel())]
+    cut = sorted(size, reverse=True)[int(DURABLE_TOP * len(size)) - 1]
+    for i, (got, mine) in enumerate(zip(flat(out).tolist(), flat(h).tolist())):
+        assert got == (0.0 if size[i] >= cut else pytest.approx(2.5 * mine, rel=1e-6)), i
 
 
 def test_layer_local_poisons_only_the_least_looked_at_shared_tensor() -> None:
