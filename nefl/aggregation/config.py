@@ -113,6 +113,9 @@ class AggregationConfig:
         if self.finetune_epochs < 0 or not (math.isfinite(self.finetune_lr) and self.finetune_lr > 0):
             raise ValueError(f"need --finetune-epochs >= 0 and --finetune-lr > 0 (finite), got {self.finetune_epochs}, "
                              f"{self.finetune_lr}")
+        if self.finetune_epochs and not self.server_stats:
+            raise ValueError("--finetune-epochs trains on the server's images, which --device-stats leaves out: "
+                             "drop one of them")
         if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
             raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "
                              f"{self.coordinate_max}")

@@ -3,6 +3,7 @@ submodel trained on the server's images from the candidate, merged by NeFedAvg, 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -78,6 +79,13 @@ def test_the_fine_tuning_lowers_every_submodels_loss_on_the_servers_images() -> 
     ServerStatistics(LAYOUT, data).finetune(state, 0.05, 4)
     after = [server_loss(state, data, k) for k in range(LAYOUT.num_submodels)]
     assert all(a < b for a, b in zip(after, before)), (before, after)
+
+
+def test_fine_tuning_without_the_servers_images_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="--device-stats"):
+        AggregationConfig(finetune_epochs=1, server_stats=False)
+    with pytest.raises(ValueError, match="--finetune-lr"):
+        AggregationConfig(finetune_epochs=1, finetune_lr=0.0)
 
 
 def test_the_commit_fine_tunes_after_the_step_bound_and_only_where_asked() -> None:
