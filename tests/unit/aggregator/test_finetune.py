@@ -58,8 +58,7 @@ def server_loss(state: GlobalState, data: ArrayDataset, k: int) -> float:
 
 def test_the_fine_tuning_is_nefedavg_of_every_submodel_trained_on_the_servers_images() -> None:
     state, data = GlobalState.init(LAYOUT, seed=0), images()
-    tuned = GlobalState({n: t.clone() for n, t in state.consistent.items()},
-                        [{n: t.clone() for n, t in own.items()} for own in state.inconsistent])
+    tuned = state.clone()
     ServerStatistics(LAYOUT, data).finetune(tuned, 0.05, 1)
     want = by_hand(state, data, 0.05, 1)
     moved = 0
