@@ -16,7 +16,7 @@ import torch
 from nefl.nested.data import ArrayDataset, BatchLoader, load_dataset
 from nefl.nested.state import GlobalState, Layout, load_module_state, module_state
 from nefl.nested.train import evaluate, recompute_bn_stats
-from nefl.support.threads import all_cores
+from nefl.support.threads import spare_cores
 
 CHUNK = 500  # images scored between progress calls (one batch): a stop waits for one batch at most
 Progress = Callable[[int, int, int], None]  # (submodel index, images scored, images in all)
@@ -55,11 +55,11 @@ class Evaluator:
                  progress: Progress | None = None) -> list[float]:
         """Top-1 of every submodel on the first `max_samples` test images (default: the evaluator's);
         static-BN statistics are recalibrated into `state` first. `threads`: torch's threads for the calling
-        thread (default: every core, for an evaluation on the thread that runs the rounds)."""
+        thread (default: the cores no other process keeps busy, for an evaluation on the thread that runs the rounds)."""
         if threads is not None:  # an evaluation beside the rounds: a budget of its own (OpenMP's count is per thread)
             torch.set_num_threads(threads)
             return self._accuracy(state, self.samples(max_samples), progress)
-        with all_cores():  # a served federation's ingest runs on one thread (nefl/support/threads.py); this is one large job
+        with spare_cores():  # a served federation's ingest runs on one thread (nefl/support/threads.py); this is one large job
             return self._accuracy(state, self.samples(max_samples), progress)
 
     def _accuracy(self, state: GlobalState, n: int, progress: Progress | None) -> list[float]:

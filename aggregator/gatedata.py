@@ -12,7 +12,7 @@ from nefl.aggregation.gate import Gate, Scores
 from nefl.aggregation.config import AggregationConfig
 from nefl.nested.data import ArrayDataset, BatchLoader
 from nefl.nested.state import GlobalState, Layout, load_module_state
-from nefl.support.threads import all_cores
+from nefl.support.threads import spare_cores
 
 
 class GateScores:
@@ -30,7 +30,7 @@ class GateScores:
         load_module_state(model, state.extract(self.layout, k))
         model.eval()
         loss, wrong = [], []
-        with all_cores():
+        with spare_cores():
             for x, y in BatchLoader(self.data, torch.arange(len(self.data)), 256, False, False, 0):
                 logits, y = model(x.to(self.device)), y.to(self.device)
                 loss.append(F.cross_entropy(logits, y, reduction="none").cpu())

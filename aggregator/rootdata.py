@@ -21,7 +21,7 @@ from nefl.aggregation.gate import Gate
 from nefl.nested.data import ArrayDataset, BatchLoader
 from nefl.nested.state import GlobalState, Layout
 from nefl.support.settings import DEFAULT_ROOT_SAMPLES
-from nefl.support.threads import all_cores
+from nefl.support.threads import spare_cores
 from nefl.nested.train import TrainConfig, local_train
 
 
@@ -72,6 +72,6 @@ class RootUpdates:
         loader = BatchLoader(self.data, self.indices, self.train.batch_size, shuffle=True, augment=True,
                              seed=self.seed * 7919 + index * 31 + k)
         cfg = self.train.for_round(max(0, index - 1), self.rounds)
-        with all_cores():  # one training run, not a stream of small operations (nefl/support/threads.py)
+        with spare_cores():  # one training run, not a stream of small operations (nefl/support/threads.py)
             return local_train(self.modules[k], state.extract(self.layout, k), loader, cfg,
                                upload=self.layout.upload_shapes(k), device=self.device).delta

@@ -23,7 +23,7 @@ from nefl.nested.data import ArrayDataset, BatchLoader
 from nefl.nested.state import GlobalState, Layout, load_module_state
 from nefl.nested.train import local_train
 from nefl.support.settings import TrainConfig
-from nefl.support.threads import all_cores
+from nefl.support.threads import spare_cores
 
 FINETUNE_BATCH = 16  # the fine-tuning's batch size: 32 steps a pass over the 512 images
 
@@ -59,7 +59,7 @@ class ServerStatistics:
         return self.modules[k]
 
     def __call__(self, state: GlobalState) -> None:
-        with all_cores():
+        with spare_cores():
             for k in range(self.layout.num_submodels):
                 recalibrate(self.layout, self._module(k), state, k, self.batches, self.layout.stats, self.device)
 
@@ -69,7 +69,7 @@ class ServerStatistics:
         would be."""
         self.finetuned += 1
         merged, config = NeFedAvg(self.layout), TrainConfig(lr=lr, local_epochs=epochs)
-        with all_cores():
+        with spare_cores():
             for k in range(self.layout.num_submodels):
                 batches = BatchLoader(self.data, None, FINETUNE_BATCH, True, True, 1000 * self.finetuned + k)
                 trained = local_train(self._module(k), state.extract(self.layout, k), batches, config,
@@ -86,7 +86,7 @@ class ServerStatistics:
         assert self.head is not None
         head = self.head[0].removesuffix(".weight")
         out: list[torch.Tensor] = []
-        with all_cores():
+        with spare_cores():
             for k in range(self.layout.num_submodels):
                 model = self._module(k)
                 load_module_state(model, state.extract(self.layout, k))

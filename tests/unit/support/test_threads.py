@@ -1,5 +1,5 @@
 """nefl/support/threads.py: a process that takes a stream of updates runs torch's and the BLAS's operations on one
-thread, and gets its cores back for one large job (evaluation, FLTrust's root training)."""
+thread, and gets the cores no other process keeps busy back for one large job (evaluation, FLTrust's root training)."""
 
 from __future__ import annotations
 
@@ -9,29 +9,39 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nefl.support.threads import free_cores
+
 ROOT = Path(__file__).resolve().parents[3]
 
 PROBE = """
 import json, numpy, torch
+import nefl.support.threads as threads
 from threadpoolctl import threadpool_info
-from nefl.support.threads import all_cores, one_per_process
+from nefl.support.threads import one_per_process, spare_cores
 
 def blas():
     return sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
 
 out = {"default": torch.get_num_threads()}
-with all_cores():  # before one_per_process: nothing to give back, nothing changed
+with spare_cores():  # before one_per_process: nothing to give back, nothing changed
     out["before"] = torch.get_num_threads()
 one_per_process()
 out["ingest"], out["ingest_blas"] = torch.get_num_threads(), blas()
-with all_cores():
+threads.busy_elsewhere = lambda: 0.0  # an idle machine
+with spare_cores():
     out["evaluation"] = torch.get_num_threads()
 out["after"] = torch.get_num_threads()
+threads.busy_elsewhere = lambda: float(out["default"])  # every core busy elsewhere
+with spare_cores():
+    out["busy"] = torch.get_num_threads()
 print(json.dumps(out))
 """
 
 
-def test_an_ingest_process_runs_on_one_thread_and_a_large_job_on_all_cores() -> None:
+def test_an_ingest_process_runs_on_one_thread_and_a_large_job_on_the_spare_cores() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     env["PYTHONPATH"] = str(ROOT)
     got = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True,
@@ -39,3 +49,12 @@ def test_an_ingest_process_runs_on_one_thread_and_a_large_job_on_all_cores() -> 
     assert got["default"] == got["before"] >= 1
     assert got["ingest"] == 1 and got["ingest_blas"] in ([1], [])  # numpy without an OpenBLAS has no pool to limit
     assert got["evaluation"] == got["default"] and got["after"] == 1
+    assert got["busy"] == 1
+
+
+@given(st.integers(1, 256), st.floats(0, 1000))
+def test_a_large_job_takes_the_cores_other_processes_leave_free(cores: int, busy: float) -> None:
+    got = free_cores(cores, busy)
+    assert 1 <= got <= cores
+    assert got == 1 or got <= cores - busy + 0.25  # never a thread onto a core another process keeps busy
+    assert got == cores or got + 1 > cores - busy + 0.25  # and no free core left out
