@@ -78,8 +78,7 @@ ClassifierRows = Annotated[bool, typer.Option(
 FinetuneEpochs = Annotated[int, typer.Option(
     "--finetune-epochs", min=0, help="With --server-stats: passes of every submodel over the server's images at each "
                                      "commit, before its running statistics (unlearns what clean images do not "
-                                     "exercise, a backdoor's trigger); 1 is what docs/security.md measured, 0 "
-                                     "(the default) turns it off.")]
+                                     "exercise, a backdoor's trigger; docs/security.md); 0 turns it off.")]
 FinetuneLr = Annotated[float, typer.Option(
     "--finetune-lr", min=0, help="--finetune-epochs: the server's learning rate.")]
 StatsSamples = Annotated[int, typer.Option(

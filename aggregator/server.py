@@ -517,10 +517,8 @@ def _evaluation(cfg: ServeConfig, layout: Layout, train_cfg: TrainConfig
         log.warning("--gate: the server holds no held-out data; the gate is off (give --eval-dataset)")
     if test is None and agg.server_stats and layout.stats:
         log.warning("the server holds no held-out data: batch norm's running statistics are the devices' merged "
-                    "values (give --eval-dataset for the server's own, docs/security.md)")
-    if agg.finetune_epochs and statistics is None:
-        log.warning("--finetune-epochs: the server holds no held-out images (give --eval-dataset) or the model has no "
-                    "batch norm to hold them for; it does not fine-tune")
+                    "values and nothing is fine-tuned at commit (give --eval-dataset for the server's own, "
+                    "docs/security.md)")
     if gate is not None and (cfg.workers or cfg.remote_workers):
         log.warning("--gate with workers: a round merged from partials carries no updates to leave out; a tripped one is refused whole")
     evaluator = Evaluator.for_dataset(layout, cfg.eval_dataset, cfg.eval_samples, cfg.data_root, seed=cfg.seed,

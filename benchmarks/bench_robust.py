@@ -15,8 +15,8 @@ saved as <out>/<part>/<name>.json and skipped when present):
              Dirichlet(0.5): classifier-bias push, per-submodel-tensor poisoning, the boosted and the durable
              backdoor (attack success too), a layer-local poison, min-max, min-sum and the adaptive search against
              the kit's own aggregation
-  no-attack  the default and `finetune` against plain NeFedAvg, and `finetune` against NeFedAvg with the same server
-             images (BASELINES), without attackers, IID and Dirichlet(0.5), seeds 0-5 (NO_ATTACK_SEEDS)
+  no-attack  the default and `no-finetune` against plain NeFedAvg, and the default against NeFedAvg with the same
+             server images (BASELINES), without attackers, IID and Dirichlet(0.5), seeds 0-5 (NO_ATTACK_SEEDS)
   for each rule: plain NeFedAvg (no centre check: the kit before this benchmark), the default (NeFedAvg
   behind the centre check), median, trimmed mean, multi-Krum and FLTrust (each without the centre check).
 Cost (--part cost): aggregation time and held memory per round of each rule at 10 and 100 updates of
@@ -60,16 +60,16 @@ RULES: dict[str, AggregationConfig] = {
     "nefedavg": PLAIN_NEFEDAVG,
     "default": AggregationConfig(),
     "gate": AggregationConfig(gate=True),  # the default plus the held-out gate at commit (nefl/aggregation/gate.py)
-    "finetune": AggregationConfig(finetune_epochs=1),  # the default plus the server's fine-tuning at commit
+    "no-finetune": AggregationConfig(finetune_epochs=0),  # the default without the server's fine-tuning at commit
     "median": AggregationConfig(rule="median", centre_check=False),
     "trimmed-mean": AggregationConfig(rule="trimmed-mean", centre_check=False),
     "krum": AggregationConfig(rule="krum", centre_check=False),
     "fltrust": AggregationConfig(rule="fltrust", centre_check=False),
 }
 # the no-attack part's second baseline: NeFedAvg with the server's images (its running statistics and fine-tuning), no
-# defence: what `finetune` costs apart from what the server's images add
+# defence: what the default costs apart from what the server's images add
 BASELINES: dict[str, AggregationConfig] = {
-    "nefedavg-server": AggregationConfig(centre_check=False, classifier_rows=False, finetune_epochs=1)}
+    "nefedavg-server": AggregationConfig(centre_check=False, classifier_rows=False)}
 SETTINGS: dict[str, float | None] = {"iid": None, "dir0.5": 0.5}
 FRACTION_ATTACKS = ("scaled-flip",)
 OTHER_ATTACKS = ("sign-flip", "neg-weights", "noise", "label-flip", "backdoor", "alie")
@@ -183,7 +183,7 @@ def jobs_for(part: str, seeds: int, budget: Budget, out: str, grid: Grid = Grid(
 
 def no_attack_jobs(budget: Budget, out: str) -> list[Job]:
     return [Job("fractions", rule, "none", 0.0, setting, seed, budget, out)
-            for setting in SETTINGS for seed in range(NO_ATTACK_SEEDS) for rule in ("nefedavg", *BASELINES, "default", "finetune")]
+            for setting in SETTINGS for seed in range(NO_ATTACK_SEEDS) for rule in ("nefedavg", *BASELINES, "default", "no-finetune")]
 
 
 # -- cost ---------------------------------------------------------------------------------------------
@@ -303,10 +303,10 @@ def adaptive_tables(results: list[dict], fraction_results: list[dict]) -> list[s
 
 
 def no_attack_lines(results: list[dict]) -> list[str]:
-    """The default's (and `finetune`'s) cost without attackers, seed by seed: average clean accuracy against plain
-    NeFedAvg's, and `finetune`'s against NeFedAvg with the same server images (BASELINES)."""
+    """The default's (and `no-finetune`'s) cost without attackers, seed by seed: average clean accuracy against plain
+    NeFedAvg's, and the default's against NeFedAvg with the same server images (BASELINES)."""
     lines = []
-    for rule, base in (("default", "nefedavg"), ("finetune", "nefedavg"), ("finetune", "nefedavg-server")):
+    for rule, base in (("default", "nefedavg"), ("no-finetune", "nefedavg"), ("default", "nefedavg-server")):
         lines += ["", f"**No attackers, seeds 0-{NO_ATTACK_SEEDS - 1}** (declared before they were run): average clean "
                       f"top-1 (%) of {rule} against {base}, seed by seed; honest updates {rule} dropped.", "",
                   "| setting | " + " | ".join(f"seed {s}" for s in range(NO_ATTACK_SEEDS)) + " | mean | cost |",

@@ -71,9 +71,9 @@ class AggregationConfig:
     classifier_rows: bool = True
     # with server_stats: every submodel fine-tuned on the server's images at commit (finetune_epochs passes at
     # finetune_lr, merged by NeFedAvg; aggregator/statsdata.py, finetune), before the running statistics and the rows'
-    # choice: what clean images do not exercise (a backdoor's trigger path) is unlearned. Off (0) until it is cheaper:
-    # it trains every submodel at each commit, and the server's round waits for it (docs/security.md)
-    finetune_epochs: int = 0
+    # choice: what clean images do not exercise (a backdoor's trigger path) is unlearned (docs/security.md); the
+    # devices' statistics (server_stats off) leave the server no images, and nothing is fine-tuned; 0: off
+    finetune_epochs: int = 1
     finetune_lr: float = 0.01
 
     def __post_init__(self) -> None:
@@ -113,9 +113,6 @@ class AggregationConfig:
         if self.finetune_epochs < 0 or not (math.isfinite(self.finetune_lr) and self.finetune_lr > 0):
             raise ValueError(f"need --finetune-epochs >= 0 and --finetune-lr > 0 (finite), got {self.finetune_epochs}, "
                              f"{self.finetune_lr}")
-        if self.finetune_epochs and not self.server_stats:
-            raise ValueError("--finetune-epochs trains on the server's images, which --device-stats leaves out: "
-                             "drop one of them")
         if not 0 <= self.coordinate_trim < 0.5 or self.coordinate_max < 0:
             raise ValueError(f"need coordinate_trim in [0, 0.5) and coordinate_max >= 0, got {self.coordinate_trim}, "
                              f"{self.coordinate_max}")

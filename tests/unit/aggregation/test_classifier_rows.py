@@ -86,9 +86,10 @@ def images(n: int = 96) -> ArrayDataset:
 
 def one_round(rows: bool, push: float) -> tuple[GlobalState, GlobalState, dict]:
     """A round of 5 updates (submodels 1-5, small steps in one direction, so the centre check keeps all), the last
-    with `push` added to the classifier's bias of class 0, through a server holding `images()`."""
+    with `push` added to the classifier's bias of class 0, through a server holding `images()` (without its fine-tuning,
+    which moves every row: test_finetune)."""
     state = GlobalState.init(LAYOUT, seed=0)
-    pipeline = Pipeline(LAYOUT, Robustness(aggregation=AggregationConfig(classifier_rows=rows)),
+    pipeline = Pipeline(LAYOUT, Robustness(aggregation=AggregationConfig(classifier_rows=rows, finetune_epochs=0)),
                         statistics=ServerStatistics(LAYOUT, images()))
     tasks = {f"c{k}": k for k in range(LAYOUT.num_submodels)}
     agg = pipeline.begin_round(state, tasks, 1)

@@ -80,9 +80,7 @@ def test_the_fine_tuning_lowers_every_submodels_loss_on_the_servers_images() -> 
     assert all(a < b for a, b in zip(after, before)), (before, after)
 
 
-def test_fine_tuning_without_the_servers_images_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match="--device-stats"):
-        AggregationConfig(finetune_epochs=1, server_stats=False)
+def test_a_bad_learning_rate_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="--finetune-lr"):
         AggregationConfig(finetune_epochs=1, finetune_lr=0.0)
 

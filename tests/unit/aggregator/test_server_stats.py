@@ -61,7 +61,8 @@ def batch_statistics(state: GlobalState, k: int, data: ArrayDataset) -> dict[str
 
 def test_the_servers_statistics_replace_the_devices_and_nothing_else_changes() -> None:
     state, data = GlobalState.init(LAYOUT, seed=0), images()
-    rows_off = Robustness(aggregation=AggregationConfig(classifier_rows=False))  # the rows' choice: test_classifier_rows
+    # the rows' choice and the fine-tuning are tested in test_classifier_rows and test_finetune
+    rows_off = Robustness(aggregation=AggregationConfig(classifier_rows=False, finetune_epochs=0))
     server = Pipeline(LAYOUT, rows_off, statistics=ServerStatistics(LAYOUT, data))
     honest = commit(server, state, 0.01)
     poisoned = commit(Pipeline(LAYOUT, rows_off, statistics=ServerStatistics(LAYOUT, data)), state, 1000.0)

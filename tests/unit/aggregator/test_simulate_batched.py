@@ -8,14 +8,18 @@ import torch
 
 import aggregator.simulate as simulate
 from aggregator.simulate import SimConfig, Simulator
+from nefl.aggregation.config import AggregationConfig
+from nefl.aggregation.pipeline import Robustness
 from nefl.nested.data import SYSTEM_FASHION_MNIST_DIR
 from nefl.nested.state import GlobalState, Layout
 
 
 def _round(batch_clients: bool) -> tuple[GlobalState, GlobalState, dict, Layout]:
-    # 10 clients in 5 tiers, each training the largest submodel its tier may: groups of 2 or more, one step each
+    # 10 clients in 5 tiers, each training the largest submodel its tier may: groups of 2 or more, one step each; the
+    # server's fine-tuning off, so that the submodels no client trained keep their own tensors
     cfg = SimConfig("resnet20-fmnist-wd", clients=10, per_round=10, rounds=1, eval_every=0, final_eval_samples=100,
-                    max_samples_per_client=32, assignment="largest", seed=0, batch_clients=batch_clients)
+                    max_samples_per_client=32, assignment="largest", seed=0, batch_clients=batch_clients,
+                    robustness=Robustness(aggregation=AggregationConfig(finetune_epochs=0)))
     sim = Simulator(cfg)
     before = sim.state.clone()
     result = sim.run()
