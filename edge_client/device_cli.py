@@ -13,8 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edge_client.probe import MIN_WINDOW_S, DeviceSnapshot, Prober, format_bytes, is_throttled
+from edge_client.probe import DeviceSnapshot, Prober, format_bytes, is_throttled
 from nefl.support.cli_options import JsonOption
+from nefl.support.cpu import MIN_WINDOW_S
 
 console = Console()
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import psutil
 
+from nefl.support.cpu import CpuReading, read_cpu, window
+
 THERMAL_ROOT = Path("/sys/class/thermal")
 JETSON_LOAD_PATHS = (  # GPU load in 0..1000: Nano/TX, Xavier, Orin (JetPack 5 and 6)
     Path("/sys/devices/gpu.0/load"),
@@ -37,7 +39,6 @@ JETSON_LOAD_PATHS = (  # GPU load in 0..1000: Nano/TX, Xavier, Orin (JetPack 5 a
 )
 PI_THROTTLED_PATH = Path("/sys/devices/platform/soc/soc:firmware/get_throttled")
 THROTTLED_NOW_MASK = 0xF  # under-voltage, ARM frequency capped, throttled, soft temperature limit
-MIN_WINDOW_S = 0.25  # CPU shares over a shorter interval are noise: the previous reading stands
 HOT_LIMIT_C = 80.0  # a thermal zone at or above this counts as throttling (edge_client/load.py)
 IGNORED_ZONES = frozenset({"pmic-die"})  # Jetson Nano's PMIC zone reads a fixed 100 C: not a temperature
 _AUTO = object()
@@ -199,32 +200,8 @@ class Prober:
 
     # -- readings (every snapshot) ---------------------------------------------------------------
 
-    def _cpu_busy_total(self) -> tuple[float, float]:
-        t = self._ps.cpu_times()._asdict()
-        idle = t.get("idle", 0.0) + t.get("iowait", 0.0)
-        total = sum(v for k, v in t.items() if k not in ("guest", "guest_nice"))  # guest is inside user
-        return total - idle, total
-
-    def _own_cpu_seconds(self) -> float | None:
-        """CPU seconds of this process and its descendants, living or reaped (their time moves into
-        the parent's children_* fields when waited for, so nothing is counted twice or lost)."""
-        if self._process is None:
-            return None
-        try:
-            tree = [self._process, *self._process.children(recursive=True)]
-        except Exception:
-            return None
-        total = 0.0
-        for proc in tree:
-            try:
-                t = proc.cpu_times()
-            except Exception:  # a child that exited between listing and reading
-                continue
-            total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
-        return total
-
-    def _cpu_sample(self) -> tuple[float, float, float | None]:
-        return (*self._cpu_busy_total(), self._own_cpu_seconds())
+    def _cpu_sample(self) -> CpuReading:
+        return read_cpu(self._ps, self._process)
 
     def _cpu_readings(self, unknown: dict[str, str]) -> tuple[float | None, float | None, float | None]:
         """(system cpu %, own cores, external cpu %) since the previous snapshot."""
@@ -232,18 +209,11 @@ class Prober:
             self._cpu_base = self._cpu_sample()
             unknown["cpu_percent"] = "warming up: no baseline yet"
             return None, None, None
-        busy, total, own = self._cpu_sample()
-        d_busy, d_total = busy - self._cpu_base[0], total - self._cpu_base[1]
-        if d_total >= MIN_WINDOW_S * self._cpu_count:  # else too soon after the previous reading: it stands
-            base_own = self._cpu_base[2]
-            self._cpu_base = (busy, total, own)
-            percent = min(100.0, max(0.0, 100.0 * d_busy / d_total))
-            if own is None or base_own is None:
-                self._last_cpu = (percent, None, None)
-            else:  # d_total sums every core's time, so the shares are of the whole machine
-                d_own = max(0.0, own - base_own)
-                own_share = min(1.0, d_own / d_total)
-                self._last_cpu = (percent, own_share * self._cpu_count, max(0.0, percent - 100.0 * own_share))
+        now = self._cpu_sample()
+        shares = window(self._cpu_base, now, self._cpu_count)
+        if shares is not None:  # else too soon after the previous reading: it stands
+            self._cpu_base = now
+            self._last_cpu = (shares.percent, shares.own_cores, shares.external_percent)
             unknown.pop("cpu_percent", None)
         if self._last_cpu is None:
             unknown["cpu_percent"] = "warming up: sampled too soon after start"

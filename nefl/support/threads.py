@@ -16,6 +16,8 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+from nefl.support.cpu import MIN_WINDOW_S, CpuReading, read_cpu, window
+
 _default: int | None = None  # torch's thread count before `one_per_process`
 
 
@@ -31,21 +33,31 @@ def one_per_process() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-SAMPLE_S = 0.2  # how long `busy_elsewhere` watches the CPUs before a large job
+MAX_WINDOW_S = 5.0  # a window since the previous large job older than this says more about the past than now
+_last: tuple[float, CpuReading] | None = None  # (monotonic time, reading) where the previous window ended
 
 
-def busy_elsewhere(seconds: float = SAMPLE_S) -> float:
-    """Cores' worth of CPU time spent outside this process, on the cores it may run on, over the next `seconds`: a
-    sample taken now, unlike the load average, which lags by a minute and counts this process's own last large job."""
+def busy_elsewhere() -> float:
+    """Cores' worth of CPU time spent outside this process on the cores it may run on: since the previous large job
+    where that ended under MAX_WINDOW_S ago (back-to-back jobs wait for nothing), else over the next MIN_WINDOW_S.
+    Unlike the load average, which lags by a minute, this counts none of this process's own work."""
     import psutil
 
+    global _last
     me = psutil.Process()
-    mine = me.cpu_affinity() or range(psutil.cpu_count())
-    own, wall = sum(me.cpu_times()[:2]), time.monotonic()
-    percent = psutil.cpu_percent(interval=seconds, percpu=True)
-    share = sum(percent[c] for c in mine if c < len(percent)) / 100
-    own = (sum(me.cpu_times()[:2]) - own) / max(time.monotonic() - wall, 1e-9)
-    return max(0.0, share - own)
+    cores = me.cpu_affinity() or list(range(psutil.cpu_count()))
+    now, at = read_cpu(psutil, me, cores=cores, tree=False), time.monotonic()
+    start = _last if _last is not None and at - _last[0] <= MAX_WINDOW_S else (at, now)
+    shares = window(start[1], now, len(cores))
+    while shares is None and at - start[0] < 4 * MIN_WINDOW_S:  # per-core times tick in 10 ms: top up till it counts
+        time.sleep(max(0.01, MIN_WINDOW_S - (at - start[0])))
+        now, at = read_cpu(psutil, me, cores=cores, tree=False), time.monotonic()
+        shares = window(start[1], now, len(cores))
+    _last = (at, now)
+    if shares is None:  # the per-core times never moved (a sandbox that hides them): every core, as before
+        return 0.0
+    busy = shares.percent if shares.external_percent is None else shares.external_percent
+    return busy / 100 * len(cores)
 
 
 def free_cores(cores: int, busy: float) -> int:

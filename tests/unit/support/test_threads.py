@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hypothesis import given
@@ -58,3 +59,20 @@ def test_a_large_job_takes_the_cores_other_processes_leave_free(cores: int, busy
     assert 1 <= got <= cores
     assert got == 1 or got <= cores - busy + 0.25  # never a thread onto a core another process keeps busy
     assert got == cores or got + 1 > cores - busy + 0.25  # and no free core left out
+
+
+def test_back_to_back_large_jobs_read_the_window_since_the_previous_one_without_waiting(monkeypatch) -> None:
+    from nefl.support import threads
+
+    waits: list[float] = []
+    monkeypatch.setattr(threads, "_last", None)
+    sleep = time.sleep
+    monkeypatch.setattr(threads.time, "sleep", lambda s: (waits.append(s), sleep(s)))
+    assert threads.busy_elsewhere() >= 0.0
+    assert sum(waits) >= threads.MIN_WINDOW_S * 0.9  # the first job had no window yet: it watched for one
+    waits.clear()
+    sleep(threads.MIN_WINDOW_S * 1.5)  # the previous job's run
+    assert threads.busy_elsewhere() >= 0.0 and waits == []
+    monkeypatch.setattr(threads, "_last", (threads._last[0] - threads.MAX_WINDOW_S - 1, threads._last[1]))
+    threads.busy_elsewhere()
+    assert waits  # a window that old says little about now: it watched afresh
