@@ -45,7 +45,7 @@ def busy_elsewhere() -> float:
 
     global _last
     me = psutil.Process()
-    cores = me.cpu_affinity() or list(range(psutil.cpu_count()))
+    cores = (me.cpu_affinity() if hasattr(me, "cpu_affinity") else None) or list(range(psutil.cpu_count()))  # macOS: none
     now, at = read_cpu(psutil, me, cores=cores, tree=False), time.monotonic()
     start = _last if _last is not None and at - _last[0] <= MAX_WINDOW_S else (at, now)
     shares = window(start[1], now, len(cores))

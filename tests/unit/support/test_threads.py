@@ -76,3 +76,23 @@ def test_back_to_back_large_jobs_read_the_window_since_the_previous_one_without_
     monkeypatch.setattr(threads, "_last", (threads._last[0] - threads.MAX_WINDOW_S - 1, threads._last[1]))
     threads.busy_elsewhere()
     assert waits  # a window that old says little about now: it watched afresh
+
+
+def test_a_platform_without_cpu_affinity_watches_every_core(monkeypatch) -> None:
+    """macOS's psutil has no cpu_affinity: a server there still sizes its large jobs."""
+    import psutil
+
+    from nefl.support import threads
+
+    real = psutil.Process()
+
+    class NoAffinity:
+        def __init__(self, *a) -> None:
+            self._p = real
+
+        def cpu_times(self):
+            return self._p.cpu_times()
+
+    monkeypatch.setattr(psutil, "Process", NoAffinity)
+    monkeypatch.setattr(threads, "_last", None)
+    assert 0.0 <= threads.busy_elsewhere() <= psutil.cpu_count()
