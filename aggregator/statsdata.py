@@ -63,10 +63,10 @@ class ServerStatistics:
             for k in range(self.layout.num_submodels):
                 recalibrate(self.layout, self._module(k), state, k, self.batches, self.layout.stats, self.device)
 
-    def finetune(self, state: GlobalState, lr: float, epochs: int) -> None:
+    def finetune(self, state: GlobalState, lr: float, epochs: int) -> dict[str, torch.Tensor]:
         """Every submodel of `state` trained `epochs` passes over the server's images at `lr` (shuffled, augmented, as a
         device trains), and their deltas merged into `state` in place by NeFedAvg, as a round of one device per submodel
-        would be."""
+        would be; returns the step this took on the consistent tensors."""
         self.finetuned += 1
         merged, config = NeFedAvg(self.layout), TrainConfig(lr=lr, local_epochs=epochs)
         with spare_cores():
@@ -76,8 +76,10 @@ class ServerStatistics:
                                       upload=self.layout.upload_shapes(k), device=self.device)
                 merged.add_validated(k, trained.delta)
         new = merged.finalize(state)
+        step = {n: new.consistent[n] - t for n, t in state.consistent.items()}
         state.consistent.update(new.consistent)
         state.inconsistent[:] = new.inconsistent
+        return step
 
     @torch.no_grad()
     def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -37,7 +37,8 @@ class Screened(RoundAggregate):
     size can align more weakly than the spread, and a hostile update raising the strongest cosine only
     brings the margin back to the spread's. Only updates within the size bound below vote (an outsized
     one is already an outlier). The vote acts only while `vote_quorum` of the voters reach `min_agree`:
-    honest updates can point apart, and then no update is dropped for its direction. One larger than
+    honest updates can point apart, and then no update is dropped for its direction. Nor is one that points along the
+    server's own step of the last commit, where it has one (its fine-tuning on clean images). One larger than
     `max_norm_ratio` x the round's median relative norm is clipped to that if the vote confirmed it, and
     to the median itself if not (short of `min_agree` in a round where the vote abstained). The
     first `hold` updates are judged together, later ones each as of its arrival (the median, margin and
@@ -62,7 +63,8 @@ class Screened(RoundAggregate):
     compare = 256  # most recent sketches an arriving update is compared with: O(1) work per update
 
     def __init__(self, inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
-                 assignments: Mapping[str, int], seed: int, sizes: TensorSizes) -> None:
+                 assignments: Mapping[str, int], seed: int, sizes: TensorSizes,
+                 server_step: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(inner.layout, inner.weighting)
         self.inner, self.cfg, self.weight_norm, self.sizes = inner, cfg, weight_norm, sizes
         self.noise = torch.Generator().manual_seed(seed ^ 0x5EED)  # tensor noise: the round's seed, apart from the sketch's
@@ -70,6 +72,8 @@ class Screened(RoundAggregate):
         self.hold = max(1, min(cfg.hold, len(assignments)))
         self.sketch = Sketch(shared_core(inner.layout, assignments.values()), cfg.sketch, seed)
         self.spread = cfg.agree_z / math.sqrt(max(1, self.sketch.size))  # agree_z x unrelated vectors' cosine spread
+        self.server = self._server_sketch(server_step)
+        self.with_server: dict[str, float] = {}  # client -> its sketch's cosine with the server's step, where the vote asked
         self._strongest = 0.0  # the largest cosine between a sketch and one it was compared with on arrival
         # row i: update i's sketch, its norm and relative norm, in numpy (a vote's few small operations cost less than
         # torch's dispatch); rows grow by doubling, so a vote is one product with a slice, not a stack, and nothing
@@ -118,6 +122,24 @@ class Screened(RoundAggregate):
         self.pending.append((Held(client, k, delta, num_samples), i, ratio))
         if self.count >= self.hold and (not self.streaming or len(self.pending) >= self.hold):
             self._judge_pending()
+
+    def _server_sketch(self, step: Mapping[str, torch.Tensor] | None) -> np.ndarray | None:
+        """The server's step sketched as the updates are, unit length; None without one (or where it is zero)."""
+        if step is None or not self.sketch.size or not all(n in step for n in self.sketch.core):
+            return None
+        out = self.sketch(dict(step)).numpy().astype(np.float32)
+        norm = float(np.linalg.norm(out))
+        return out / norm if norm > 0 and math.isfinite(norm) else None
+
+    def _along_server(self, h: Held, i: int) -> bool:
+        """Whether update i points along the server's own step (a cosine above the spread; recorded): the vote may not
+        drop it. On their shared core, updates of submodels far apart in size can point apart, and with three updates a
+        round the two large ones outvoted an honest small one (docs/security.md, "The server's step as a veto")."""
+        if self.server is None:
+            return False
+        cos = float(self.sketches[i] @ self.server) / max(float(self._norms()[i]), 1e-30)
+        self.with_server[h.client] = round(cos, 4)
+        return cos > self.spread
 
     @property
     def strongest(self) -> float:
@@ -274,7 +296,7 @@ class Screened(RoundAggregate):
             self.medians.pop(i, None)
             own = self.own.pop(i)
             references = self.references.pop(i, None) or self.sizes.bounds(h.k, own)
-            if vote and i in short:
+            if vote and i in short and not self._along_server(h, i):
                 self.dropped[h.client] = "against_centre"
                 continue
             factors = clip_factors(own, references, self.cfg.tensor_clip)
@@ -317,6 +339,7 @@ class Screened(RoundAggregate):
         return {**self.inner.facts(), **super().facts(), **({"clipped_to_centre": clipped} if clipped else {}),
                 **({"tensors_clipped": dict(sorted(self.tensors_clipped.items()))} if self.tensors_clipped else {}),
                 **({"agreement": dict(sorted(self.agreement.items()))} if self.agreement else {}),
+                **({"with_server": dict(sorted(self.with_server.items()))} if self.with_server else {}),
                 **({"trimmed_elements": self.trimmed} if self.trimmed else {}),
                 **({"rows_from_average": self.copies.from_average} if self.copies.from_average else {})}
 
@@ -342,8 +365,9 @@ class ScreenedSums(Screened):
 
 
 def screened(inner: RoundAggregate, cfg: AggregationConfig, weight_norm: Callable[[int], float],
-             assignments: Mapping[str, int], seed: int, sizes: TensorSizes) -> Screened:
+             assignments: Mapping[str, int], seed: int, sizes: TensorSizes,
+             server_step: Mapping[str, torch.Tensor] | None = None) -> Screened:
     """The centre check in front of `inner`, Mergeable when `inner` is; `sizes`: the round's tensor sizes, judged
-    against the history they were begun from."""
+    against the history they were begun from; `server_step`: the server's own step of the last commit (None: none)."""
     cls = ScreenedSums if isinstance(inner, Mergeable) else Screened
-    return cls(inner, cfg, weight_norm, assignments, seed, sizes)
+    return cls(inner, cfg, weight_norm, assignments, seed, sizes, server_step)

@@ -75,6 +75,10 @@ class AggregationConfig:
     # devices' statistics (server_stats off) leave the server no images, and nothing is fine-tuned; 0: off
     finetune_epochs: int = 1
     finetune_lr: float = 0.01
+    # with the fine-tuning: the vote does not drop an update that points along the server's own step of the last commit
+    # (its fine-tuning on clean images; sketch cosine above the spread): updates of submodels far apart in size can point
+    # apart on the shared core, and the vote dropped an honest one there (docs/security.md, "The server's step as a veto")
+    server_veto: bool = True
 
     def __post_init__(self) -> None:
         registry.rule(self.rule)  # refuses a name the registry does not hold

@@ -45,7 +45,7 @@ class Statistics(Protocol):
 
     def __call__(self, state: GlobalState) -> None: ...
 
-    def finetune(self, state: GlobalState, lr: float, epochs: int) -> None: ...
+    def finetune(self, state: GlobalState, lr: float, epochs: int) -> dict[str, torch.Tensor]: ...
 
     def features(self, state: GlobalState) -> tuple[list[torch.Tensor], torch.Tensor]: ...
 
@@ -98,6 +98,10 @@ class Pipeline:
         self.reference, self.seed, self.secret = reference, seed, secret
         self.gate = gate  # the held-out gate (nefl/aggregation/gate.py), last at commit
         self.statistics = statistics
+        # the server's own step (its fine-tuning) of the last commit, which the next round's vote may not drop an update
+        # along (AggregationConfig.server_veto); `_stepped`: each finished candidate's, until one commits
+        self.server_step: dict[str, torch.Tensor] | None = None
+        self._stepped: dict[int, dict[str, torch.Tensor]] = {}
         self.guard = UpdateGuard(robustness.bound, layout.num_submodels)
         server_held = layout.stats if statistics is not None else frozenset()
         self.steps = StepBound(layout, cfg, server_held) if cfg.centre_check else None
@@ -135,7 +139,7 @@ class Pipeline:
         if not self.cfg.centre_check:
             return inner
         weight_norm = weight_norm or functools.cache(lambda k: reference_norm(state, self.layout, k))  # once a round
-        return screened(inner, self.cfg, weight_norm, assignments, seed, self.sizes.begin())
+        return screened(inner, self.cfg, weight_norm, assignments, seed, self.sizes.begin(), self.server_step)
 
     def round_seed(self, index: int) -> int:
         """Round `index`'s draws: keyed BLAKE2b of the round under the secret (63 bits), else from the seed."""
@@ -159,6 +163,9 @@ class Pipeline:
             self.steps.commit()
             if isinstance(chosen, Screened):
                 self.sizes.commit(chosen.sizes)
+        if problem is None and self.cfg.server_veto:
+            self.server_step = self._stepped.get(id(candidate))
+        self._stepped.clear()
         return Commit(candidate if problem is None else None, problem, bounded)
 
     def _finish(self, agg: RoundAggregate, state: GlobalState) -> tuple[GlobalState, dict[int, int], str | None]:
@@ -168,7 +175,8 @@ class Pipeline:
         bounded = self.steps.apply(state, candidate, agg.updates) if self.steps is not None else {}
         if self.statistics is not None:
             if self.cfg.finetune_epochs:
-                self.statistics.finetune(candidate, self.cfg.finetune_lr, self.cfg.finetune_epochs)
+                self._stepped[id(candidate)] = self.statistics.finetune(candidate, self.cfg.finetune_lr,
+                                                                        self.cfg.finetune_epochs)
             self.statistics(candidate)
             if self.cfg.classifier_rows and isinstance(agg, Screened):
                 self._classifier_rows(agg.copies, candidate)

@@ -299,6 +299,74 @@ def test_when_no_update_has_a_majority_none_is_dropped_for_its_direction() -> No
     assert agg.clipped["evil"] == pytest.approx(sorted(agg.ratios)[1] / agg.ratios[2])
 
 
+
+@pytest.mark.parametrize("server_agrees", [False, True])
+def test_the_vote_does_not_drop_an_update_along_the_servers_own_step(server_agrees: bool) -> None:
+    """Two updates that agree outvote a third that points elsewhere (as two large submodels outvoted an honest small
+    one over `serve`); where the server's own step of the last commit points along the third, it is kept."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    e1, e2, e3 = ({n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(3))
+    a = {n: e1[n] + 0.5 * e2[n] for n in e1}
+    b = {n: e1[n] - 0.5 * e2[n] for n in e1}
+    pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig()))
+    pipeline.server_step = {n: e3[n] + 0.1 * e1[n] for n in e1} if server_agrees else {n: -t for n, t in e3.items()}
+    agg = pipeline.begin_round(state, {"a": 0, "b": 0, "small": 0}, 1)
+    agg.add(0, a, client="a")
+    agg.add(0, b, client="b")
+    agg.add(0, e3, client="small")
+    agg.finalize(state)
+    assert agg.facts()["agreement"]["small"] == 0.0 and agg.facts()["with_server"]["small"] != 0
+    assert agg.dropped == ({} if server_agrees else {"small": "against_centre"})
+
+
+class FineTuning:
+    """The server's images as a Pipeline sees them: fine-tuning that takes a known step, no running statistics."""
+
+    head = None
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+
+    def __call__(self, state: GlobalState) -> None:
+        pass
+
+    def finetune(self, state: GlobalState, lr: float, epochs: int) -> dict[str, torch.Tensor]:
+        step = {n: torch.full_like(t, self.step) for n, t in state.consistent.items()}
+        for n, t in step.items():
+            state.consistent[n] += t
+        return step
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_next_rounds_vote_knows_the_fine_tuning_step_of_the_last_commit(on: bool) -> None:
+    """The step of the candidate that committed, kept until the next commit; none before the first, none where the veto
+    is off, and a candidate that cannot commit leaves the last one in place."""
+    layout = Layout.build(tiny_profile([(1.0, 1.0, FULL)]))
+    state = GlobalState.init(layout, seed=0)
+    pipeline = Pipeline(layout, Robustness(aggregation=AggregationConfig(server_veto=on)), statistics=FineTuning(0.01))
+    gen = torch.Generator().manual_seed(3)
+    ups = [{n: torch.randn(s, generator=gen) for n, s in layout.upload_shapes(0).items()} for _ in range(2)]
+
+    def round_(start: GlobalState, index: int):
+        agg = pipeline.begin_round(start, {"a": 0, "b": 0}, index)
+        for c, d in zip("ab", ups):
+            agg.add(0, d, client=c)
+        return pipeline.commit(agg, start)
+
+    assert pipeline.server_step is None
+    done = round_(state, 1)
+    assert done.state is not None
+    if not on:
+        assert pipeline.server_step is None
+        return
+    assert set(pipeline.server_step) == set(state.consistent)
+    assert all(torch.allclose(t, torch.full_like(t, 0.01)) for t in pipeline.server_step.values())
+    pipeline.statistics = FineTuning(float("nan"))
+    assert round_(done.state, 2).state is None
+    assert all(torch.allclose(t, torch.full_like(t, 0.01)) for t in pipeline.server_step.values())
+
 def test_an_update_unrelated_to_the_others_is_not_carried_by_a_chance_positive_cosine() -> None:
     """-weights in a net with batch norm after every conv is near orthogonal to honest updates, so the sign of
     its cosine with each is a coin flip (over `serve` it had a positive cosine with one of the two honest updates
